@@ -1,0 +1,69 @@
+"""Turning texts into padded tensors, the same way everywhere (training, evaluation, rollouts)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger("rlt2t.batching")
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Encoded:
+    """Token ids of a set of examples (EOS included), before padding."""
+
+    sources: list[list[int]]
+    targets: list[list[int]] | None
+    truncated_sources: int = 0
+    truncated_targets: int = 0
+
+
+def encode_texts(tok: PreTrainedTokenizerBase, texts: Sequence[str], max_len: int) -> tuple[list[list[int]], int]:
+    """Tokenize with EOS, truncating content (never the EOS) to ``max_len``; returns ids and #truncated."""
+    full = tok(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
+    out, truncated = [], 0
+    eos = tok.eos_token_id
+    for ids in full:
+        if len(ids) > max_len:
+            truncated += 1
+            ids = ids[: max_len - 1] + [eos] if ids[-1] == eos else ids[:max_len]
+        out.append(ids)
+    return out, truncated
+
+
+def encode_examples(tok: PreTrainedTokenizerBase, sources: Sequence[str], targets: Sequence[str] | None,
+                    max_source_len: int, max_target_len: int, what: str = "data") -> Encoded:
+    src, ts = encode_texts(tok, sources, max_source_len)
+    tgt, tt = (encode_texts(tok, targets, max_target_len) if targets is not None else (None, 0))
+    if ts or tt:
+        log.warning("%s: truncated %d sources to %d tokens and %d targets to %d tokens",
+                    what, ts, max_source_len, tt, max_target_len)
+    return Encoded(src, tgt, ts, tt)
+
+
+def pad(seqs: Sequence[Sequence[int]], value: int) -> torch.Tensor:
+    """Right-pad lists of ids into a LongTensor [B, max_len]."""
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), width), value, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+    return out
+
+
+def collate_seq2seq(sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]] | None,
+                    pad_id: int) -> dict[str, torch.Tensor]:
+    """input_ids [B, S], attention_mask [B, S] and, with targets, labels [B, T] padded with -100."""
+    input_ids = pad(sources, pad_id)
+    batch = {"input_ids": input_ids, "attention_mask": (input_ids != pad_id).long()}
+    # A real pad id inside a source (it should not happen) must still be attended: mask by length.
+    for i, s in enumerate(sources):
+        batch["attention_mask"][i, : len(s)] = 1
+    if targets is not None:
+        batch["labels"] = pad(targets, IGNORE_INDEX)
+    return batch

@@ -1,0 +1,151 @@
+"""Checkpoint store: atomic, consistently named, never read half-written.
+
+A checkpoint is a directory ``<root>/<name>`` (``epoch-0003``, ``step-000120``) that is also a
+Hugging Face model directory (``from_pretrained`` works on it) with the tokenizer, plus
+``training_state.pt`` (optimizer, scheduler, RNG) and ``rlt2t_checkpoint.json`` (step, epoch, data
+position, metrics, the file list). It is written in a ``.tmp-*`` sibling and renamed into place; the
+marker file lists every file with its size, so a directory copied or written by anything else
+half-way is recognised as incomplete and skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlt2t.common.io import atomic_directory
+from rlt2t.common.tokenization import save_tokenizer
+
+log = logging.getLogger("rlt2t.checkpoint")
+
+MARKER = "rlt2t_checkpoint.json"
+STATE_FILE = "training_state.pt"
+_NAME = re.compile(r"^(epoch-\d{4}|step-\d{6}|final)$")
+
+
+def checkpoint_name(*, epoch: int | None = None, step: int | None = None) -> str:
+    """``epoch-0003`` for end-of-epoch checkpoints, ``step-000120`` for mid-epoch ones."""
+    if (epoch is None) == (step is None):
+        raise ValueError("give exactly one of epoch or step")
+    return f"epoch-{epoch:04d}" if epoch is not None else f"step-{step:06d}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    meta: dict[str, Any]
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    root: str | Path,
+    name: str,
+    *,
+    model,
+    tokenizer,
+    step: int,
+    meta: dict[str, Any] | None = None,
+    training_state: dict[str, Any] | None = None,
+) -> Path:
+    """Write a complete checkpoint atomically; returns its path.
+
+    ``training_state`` holds whatever exact resume needs (optimizer/scheduler state dicts, RNG);
+    ``meta`` is small JSON (epoch, data position, metrics) read without loading tensors.
+    """
+    if not _NAME.match(name):
+        raise ValueError(f"checkpoint name {name!r} does not match epoch-NNNN / step-NNNNNN / final")
+    target = Path(root) / name
+    with atomic_directory(target) as tmp:
+        model.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
+        if training_state is not None:
+            torch.save(training_state, tmp / STATE_FILE)
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        marker = {"name": name, "step": step, "time": time.time(), "files": files, **(meta or {})}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+    return target
+
+
+def read_checkpoint(path: str | Path) -> CheckpointInfo | None:
+    """The checkpoint at ``path`` if it is complete, else None (never raises on a partial one)."""
+    path = Path(path)
+    if path.name.startswith(".") or not path.is_dir():
+        return None
+    try:
+        meta = json.loads((path / MARKER).read_text())
+        for rel, size in meta["files"].items():
+            if (path / rel).stat().st_size != size:
+                return None
+        return CheckpointInfo(path=path, step=int(meta["step"]), meta=meta)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def complete_checkpoints(root: str | Path) -> list[CheckpointInfo]:
+    """Complete checkpoints under ``root``, oldest first (by step, then write time)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    infos = [i for p in root.iterdir() if _NAME.match(p.name) and (i := read_checkpoint(p)) is not None]
+    return sorted(infos, key=lambda i: (i.step, i.meta.get("time", 0.0)))
+
+
+def latest_complete_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None. Partial directories are skipped."""
+    infos = complete_checkpoints(root)
+    return infos[-1].path if infos else None
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A model directory itself, or the newest complete checkpoint of a checkpoint root."""
+    path = Path(path)
+    if (path / "config.json").is_file() and not path.joinpath(MARKER).exists():
+        return path  # a plain HF directory
+    if read_checkpoint(path) is not None:
+        return path
+    latest = latest_complete_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(f"{path}: neither a model directory nor a directory of complete checkpoints")
+    return latest
+
+
+def load_training_state(path: str | Path) -> dict[str, Any]:
+    file = Path(path) / STATE_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: no {STATE_FILE}; this checkpoint cannot resume training")
+    return torch.load(file, map_location="cpu", weights_only=False)
+
+
+def prune_checkpoints(root: str | Path, keep_last: int, protect: set[Path] | frozenset = frozenset()) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (and never those in ``protect``)."""
+    infos = complete_checkpoints(root)
+    doomed = [i.path for i in infos[: max(0, len(infos) - keep_last)] if i.path not in protect]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+        log.info("removed old checkpoint %s", p)
+    return doomed

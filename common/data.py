@@ -1,0 +1,449 @@
+"""The data contract: what a training example is, and how examples are read and written.
+
+Every stage of rlt2t consumes :class:`Example` objects. On disk they live in JSONL, one object per
+line::
+
+    {"id": "17", "source": "12 7 <sep> 5 6 7", "target": "40 41", ...any other fields...}
+
+``id`` may be a string or an integer (read back as a string), ``source`` is a non-empty string,
+``target`` a non-empty string (optional for unlabeled inputs such as a prediction-only test split);
+every other field is kept in :attr:`Example.extra`.
+
+Bad data is never dropped silently. Each problem becomes a :class:`DataError` whose message names
+the file, the 1-based line and the field (``data/train.jsonl:17: field 'source': empty``). With
+``on_error="skip"`` the bad lines are skipped instead, counted in a :class:`LoadReport`, and a warning
+with the count and the first reasons is logged on the ``rlt2t.data`` logger.
+
+The module also imports the competition's header-less CSV layout
+(``report_id,description,diagnosis[,clinical]``) and exports submissions (``report_id,prediction``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import random
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+from rlt2t.common.io import atomic_open, atomic_write_jsonl
+
+logger = logging.getLogger("rlt2t.data")
+
+OnError = Literal["raise", "skip"]
+TextCheck = Callable[[str], str | None]
+T = TypeVar("T")
+
+RESERVED_FIELDS = ("id", "source", "target")
+# How many skip reasons a LoadReport keeps (and the warning shows): enough to diagnose, bounded in memory.
+MAX_REASONS = 5
+# The competition CSV columns, in file order; a file has the first 2, 3 or 4 of them.
+COMPETITION_COLUMNS = ("report_id", "description", "diagnosis", "clinical")
+
+
+class DataError(ValueError):
+    """A problem with input data, located by file, 1-based line and (when known) field."""
+
+    def __init__(self, path: str | os.PathLike, line: int, field: str | None, reason: str):
+        self.path = str(path)
+        self.line = line
+        self.field = field
+        self.reason = reason
+        where = f"field '{field}': " if field else ""
+        super().__init__(f"{self.path}:{line}: {where}{reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """One source → target pair. ``target`` is None only for unlabeled inputs (prediction-only)."""
+
+    id: str
+    source: str
+    target: str | None
+    extra: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        # The loaders report problems with file:line context before they get here; this guards
+        # examples built in code so an invalid one cannot reach a writer or a model.
+        if not isinstance(self.id, str) or not self.id:
+            raise ValueError(f"Example.id must be a non-empty string, got {self.id!r}")
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise ValueError(f"Example.source must be a non-empty string (id {self.id!r})")
+        if self.target is not None and not isinstance(self.target, str):
+            raise ValueError(f"Example.target must be a string or None (id {self.id!r})")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"Example.extra must be a dict (id {self.id!r})")
+        clash = [k for k in RESERVED_FIELDS if k in self.extra]
+        if clash:
+            raise ValueError(f"Example.extra must not contain reserved field(s) {clash} (id {self.id!r})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSONL row: ``id``, ``source``, ``target`` (left out when None), then the extra fields."""
+        row: dict[str, Any] = {"id": self.id, "source": self.source}
+        if self.target is not None:
+            row["target"] = self.target
+        row.update(self.extra)
+        return row
+
+
+@dataclass
+class LoadReport:
+    """What a load did: lines read, examples kept, lines skipped and the first few reasons why."""
+
+    path: str
+    lines: int = 0
+    loaded: int = 0
+    skipped: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+    def _skip(self, err: DataError) -> None:
+        self.skipped += 1
+        if len(self.reasons) < MAX_REASONS:
+            self.reasons.append(str(err))
+
+    def summary(self) -> str:
+        """One line for logs and CLIs, e.g. ``train.jsonl: 998 examples, 2 bad line(s) skipped``."""
+        text = f"{self.path}: {self.loaded} examples"
+        if self.skipped:
+            text += f", {self.skipped} bad line(s) skipped"
+        return text
+
+    def _log_skips(self) -> None:
+        if self.skipped:
+            logger.warning(
+                "%s: skipped %d of %d line(s) with bad data; first reason(s): %s",
+                self.path,
+                self.skipped,
+                self.lines,
+                "; ".join(self.reasons),
+            )
+
+
+class LoadedExamples(list[Example]):
+    """A plain list of examples that also carries the :class:`LoadReport` of the load."""
+
+    report: LoadReport
+
+    def __init__(self, examples: Iterable[Example], report: LoadReport):
+        super().__init__(examples)
+        self.report = report
+
+
+def _check_on_error(on_error: str) -> None:
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+
+
+def _parse_jsonl_line(
+    raw: bytes,
+    path: str,
+    lineno: int,
+    require_target: bool,
+    check_text: TextCheck | None,
+    seen: dict[str, int],
+) -> Example:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(path, lineno, None, f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(path, lineno, None, f"not valid JSON ({e.msg}, column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise DataError(path, lineno, None, f"expected a JSON object, got {type(row).__name__}")
+
+    if "id" not in row:
+        raise DataError(path, lineno, "id", "missing")
+    ex_id = row.pop("id")
+    # bool is an int subclass, but `true` as an id is a data bug, not an id.
+    if isinstance(ex_id, int) and not isinstance(ex_id, bool):
+        ex_id = str(ex_id)
+    elif not isinstance(ex_id, str):
+        raise DataError(path, lineno, "id", f"expected a string or an integer, got {type(ex_id).__name__}")
+    if not ex_id.strip():
+        raise DataError(path, lineno, "id", "empty")
+    if ex_id in seen:
+        raise DataError(path, lineno, "id", f"duplicate id {ex_id!r} (first on line {seen[ex_id]})")
+
+    if "source" not in row:
+        raise DataError(path, lineno, "source", "missing")
+    source = row.pop("source")
+    if not isinstance(source, str):
+        raise DataError(path, lineno, "source", f"expected a string, got {type(source).__name__}")
+    if not source.strip():
+        raise DataError(path, lineno, "source", "empty")
+
+    target = row.pop("target", None)
+    if target is None:
+        if require_target:
+            raise DataError(path, lineno, "target", "missing (pass require_target=False for unlabeled data)")
+    elif not isinstance(target, str):
+        raise DataError(path, lineno, "target", f"expected a string, got {type(target).__name__}")
+    elif not target.strip():
+        raise DataError(path, lineno, "target", "empty")
+
+    if check_text is not None:
+        for name, value in (("source", source), ("target", target)):
+            if value is not None and (problem := check_text(value)):
+                raise DataError(path, lineno, name, problem)
+
+    seen[ex_id] = lineno
+    return Example(id=ex_id, source=source, target=target, extra=row)
+
+
+def iter_examples(
+    path: str | os.PathLike,
+    *,
+    require_target: bool = True,
+    on_error: OnError = "raise",
+    check_text: TextCheck | None = None,
+    report: LoadReport | None = None,
+) -> Iterator[Example]:
+    """Stream examples from a JSONL file (see the module docstring for the format and the errors).
+
+    Blank lines are ignored. ``check_text`` is called on the source and on the target; a non-empty
+    string it returns is the reason the line is bad. Pass a ``report`` to read the counts afterwards;
+    skipped lines are logged when the file has been read to the end.
+    """
+    _check_on_error(on_error)  # here, not in the generator, so a bad argument fails at the call
+    return _stream_jsonl(
+        str(path),
+        require_target,
+        on_error,
+        check_text,
+        report if report is not None else LoadReport(str(path)),
+    )
+
+
+def _stream_jsonl(
+    path: str, require_target: bool, on_error: OnError, check_text: TextCheck | None, report: LoadReport
+) -> Iterator[Example]:
+    seen: dict[str, int] = {}
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark
+                raw = raw[3:]
+            if not raw.strip():
+                continue
+            report.lines += 1
+            try:
+                example = _parse_jsonl_line(raw, path, lineno, require_target, check_text, seen)
+            except DataError as err:
+                if on_error == "raise":
+                    raise
+                report._skip(err)
+                continue
+            report.loaded += 1
+            yield example
+    report._log_skips()
+
+
+def load_examples(
+    path: str | os.PathLike,
+    *,
+    require_target: bool = True,
+    on_error: OnError = "raise",
+    check_text: TextCheck | None = None,
+) -> LoadedExamples:
+    """Read a whole JSONL file; the returned list's ``.report`` has the counts (see :func:`iter_examples`)."""
+    report = LoadReport(str(path))
+    examples = iter_examples(
+        path, require_target=require_target, on_error=on_error, check_text=check_text, report=report
+    )
+    return LoadedExamples(examples, report)
+
+
+def write_examples(path: str | os.PathLike, examples: Iterable[Example]) -> int:
+    """Write examples as JSONL atomically (nothing appears at ``path`` on error); returns the row count.
+
+    Raises ValueError on a duplicate id, so a written file always loads back.
+    """
+    seen: set[str] = set()
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for i, ex in enumerate(examples):
+            if not isinstance(ex, Example):
+                raise ValueError(f"examples[{i}] must be an Example, got {type(ex).__name__}")
+            if ex.id in seen:
+                raise ValueError(f"examples[{i}]: duplicate id {ex.id!r}")
+            seen.add(ex.id)
+            yield ex.to_dict()
+
+    return atomic_write_jsonl(path, rows())
+
+
+# --------------------------------------------------------------------------------------------------
+# The competition's CSV layout
+# --------------------------------------------------------------------------------------------------
+
+
+def _token_text(value: str, path: str, lineno: int, name: str) -> str:
+    """Normalise whitespace and check that every token is a non-negative integer."""
+    tokens = value.split()
+    for tok in tokens:
+        if not (tok.isascii() and tok.isdigit()):
+            raise DataError(path, lineno, name, f"token {tok!r} is not a non-negative integer")
+    return " ".join(tokens)
+
+
+def _parse_csv_row(
+    cells: list[str],
+    width: int,
+    path: str,
+    lineno: int,
+    separator_token: str,
+    check_text: TextCheck | None,
+    seen: dict[str, int],
+) -> Example:
+    if len(cells) != width:
+        names = ", ".join(COMPETITION_COLUMNS[:width])
+        raise DataError(
+            path, lineno, None, f"expected {width} columns ({names}) like the first row, got {len(cells)}"
+        )
+    report_id = cells[0].strip()
+    if not report_id:
+        raise DataError(path, lineno, "report_id", "empty")
+    if report_id in seen:
+        raise DataError(
+            path, lineno, "report_id", f"duplicate id {report_id!r} (first on line {seen[report_id]})"
+        )
+
+    texts = {
+        name: _token_text(cells[i], path, lineno, name)
+        for i, name in enumerate(COMPETITION_COLUMNS[1:width], 1)
+    }
+    if not texts["description"]:
+        raise DataError(path, lineno, "description", "empty")
+    if check_text is not None:
+        for name, value in texts.items():
+            if value and (problem := check_text(value)):
+                raise DataError(path, lineno, name, problem)
+
+    description = texts["description"]
+    if "clinical" in texts:
+        # Always include the separator when the file has the column, so the model sees one format.
+        clinical = texts["clinical"]
+        source = (
+            f"{clinical} {separator_token} {description}" if clinical else f"{separator_token} {description}"
+        )
+    else:
+        source = description
+    seen[report_id] = lineno
+    return Example(id=report_id, source=source, target=texts.get("diagnosis") or None)
+
+
+def import_competition_csv(
+    path: str | os.PathLike,
+    *,
+    separator_token: str = "<sep>",
+    on_error: OnError = "raise",
+    check_text: TextCheck | None = None,
+) -> LoadedExamples:
+    """Read the competition's header-less CSV: ``report_id,description[,diagnosis[,clinical]]``.
+
+    The first non-blank row fixes the column count (2, 3 or 4); every row must have it. Texts are
+    space-separated non-negative integer token ids; whitespace is normalised to single spaces.
+    ``source`` is ``clinical <sep> description`` when the file has a clinical column (the separator
+    is there even when clinical is empty: ``<sep> 5 6 7``), else the description. An empty or absent
+    diagnosis gives ``target=None``. ``check_text`` is called on each non-empty text column. Bad rows
+    (wrong column count, a non-integer token, empty description or id, duplicate id) raise
+    :class:`DataError` or, with ``on_error="skip"``, are counted and logged as in :func:`iter_examples`.
+    """
+    _check_on_error(on_error)
+    if not separator_token or separator_token != separator_token.strip():
+        raise ValueError(f"separator_token must be a non-empty token without spaces, got {separator_token!r}")
+    path_str = str(path)
+    report = LoadReport(path_str)
+    examples: list[Example] = []
+    seen: dict[str, int] = {}
+    width: int | None = None
+    # A bad byte becomes U+FFFD and then fails the integer-token check with its line and column named.
+    with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
+        reader = csv.reader(f)
+        for cells in reader:
+            lineno = reader.line_num
+            if not cells or (len(cells) == 1 and not cells[0].strip()):
+                continue
+            report.lines += 1
+            try:
+                if width is None:
+                    if not 2 <= len(cells) <= 4:
+                        raise DataError(
+                            path_str,
+                            lineno,
+                            None,
+                            f"expected 2 to 4 columns ({', '.join(COMPETITION_COLUMNS)}), got {len(cells)}",
+                        )
+                    width = len(cells)
+                example = _parse_csv_row(cells, width, path_str, lineno, separator_token, check_text, seen)
+            except DataError as err:
+                if on_error == "raise":
+                    raise
+                report._skip(err)
+                continue
+            report.loaded += 1
+            examples.append(example)
+    report._log_skips()
+    return LoadedExamples(examples, report)
+
+
+def export_competition_csv(
+    path: str | os.PathLike, ids: Sequence[str | int], predictions: Sequence[str]
+) -> int:
+    """Write a submission: header-less ``report_id,prediction`` rows, atomically; returns the row count.
+
+    The competition's submission format has no header line, so none is written. Whitespace inside a
+    prediction is normalised to single spaces (so a stray newline cannot break a row); an empty
+    prediction is written as an empty field.
+    """
+    if len(ids) != len(predictions):
+        raise ValueError(
+            f"ids and predictions must have the same length, got {len(ids)} and {len(predictions)}"
+        )
+    seen: set[str] = set()
+    with atomic_open(path) as f:
+        writer = csv.writer(f, lineterminator="\n")
+        for i, (rid, pred) in enumerate(zip(ids, predictions, strict=True)):
+            rid_str = str(rid).strip()
+            if not rid_str:
+                raise ValueError(f"ids[{i}] is empty")
+            if rid_str in seen:
+                raise ValueError(f"ids[{i}]: duplicate id {rid_str!r}")
+            if not isinstance(pred, str):
+                raise ValueError(f"predictions[{i}] must be a string, got {type(pred).__name__}")
+            seen.add(rid_str)
+            writer.writerow([rid_str, " ".join(pred.split())])
+    return len(ids)
+
+
+def split_examples(
+    items: Sequence[T], valid_fraction: float, test_fraction: float, seed: int
+) -> tuple[list[T], list[T], list[T]]:
+    """Deterministically split ``items`` into (train, valid, test); each keeps the input order.
+
+    A split with a positive fraction gets at least one item; train must keep at least one.
+    The same items, fractions and seed always give the same split (``random.Random(seed)``).
+    """
+    for name, frac in (("valid_fraction", valid_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 <= frac < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {frac}")
+    if valid_fraction + test_fraction >= 1.0:
+        raise ValueError(f"valid_fraction + test_fraction must be < 1, got {valid_fraction + test_fraction}")
+    n = len(items)
+    n_valid = max(1, round(n * valid_fraction)) if valid_fraction > 0 else 0
+    n_test = max(1, round(n * test_fraction)) if test_fraction > 0 else 0
+    if n - n_valid - n_test < 1:
+        raise ValueError(
+            f"items: {n} item(s) are too few for a train split plus {n_valid} valid and {n_test} test"
+        )
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    valid_idx = sorted(order[:n_valid])
+    test_idx = sorted(order[n_valid : n_valid + n_test])
+    held_out = set(order[: n_valid + n_test])
+    train = [items[i] for i in range(n) if i not in held_out]
+    return train, [items[i] for i in valid_idx], [items[i] for i in test_idx]

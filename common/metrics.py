@@ -1,0 +1,604 @@
+"""Sequence-level text metrics: the eval tables and the RL rewards both score text with these.
+
+Texts are strings whose tokens are separated by whitespace (the competition texts are integer ids,
+"12 7 401"); every hypothesis comes with one or more references. Each metric gives a float64 score
+per sample (what a reward needs) and a corpus value (what an eval table shows). BLEU and chrF are
+reported in [0, 1] (sacrebleu's value / 100) so they mix with CIDEr-D without rescaling.
+
+Metrics are looked up by name (``get_metric("cider_d", sigma=15.0)``); ``register_metric`` adds new
+ones. CIDEr-D reproduces the coco-caption evaluator (pycocoevalcap ``cider_scorer.py``) to the last
+bit of its conventions, so numbers compare with published ones; see :class:`CiderD`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+from sacrebleu.metrics import BLEU, CHRF
+
+from rlt2t.common.io import atomic_write_text
+
+CIDER_MAX_ORDER = 4
+"""CIDEr-D uses n-grams of 1..4 tokens."""
+
+_DF_FORMAT = "rlt2t.cider_document_frequency"
+_DF_VERSION = 1
+
+Ngram = tuple[str, ...]
+
+
+# --------------------------------------------------------------------------------------------------
+# Input validation
+# --------------------------------------------------------------------------------------------------
+
+
+def _validate_refs(refs: Sequence[Sequence[str]]) -> None:
+    if isinstance(refs, str):
+        raise TypeError("refs must be a sequence of sequences of strings, got one str")
+    for i, item_refs in enumerate(refs):
+        if isinstance(item_refs, str):
+            raise TypeError(f"refs[{i}] must be a sequence of reference strings, got one str")
+        if len(item_refs) == 0:
+            raise ValueError(f"refs[{i}] has no references; every item needs at least one")
+        for j, ref in enumerate(item_refs):
+            if not isinstance(ref, str):
+                raise TypeError(f"refs[{i}][{j}] must be a str, got {type(ref).__name__}")
+
+
+def validate_inputs(hyps: Sequence[str], refs: Sequence[Sequence[str]], *, allow_empty: bool = True) -> None:
+    """Check that ``hyps[i]`` is a string and ``refs[i]`` a non-empty sequence of strings for every i.
+
+    Raises ValueError for mismatched lengths, an item without references, or (``allow_empty=False``)
+    no samples at all; TypeError for wrong types (the classic mistake being ``refs=["a b", ...]``
+    instead of ``refs=[["a b"], ...]``). Empty strings are legal texts.
+    """
+    if isinstance(hyps, str):
+        raise TypeError("hyps must be a sequence of strings, got one str")
+    if isinstance(refs, str):
+        raise TypeError("refs must be a sequence of sequences of strings, got one str")
+    if len(hyps) != len(refs):
+        raise ValueError(f"hyps and refs differ in length: len(hyps)={len(hyps)}, len(refs)={len(refs)}")
+    if not allow_empty and len(hyps) == 0:
+        raise ValueError("a corpus score needs at least one sample; hyps and refs are empty")
+    for i, hyp in enumerate(hyps):
+        if not isinstance(hyp, str):
+            raise TypeError(f"hyps[{i}] must be a str, got {type(hyp).__name__}")
+    _validate_refs(refs)
+
+
+def _ngram_counts(text: str) -> list[Counter[Ngram]]:
+    """N-gram counts of ``text`` split on whitespace, one Counter per order 1..4 (index 0 = unigrams)."""
+    words = text.split()
+    # zip over shifted views builds the n-gram tuples in C, in left-to-right order like the reference.
+    return [
+        Counter(zip(*(words[k:] for k in range(order)), strict=False))
+        for order in range(1, CIDER_MAX_ORDER + 1)
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+# CIDEr-D
+# --------------------------------------------------------------------------------------------------
+
+
+class DocumentFrequency:
+    """CIDEr-D document frequencies: in how many reference sets (items) each n-gram occurs.
+
+    An n-gram counts once per item however many of the item's references contain it. ``num_ref_sets``
+    is N in the idf term ``log N - log max(1, df)``. Build it once from the training references
+    (``from_references``) and ship it to reward workers: it pickles compactly and round-trips through
+    JSON (``to_json``/``from_json``, ``save``/``load``).
+    """
+
+    def __init__(self, num_ref_sets: int, counts: Mapping[Ngram, int]):
+        if not isinstance(num_ref_sets, int) or isinstance(num_ref_sets, bool) or num_ref_sets < 1:
+            raise ValueError(f"num_ref_sets must be a positive int, got {num_ref_sets!r}")
+        for ngram, df in counts.items():
+            if not (isinstance(ngram, tuple) and 1 <= len(ngram) <= CIDER_MAX_ORDER):
+                raise ValueError(f"counts key {ngram!r} must be a tuple of 1..{CIDER_MAX_ORDER} tokens")
+            if not isinstance(df, int) or not 1 <= df <= num_ref_sets:
+                raise ValueError(
+                    f"counts[{ngram!r}]={df!r} must be an int in [1, num_ref_sets={num_ref_sets}]"
+                )
+        self.num_ref_sets = num_ref_sets
+        self.counts: dict[Ngram, int] = dict(counts)
+        # log N, and the idf of every known n-gram precomputed once: scoring then costs one dict lookup
+        # per n-gram. An unseen n-gram has df 0 -> log max(1, 0) = 0 -> idf = log N.
+        self.log_num_ref_sets = math.log(float(num_ref_sets))
+        self.idf: dict[Ngram, float] = {
+            g: self.log_num_ref_sets - math.log(max(1.0, float(df))) for g, df in self.counts.items()
+        }
+
+    @classmethod
+    def from_references(cls, refs: Sequence[Sequence[str]]) -> DocumentFrequency:
+        """Count document frequencies over ``refs`` (one sequence of reference strings per item)."""
+        _validate_refs(refs)
+        if len(refs) == 0:
+            raise ValueError("refs is empty; document frequencies need at least one reference set")
+        return cls._from_ref_counts([[_ngram_counts(r) for r in item] for item in refs])
+
+    @classmethod
+    def _from_ref_counts(cls, ref_counts: Iterable[list[list[Counter[Ngram]]]]) -> DocumentFrequency:
+        df: Counter[Ngram] = Counter()
+        num_sets = 0
+        for item in ref_counts:
+            num_sets += 1
+            seen: set[Ngram] = set()
+            for per_order in item:
+                for counts in per_order:
+                    seen.update(counts)
+            df.update(seen)
+        return cls(num_sets, df)
+
+    def to_json(self) -> str:
+        """Serialize to a JSON string (n-grams as space-joined tokens; tokens never contain whitespace)."""
+        payload = {
+            "format": _DF_FORMAT,
+            "version": _DF_VERSION,
+            "num_ref_sets": self.num_ref_sets,
+            "df": {" ".join(g): df for g, df in self.counts.items()},
+        }
+        return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> DocumentFrequency:
+        """Inverse of ``to_json``."""
+        payload = json.loads(text)
+        if not isinstance(payload, dict) or payload.get("format") != _DF_FORMAT:
+            raise ValueError(f"not a document-frequency file: 'format' must be {_DF_FORMAT!r}")
+        if payload.get("version") != _DF_VERSION:
+            raise ValueError(f"unsupported document-frequency 'version' {payload.get('version')!r}")
+        raw = payload.get("df")
+        if not isinstance(raw, dict):
+            raise ValueError("document-frequency field 'df' must be an object of n-gram -> count")
+        return cls(payload.get("num_ref_sets"), {tuple(k.split()): v for k, v in raw.items()})
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``to_json()`` to ``path`` atomically."""
+        atomic_write_text(path, self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> DocumentFrequency:
+        """Read a file written by ``save``."""
+        return cls.from_json(Path(path).read_text(encoding="utf-8"))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DocumentFrequency):
+            return NotImplemented
+        return self.num_ref_sets == other.num_ref_sets and self.counts == other.counts
+
+    __hash__ = None  # type: ignore[assignment]  # mutable dicts inside
+
+    def __reduce__(self):
+        # Pickle only the counts; the idf table is rebuilt on arrival, which keeps what Ray ships small.
+        return (DocumentFrequency, (self.num_ref_sets, self.counts))
+
+    def __repr__(self) -> str:
+        return f"DocumentFrequency(num_ref_sets={self.num_ref_sets}, ngrams={len(self.counts)})"
+
+
+def _cached_counts(text: str, cache: dict[str, list[Counter[Ngram]]]) -> list[Counter[Ngram]]:
+    counts = cache.get(text)
+    if counts is None:
+        counts = cache[text] = _ngram_counts(text)
+    return counts
+
+
+class _TfIdf:
+    """One sentence as CIDEr-D sees it: tf-idf weights and their norm per order, and its 'length'."""
+
+    __slots__ = ("vecs", "norms", "length")
+
+    def __init__(self, counts: list[Counter[Ngram]], df: DocumentFrequency):
+        idf, default = df.idf, df.log_num_ref_sets
+        # The reference code uses the raw count as term frequency: weight = count * idf.
+        self.vecs = [{g: float(tf) * idf.get(g, default) for g, tf in c.items()} for c in counts]
+        self.norms = [math.sqrt(sum(w * w for w in vec.values())) for vec in self.vecs]
+        # Reference quirk kept for comparability: the "length" in the length penalty is the number of
+        # bigrams, max(len - 1, 0), not the number of tokens. The two differ only for an empty text,
+        # whose similarity is 0 anyway, so the penalty equals a token-length penalty where it matters.
+        self.length = sum(counts[1].values())
+
+
+def _cider_pair(hyp: _TfIdf, ref: _TfIdf, sigma: float) -> list[float]:
+    """Per-order clipped cosine similarity of hyp and one ref, times the Gaussian length penalty."""
+    delta = float(hyp.length - ref.length)
+    penalty = math.exp(-(delta * delta) / (2.0 * sigma * sigma))
+    out = []
+    for vec_h, vec_r, norm_h, norm_r in zip(hyp.vecs, ref.vecs, hyp.norms, ref.norms, strict=True):
+        val = 0.0
+        for g, w_h in vec_h.items():
+            w_r = vec_r.get(g)
+            if w_r is not None:
+                val += min(w_h, w_r) * w_r  # clipping: a repeated n-gram earns no more than the ref has
+        if norm_h != 0.0 and norm_r != 0.0:
+            val /= norm_h * norm_r
+        out.append(val * penalty)
+    return out
+
+
+class CiderD:
+    """CIDEr-D exactly as the coco-caption evaluator computes it (pycocoevalcap 1.2 ``CiderScorer``).
+
+    For an item with hypothesis h and references r_1..r_m:
+    ``10 * mean_n( sum_j sim_n(h, r_j) ) / m`` with, per n-gram order n in 1..4,
+    ``sim_n = sum_g min(w_h[g], w_r[g]) * w_r[g] / (|w_h| |w_r|) * exp(-delta^2 / (2 sigma^2))``,
+    weights ``w[g] = count(g) * (log N - log max(1, df(g)))`` and delta the difference in bigram counts.
+
+    ``df=None`` is the coco default: N and df come from the references being scored, so a sample's
+    score depends on the rest of the batch (and is 0 for a batch of one item, where log N = 0). RL
+    rewards should pass a ``DocumentFrequency`` built from the training references (or a path to one
+    saved with ``DocumentFrequency.save``); then a sample's score depends on that sample only.
+    The corpus value is the mean of the per-sample scores, as in coco-caption.
+    """
+
+    name = "cider_d"
+
+    def __init__(self, sigma: float = 6.0, df: DocumentFrequency | str | os.PathLike | None = None):
+        if not (isinstance(sigma, int | float) and sigma > 0):
+            raise ValueError(f"sigma must be a positive number, got {sigma!r}")
+        if isinstance(df, str | os.PathLike):
+            df = DocumentFrequency.load(df)
+        if df is not None and not isinstance(df, DocumentFrequency):
+            raise TypeError(f"df must be a DocumentFrequency, a path or None, got {type(df).__name__}")
+        self.sigma = float(sigma)
+        self.df = df
+
+    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
+        """CIDEr-D per sample; float64 [N], values in [0, 10]."""
+        validate_inputs(hyps, refs)
+        if len(hyps) == 0:
+            return np.zeros(0, dtype=np.float64)
+        # The same reference string recurs across samples (several candidates per source in RL),
+        # so count and weight each distinct one once per call.
+        counts_by_text: dict[str, list[Counter[Ngram]]] = {}
+        ref_counts = [[_cached_counts(r, counts_by_text) for r in item] for item in refs]
+        df = self.df if self.df is not None else DocumentFrequency._from_ref_counts(ref_counts)
+        ref_vec_cache: dict[str, _TfIdf] = {}
+        scores = np.empty(len(hyps), dtype=np.float64)
+        for i, (hyp, item_refs, item_counts) in enumerate(zip(hyps, refs, ref_counts, strict=True)):
+            vec_h = _TfIdf(_ngram_counts(hyp), df)
+            total = [0.0] * CIDER_MAX_ORDER
+            for ref, counts in zip(item_refs, item_counts, strict=True):
+                vec_r = ref_vec_cache.get(ref)
+                if vec_r is None:
+                    vec_r = ref_vec_cache[ref] = _TfIdf(counts, df)
+                for n, v in enumerate(_cider_pair(vec_h, vec_r, self.sigma)):
+                    total[n] += v
+            scores[i] = sum(total) / CIDER_MAX_ORDER / len(item_refs) * 10.0
+        return scores
+
+    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
+        """Mean of ``per_sample`` (the coco-caption corpus CIDEr-D)."""
+        validate_inputs(hyps, refs, allow_empty=False)
+        return float(np.mean(self.per_sample(hyps, refs)))
+
+
+# --------------------------------------------------------------------------------------------------
+# sacrebleu-backed metrics
+# --------------------------------------------------------------------------------------------------
+
+
+def _reference_streams(refs: Sequence[Sequence[str]]) -> list[list[str | None]]:
+    """Transpose per-item reference lists into sacrebleu's reference streams; None pads items with fewer."""
+    width = max(len(item) for item in refs)
+    return [[item[k] if k < len(item) else None for item in refs] for k in range(width)]
+
+
+class Bleu4:
+    """BLEU-4 from sacrebleu, in [0, 1].
+
+    Defaults are plain BLEU-4: no smoothing and no effective order, so a sample without any matching
+    4-gram (including any hypothesis shorter than 4 tokens) scores 0. ``tokenize`` is sacrebleu's
+    tokenizer ("13a" leaves integer-id texts unchanged). The corpus value is sacrebleu's corpus BLEU
+    (statistics summed over samples), not the mean of sentence scores.
+    """
+
+    name = "bleu4"
+
+    def __init__(
+        self,
+        smooth_method: str = "none",
+        smooth_value: float | None = None,
+        tokenize: str = "13a",
+        effective_order: bool = False,
+    ):
+        if smooth_method not in BLEU.SMOOTH_DEFAULTS:
+            raise ValueError(
+                f"smooth_method must be one of {sorted(BLEU.SMOOTH_DEFAULTS)}, got {smooth_method!r}"
+            )
+        self.smooth_method = smooth_method
+        self.smooth_value = smooth_value
+        self.tokenize = tokenize
+        self.effective_order = effective_order
+        # sacrebleu raises a bare error for an unknown tokenizer name; say which argument was wrong.
+        try:
+            self._bleu = BLEU(
+                tokenize=tokenize,
+                smooth_method=smooth_method,
+                smooth_value=smooth_value,
+                effective_order=effective_order,
+                force=True,  # never warn about "tokenized" input: id texts are tokenized by nature
+            )
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise ValueError(f"tokenize={tokenize!r} is not a sacrebleu tokenizer: {e}") from e
+
+    def _sentence(self, hyp: str, item_refs: Sequence[str]) -> float:
+        # A one-sentence corpus is exactly sacrebleu's sentence_score (same statistics, same formula)
+        # minus the warning sentence_score logs on every call when effective_order is off.
+        return self._bleu.corpus_score([hyp], [[r] for r in item_refs]).score / 100.0
+
+    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
+        """Sentence BLEU-4 per sample; float64 [N] in [0, 1]."""
+        validate_inputs(hyps, refs)
+        return np.array(
+            [self._sentence(h, r) for h, r in zip(hyps, refs, strict=True)],
+            dtype=np.float64,
+        )
+
+    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
+        """Corpus BLEU-4 in [0, 1]."""
+        validate_inputs(hyps, refs, allow_empty=False)
+        return self._bleu.corpus_score(list(hyps), _reference_streams(refs)).score / 100.0
+
+
+class Chrf:
+    """chrF from sacrebleu (character n-grams, best reference per sample), in [0, 1].
+
+    ``word_order=2`` gives chrF++. The corpus value is sacrebleu's corpus chrF.
+    """
+
+    name = "chrf"
+
+    def __init__(self, char_order: int = 6, word_order: int = 0, beta: int = 2):
+        for arg, value, low in (
+            ("char_order", char_order, 1),
+            ("word_order", word_order, 0),
+            ("beta", beta, 0),
+        ):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
+        self.char_order, self.word_order, self.beta = char_order, word_order, beta
+        self._chrf = CHRF(char_order=char_order, word_order=word_order, beta=beta)
+
+    def _sentence(self, hyp: str, item_refs: Sequence[str]) -> float:
+        return self._chrf.sentence_score(hyp, list(item_refs)).score / 100.0
+
+    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
+        """Sentence chrF per sample; float64 [N] in [0, 1]."""
+        validate_inputs(hyps, refs)
+        return np.array(
+            [self._sentence(h, r) for h, r in zip(hyps, refs, strict=True)],
+            dtype=np.float64,
+        )
+
+    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
+        """Corpus chrF in [0, 1]."""
+        validate_inputs(hyps, refs, allow_empty=False)
+        return self._chrf.corpus_score(list(hyps), _reference_streams(refs)).score / 100.0
+
+
+# --------------------------------------------------------------------------------------------------
+# ROUGE-L, task score, length
+# --------------------------------------------------------------------------------------------------
+
+
+def _lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
+    """Length of the longest common subsequence of two token lists (O(len(a)·len(b)) time, O(len(b)) memory)."""
+    if len(a) < len(b):
+        a, b = b, a
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+class RougeL:
+    """ROUGE-L F-measure as coco-caption computes it (pycocoevalcap 1.2 ``Rouge``), in [0, 1].
+
+    With several references, precision and recall are each maximised over the references (possibly
+    from different ones), then combined: ``(1 + beta^2) P R / (R + beta^2 P)``; 0 when P or R is 0.
+    Tokens are whitespace-separated (coco splits on single spaces, which differs only for texts with
+    repeated or non-space whitespace). The corpus value is the mean of the per-sample scores.
+    """
+
+    name = "rouge_l"
+
+    def __init__(self, beta: float = 1.2):
+        if not (isinstance(beta, int | float) and beta > 0):
+            raise ValueError(f"beta must be a positive number, got {beta!r}")
+        self.beta = float(beta)
+
+    def _score(self, hyp: str, item_refs: Sequence[str]) -> float:
+        hyp_tokens = hyp.split()
+        if not hyp_tokens:
+            return 0.0
+        prec = rec = 0.0
+        for ref in item_refs:
+            ref_tokens = ref.split()
+            if not ref_tokens:
+                continue
+            lcs = _lcs_length(ref_tokens, hyp_tokens)
+            prec = max(prec, lcs / len(hyp_tokens))
+            rec = max(rec, lcs / len(ref_tokens))
+        if prec == 0.0 or rec == 0.0:
+            return 0.0
+        b2 = self.beta * self.beta
+        return (1.0 + b2) * prec * rec / (rec + b2 * prec)
+
+    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
+        """ROUGE-L per sample; float64 [N] in [0, 1]."""
+        validate_inputs(hyps, refs)
+        return np.array([self._score(h, r) for h, r in zip(hyps, refs, strict=True)], dtype=np.float64)
+
+    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
+        """Mean of ``per_sample``."""
+        validate_inputs(hyps, refs, allow_empty=False)
+        return float(np.mean(self.per_sample(hyps, refs)))
+
+
+class TaskScore:
+    """The competition score: ``(1 - w) * CIDEr-D + w * BLEU-4`` with ``w = bleu_weight``.
+
+    w = 1/3 ranks RL pairs; the validation monitor uses the same class with w from its config (0 in
+    the original). ``per_sample`` combines sentence BLEU-4; ``corpus`` combines the corpus CIDEr-D
+    (mean over samples) with corpus BLEU-4, as the competition did, so it is generally *not* the
+    mean of ``per_sample``. ``sigma`` and ``df`` go to CIDEr-D, ``smooth_method`` and ``tokenize``
+    to BLEU-4.
+    """
+
+    name = "task_score"
+
+    def __init__(
+        self,
+        bleu_weight: float = 1.0 / 3.0,
+        sigma: float = 6.0,
+        df: DocumentFrequency | str | os.PathLike | None = None,
+        smooth_method: str = "none",
+        tokenize: str = "13a",
+    ):
+        if not (isinstance(bleu_weight, int | float) and 0.0 <= bleu_weight <= 1.0):
+            raise ValueError(f"bleu_weight must be a number in [0, 1], got {bleu_weight!r}")
+        self.bleu_weight = float(bleu_weight)
+        self.cider = CiderD(sigma=sigma, df=df)
+        self.bleu = Bleu4(smooth_method=smooth_method, tokenize=tokenize)
+
+    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
+        """Per-sample task score; float64 [N]."""
+        validate_inputs(hyps, refs)
+        w = self.bleu_weight
+        out = np.zeros(len(hyps), dtype=np.float64)
+        # Skip a component whose weight is 0 (the validation monitor runs with w = 0).
+        if w < 1.0:
+            out += (1.0 - w) * self.cider.per_sample(hyps, refs)
+        if w > 0.0:
+            out += w * self.bleu.per_sample(hyps, refs)
+        return out
+
+    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
+        """``(1 - w) * corpus CIDEr-D + w * corpus BLEU-4``."""
+        validate_inputs(hyps, refs, allow_empty=False)
+        w = self.bleu_weight
+        cider = self.cider.corpus(hyps, refs) if w < 1.0 else 0.0
+        bleu = self.bleu.corpus(hyps, refs) if w > 0.0 else 0.0
+        return (1.0 - w) * cider + w * bleu
+
+
+class MeanLength:
+    """Hypothesis length in whitespace tokens (per sample) and its mean (corpus); ignores the references."""
+
+    name = "mean_length"
+
+    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
+        """Token count per hypothesis; float64 [N]."""
+        validate_inputs(hyps, refs)
+        return np.array([len(h.split()) for h in hyps], dtype=np.float64)
+
+    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
+        """Mean token count."""
+        validate_inputs(hyps, refs, allow_empty=False)
+        return float(np.mean(self.per_sample(hyps, refs)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Metric(Protocol):
+    """What every registered metric provides."""
+
+    name: str
+
+    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
+        """Score of each sample; float64 [N] for N = len(hyps) = len(refs)."""
+        ...
+
+    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
+        """One score for the whole set."""
+        ...
+
+
+MetricFactory = Callable[..., Metric]
+_F = TypeVar("_F", bound=Callable[..., Metric])
+
+_REGISTRY: dict[str, MetricFactory] = {}
+
+
+def register_metric(name: str, *, replace: bool = False) -> Callable[[_F], _F]:
+    """Decorator registering a metric class or factory (called with keyword params) under ``name``.
+
+    Registering a taken name raises ValueError unless ``replace=True``.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"metric name must be a non-empty str, got {name!r}")
+
+    def decorator(factory: _F) -> _F:
+        if not callable(factory):
+            raise TypeError(
+                f"register_metric({name!r}) needs a class or callable, got {type(factory).__name__}"
+            )
+        if name in _REGISTRY and not replace:
+            raise ValueError(f"metric {name!r} is already registered; pass replace=True to override it")
+        _REGISTRY[name] = factory
+        return factory
+
+    return decorator
+
+
+def available_metrics() -> list[str]:
+    """Registered metric names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_metric(name: str, **params) -> Metric:
+    """Build the metric registered as ``name`` with keyword ``params``; unknown name -> ValueError."""
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown metric {name!r}; known metrics: {', '.join(available_metrics())}"
+        ) from None
+    try:
+        return factory(**params)
+    except TypeError as e:
+        # Typically a misspelt parameter; name the metric so a config error is easy to place.
+        raise TypeError(f"metric {name!r} rejected params {sorted(params)}: {e}") from e
+
+
+def compute_metrics(
+    names: Sequence[str],
+    hyps: Sequence[str],
+    refs: Sequence[Sequence[str]],
+    **params_by_metric: Mapping[str, object],
+) -> dict[str, float]:
+    """Corpus value of each metric in ``names``, e.g. for an eval table.
+
+    ``params_by_metric`` maps a metric name to its params:
+    ``compute_metrics(["cider_d", "bleu4"], hyps, refs, cider_d={"sigma": 15.0})``.
+    """
+    if isinstance(names, str):
+        raise TypeError("names must be a sequence of metric names, got one str")
+    stray = sorted(set(params_by_metric) - set(names))
+    if stray:
+        raise ValueError(f"params given for metrics not in names: {stray}; names={list(names)}")
+    validate_inputs(hyps, refs, allow_empty=False)
+    return {
+        name: get_metric(name, **dict(params_by_metric.get(name, {}))).corpus(hyps, refs) for name in names
+    }
+
+
+for _cls in (CiderD, Bleu4, RougeL, Chrf, TaskScore, MeanLength):
+    register_metric(_cls.name)(_cls)
+del _cls

@@ -1,0 +1,169 @@
+"""Tokenizers: integer-id vocabularies, trained subword BPE, or any saved Hugging Face tokenizer.
+
+All three end up as a Hugging Face tokenizer that saves and reloads with ``save_pretrained`` /
+``AutoTokenizer.from_pretrained``, so the rest of rlt2t never asks which kind it holds.
+
+The integer-id vocabulary mirrors BART's special-token order so that a shrunk pretrained BART
+(`rlt2t convert-model`) keeps meaningful rows for them:
+
+    <s>=0  <pad>=1  </s>=2  <unk>=3  <mask>=4  <sep>=5  <extra_id_0..S-1>=6..5+S  data token k = 6+S+k
+
+With the default 100 sentinels the offset is 106, as in the original competition system.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>", "<sep>"]
+SEP = "<sep>"
+INFO_FILE = "rlt2t_tokenizer.json"  # our own facts about a tokenizer, saved beside it
+
+
+def sentinel_token(i: int) -> str:
+    return f"<extra_id_{i}>"
+
+
+def _wrap(tok: Tokenizer, num_sentinels: int) -> PreTrainedTokenizerFast:
+    # Sources and targets both end with </s>; the decoder starts from </s> (BART's convention).
+    eos = tok.token_to_id("</s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", eos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+        sep_token=SEP,
+        additional_special_tokens=[sentinel_token(i) for i in range(num_sentinels)],
+        model_max_length=1_000_000,
+    )
+
+
+def build_ids_tokenizer(num_data_tokens: int, num_sentinels: int = 100) -> PreTrainedTokenizerFast:
+    """A word-level vocabulary over the strings "0".."N-1" (space-separated integer texts)."""
+    if num_data_tokens < 1:
+        raise ValueError(f"num_data_tokens must be >= 1, got {num_data_tokens}")
+    specials = SPECIALS + [sentinel_token(i) for i in range(num_sentinels)]
+    vocab = {t: i for i, t in enumerate(specials)}
+    offset = len(vocab)
+    vocab.update({str(k): offset + k for k in range(num_data_tokens)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="\x00", cleanup=False)  # joins tokens with single spaces
+    fast = _wrap(tok, num_sentinels)
+    fast.init_kwargs["rlt2t"] = {"kind": "ids", "offset": offset, "num_data_tokens": num_data_tokens}
+    return fast
+
+
+def train_subword_tokenizer(
+    texts: Iterable[str], vocab_size: int = 8000, num_sentinels: int = 100, show_progress: bool = False
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on natural text (a user's real-language JSONL)."""
+    specials = SPECIALS + [sentinel_token(i) for i in range(num_sentinels)]
+    if vocab_size <= len(specials) + 256:
+        raise ValueError(f"vocab_size={vocab_size} leaves no room beyond {len(specials)} specials and 256 bytes")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = _wrap(tok, num_sentinels)
+    fast.init_kwargs["rlt2t"] = {"kind": "subword"}
+    return fast
+
+
+def save_tokenizer(tok: PreTrainedTokenizerBase, out_dir: str | Path) -> None:
+    """``save_pretrained`` plus our info file (kind, id offset) so a reload knows what it holds."""
+    out_dir = Path(out_dir)
+    tok.save_pretrained(out_dir)
+    info = tok.init_kwargs.get("rlt2t") or {"kind": "pretrained"}
+    (out_dir / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Load any saved tokenizer directory (ours or a downloaded Hugging Face one)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory not found: {path}")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a loadable tokenizer directory ({e})") from e
+    info_path = path / INFO_FILE
+    tok.init_kwargs["rlt2t"] = json.loads(info_path.read_text()) if info_path.is_file() else {"kind": "pretrained"}
+    return tok
+
+
+def tokenizer_kind(tok: PreTrainedTokenizerBase) -> str:
+    return (tok.init_kwargs.get("rlt2t") or {}).get("kind", "pretrained")
+
+
+def sentinel_ids(tok: PreTrainedTokenizerBase) -> list[int]:
+    """Span-corruption sentinels; a tokenizer without them (pretrained BART) uses its mask for every span."""
+    ids = []
+    unk = tok.unk_token_id
+    while True:
+        i = tok.convert_tokens_to_ids(sentinel_token(len(ids)))
+        if i is None or i == unk:
+            break
+        ids.append(i)
+    if ids:
+        return ids
+    if tok.mask_token_id is None:
+        raise ValueError("tokenizer has neither <extra_id_*> sentinels nor a mask token for span corruption")
+    return [tok.mask_token_id]
+
+
+def text_checker(tok: PreTrainedTokenizerBase) -> Callable[[str], str | None] | None:
+    """For an integer-id vocabulary, a check that every token of a text is in it (None for other kinds).
+
+    Returns a function giving an error message for the first bad token, or None when the text is fine.
+    """
+    info = tok.init_kwargs.get("rlt2t") or {}
+    if info.get("kind") != "ids":
+        return None
+    n = int(info["num_data_tokens"])
+    specials = set(tok.all_special_tokens)
+
+    def check(text: str) -> str | None:
+        for token in text.split():
+            if token in specials:
+                continue
+            if not token.isdigit():
+                return f"token {token!r} is not a non-negative integer"
+            if int(token) >= n:
+                return f"token {token!r} is outside the vocabulary (0..{n - 1})"
+        return None
+
+    return check
+
+
+def build_tokenizer(kind: str, *, num_data_tokens: int, num_sentinels: int, vocab_size: int,
+                    train_texts: Iterable[str] | None = None, path: str | Path | None = None
+                    ) -> PreTrainedTokenizerBase:
+    """Dispatch on ``tokenizer.kind``: build an id vocabulary, train a BPE, or load a directory."""
+    if kind == "ids":
+        return build_ids_tokenizer(num_data_tokens, num_sentinels)
+    if kind == "subword":
+        if train_texts is None:
+            raise ValueError("tokenizer.kind=subword needs training texts (data.train)")
+        return train_subword_tokenizer(train_texts, vocab_size, num_sentinels)
+    if kind == "pretrained":
+        if path is None:
+            raise ValueError("tokenizer.kind=pretrained needs tokenizer.path (a saved tokenizer directory)")
+        return load_tokenizer(path)
+    raise ValueError(f"tokenizer.kind: unknown kind {kind!r}")

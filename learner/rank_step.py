@@ -1,0 +1,229 @@
+"""The learner's rank-RL objective on a BART model: CE(gold) + loss_weight * rank_loss.
+
+`shared_encoder_rank_loss` is the one the learner uses: it encodes each source once and runs a single
+batched decoder pass over the three label sets (gold, a, b). `naive_rank_loss` is the original rlt2t
+formulation (three full forward passes, each re-encoding the source), kept as the reference the shared
+version is tested against. The loss arithmetic itself is in `rlt2t.learner.losses` (torch only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.modeling_outputs import BaseModelOutput
+
+from rlt2t.learner.losses import SCORE_KINDS, ScoreKind, pairwise_rank_loss, token_scores
+
+# Hugging Face's label padding convention; its built-in loss ignores exactly this value.
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True, eq=False)
+class RankBatch:
+    """One learner batch of rank-RL examples (a collated batch of scored pairs).
+
+    Labels use IGNORE_INDEX (-100) for padding and end with EOS like ordinary seq2seq labels; the decoder
+    inputs are derived from them by shifting right. The collator pads labels_a and labels_b to one
+    common length T; gold_labels may have a different length Tg.
+    """
+
+    input_ids: Tensor
+    """[B, S] source token ids."""
+    attention_mask: Tensor
+    """[B, S] 1 for real source tokens, 0 for padding."""
+    gold_labels: Tensor
+    """[B, Tg] reference target ids (the CE term)."""
+    labels_a: Tensor
+    """[B, T] the better candidate's ids."""
+    labels_b: Tensor
+    """[B, T] the worse candidate's ids."""
+    use_rank: Tensor
+    """[B] bool or 0/1: 0 where a and b are equal strings or their rewards tie."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, Tensor):
+                raise TypeError(f"RankBatch.{field.name} must be a torch.Tensor, got {type(value).__name__}")
+            wanted_dim = 1 if field.name == "use_rank" else 2
+            if value.dim() != wanted_dim:
+                raise ValueError(
+                    f"RankBatch.{field.name} must have {wanted_dim} dims, got {tuple(value.shape)}"
+                )
+            if value.shape[0] != self.input_ids.shape[0]:
+                raise ValueError(
+                    f"RankBatch.{field.name} has batch size {value.shape[0]}, "
+                    f"input_ids has {self.input_ids.shape[0]}"
+                )
+            if field.name != "use_rank" and (value.dtype.is_floating_point or value.dtype == torch.bool):
+                raise ValueError(f"RankBatch.{field.name} must be an integer tensor, got dtype {value.dtype}")
+        if self.attention_mask.shape != self.input_ids.shape:
+            raise ValueError(
+                f"RankBatch.attention_mask shape {tuple(self.attention_mask.shape)} must equal "
+                f"input_ids shape {tuple(self.input_ids.shape)}"
+            )
+        if self.labels_a.shape != self.labels_b.shape:
+            raise ValueError(
+                f"RankBatch.labels_a {tuple(self.labels_a.shape)} and labels_b {tuple(self.labels_b.shape)} "
+                "must be padded to the same length"
+            )
+
+    def to(self, device: torch.device | str) -> RankBatch:
+        """The same batch with every tensor moved to `device`."""
+        return RankBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
+
+class RankLossOutput(NamedTuple):
+    """Result of one rank-RL step; all 0-dim tensors."""
+
+    loss: Tensor
+    """ce + loss_weight * rank: the value to backpropagate."""
+    ce: Tensor
+    """Mean token cross-entropy of the gold labels."""
+    rank: Tensor
+    """The pairwise rank loss (see `pairwise_rank_loss`)."""
+    accuracy: Tensor
+    """Fraction of counted pairs where a outscores b (no gradient)."""
+
+
+def shift_right(labels: Tensor, decoder_start_token_id: int, pad_token_id: int) -> Tensor:
+    """Teacher-forcing decoder inputs from labels: [B, T] -> [B, T], start token first, -100 -> pad."""
+    shifted = torch.empty_like(labels)
+    shifted[:, 0] = decoder_start_token_id
+    shifted[:, 1:] = labels[:, :-1]
+    return shifted.masked_fill(shifted == IGNORE_INDEX, pad_token_id)
+
+
+def pad_labels(labels: Tensor, length: int) -> Tensor:
+    """Right-pad [B, T] labels with IGNORE_INDEX to [B, length] (length >= T)."""
+    if length < labels.shape[1]:
+        raise ValueError(f"length {length} is shorter than the labels ({labels.shape[1]})")
+    return F.pad(labels, (0, length - labels.shape[1]), value=IGNORE_INDEX)
+
+
+def _decoder_special_ids(model: nn.Module) -> tuple[int, int]:
+    config = model.config
+    start, pad = config.decoder_start_token_id, config.pad_token_id
+    if start is None or pad is None:
+        raise ValueError(
+            f"model.config needs decoder_start_token_id and pad_token_id, got {start!r} and {pad!r}"
+        )
+    return start, pad
+
+
+def _check_options(score_kind: str, alpha: float) -> None:
+    # Checked before the forward pass so a config typo does not cost a batch of compute first.
+    if score_kind not in SCORE_KINDS:
+        raise ValueError(f"score_kind must be one of {SCORE_KINDS}, got {score_kind!r}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+
+
+def shared_encoder_rank_loss(
+    model: Any,
+    batch: RankBatch,
+    *,
+    score_kind: ScoreKind = "logprobs",
+    loss_weight: float = 0.2,
+    alpha: float = 0.95,
+) -> RankLossOutput:
+    """CE(gold) + loss_weight * rank_loss with one encoder pass and one batched decoder pass.
+
+    `model` is a bare Hugging Face encoder-decoder (e.g. BartForConditionalGeneration), not a DDP wrapper:
+    under DDP wrap `SharedEncoderRankLoss(model)` instead, so that DDP sees the whole step as one forward.
+
+    The encoder states [B, S, H] are repeated to [3B, S, H]; gold, a and b labels are padded with -100 to
+    one length L = max(Tg, T) and decoded together as [3B, L]. The decoder is causal, so the extra padding
+    does not change the logits of real positions. In eval mode the result equals `naive_rank_loss`; in
+    train mode the three decoder passes share one encoder dropout mask (the naive version draws three).
+    """
+    _check_options(score_kind, alpha)
+    start_id, pad_id = _decoder_special_ids(model)
+    size, length = batch.labels_a.shape
+    common = max(batch.gold_labels.shape[1], length)
+
+    hidden = model.get_encoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask)[0]
+    labels = torch.cat(
+        [
+            pad_labels(batch.gold_labels, common),
+            pad_labels(batch.labels_a, common),
+            pad_labels(batch.labels_b, common),
+        ]
+    )
+    outputs = model(
+        encoder_outputs=BaseModelOutput(last_hidden_state=hidden.repeat(3, 1, 1)),
+        attention_mask=batch.attention_mask.repeat(3, 1),
+        decoder_input_ids=shift_right(labels, start_id, pad_id),
+        use_cache=False,  # training: a key/value cache would only cost memory
+    )
+    logits_gold, logits_a, logits_b = outputs.logits.split(size)  # each [B, L, V]
+    labels_gold = labels[:size]
+
+    # Same quantity as HF's outputs.loss for the gold batch: mean over non-padding gold tokens.
+    ce = F.cross_entropy(logits_gold.flatten(0, 1).float(), labels_gold.flatten(), ignore_index=IGNORE_INDEX)
+    scores_a = token_scores(logits_a[:, :length], batch.labels_a, score_kind, IGNORE_INDEX)
+    scores_b = token_scores(logits_b[:, :length], batch.labels_b, score_kind, IGNORE_INDEX)
+    rank, accuracy = pairwise_rank_loss(
+        scores_a, scores_b, batch.labels_a, batch.labels_b, batch.use_rank, alpha, IGNORE_INDEX
+    )
+    return RankLossOutput(ce + loss_weight * rank, ce, rank, accuracy)
+
+
+def naive_rank_loss(
+    model: Any,
+    batch: RankBatch,
+    *,
+    score_kind: ScoreKind = "logprobs",
+    loss_weight: float = 0.2,
+    alpha: float = 0.95,
+) -> RankLossOutput:
+    """The original formulation: three full forward passes (gold, a, b), each re-encoding the source.
+
+    Same arguments and result as `shared_encoder_rank_loss`; kept as its reference in tests and benchmarks.
+    """
+    _check_options(score_kind, alpha)
+    source = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
+    ce = model(**source, labels=batch.gold_labels).loss
+    logits_a = model(**source, labels=batch.labels_a).logits
+    logits_b = model(**source, labels=batch.labels_b).logits
+    scores_a = token_scores(logits_a, batch.labels_a, score_kind, IGNORE_INDEX)
+    scores_b = token_scores(logits_b, batch.labels_b, score_kind, IGNORE_INDEX)
+    rank, accuracy = pairwise_rank_loss(
+        scores_a, scores_b, batch.labels_a, batch.labels_b, batch.use_rank, alpha, IGNORE_INDEX
+    )
+    return RankLossOutput(ce + loss_weight * rank, ce, rank, accuracy)
+
+
+class SharedEncoderRankLoss(nn.Module):
+    """`shared_encoder_rank_loss` as a module, so DistributedDataParallel can wrap the whole step.
+
+    Calling `model.get_encoder()` and `model(...)` separately on a DDP-wrapped model would bypass DDP's
+    forward; wrapping this module instead (`DDP(SharedEncoderRankLoss(model, ...))`) keeps one forward per
+    step. Save `wrapper.model` in checkpoints, not the wrapper, to keep the policy's own parameter names.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        score_kind: ScoreKind = "logprobs",
+        loss_weight: float = 0.2,
+        alpha: float = 0.95,
+    ) -> None:
+        super().__init__()
+        _check_options(score_kind, alpha)
+        self.model = model
+        self.score_kind: ScoreKind = score_kind
+        self.loss_weight = loss_weight
+        self.alpha = alpha
+
+    def forward(self, batch: RankBatch) -> RankLossOutput:
+        """One rank-RL step on `batch`; see `shared_encoder_rank_loss`."""
+        return shared_encoder_rank_loss(
+            self.model, batch, score_kind=self.score_kind, loss_weight=self.loss_weight, alpha=self.alpha
+        )

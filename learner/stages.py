@@ -1,0 +1,107 @@
+"""Denoising pretraining and SFT: datasets, collate and step functions handed to `train_stage`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+
+from rlt2t.common.batching import collate_seq2seq
+from rlt2t.common.checkpoint import CheckpointInfo
+from rlt2t.common.config import PretrainConfig, RunConfig, SFTConfig
+from rlt2t.common.policy import Policy
+from rlt2t.common.tokenization import sentinel_ids
+from rlt2t.learner.augment import augment_tokens
+from rlt2t.learner.fgm import FGM
+from rlt2t.learner.noising import DenoisingDataset
+from rlt2t.learner.rdrop import rdrop_forward
+from rlt2t.learner.trainer import StageResult, train_stage
+
+
+class SFTDataset:
+    """Encoded (source, target) pairs; sources optionally augmented (delete / repeat), seeded per (epoch, index)."""
+
+    def __init__(self, sources: Sequence[list[int]], targets: Sequence[list[int]], *, augment_prob: float,
+                 protected_ids: set[int], seed: int):
+        if len(sources) != len(targets):
+            raise ValueError(f"{len(sources)} sources but {len(targets)} targets")
+        self.sources, self.targets = sources, targets
+        self.augment_prob, self.protected_ids, self.seed = augment_prob, frozenset(protected_ids), seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        src = self.sources[i]
+        if self.augment_prob > 0:
+            rng = np.random.default_rng(np.random.SeedSequence([self.seed, self.epoch, i]))
+            src = augment_tokens(src, rng, prob=self.augment_prob, protected_ids=self.protected_ids)
+        return {"input_ids": src, "labels": self.targets[i]}
+
+
+def make_collate(pad_id: int):
+    def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return collate_seq2seq([it["input_ids"] for it in items], [it["labels"] for it in items], pad_id)
+
+    return collate
+
+
+def ce_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], accelerator: Accelerator) -> dict[str, float]:
+    """Plain cross-entropy forward + backward."""
+    loss = model(**batch).loss
+    accelerator.backward(loss)
+    return {"loss": loss.item()}
+
+
+def make_sft_step(cfg: SFTConfig, model: torch.nn.Module):
+    """CE, with R-drop when ``rdrop_alpha`` > 0 and an FGM adversarial pass when ``fgm_epsilon`` > 0."""
+    fgm = FGM(model, cfg.fgm_epsilon) if cfg.fgm_epsilon > 0 else None
+
+    def step(model: torch.nn.Module, batch: dict[str, torch.Tensor], accelerator: Accelerator) -> dict[str, float]:
+        if cfg.rdrop_alpha > 0:
+            out = rdrop_forward(model, batch, cfg.rdrop_alpha)
+            loss, metrics = out.loss, {"ce": out.ce.item(), "kl": out.kl.item()}
+        else:
+            loss = model(**batch).loss
+            metrics = {}
+        accelerator.backward(loss)
+        if fgm is not None:
+            with fgm.perturbed() as perturbed:
+                if perturbed:
+                    adv = model(**batch).loss
+                    accelerator.backward(adv)
+                    metrics["adv_loss"] = adv.item()
+        return {"loss": loss.item(), **metrics}
+
+    return step
+
+
+def run_pretrain(policy: Policy, texts: Sequence[list[int]], cfg: PretrainConfig, run: RunConfig, out_dir: Path,
+                 resume_from: CheckpointInfo | None = None) -> StageResult:
+    """T5-style span-corruption denoising on token-id texts (no EOS), noise re-sampled per access."""
+    tok = policy.tokenizer
+    dataset = DenoisingDataset(texts, sentinel_ids=sentinel_ids(tok), eos_id=tok.eos_token_id, seed=run.seed,
+                                    noise_density=cfg.noise_density, mean_span_length=cfg.mean_span_length)
+    return train_stage(stage="pretrain", cfg=cfg, run=run, policy=policy, dataset=dataset,
+                       collate=make_collate(tok.pad_token_id), step_fn=ce_step, out_dir=out_dir,
+                       resume_from=resume_from)
+
+
+def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list[int]], cfg: SFTConfig,
+            run: RunConfig, out_dir: Path, resume_from: CheckpointInfo | None = None, evaluate=None) -> StageResult:
+    """Supervised fine-tuning: CE (+ R-drop, augmentation, FGM as configured), best checkpoint by the monitor."""
+    tok = policy.tokenizer
+    dataset = SFTDataset(sources, targets, augment_prob=cfg.augment_prob, protected_ids=set(tok.all_special_ids),
+                         seed=run.seed)
+    return train_stage(stage="sft", cfg=cfg, run=run, policy=policy, dataset=dataset,
+                       collate=make_collate(tok.pad_token_id), step_fn=make_sft_step(cfg, policy.model),
+                       out_dir=out_dir, resume_from=resume_from, evaluate=evaluate,
+                       monitor="monitor" if evaluate is not None else None)

@@ -1,0 +1,203 @@
+"""The training loop shared by denoising pretraining and SFT.
+
+One loop, read top to bottom: resume → for epoch: for batch: step → log → checkpoint. A stage
+supplies its dataset (indexable, items are dicts of id lists), a collate function and a *step
+function* that runs forward and backward (so R-drop and FGM can do several passes); the loop owns
+optimizer, schedule, clipping, progress, logs, evaluation hooks and checkpoints.
+
+Exactness: batch order is a permutation seeded by (seed, epoch); a resumed run skips the batches
+already done in its epoch and restores optimizer, scheduler and RNG state, so it continues the same
+trajectory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from rlt2t.common.checkpoint import (
+    CheckpointInfo,
+    checkpoint_name,
+    load_training_state,
+    prune_checkpoints,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from rlt2t.common.config import RunConfig, StageConfig
+from rlt2t.common.policy import Policy
+from rlt2t.common.tracking import RunLogger
+from rlt2t.learner.schedule import linear_warmup_decay
+
+log = logging.getLogger("rlt2t.trainer")
+
+
+class StepFn(Protocol):
+    def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], accelerator: Accelerator
+                 ) -> dict[str, float]:
+        """Forward and backward for one batch (no optimizer step); returns scalars to log (incl. "loss")."""
+
+
+class EpochAware(Protocol):
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+@dataclass
+class StageResult:
+    checkpoint: Path
+    steps: int
+    last_metrics: dict[str, float]
+
+
+def make_accelerator(run: RunConfig) -> Accelerator:
+    cpu = run.device == "cpu" or (run.device == "auto" and not torch.cuda.is_available())
+    if run.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("run.device=cuda but no CUDA device is visible")
+    if run.threads:
+        torch.set_num_threads(run.threads)
+    return Accelerator(cpu=cpu, mixed_precision="no" if cpu else run.mixed_precision)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The example order of an epoch: a permutation depending only on (seed, epoch)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def train_stage(
+    *,
+    stage: str,
+    cfg: StageConfig,
+    run: RunConfig,
+    policy: Policy,
+    dataset: Sequence[dict[str, Any]],
+    collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
+    step_fn: StepFn,
+    out_dir: str | Path,
+    resume_from: CheckpointInfo | None = None,
+    evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+    monitor: str | None = None,
+) -> StageResult:
+    """Train ``policy.model`` in place on ``dataset``; checkpoints go to ``<out_dir>/checkpoints``.
+
+    ``resume_from`` must be a checkpoint of this stage whose weights ``policy`` already holds
+    (``load_policy(checkpoint=...)``); optimizer, scheduler, RNG and data position come from it.
+    ``evaluate`` runs after each epoch; ``monitor`` names its metric to keep the best checkpoint of.
+    """
+    if len(dataset) == 0:
+        raise ValueError(f"{stage}: the training set is empty")
+    out_dir = Path(out_dir)
+    ckpt_root = out_dir / "checkpoints"
+    accelerator = make_accelerator(run)
+    model = policy.model
+    steps_per_epoch = math.ceil(len(dataset) / cfg.batch_size)
+    total_steps = cfg.epochs * steps_per_epoch
+    if cfg.max_steps:
+        total_steps = min(total_steps, cfg.max_steps)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = linear_warmup_decay(
+        optimizer, warmup_steps=round(cfg.warmup_ratio * total_steps), total_steps=total_steps,
+        min_lr_ratio=cfg.min_lr_ratio,
+    )
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    step, start_epoch, skip_batches = 0, 0, 0
+    best: tuple[float, Path] | None = None
+    if resume_from is not None:
+        state = load_training_state(resume_from.path)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        step = resume_from.step
+        start_epoch, skip_batches = resume_from.meta["epoch"], resume_from.meta["batch_in_epoch"]
+        if resume_from.meta.get("best") is not None:
+            best = (resume_from.meta["best"]["score"], Path(resume_from.meta["best"]["path"]))
+        log.info("%s: resuming from %s (step %d, epoch %d, batch %d)", stage, resume_from.path, step,
+                 start_epoch, skip_batches)
+    else:
+        torch.manual_seed(run.seed)
+
+    logger = RunLogger(Path(run.dir) / "logs" / stage, stage)
+    log.info("%s: %d examples, %d steps/epoch, %d steps, batch %d, lr %.2g, device %s", stage, len(dataset),
+             steps_per_epoch, total_steps, cfg.batch_size, cfg.lr, accelerator.device)
+
+    def checkpoint(name: str, epoch: int, batch_in_epoch: int, metrics: dict[str, float]) -> Path:
+        nonlocal best
+        meta = {"stage": stage, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "metrics": metrics,
+                "total_steps": total_steps, "best": {"score": best[0], "path": str(best[1])} if best else None}
+        path = save_checkpoint(
+            ckpt_root, name, model=accelerator.unwrap_model(model), tokenizer=policy.tokenizer, step=step, meta=meta,
+            training_state={"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                            "rng": rng_state()},
+        )
+        protect = {best[1]} if best else set()
+        prune_checkpoints(ckpt_root, cfg.keep_last, protect=protect | {path})
+        return path
+
+    bar = tqdm(total=total_steps, initial=step, desc=stage, disable=not run.progress, dynamic_ncols=True)
+    last: dict[str, float] = {}
+    last_path: Path | None = None
+    window_t, window_n = time.perf_counter(), 0
+    model.train()
+    try:
+        for epoch in range(start_epoch, cfg.epochs):
+            if step >= total_steps:
+                break
+            if hasattr(dataset, "set_epoch"):
+                dataset.set_epoch(epoch)
+            order = epoch_order(len(dataset), run.seed, epoch)
+            first = skip_batches if epoch == start_epoch else 0
+            for b in range(first, steps_per_epoch):
+                if step >= total_steps:
+                    break
+                items = [dataset[i] for i in order[b * cfg.batch_size : (b + 1) * cfg.batch_size]]
+                batch = {k: v.to(accelerator.device) for k, v in collate(items).items()}
+                metrics = step_fn(model, batch, accelerator)
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                window_n += len(items)
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", epoch=epoch)
+                if step % run.log_every == 0 or step == total_steps:
+                    elapsed = time.perf_counter() - window_t
+                    last = {**metrics, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+                            "epoch": epoch, "examples_per_s": window_n / max(elapsed, 1e-9)}
+                    logger.log(step, last)
+                    window_t, window_n = time.perf_counter(), 0
+                if not math.isfinite(metrics["loss"]):
+                    raise FloatingPointError(f"{stage}: loss is {metrics['loss']} at step {step}; lower {stage}.lr")
+                if cfg.save_every_steps and step % cfg.save_every_steps == 0 and b + 1 < steps_per_epoch:
+                    last_path = checkpoint(checkpoint_name(step=step), epoch, b + 1, last)
+            # End of epoch: evaluate, checkpoint, keep the best.
+            scores: dict[str, float] = {}
+            if evaluate is not None:
+                model.eval()
+                with torch.no_grad():
+                    scores = evaluate(accelerator.unwrap_model(model))
+                model.train()
+                logger.log(step, {**scores, "epoch": epoch}, kind="valid")
+                log.info("%s epoch %d: %s", stage, epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+            name = checkpoint_name(epoch=epoch + 1)
+            if monitor and monitor in scores and (best is None or scores[monitor] > best[0]):
+                best = (scores[monitor], ckpt_root / name)
+            last_path = checkpoint(name, epoch + 1, 0, {**last, **scores})
+        if last_path is None:  # resumed at the very end: nothing left to do
+            last_path = resume_from.path if resume_from is not None else checkpoint(checkpoint_name(step=step), 0, 0, last)
+    finally:
+        bar.close()
+        logger.close()
+    if best is not None:
+        log.info("%s: best %s=%.4f at %s", stage, monitor, best[0], best[1])
+    return StageResult(checkpoint=last_path, steps=step, last_metrics=last)

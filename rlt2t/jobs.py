@@ -1,0 +1,165 @@
+"""The stages of a run, wired from the one config tree. The CLI and `rlt2t demo` call these.
+
+Each job takes the whole :class:`Config`, hands each component only its own sub-config, and
+writes under ``run.dir``:
+
+    data/            train/valid/test JSONL (synthetic or imported)
+    tokenizer/       the saved tokenizer
+    pretrain/checkpoints/epoch-0001 ...
+    sft/checkpoints/epoch-0003 ...
+    eval/            <checkpoint>-<split>.json metric tables and predictions
+    logs/<stage>/    metrics.jsonl and TensorBoard events
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from rlt2t.common.batching import encode_examples
+from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint, resolve_model_dir
+from rlt2t.common.config import Config, config_to_yaml
+from rlt2t.common.data import Example, load_examples
+from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
+from rlt2t.common.policy import Policy, check_lengths, load_policy
+from rlt2t.common.synth import write_synthetic
+from rlt2t.common.tokenization import build_tokenizer, load_tokenizer, save_tokenizer, text_checker
+
+log = logging.getLogger("rlt2t.jobs")
+
+
+def save_run_config(cfg: Config, command: str) -> None:
+    atomic_write_text(cfg.run_dir / "config" / f"{command}.yaml", config_to_yaml(cfg))
+
+
+def make_synthetic_data(cfg: Config, fmt: str = "jsonl") -> dict[str, Path]:
+    out = cfg.path(cfg.data.train).parent
+    s = cfg.synth
+    files = write_synthetic(out, s.size, s.seed, valid_fraction=s.valid_fraction, test_fraction=s.test_fraction,
+                            fmt=fmt, num_data_tokens=cfg.tokenizer.num_data_tokens)
+    log.info("synthetic data (%d rows, seed %d) → %s", s.size, s.seed, out)
+    return files
+
+
+def load_split(cfg: Config, split: str, require_target: bool = True) -> list[Example]:
+    """Load a configured split, checking texts against the tokenizer's vocabulary when it has one."""
+    path = cfg.path(getattr(cfg.data, split))
+    if not path.is_file():
+        raise FileNotFoundError(f"data.{split}: {path} does not exist (run `rlt2t data synth` or import data)")
+    check = text_checker(load_tokenizer(cfg.tokenizer_dir)) if cfg.tokenizer_dir.is_dir() else None
+    return load_examples(path, require_target=require_target, on_error=cfg.data.on_error, check_text=check)
+
+
+def build_tokenizer_job(cfg: Config) -> Path:
+    """Build (ids), train (subword) or copy (pretrained) the tokenizer into the run's tokenizer dir."""
+    t = cfg.tokenizer
+    out = cfg.run_dir / "tokenizer" if t.kind == "pretrained" or t.path is None else cfg.tokenizer_dir
+    texts = None
+    if t.kind == "subword":
+        train = load_examples(cfg.path(cfg.data.train), on_error=cfg.data.on_error)
+        texts = [x for e in train for x in (e.source, e.target or "")]
+    tok = build_tokenizer(t.kind, num_data_tokens=t.num_data_tokens, num_sentinels=t.num_sentinels,
+                          vocab_size=t.vocab_size, train_texts=texts, path=cfg.path(t.path) if t.path else None)
+    with atomic_directory(out) as tmp:
+        save_tokenizer(tok, tmp)
+    log.info("tokenizer (%s, %d tokens) → %s", t.kind, len(tok), out)
+    return out
+
+
+def _stage_start(cfg: Config, stage: str, init: str | Path | None, resume: bool) -> tuple[Policy, object]:
+    """Load the policy for a stage: resume its own newest checkpoint, else start from ``init``."""
+    ckpt_root = cfg.run_dir / stage / "checkpoints"
+    latest = latest_complete_checkpoint(ckpt_root) if resume else None
+    if latest is not None:
+        info = read_checkpoint(latest)
+        return load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest), info
+    if not resume and ckpt_root.exists() and any(ckpt_root.iterdir()):
+        raise FileExistsError(f"{ckpt_root} already holds checkpoints; pass --resume to continue or use another run.dir")
+    if init is not None:
+        init = resolve_model_dir(init)
+        log.info("%s: starting from %s", stage, init)
+    return load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=init, seed=cfg.run.seed), None
+
+
+def pretrain_job(cfg: Config, resume: bool = False, init: str | Path | None = None):
+    from rlt2t.learner.stages import run_pretrain
+
+    save_run_config(cfg, "pretrain")
+    policy, info = _stage_start(cfg, "pretrain", init, resume)
+    check_lengths(policy, cfg.data)
+    tok = policy.tokenizer
+    texts = []
+    for split in ("train", "valid", "test"):
+        path = cfg.path(getattr(cfg.data, split))
+        if not path.is_file():
+            continue
+        examples = load_split(cfg, split, require_target=False)
+        texts += [e.source for e in examples]
+        if split == "train":  # held-out targets stay unseen
+            texts += [e.target for e in examples if e.target]
+    ids = tok(texts, add_special_tokens=False)["input_ids"]
+    limit = cfg.data.max_source_len - 1
+    ids = [x[:limit] for x in ids if x]
+    return run_pretrain(policy, ids, cfg.pretrain, cfg.run, cfg.run_dir / "pretrain", resume_from=info)
+
+
+def default_sft_init(cfg: Config) -> Path | None:
+    """SFT starts from the newest pretraining checkpoint of the run when there is one."""
+    return latest_complete_checkpoint(cfg.run_dir / "pretrain" / "checkpoints")
+
+
+def sft_job(cfg: Config, resume: bool = False, init: str | Path | None = None):
+    from rlt2t.learner.evaluate import monitor_score
+    from rlt2t.learner.stages import run_sft
+
+    save_run_config(cfg, "sft")
+    policy, info = _stage_start(cfg, "sft", init if init is not None else default_sft_init(cfg), resume)
+    check_lengths(policy, cfg.data)
+    train = load_split(cfg, "train")
+    enc = encode_examples(policy.tokenizer, [e.source for e in train], [e.target for e in train],
+                          cfg.data.max_source_len, cfg.data.max_target_len, what="train")
+    evaluate = None
+    if cfg.metric.monitor_size and cfg.path(cfg.data.valid).is_file():
+        valid = load_split(cfg, "valid")[: cfg.metric.monitor_size]
+
+        def evaluate(model):
+            return monitor_score(Policy(model, policy.tokenizer, policy.origin), valid, cfg.metric,
+                                 max_source_len=cfg.data.max_source_len, max_new_tokens=cfg.eval.max_new_tokens)
+
+    return run_sft(policy, enc.sources, enc.targets, cfg.sft, cfg.run, cfg.run_dir / "sft", resume_from=info,
+                   evaluate=evaluate)
+
+
+def best_or_latest(ckpt_root: Path) -> Path:
+    """The checkpoint the monitor picked as best, else the newest complete one."""
+    latest = latest_complete_checkpoint(ckpt_root)
+    if latest is None:
+        raise FileNotFoundError(f"{ckpt_root}: no complete checkpoint")
+    best = (read_checkpoint(latest).meta.get("best") or {}).get("path")
+    if best and read_checkpoint(best) is not None:
+        return Path(best)
+    return latest
+
+
+def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | None = None) -> dict[str, float]:
+    from rlt2t.learner.evaluate import evaluate
+
+    ckpt = resolve_model_dir(checkpoint) if checkpoint else best_or_latest(cfg.run_dir / "sft" / "checkpoints")
+    policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt)
+    examples = load_split(cfg, cfg.eval.split)
+    result = evaluate(policy, examples, cfg.eval, cfg.metric, cfg.data.max_source_len, progress=cfg.run.progress)
+    label = label or f"{ckpt.parent.parent.name}-{ckpt.name}"
+    out = cfg.run_dir / "eval"
+    atomic_write_json(out / f"{label}-{cfg.eval.split}.json",
+                      {"checkpoint": str(ckpt), "split": cfg.eval.split, "num_beams": cfg.eval.num_beams,
+                       "examples": len(result.predictions), **result.metrics})
+    atomic_write_jsonl(out / f"{label}-{cfg.eval.split}.predictions.jsonl",
+                       ({"id": e.id, "prediction": p, "target": e.target}
+                        for e, p in zip(examples, result.predictions, strict=False)))
+    return result.metrics
+
+
+def clean_run(cfg: Config) -> None:
+    if cfg.run_dir.exists():
+        shutil.rmtree(cfg.run_dir)

@@ -1,0 +1,39 @@
+"""Shared fixtures: a tiny id tokenizer and tiny BART policy built from config (no hub access)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlt2t.common.config import ModelConfig
+from rlt2t.common.policy import load_policy
+from rlt2t.common.tokenization import build_ids_tokenizer, save_tokenizer
+
+# Two cores, many small ops: extra threads only add contention in tests.
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def ids_tokenizer_dir(tmp_path_factory) -> Path:
+    """An integer-id tokenizer: 60 data tokens, 4 sentinels (offset 10, 70 ids in all)."""
+    out = tmp_path_factory.mktemp("tok")
+    save_tokenizer(build_ids_tokenizer(num_data_tokens=60, num_sentinels=4), out)
+    return out
+
+
+@pytest.fixture
+def tiny_policy(ids_tokenizer_dir):
+    return load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_transformers():
+    from rlt2t.common.tracking import quiet_transformers
+
+    quiet_transformers()

@@ -1,0 +1,132 @@
+"""The `rlt2t` command line, run as a user runs it (subprocesses), on the tiny config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+def rlt2t(*args: str, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "rlt2t.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd or REPO, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"rlt2t {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    run = tmp_path_factory.mktemp("demo")
+    return run, rlt2t("demo", "--config", TINY, f"run.dir={run}")
+
+
+def test_demo_pipeline_end_to_end(demo_run):
+    run, proc = demo_run
+    assert "cider_d" in proc.stdout and "task_score" in proc.stdout and "demo finished" in proc.stdout
+    for part in ("data/train.jsonl", "tokenizer/tokenizer.json", "pretrain/checkpoints/epoch-0001",
+                 "sft/checkpoints", "logs/sft/metrics.jsonl", "config/sft.yaml"):
+        assert (run / part).exists(), part
+    table = json.loads(next((run / "eval").glob("sft-valid.json")).read_text())
+    assert {"cider_d", "bleu4", "task_score", "rouge_l", "mean_length"} <= set(table)
+    valid_rows = len((run / "data" / "valid.jsonl").read_text().splitlines())
+    assert table["examples"] == min(20, valid_rows)  # eval.limit=20 in tiny.yaml
+    assert list((run / "logs" / "pretrain" / "tb").iterdir())
+
+
+def test_demo_rerun_resumes_instead_of_retraining(demo_run):
+    run, _ = demo_run
+    before = sorted(p.name for p in (run / "sft" / "checkpoints").iterdir())
+    proc = rlt2t("demo", "--config", TINY, f"run.dir={run}")
+    assert "resuming" in proc.stderr
+    assert sorted(p.name for p in (run / "sft" / "checkpoints").iterdir()) == before
+
+
+def test_stage_refuses_to_overwrite_without_resume(demo_run):
+    run, _ = demo_run
+    proc = rlt2t("sft", "--config", TINY, f"run.dir={run}", check=False)
+    assert proc.returncode == 2 and "--resume" in proc.stderr
+
+
+def test_eval_command_and_average(demo_run, tmp_path):
+    run, _ = demo_run
+    proc = rlt2t("eval", "--config", TINY, f"run.dir={run}", "eval.num_beams=2")
+    assert "beam 2" in proc.stdout and "cider_d" in proc.stdout
+    avg = tmp_path / "avg"
+    rlt2t("average", "--dir", str(run / "sft" / "checkpoints"), "--last", "2", "--out", str(avg))
+    assert (avg / "config.json").is_file() and (avg / "tokenizer.json").is_file()
+    proc = rlt2t("eval", "--config", TINY, f"run.dir={run}", "--checkpoint", str(avg))
+    assert "cider_d" in proc.stdout
+
+
+def test_synth_is_byte_identical_for_a_seed(tmp_path):
+    for name in ("a", "b"):
+        rlt2t("data", "synth", f"run.dir={tmp_path / name}", "synth.size=1000", "synth.seed=3")
+    for split in ("train", "valid", "test"):
+        a = (tmp_path / "a" / "data" / f"{split}.jsonl").read_bytes()
+        assert a == (tmp_path / "b" / "data" / f"{split}.jsonl").read_bytes()
+
+
+def test_import_competition_csv(tmp_path):
+    csv = tmp_path / "train.csv"
+    csv.write_text("".join(f"{i},{i} {i + 1} 7,{i + 2},{i % 3}\n" for i in range(40)))
+    proc = rlt2t("data", "import-csv", "--input", str(csv), "--out", str(tmp_path / "d"), "--valid-fraction", "0.1")
+    assert "train:" in proc.stdout and "valid:" in proc.stdout
+    row = json.loads((tmp_path / "d" / "train.jsonl").read_text().splitlines()[0])
+    assert row["source"].count("<sep>") == 1
+    bad = tmp_path / "bad.csv"
+    bad.write_text("1,2 3,4\n2,x y,5\n")
+    proc = rlt2t("data", "import-csv", "--input", str(bad), "--out", str(tmp_path / "e"), check=False)
+    assert proc.returncode == 2 and "bad.csv:2" in proc.stderr
+
+
+def test_validate_names_file_and_line(tmp_path):
+    run = tmp_path / "r"
+    rlt2t("tokenizer", "build", f"run.dir={run}", "tokenizer.num_data_tokens=100")
+    data = tmp_path / "x.jsonl"
+    data.write_text('{"id": 1, "source": "1 2", "target": "3"}\n{"id": 2, "source": "1 200", "target": "3"}\n')
+    proc = rlt2t("data", "validate", f"run.dir={run}", "--files", str(data), check=False)
+    assert proc.returncode == 2 and "x.jsonl:2" in proc.stderr and "outside the vocabulary" in proc.stderr
+    proc = rlt2t("data", "validate", f"run.dir={run}", "data.on_error=skip", "--files", str(data))
+    assert "1 examples, 1 bad line(s) skipped" in proc.stdout, proc.stdout
+
+
+def test_bad_config_exits_2_naming_the_key():
+    proc = rlt2t("sft", "sft.lr=-0.1", check=False)
+    assert proc.returncode == 2 and "sft.lr" in proc.stderr and "Traceback" not in proc.stderr
+    proc = rlt2t("config", "sft.lrr=1", check=False)
+    assert proc.returncode == 2 and "sft.lrr: unknown key" in proc.stderr
+
+
+@pytest.mark.parametrize("cmd", [["--help"], ["data", "synth", "--help"], ["data", "import-csv", "--help"],
+                                 ["tokenizer", "build", "--help"], ["pretrain", "--help"], ["sft", "--help"],
+                                 ["eval", "--help"], ["convert-model", "--help"], ["average", "--help"],
+                                 ["demo", "--help"]])
+def test_help(cmd):
+    assert "usage: rlt2t" in rlt2t(*cmd).stdout
+
+
+def test_convert_model_cli(tmp_path):
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    BartForConditionalGeneration(BartConfig(
+        vocab_size=500, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+    )).save_pretrained(tmp_path / "pre")
+    rlt2t("tokenizer", "build", f"run.dir={tmp_path / 'r'}", "tokenizer.num_data_tokens=100")
+    rlt2t("convert-model", "--input", str(tmp_path / "pre"), "--vocab-size", "206", "--out", str(tmp_path / "out"),
+          "--tokenizer", str(tmp_path / "r" / "tokenizer"))
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["vocab_size"] == 206 and cfg["pad_token_id"] == 1

@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from rlt2t.common.checkpoint import (
+    MARKER,
+    checkpoint_name,
+    complete_checkpoints,
+    latest_complete_checkpoint,
+    load_training_state,
+    prune_checkpoints,
+    read_checkpoint,
+    resolve_model_dir,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+
+
+def test_names_are_consistent():
+    assert checkpoint_name(epoch=3) == "epoch-0003"
+    assert checkpoint_name(step=120) == "step-000120"
+    with pytest.raises(ValueError):
+        checkpoint_name(epoch=1, step=2)
+
+
+def _save(root, tiny_policy, name, step, **kw):
+    return save_checkpoint(root, name, model=tiny_policy.model, tokenizer=tiny_policy.tokenizer, step=step, **kw)
+
+
+def test_save_is_a_loadable_model_dir_with_state(tiny_policy, tmp_path):
+    opt = torch.optim.AdamW(tiny_policy.model.parameters())
+    path = _save(tmp_path, tiny_policy, "epoch-0001", 10, meta={"epoch": 1},
+                 training_state={"optimizer": opt.state_dict(), "rng": rng_state()})
+    info = read_checkpoint(path)
+    assert info.step == 10 and info.meta["epoch"] == 1
+    assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+    assert "optimizer" in load_training_state(path)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary directory left behind"
+
+
+def test_latest_never_returns_a_partial_checkpoint(tiny_policy, tmp_path):
+    _save(tmp_path, tiny_policy, "epoch-0001", 10)
+    good = _save(tmp_path, tiny_policy, "epoch-0002", 20)
+    # A crash mid-write leaves a .tmp-* directory; a non-atomic copy leaves a named dir without marker;
+    # a truncated file leaves a marker whose sizes do not match.
+    (tmp_path / ".tmp-epoch-0003-abc").mkdir()
+    (tmp_path / ".tmp-epoch-0003-abc" / "config.json").write_text("{}")
+    partial = tmp_path / "epoch-0004"
+    partial.mkdir()
+    (partial / "config.json").write_text("{}")
+    truncated = tmp_path / "epoch-0005"
+    shutil.copytree(good, truncated)
+    meta = json.loads((truncated / MARKER).read_text())
+    meta["step"] = 50
+    (truncated / MARKER).write_text(json.dumps(meta))
+    with open(truncated / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    assert latest_complete_checkpoint(tmp_path) == good
+    assert [i.path.name for i in complete_checkpoints(tmp_path)] == ["epoch-0001", "epoch-0002"]
+    assert resolve_model_dir(tmp_path) == good
+
+
+def test_empty_or_missing_root(tmp_path):
+    assert latest_complete_checkpoint(tmp_path / "none") is None
+    with pytest.raises(FileNotFoundError):
+        resolve_model_dir(tmp_path)
+
+
+def test_overwrite_and_prune_keep_protected(tiny_policy, tmp_path):
+    paths = [_save(tmp_path, tiny_policy, checkpoint_name(step=s), s) for s in (1, 2, 3, 4)]
+    _save(tmp_path, tiny_policy, checkpoint_name(step=4), 4, meta={"again": True})  # atomic replace
+    assert read_checkpoint(paths[3]).meta["again"] is True
+    removed = prune_checkpoints(tmp_path, keep_last=2, protect={paths[0]})
+    assert removed == [paths[1]]
+    assert [i.step for i in complete_checkpoints(tmp_path)] == [1, 3, 4]
+
+
+def test_bad_name_rejected(tiny_policy, tmp_path):
+    with pytest.raises(ValueError, match="does not match"):
+        _save(tmp_path, tiny_policy, "latest", 1)
+
+
+def test_rng_state_roundtrip():
+    state = rng_state()
+    a = torch.rand(3)
+    set_rng_state(state)
+    assert torch.equal(torch.rand(3), a)

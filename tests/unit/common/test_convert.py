@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import BartConfig, BartForConditionalGeneration
+
+from rlt2t.common.convert import average_checkpoints, shrink_vocabulary
+from rlt2t.common.tokenization import build_ids_tokenizer, save_tokenizer
+
+
+@pytest.fixture
+def pretrained_dir(tmp_path):
+    """Stands in for a downloaded facebook/bart-base: a saved BART with a bigger vocabulary."""
+    torch.manual_seed(0)
+    cfg = BartConfig(vocab_size=300, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+                     pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    model = BartForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.final_logits_bias.normal_()
+    model.save_pretrained(tmp_path / "pre")
+    return tmp_path / "pre", model
+
+
+def test_shrink_keeps_first_rows_and_sets_ids(pretrained_dir, tmp_path):
+    src, orig = pretrained_dir
+    tok_dir = tmp_path / "tok"
+    save_tokenizer(build_ids_tokenizer(90, 4), tok_dir)  # 100 tokens
+    out = shrink_vocabulary(src, 100, tmp_path / "out", tokenizer_dir=tok_dir)
+    small = BartForConditionalGeneration.from_pretrained(str(out))
+    assert small.config.vocab_size == 100
+    assert small.model.shared.weight.shape == (100, 16)
+    assert torch.equal(small.model.shared.weight, orig.model.shared.weight[:100])
+    assert torch.equal(small.lm_head.weight, small.model.shared.weight)  # still tied
+    assert torch.equal(small.final_logits_bias, orig.final_logits_bias[:, :100])
+    assert (small.config.pad_token_id, small.config.eos_token_id, small.config.decoder_start_token_id) == (1, 2, 2)
+    assert (out / "tokenizer.json").is_file()
+    # and it runs
+    small.eval()
+    ids = small.generate(torch.tensor([[5, 6, 2]]), max_new_tokens=3)
+    assert int(ids.max()) < 100
+
+
+def test_shrink_errors(pretrained_dir, tmp_path):
+    src, _ = pretrained_dir
+    with pytest.raises(ValueError, match="--vocab-size"):
+        shrink_vocabulary(src, 301, tmp_path / "o")
+    save_tokenizer(build_ids_tokenizer(200, 4), tmp_path / "t")
+    with pytest.raises(ValueError, match="more than --vocab-size"):
+        shrink_vocabulary(src, 100, tmp_path / "o", tokenizer_dir=tmp_path / "t")
+    assert not (tmp_path / "o").exists()
+
+
+def test_average_is_uniform_mean(tmp_path, tiny_policy):
+    paths = []
+    for i in range(3):
+        with torch.no_grad():
+            for p in tiny_policy.model.parameters():
+                p.fill_(float(i))
+        tiny_policy.model.save_pretrained(tmp_path / f"c{i}")
+        tiny_policy.tokenizer.save_pretrained(tmp_path / f"c{i}")
+        paths.append(tmp_path / f"c{i}")
+    out = average_checkpoints(paths, tmp_path / "avg")
+    avg = BartForConditionalGeneration.from_pretrained(str(out))
+    assert all(torch.allclose(p, torch.ones_like(p)) for p in avg.parameters())  # mean of 0, 1, 2
+    with pytest.raises(ValueError, match="at least 2"):
+        average_checkpoints(paths[:1], tmp_path / "x")
