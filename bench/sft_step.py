@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save  # noqa: E402
+from machine_info import save  # noqa: E402
 
 from rlt2t.common.batching import collate_seq2seq, encode_texts  # noqa: E402
 from rlt2t.common.config import ModelConfig, SFTConfig  # noqa: E402

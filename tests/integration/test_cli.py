@@ -130,3 +130,36 @@ def test_convert_model_cli(tmp_path):
           "--tokenizer", str(tmp_path / "r" / "tokenizer"))
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["vocab_size"] == 206 and cfg["pad_token_id"] == 1
+
+
+def _natural_language_data(folder: Path) -> None:
+    """A small real-language task (no integer ids): the subword tokenizer path end to end."""
+    import random
+
+    rng = random.Random(0)
+    animals = ["cat", "dog", "horse", "bird", "fish", "goat"]
+    places = ["garden", "kitchen", "river", "field", "barn"]
+    folder.mkdir(parents=True)
+    for split, n in (("train", 120), ("valid", 12)):
+        rows = []
+        for i in range(n):
+            a, p = rng.choice(animals), rng.choice(places)
+            rows.append({"id": f"{split}-{i}", "source": f"Yesterday the {a} was seen near the {p}.",
+                         "target": f"{a} in {p}"})
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_subword_natural_language_end_to_end(tmp_path):
+    run = tmp_path / "nl"
+    _natural_language_data(run / "data")
+    common = ["--config", TINY, f"run.dir={run}", "tokenizer.kind=subword", "tokenizer.vocab_size=400",
+              "data.test=/nonexistent.jsonl"]
+    rlt2t("tokenizer", "build", *common)
+    assert json.loads((run / "tokenizer" / "rlt2t_tokenizer.json").read_text())["kind"] == "subword"
+    proc = rlt2t("sft", *common, "sft.epochs=1", "sft.batch_size=8")
+    assert "sft: 15 steps" in proc.stdout
+    proc = rlt2t("eval", *common)
+    assert "cider_d" in proc.stdout
+    preds = (run / "eval").glob("*.predictions.jsonl")
+    rows = [json.loads(x) for x in next(preds).read_text().splitlines()]
+    assert len(rows) == 12 and all(not any(ch.isdigit() for ch in r["prediction"]) for r in rows)

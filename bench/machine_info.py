@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import platform
 import time
@@ -23,10 +23,8 @@ def machine() -> dict:
     except OSError:
         pass
     mem_gib = None
-    try:
+    with contextlib.suppress(ValueError, OSError):
         mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError):
-        pass
     return {
         "cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib, "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(), "torch": torch.__version__,
