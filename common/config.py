@@ -142,6 +142,76 @@ class SFTConfig(StageConfig):
     """FGM adversarial step size on the shared embedding (0 disables)."""
 
 
+class RankConfig(StageConfig):
+    """Rank RL: CE(gold) + λ·pairwise rank loss on sampled (better, worse) pairs."""
+
+    epochs: int = Field(2, ge=1)
+    """Passes over the training sources."""
+    lr: float = Field(2e-4, gt=0.0)
+    """Peak learning rate (AdamW)."""
+    warmup_ratio: float = Field(0.05, ge=0.0, le=1.0)
+    """Fraction of steps of linear warmup."""
+    batch_size: int = Field(32, ge=1)
+    """Pairs per optimizer step, over all learner ranks (must divide by learners)."""
+    loss_weight: float = Field(0.2, ge=0.0)
+    """λ in CE(gold) + λ·rank (0 = continue SFT on the gold targets only)."""
+    score: Literal["logits", "logprobs"] = "logprobs"
+    """Token score of the rank loss: the raw logit (the original) or the log-probability (matches reranking)."""
+    delay_alpha: float = Field(0.95, gt=0.0, le=1.0)
+    """α of the first-difference delay weights α^(t-s)."""
+    refresh_every_steps: int = Field(0, ge=0)
+    """Publish new weights to the rollout workers every N learner steps (0: once per epoch, the original)."""
+    train_subset: int = Field(0, ge=0)
+    """Use only the first N training sources per epoch (0: all); keeps demos short."""
+    learners: int = Field(1, ge=1)
+    """Learner ranks forming one DDP world (gloo on CPU, nccl on GPU)."""
+    rollout_workers: int = Field(1, ge=1)
+    """Rollout actors sampling candidates."""
+    reward_workers: int = Field(1, ge=1)
+    """Reward actors scoring candidates with the task metric."""
+    chunk_size: int = Field(32, ge=1)
+    """Sources per rollout task (the unit of work re-dispatched when a worker dies)."""
+    max_inflight_chunks: int = Field(8, ge=1)
+    """Bound on rollout chunks sampled ahead of the learner (the queue bound)."""
+    deterministic: bool | None = None
+    """Results independent of worker timing: seeds from (seed, version, example id), batches in dataset
+    order (None: on for CPU runs)."""
+    learner_gpus: float = Field(0.0, ge=0.0)
+    """GPUs per learner rank (placement group bundles)."""
+    rollout_gpus: float = Field(0.0, ge=0.0)
+    """GPU fraction per rollout worker."""
+    learner_cpus: float = Field(1.0, gt=0.0)
+    """CPUs per learner rank."""
+    rollout_cpus: float = Field(1.0, gt=0.0)
+    """CPUs per rollout worker."""
+    reward_cpus: float = Field(0.5, gt=0.0)
+    """CPUs per reward worker."""
+    max_restarts: int = Field(3, ge=0)
+    """Ray restarts of a dead rollout/reward worker before the job fails."""
+
+
+class RolloutConfig(_Section):
+    num_samples: int = Field(6, ge=1)
+    """K: candidates sampled per source (the gold target is added to them)."""
+    top_k: int = Field(3, ge=0)
+    """Sample among the k most likely next tokens (0: the whole vocabulary)."""
+    temperature: float = Field(0.8, gt=0.0)
+    """Logits are divided by this before sampling (< 1 sharpens, > 1 flattens)."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest sampled candidate in tokens, EOS included."""
+    batch_size: int = Field(32, ge=1)
+    """Sources per sampling call (each expands to num_samples decoder rows)."""
+    include_gold: bool = True
+    """Add the gold target to each source's candidates before the pair is drawn."""
+
+
+class RewardConfig(_Section):
+    bleu_weight: float = Field(1 / 3, ge=0.0, le=1.0)
+    """w in the pair reward (1-w)·CIDEr-D + w·BLEU-4 (the competition's 1/3)."""
+    cider_sigma: float = Field(6.0, gt=0.0)
+    """σ of CIDEr-D's Gaussian length penalty (6 is standard; the original used 15)."""
+
+
 class EvalConfig(_Section):
     split: Literal["train", "valid", "test"] = "valid"
     """Split decoded by `rlt2t eval`."""
@@ -182,6 +252,9 @@ class Config(_Section):
     model: ModelConfig = ModelConfig()
     pretrain: PretrainConfig = PretrainConfig()
     sft: SFTConfig = SFTConfig()
+    rank: RankConfig = RankConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
     eval: EvalConfig = EvalConfig()
     metric: MetricConfig = MetricConfig()
 
@@ -196,6 +269,8 @@ class Config(_Section):
                         f"data.{key}={getattr(self.data, key)} exceeds the {positions} positions of "
                         f"model.preset={self.model.preset}"
                     )
+        if self.rank.batch_size % self.rank.learners:
+            raise ValueError(f"rank.batch_size={self.rank.batch_size} must divide by rank.learners={self.rank.learners}")
         if self.eval.max_new_tokens > self.data.max_target_len * 4:
             raise ValueError("eval.max_new_tokens is more than 4x data.max_target_len; likely a typo")
         return self

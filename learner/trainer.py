@@ -143,7 +143,7 @@ def train_stage(
         prune_checkpoints(ckpt_root, cfg.keep_last, protect=protect | {path})
         return path
 
-    bar = tqdm(total=total_steps, initial=step, desc=stage, disable=not run.progress, dynamic_ncols=True)
+    bar = tqdm(total=total_steps, initial=step, desc=stage, disable=True if not run.progress else None, dynamic_ncols=True)
     last: dict[str, float] = {}
     last_path: Path | None = None
     window_t, window_n = time.perf_counter(), 0

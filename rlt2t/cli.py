@@ -109,6 +109,14 @@ def cmd_sft(args) -> None:
     print(f"sft: {result.steps} steps → {result.checkpoint}")
 
 
+def cmd_train(args) -> None:
+    from rlt2t.jobs import rank_job
+
+    result = rank_job(_cfg(args), resume=args.resume, init=args.init)
+    print(f"rank: {result.steps} steps, {result.pairs_used} pairs, {result.redispatched} chunks re-dispatched "
+          f"→ {result.checkpoint}")
+
+
 def cmd_eval(args) -> None:
     from rlt2t.jobs import eval_job
 
@@ -207,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--resume", action="store_true", help="continue from the stage's newest complete checkpoint")
         p.add_argument("--init", default=None, help="model directory or checkpoint root to start from")
         p.set_defaults(fn=fn)
+
+    p = sub.add_parser("train", help="rank RL on Ray: rollout + reward actors, DDP learner (CE + λ·rank)")
+    _config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete rank checkpoint")
+    p.add_argument("--init", default=None, help="model dir or checkpoint root to start from (default: best SFT)")
+    p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("eval", help="decode a split and print the metric table")
     _config_args(p)

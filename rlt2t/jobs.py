@@ -163,3 +163,22 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
 def clean_run(cfg: Config) -> None:
     if cfg.run_dir.exists():
         shutil.rmtree(cfg.run_dir)
+
+
+def rank_job(cfg: Config, resume: bool = False, init: str | Path | None = None, stop_after_steps: int = 0):
+    """Rank RL on Ray from the run's best SFT checkpoint (or ``init``); ``resume`` continues the newest checkpoint."""
+    from rlt2t.actors.driver import train_rank
+
+    save_run_config(cfg, "rank")
+    ckpt_root = cfg.run_dir / "rank" / "checkpoints"
+    latest = latest_complete_checkpoint(ckpt_root) if resume else None
+    if latest is None and not resume and ckpt_root.exists() and any(ckpt_root.iterdir()):
+        raise FileExistsError(f"{ckpt_root} already holds checkpoints; pass --resume to continue or use another run.dir")
+    start = resolve_model_dir(init) if init else best_or_latest(cfg.run_dir / "sft" / "checkpoints")
+    policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest or start)
+    check_lengths(policy, cfg.data)
+    train = load_split(cfg, "train")
+    valid = load_split(cfg, "valid")[: cfg.metric.monitor_size] if cfg.path(cfg.data.valid).is_file() else []
+    log.info("rank: starting from %s", latest or start)
+    return train_rank(cfg, train, valid, init=start, resume_from=read_checkpoint(latest) if latest else None,
+                      stop_after_steps=stop_after_steps)

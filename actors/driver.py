@@ -1,0 +1,401 @@
+"""The rank-RL job: rollout and reward actors feeding a DDP learner group, wired on Ray.
+
+    init → groups → for epoch: sample → score → learn → publish → evaluate → checkpoint → log
+
+Rollouts run ahead of the learner (a bounded number of chunks in flight) while it trains on the
+pairs already scored: the pipeline is asynchronous, the result is not timing-dependent.
+
+* Every chunk of sources has a fixed *policy version* (the learner step whose weights sample it): the
+  epoch's first step (``rank.refresh_every_steps=0``, the original "previous epoch's model"), or the
+  refresh point one interval behind the step that will consume it. Sampling seeds derive from
+  (seed, version, example id) and pairs are consumed in dataset order, so which worker did what, and
+  how fast, never changes the result.
+* Weights travel through the object store: one ``ray.put`` per version, one reference shared by every
+  rollout worker (no shared filesystem assumed). A worker that does not hold the version a chunk
+  needs loads it from that reference, so a worker restarted by Ray needs nothing special.
+* A chunk whose worker died is re-dispatched; pairs are keyed by chunk index in a reorder buffer, so
+  none is lost and none is used twice. A dead learner fails the job; the last checkpoint resumes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tqdm.auto import tqdm
+
+from rlt2t.actors.reward import RewardWorker
+from rlt2t.actors.rollout import RolloutWorker
+from rlt2t.actors.types import ScoredPair
+from rlt2t.common.checkpoint import (
+    CheckpointInfo,
+    checkpoint_name,
+    load_training_state,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from rlt2t.common.config import Config
+from rlt2t.common.data import Example
+from rlt2t.common.metrics import DocumentFrequency
+from rlt2t.common.policy import load_policy
+from rlt2t.common.tracking import RunLogger
+from rlt2t.learner.rank_learner import LearnerRank
+from rlt2t.learner.trainer import epoch_order
+
+log = logging.getLogger("rlt2t.driver")
+
+
+class LearnerDied(RuntimeError):
+    """A learner rank died; the job stops and the newest checkpoint resumes it."""
+
+
+# --- actor groups ----------------------------------------------------------------------------------------
+
+class VersionedRolloutWorker(RolloutWorker):
+    """A RolloutWorker that installs the weights a chunk asks for before sampling it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._installed: int | None = None  # the constructor's weights are not any published version
+
+    def sample_version(self, version: int, weights: dict[str, torch.Tensor], examples: Sequence[Example]):
+        if version != self._installed:
+            self.set_weights(version, weights)
+            self._installed = version
+        return self.sample(examples)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RewardActor(RewardWorker):
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class LearnerGroup:
+    """N LearnerRank actors in one placement group, forming one DDP world."""
+
+    def __init__(self, cfg: Config, init_checkpoint: Path, total_steps: int):
+        r = cfg.rank
+        bundles = [{"CPU": r.learner_cpus, **({"GPU": r.learner_gpus} if r.learner_gpus else {})}
+                   for _ in range(r.learners)]
+        self.pg = placement_group(bundles, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=600)
+        actor = ray.remote(LearnerRank)
+        self.ranks = [
+            actor.options(
+                num_cpus=r.learner_cpus, num_gpus=r.learner_gpus, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                                     placement_group_bundle_index=i),
+            ).remote(cfg.model, str(cfg.tokenizer_dir), r, init_checkpoint=str(init_checkpoint), rank=i,
+                     world_size=r.learners, total_steps=total_steps, seed=cfg.run.seed,
+                     max_source_len=cfg.data.max_source_len, max_target_len=cfg.data.max_target_len,
+                     threads=max(1, int(r.learner_cpus)))
+            for i in range(r.learners)
+        ]
+        address, port = self._get(self.ranks[0].rendezvous_address.remote())
+        self._get([rank.join.remote(address, port) for rank in self.ranks])
+
+    def _get(self, refs):
+        try:
+            return ray.get(refs)
+        except (RayActorError, RayTaskError) as e:
+            raise LearnerDied(f"a learner rank failed: {e}") from e
+
+    def train_step_async(self, pairs: Sequence[ScoredPair]) -> list[ray.ObjectRef]:
+        """Shard a global batch over the ranks (rank i takes pairs i, i+N, ...)."""
+        n = len(self.ranks)
+        return [rank.train_step.remote(list(pairs[i::n])) for i, rank in enumerate(self.ranks)]
+
+    def result(self, refs: list[ray.ObjectRef]) -> dict[str, float]:
+        return self._get(refs)[0]  # scalars are already averaged over ranks
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self._get(self.ranks[0].weights.remote())
+
+    def training_states(self) -> list[dict[str, Any]]:
+        return self._get([r.training_state.remote() for r in self.ranks])
+
+    def load_training_states(self, states: list[dict[str, Any]]) -> None:
+        if len(states) != len(self.ranks):
+            raise ValueError(f"checkpoint has {len(states)} learner states, the job has {len(self.ranks)} ranks "
+                             "(rank.learners must match to resume exactly)")
+        self._get([r.load_training_state.remote(s) for r, s in zip(self.ranks, states, strict=True)])
+
+    def evaluate(self, examples: Sequence[Example], cfg: Config) -> dict[str, float]:
+        return self._get([r.evaluate.remote(list(examples), cfg.metric, cfg.eval.max_new_tokens)
+                          for r in self.ranks])[0]
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(Exception):  # best effort on the way out
+            ray.get([r.shutdown.remote() for r in self.ranks], timeout=30)
+        for r in self.ranks:
+            ray.kill(r)
+        remove_placement_group(self.pg)
+
+
+class WorkerPool:
+    """Rollout or reward actors, restarted by Ray when they die; tasks go to the least busy one."""
+
+    def __init__(self, cls: type, n: int, *, num_cpus: float, num_gpus: float, max_restarts: int, args: tuple,
+                 kwargs: dict):
+        remote = ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts,
+                                         max_task_retries=0)
+        self.actors = [remote.remote(*args, **kwargs) for _ in range(n)]
+        self.busy = [0] * n
+
+    def pick(self) -> int:
+        return min(range(len(self.actors)), key=lambda i: self.busy[i])
+
+
+# --- the job ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Chunk:
+    index: int
+    examples: list[Example]
+    version: int
+    attempts: int = 0
+
+
+@dataclass
+class RankResult:
+    checkpoint: Path
+    steps: int
+    history: list[dict[str, float]] = field(default_factory=list)
+    redispatched: int = 0
+    pairs_used: int = 0
+
+
+def needed_version(global_step: int, epoch_start: int, refresh: int) -> int:
+    """The learner step whose weights sample the pairs consumed at ``global_step``.
+
+    ``refresh == 0``: the epoch's first step (the previous epoch's model). Otherwise the refresh point
+    one interval behind: staleness is between ``refresh`` and ``2·refresh - 1`` steps, so rollouts can
+    run a whole interval ahead of the learner.
+    """
+    if refresh == 0:
+        return epoch_start
+    return max(0, (global_step // refresh - 1) * refresh)
+
+
+# Actors log through ours; transformers' progress bars and tokenizers' thread pools only add noise.
+WORKER_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+              "TOKENIZERS_PARALLELISM": "false"}
+
+
+def init_ray(cfg: Config) -> None:
+    """Join the cluster at RAY_ADDRESS, or start an embedded local one."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, runtime_env={"env_vars": WORKER_ENV})
+        return
+    r = cfg.rank
+    need = r.learners * r.learner_cpus + r.rollout_workers * r.rollout_cpus + r.reward_workers * r.reward_cpus
+    # Logical CPUs: the embedded cluster may oversubscribe a small machine rather than refuse to start.
+    ray.init(num_cpus=max(math.ceil(need), os.cpu_count() or 1), include_dashboard=False,
+             log_to_driver=True, configure_logging=False, runtime_env={"env_vars": WORKER_ENV})
+
+
+def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], *, init: Path,
+               resume_from: CheckpointInfo | None = None, stop_after_steps: int = 0) -> RankResult:
+    """Run rank RL from ``init`` (an SFT checkpoint) or resume ``resume_from``; returns the last checkpoint."""
+    r = cfg.rank
+    out_dir = cfg.run_dir / "rank"
+    ckpt_root = out_dir / "checkpoints"
+    train = list(train[: r.train_subset] if r.train_subset else train)
+    if len(train) < r.learners:
+        raise ValueError(f"rank: {len(train)} training examples for {r.learners} learner ranks")
+    steps_per_epoch = math.ceil(len(train) / r.batch_size)
+    total_steps = r.epochs * steps_per_epoch if not r.max_steps else min(r.max_steps, r.epochs * steps_per_epoch)
+    init_ray(cfg)
+
+    # CIDEr-D document frequencies: once, from the training references, shipped to every reward worker.
+    df = DocumentFrequency.from_references([[e.target] for e in train])
+    start = Path(resume_from.path) if resume_from else init
+    learners = LearnerGroup(cfg, start, total_steps)
+    rollouts = WorkerPool(VersionedRolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus, num_gpus=r.rollout_gpus,
+                          max_restarts=r.max_restarts, args=(cfg.model, str(cfg.tokenizer_dir), cfg.rollout),
+                          kwargs=dict(seed=cfg.run.seed, max_source_len=cfg.data.max_source_len))
+    rewards = WorkerPool(RewardActor, r.reward_workers, num_cpus=r.reward_cpus, num_gpus=0,
+                         max_restarts=r.max_restarts, args=(cfg.reward, df), kwargs={})
+    saver = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=start)  # writes checkpoints on the driver
+
+    step, epoch0, published = 0, 0, {}
+    if resume_from is not None:
+        state = load_training_state(resume_from.path)
+        learners.load_training_states(state["learners"])
+        published = {int(v): ray.put(w) for v, w in state["published"].items()}
+        step, epoch0 = resume_from.step, resume_from.meta["epoch"]
+        log.info("rank: resuming from %s (step %d, epoch %d)", resume_from.path, step, epoch0)
+    logger = RunLogger(cfg.run_dir / "logs" / "rank", "rank")
+    bar = tqdm(total=total_steps, initial=step, desc="rank", disable=True if not cfg.run.progress else None, dynamic_ncols=True)
+    result = RankResult(checkpoint=start, steps=step)
+    best = (resume_from.meta.get("best") or {}) if resume_from else {}
+
+    def publish(version: int) -> None:
+        if version not in published:
+            published[version] = ray.put(learners.weights())
+
+    def checkpoint(epoch: int, batch_in_epoch: int, metrics: dict[str, float]) -> Path:
+        nonlocal best
+        saver.model.load_state_dict(learners.weights())
+        name = checkpoint_name(epoch=epoch) if batch_in_epoch == 0 else checkpoint_name(step=step)
+        if batch_in_epoch == 0 and "monitor" in metrics and metrics["monitor"] > best.get("score", -math.inf):
+            best = {"score": metrics["monitor"], "path": str(ckpt_root / name)}
+        keep = {v: ray.get(ref) for v, ref in published.items() if v < step}
+        path = save_checkpoint(ckpt_root, name, model=saver.model, tokenizer=saver.tokenizer, step=step,
+                               meta={"stage": "rank", "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+                                     "metrics": metrics, "best": best or None, "total_steps": total_steps},
+                               training_state={"learners": learners.training_states(), "published": keep})
+        prune_checkpoints(ckpt_root, r.keep_last, protect={Path(best["path"])} if best else set())
+        return path
+
+    try:
+        for epoch in range(epoch0, r.epochs):
+            if step >= total_steps:
+                break
+            epoch_start = epoch * steps_per_epoch
+            first_batch = step - epoch_start
+            order = epoch_order(len(train), cfg.run.seed, epoch)[first_batch * r.batch_size:]
+            examples = [train[i] for i in order]
+            last_batch = min(steps_per_epoch, total_steps - epoch_start)
+            examples = examples[: (last_batch - first_batch) * r.batch_size]
+            chunks = [Chunk(i, examples[o : o + r.chunk_size],
+                            needed_version(step + o // r.batch_size, epoch_start, r.refresh_every_steps))
+                      for i, o in enumerate(range(0, len(examples), r.chunk_size))]
+            if r.refresh_every_steps == 0:
+                publish(epoch_start)
+            epoch_stats = run_epoch(cfg, chunks, learners, rollouts, rewards, published, publish, logger, bar,
+                                    step, stop_after_steps, result, checkpoint, epoch, epoch_start)
+            step = epoch_stats["step"]
+            if stop_after_steps and step >= stop_after_steps:
+                result.steps = step
+                return result
+            scores = learners.evaluate(valid, cfg) if valid else {}
+            if scores:
+                logger.log(step, {**scores, "epoch": epoch}, kind="valid")
+                log.info("rank epoch %d: %s", epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+            result.checkpoint = checkpoint(epoch + 1, 0, {**epoch_stats["last"], **scores})
+            result.history.append({"epoch": epoch, **scores})
+            for v in [v for v in published if v < step - r.refresh_every_steps]:
+                del published[v]  # no later chunk can need it
+        result.steps = step
+    finally:
+        bar.close()
+        logger.close()
+        learners.shutdown()
+        for pool in (rollouts, rewards):
+            for a in pool.actors:
+                ray.kill(a)
+    return result
+
+
+def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts: WorkerPool, rewards: WorkerPool,
+              published: dict[int, ray.ObjectRef], publish, logger: RunLogger, bar, step: int, stop_after_steps: int,
+              result: RankResult, checkpoint, epoch: int, epoch_start: int) -> dict[str, Any]:
+    """Sample → score → learn over one epoch's chunks, overlapping rollouts with learner steps."""
+    r = cfg.rank
+    pending: dict[ray.ObjectRef, tuple[str, int, int]] = {}  # ref -> (kind, chunk index, worker)
+    ready: dict[int, list[ScoredPair]] = {}  # reorder buffer: chunk index -> scored pairs
+    queue: list[ScoredPair] = []  # pairs in dataset order, not yet learned from
+    next_submit = next_consume = 0
+    learner_refs: list[ray.ObjectRef] | None = None
+    last: dict[str, float] = {}
+    window_t, window_pairs = time.perf_counter(), 0
+    busy_since = None
+    learner_busy = 0.0
+    epoch_t0 = time.perf_counter()
+
+    def submit_rollout(c: Chunk) -> None:
+        w = rollouts.pick()
+        ref = rollouts.actors[w].sample_version.remote(c.version, published[c.version], c.examples)
+        pending[ref] = ("rollout", c.index, w)
+        rollouts.busy[w] += 1
+
+    while next_consume < len(chunks) or queue or learner_refs is not None:
+        # Dispatch rollouts ahead of the learner, bounded, each once its weights version exists.
+        while (next_submit < len(chunks) and next_submit - next_consume < r.max_inflight_chunks
+               and chunks[next_submit].version in published):
+            submit_rollout(chunks[next_submit])
+            next_submit += 1
+        # Move completed chunks, in order, into the learner's queue.
+        while next_consume in ready:
+            queue.extend(ready.pop(next_consume))
+            next_consume += 1
+        # Start a learner step when a full batch (or the epoch's tail) is queued.
+        if learner_refs is None and queue and (len(queue) >= r.batch_size or next_consume == len(chunks)):
+            batch, queue = queue[: r.batch_size], queue[r.batch_size:]
+            staleness = [step - p.policy_version for p in batch]
+            learner_refs = learners.train_step_async(batch)
+            busy_since = time.perf_counter()
+            batch_info = {"staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+                          "pairs": len(batch)}
+        waitable = list(pending) + (learner_refs or [])
+        if not waitable:
+            if next_submit < len(chunks):  # the next chunk waits for a version the learner has not reached
+                raise RuntimeError(f"rank: chunk {next_submit} needs policy version {chunks[next_submit].version} "
+                                   f"but the learner is at step {step}; lower rank.refresh_every_steps "
+                                   "or rank.max_inflight_chunks")
+            break
+        done, _ = ray.wait(waitable, num_returns=1)
+        ref = done[0]
+        if learner_refs is not None and ref in learner_refs:
+            ray.wait(learner_refs, num_returns=len(learner_refs))
+            metrics = learners.result(learner_refs)
+            learner_busy += time.perf_counter() - busy_since
+            learner_refs = None
+            step += 1
+            result.pairs_used += batch_info["pairs"]
+            window_pairs += batch_info["pairs"]
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['pair_accuracy']:.2f}")
+            if r.refresh_every_steps and step % r.refresh_every_steps == 0:
+                publish(step)
+            if step % cfg.run.log_every == 0 or next_consume == len(chunks) and not queue:
+                now = time.perf_counter()
+                last = {**metrics, **batch_info, "epoch": epoch, "pairs_per_s": window_pairs / max(now - window_t, 1e-9),
+                        "learner_busy": learner_busy / max(now - epoch_t0, 1e-9), "redispatched": result.redispatched}
+                logger.log(step, last)
+                window_t, window_pairs = now, 0
+            if r.save_every_steps and step % r.save_every_steps == 0 and (next_consume < len(chunks) or queue):
+                result.checkpoint = checkpoint(epoch, step - epoch_start, last)
+            if stop_after_steps and step >= stop_after_steps:
+                break
+            continue
+        kind, index, w = pending.pop(ref)
+        pool = rollouts if kind == "rollout" else rewards
+        pool.busy[w] -= 1
+        try:
+            if kind == "rollout":
+                ray.get(ref)  # surfaces a dead worker here, before scoring
+                rw = rewards.pick()
+                score_ref = rewards.actors[rw].score.remote(ref)
+                pending[score_ref] = ("reward", index, rw)
+                rewards.busy[rw] += 1
+            else:
+                ready[index] = ray.get(ref)
+        except (RayActorError, RayTaskError) as e:
+            chunk = chunks[index]
+            chunk.attempts += 1
+            result.redispatched += 1
+            if chunk.attempts > r.max_restarts + 1:
+                raise RuntimeError(f"rank: chunk {index} failed {chunk.attempts} times; last error: {e}") from e
+            log.warning("rank: %s worker %d failed on chunk %d (%s); re-dispatching", kind, w, index,
+                        type(e).__name__)
+            submit_rollout(chunk)
+    return {"step": step, "last": last}

@@ -1,0 +1,153 @@
+"""One rank of the rank-RL learner group: the policy under DDP, stepping on its shard of each batch.
+
+A plain class: the driver wraps it with ``ray.remote`` and places N of them through a placement group;
+``world_size = 1`` runs the same code without a process group. Gradients are averaged by DDP (gloo on
+CPU, nccl on GPU); logged scalars and the validation metric are reduced across ranks here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from rlt2t.actors.batch import rank_batch
+from rlt2t.actors.types import ScoredPair
+from rlt2t.common.checkpoint import rng_state, set_rng_state
+from rlt2t.common.config import MetricConfig, ModelConfig, RankConfig
+from rlt2t.common.data import Example
+from rlt2t.common.policy import Policy, load_policy
+from rlt2t.learner.evaluate import generate, metric_table
+from rlt2t.learner.rank_step import SharedEncoderRankLoss
+from rlt2t.learner.schedule import linear_warmup_decay
+
+log = logging.getLogger("rlt2t.learner")
+
+
+def free_address() -> tuple[str, int]:
+    """This node's address and a free TCP port for the process-group rendezvous."""
+    try:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray (unit tests): loopback
+        host = "127.0.0.1"
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
+
+
+class LearnerRank:
+    def __init__(self, model_cfg: ModelConfig, tokenizer_dir: str | None, rank_cfg: RankConfig, *,
+                 init_checkpoint: str, rank: int, world_size: int, total_steps: int, seed: int,
+                 max_source_len: int, max_target_len: int, threads: int = 0):
+        self.cfg, self.rank, self.world_size = rank_cfg, rank, world_size
+        self.max_source_len, self.max_target_len = max_source_len, max_target_len
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if rank_cfg.learner_gpus and
+                                   torch.cuda.is_available() else "cpu")
+        self.policy: Policy = load_policy(model_cfg, tokenizer_dir, checkpoint=init_checkpoint)
+        self.policy.model.to(self.device).train()
+        self.module: torch.nn.Module = SharedEncoderRankLoss(
+            self.policy.model, score_kind=rank_cfg.score, loss_weight=rank_cfg.loss_weight, alpha=rank_cfg.delay_alpha)
+        self.optimizer = torch.optim.AdamW(self.policy.model.parameters(), lr=rank_cfg.lr,
+                                           weight_decay=rank_cfg.weight_decay)
+        self.scheduler = linear_warmup_decay(self.optimizer, warmup_steps=round(rank_cfg.warmup_ratio * total_steps),
+                                             total_steps=max(1, total_steps), min_lr_ratio=rank_cfg.min_lr_ratio)
+        # Dropout differs per rank but is reproducible: the RNG is part of every checkpoint.
+        torch.manual_seed(seed * 7919 + rank)
+        self.steps = 0
+
+    # --- process group ----------------------------------------------------------------------------------
+    def rendezvous_address(self) -> tuple[str, int]:
+        return free_address()
+
+    def join(self, address: str, port: int) -> None:
+        """Form the DDP world (call on every rank concurrently)."""
+        if self.world_size == 1:
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
+                                world_size=self.world_size, timeout=datetime.timedelta(minutes=10))
+        self.module = DistributedDataParallel(self.module, device_ids=[self.device.index] if self.device.type == "cuda"
+                                              else None)
+        log.info("learner rank %d/%d joined (%s)", self.rank, self.world_size, backend)
+
+    # --- training ------------------------------------------------------------------------------------------
+    def train_step(self, pairs: Sequence[ScoredPair]) -> dict[str, float]:
+        """One optimizer step on this rank's shard; returns scalars averaged over ranks."""
+        batch = rank_batch(self.policy.tokenizer, pairs, max_source_len=self.max_source_len,
+                           max_target_len=self.max_target_len).to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast()):
+            out = self.module(batch)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        used = [p for p in pairs if p.use_rank]
+        local = torch.tensor([out.loss.item(), out.ce.item(), out.rank.item(), out.accuracy.item(),
+                              sum(p.score_a for p in pairs) / len(pairs), sum(p.score_b for p in pairs) / len(pairs),
+                              len(used) / len(pairs), float(grad_norm)], dtype=torch.float64)
+        mean = self._mean(local)
+        keys = ("loss", "ce", "rank_loss", "pair_accuracy", "reward_a", "reward_b", "use_rank_fraction", "grad_norm")
+        return {k: float(v) for k, v in zip(keys, mean.tolist(), strict=True)} | {
+            "lr": self.scheduler.get_last_lr()[0]}
+
+    def _autocast(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_bf16_supported() and os.environ.get("RLT2T_BF16") == "1"
+
+    def _mean(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            t = t.to(self.device)
+            dist.all_reduce(t)
+            t = t.cpu() / self.world_size
+        return t
+
+    # --- state --------------------------------------------------------------------------------------------
+    def weights(self) -> dict[str, torch.Tensor]:
+        """CPU state dict of the policy (what gets published and checkpointed)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.model.state_dict().items()}
+
+    def training_state(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "rng": rng_state(), "steps": self.steps}
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        self.steps = state["steps"]
+
+    # --- evaluation -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, examples: Sequence[Example], metric: MetricConfig, max_new_tokens: int) -> dict[str, float]:
+        """Greedy-decode this rank's shard of ``examples``; the metric is computed on all ranks' outputs."""
+        shard = list(range(self.rank, len(examples), self.world_size))
+        hyps = generate(self.policy, [examples[i].source for i in shard], max_new_tokens=max_new_tokens,
+                        max_source_len=self.max_source_len)
+        pieces: list[Any] = [list(zip(shard, hyps, strict=True))]
+        if self.world_size > 1:
+            pieces = [None] * self.world_size
+            dist.all_gather_object(pieces, list(zip(shard, hyps, strict=True)))
+        ordered = sorted((i, h) for piece in pieces for i, h in piece)
+        all_hyps = [h for _, h in ordered]
+        refs = [[examples[i].target] for i, _ in ordered]
+        table = metric_table(all_hyps, refs, metric)
+        monitor_w = metric.monitor_bleu_weight
+        table["monitor"] = (1 - monitor_w) * table["cider_d"] + monitor_w * table["bleu4"]
+        return table
+
+    def shutdown(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
