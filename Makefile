@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k metrics"`.
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-unit test-integration lint bench clean help
+.PHONY: install demo test test-unit test-integration lint bench clean help ray-up ray-down train-submit
 
 help:
 	@echo "make demo   - create $(VENV), install, run the whole pipeline on the embedded default (CPU, synthetic data)"
@@ -41,6 +41,33 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/sft_step.py
+
+# A local Ray head on loopback (dashboard and job API on 127.0.0.1:8265).
+RAY_TMP ?= /tmp/rlt2t-ray
+RAY_CPUS ?= $(shell nproc)
+RAY_ADDRESS_LOCAL := http://127.0.0.1:8265
+TRAIN_CONFIG ?=
+TRAIN_ARGS ?=
+# The job runs in an uploaded copy of the tree: give it an absolute run directory and interpreter.
+RUN_DIR ?= $(abspath runs/demo)
+JOB_PYTHON ?= $(abspath $(BIN)/python)
+
+# Token authentication on (Ray's own default from 2.61): the token lives in ~/.ray/auth_token.
+RAY_AUTH_MODE ?= token
+
+ray-up: $(STAMP)
+	RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/ray get-auth-token --generate > /dev/null
+	RAY_AUTH_MODE=$(RAY_AUTH_MODE) RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/ray start --head --node-ip-address=127.0.0.1 --num-cpus=$(RAY_CPUS) \
+		--include-dashboard=true --dashboard-host=127.0.0.1 --temp-dir=$(RAY_TMP) --disable-usage-stats
+
+ray-down: $(STAMP)
+	$(BIN)/ray stop --force
+
+# Submit `rlt2t train` to the head at RAY_ADDRESS (default: the local one from `make ray-up`).
+train-submit: $(STAMP)
+	RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/ray job submit --address $${RAY_ADDRESS:-$(RAY_ADDRESS_LOCAL)} --working-dir . \
+		--runtime-env-json '{"excludes": [".venv", "runs", ".git"]}' \
+		-- $(JOB_PYTHON) -m rlt2t.cli train $(if $(TRAIN_CONFIG),--config $(abspath $(TRAIN_CONFIG))) run.dir=$(RUN_DIR) $(TRAIN_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -49,6 +49,7 @@ from rlt2t.common.checkpoint import (
 from rlt2t.common.config import Config
 from rlt2t.common.data import Example
 from rlt2t.common.metrics import DocumentFrequency
+from rlt2t.common.plots import plot_curves
 from rlt2t.common.policy import load_policy
 from rlt2t.common.tracking import RunLogger
 from rlt2t.learner.rank_learner import LearnerRank
@@ -217,7 +218,11 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
     r = cfg.rank
     out_dir = cfg.run_dir / "rank"
     ckpt_root = out_dir / "checkpoints"
-    train = list(train[: r.train_subset] if r.train_subset else train)
+    if r.train_subset and r.train_subset < len(train):
+        log.warning("rank: rank.train_subset=%d: training on %d of %d sources (set 0 for all)", r.train_subset,
+                    r.train_subset, len(train))
+        train = train[: r.train_subset]
+    train = list(train)
     if len(train) < r.learners:
         raise ValueError(f"rank: {len(train)} training examples for {r.learners} learner ranks")
     steps_per_epoch = math.ceil(len(train) / r.batch_size)
@@ -298,6 +303,7 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
     finally:
         bar.close()
         logger.close()
+        plot_curves(logger.dir / "metrics.jsonl", logger.dir / "curves.png", title=f"rank RL: {cfg.run_dir}")
         learners.shutdown()
         for pool in (rollouts, rewards):
             for a in pool.actors:

@@ -161,8 +161,9 @@ class RankConfig(StageConfig):
     """α of the first-difference delay weights α^(t-s)."""
     refresh_every_steps: int = Field(0, ge=0)
     """Publish new weights to the rollout workers every N learner steps (0: once per epoch, the original)."""
-    train_subset: int = Field(0, ge=0)
-    """Use only the first N training sources per epoch (0: all); keeps demos short."""
+    train_subset: int = Field(1024, ge=0)
+    """Use only the first N training sources (0: all). The embedded default keeps the CPU demo short;
+    set 0 for real runs (the job logs how many sources it uses)."""
     learners: int = Field(1, ge=1)
     """Learner ranks forming one DDP world (gloo on CPU, nccl on GPU)."""
     rollout_workers: int = Field(1, ge=1)

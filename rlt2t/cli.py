@@ -145,11 +145,13 @@ def cmd_average(args) -> None:
 
 def cmd_demo(args) -> None:
     from rlt2t.jobs import (
+        best_or_latest,
         build_tokenizer_job,
         clean_run,
         eval_job,
         make_synthetic_data,
         pretrain_job,
+        rank_job,
         sft_job,
     )
 
@@ -165,6 +167,9 @@ def cmd_demo(args) -> None:
         pretrain_job(cfg, resume=True)
     sft_job(cfg, resume=True)
     rows = {"sft": eval_job(cfg, label="sft")}
+    if cfg.rank.enabled:
+        rank_job(cfg, resume=True)
+        rows["rank RL"] = eval_job(cfg, checkpoint=best_or_latest(cfg.run_dir / "rank" / "checkpoints"), label="rank")
     print_table(f"{cfg.eval.split} split, {'greedy' if cfg.eval.num_beams == 1 else 'beam'} decoding", rows)
     print(f"demo finished in {time.perf_counter() - t0:.0f} s; run directory: {cfg.run_dir}")
     print(f"logs: tensorboard --logdir {cfg.run_dir / 'logs'}")

@@ -1,0 +1,44 @@
+"""Training curves as a PNG beside the run's logs (read from its metrics.jsonl)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PANELS = (
+    ("losses", ("loss", "ce", "rank_loss"), "train"),
+    ("rewards of the pair", ("reward_a", "reward_b"), "train"),
+    ("validation", ("monitor", "cider_d", "task_score"), "valid"),
+)
+
+
+def plot_curves(metrics_jsonl: str | Path, out_png: str | Path, title: str = "") -> Path | None:
+    """Plot loss, reward and validation curves from a stage's metrics.jsonl; None when there is nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
+    for ax, (name, keys, kind) in zip(axes, PANELS, strict=True):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if r.get("kind") == kind and isinstance(r.get(key), int | float)]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o" if kind == "valid" else None, label=key)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    tmp = out_png.with_name(f".{out_png.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(out_png)
+    return out_png

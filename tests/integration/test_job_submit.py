@@ -1,0 +1,44 @@
+"""`make ray-up` → `make train-submit` → `make ray-down` against a real local Ray head on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlt2t.common.checkpoint import latest_complete_checkpoint
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run(["make", "--no-print-directory", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_submit_tiny_training_job_to_local_head(tmp_path):
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "rlt2t.cli", "demo", "--config", str(REPO / "configs" / "tiny.yaml"),
+                    f"run.dir={run}", "rank.enabled=false"], check=True, capture_output=True, cwd=REPO, timeout=600)
+    ray_tmp = f"/tmp/rlt2t-test-{os.getpid()}"
+    up = make("ray-up", f"RAY_TMP={ray_tmp}", "RAY_CPUS=4")
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        job = make("train-submit", "TRAIN_CONFIG=configs/tiny.yaml", f"RUN_DIR={run}",
+                   "TRAIN_ARGS=rank.epochs=1 rank.train_subset=32 run.progress=false")
+        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+        assert "succeeded" in (job.stdout + job.stderr).lower()
+        ckpt = latest_complete_checkpoint(run / "rank" / "checkpoints")
+        assert ckpt is not None and ckpt.name == "epoch-0001"
+    finally:
+        down = make("ray-down")
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert down.returncode == 0
