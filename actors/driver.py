@@ -271,6 +271,8 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
         return path
 
     try:
+        if r.refresh_every_steps and step % r.refresh_every_steps == 0:
+            publish(step)  # the learner holds exactly these weights now (start, or a resumed checkpoint)
         for epoch in range(epoch0, r.epochs):
             if step >= total_steps:
                 break
@@ -316,6 +318,7 @@ def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts
               result: RankResult, checkpoint, epoch: int, epoch_start: int) -> dict[str, Any]:
     """Sample → score → learn over one epoch's chunks, overlapping rollouts with learner steps."""
     r = cfg.rank
+    ordered = r.deterministic if r.deterministic is not None else not torch.cuda.is_available()
     pending: dict[ray.ObjectRef, tuple[str, int, int]] = {}  # ref -> (kind, chunk index, worker)
     ready: dict[int, list[ScoredPair]] = {}  # reorder buffer: chunk index -> scored pairs
     queue: list[ScoredPair] = []  # pairs in dataset order, not yet learned from
@@ -339,9 +342,10 @@ def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts
                and chunks[next_submit].version in published):
             submit_rollout(chunks[next_submit])
             next_submit += 1
-        # Move completed chunks, in order, into the learner's queue.
-        while next_consume in ready:
-            queue.extend(ready.pop(next_consume))
+        # Move completed chunks into the learner's queue: in dataset order (deterministic), or as they
+        # come (faster when workers are uneven; the result then depends on timing).
+        while next_consume in ready or (not ordered and ready):
+            queue.extend(ready.pop(next_consume if next_consume in ready else min(ready)))
             next_consume += 1
         # Start a learner step when a full batch (or the epoch's tail) is queued.
         if learner_refs is None and queue and (len(queue) >= r.batch_size or next_consume == len(chunks)):

@@ -272,6 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"rlt2t {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        if args.verbose or type(e).__name__ != "LearnerDied":
+            raise
+        print(f"rlt2t {args.command}: {e}\nthe newest complete checkpoint is kept: rerun with --resume",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted; completed checkpoints are kept (resume with --resume)", file=sys.stderr)
         return 130

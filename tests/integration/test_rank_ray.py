@@ -184,3 +184,54 @@ def test_resume_after_real_kill_is_bitwise_identical(ray_session, prepared_run, 
     assert result.steps == 12
     resumed = _weights(result.checkpoint)
     assert all(torch.equal(reference[k], resumed[k]) for k in reference), "resumed run differs from uninterrupted"
+
+
+def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, prepared_run, tmp_path):
+    import json
+
+    run = _copy_prepared(prepared_run, tmp_path / "refresh")
+    result = _run_rank(_config(run, "rank.refresh_every_steps=2", "rank.epochs=1"))
+    assert result.steps == 6
+    rows = [json.loads(x) for x in (run / "logs" / "rank" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert len(train) == 6
+    assert max(r["staleness_max"] for r in train) <= 3  # 2N - 1 with N = 2
+    assert any(r["staleness_max"] >= 2 for r in train)
+    assert (run / "logs" / "rank" / "curves.png").is_file()
+
+
+def test_learner_death_fails_clearly_and_leaves_a_resumable_checkpoint(ray_session, prepared_run, tmp_path):
+    from rlt2t.actors.driver import LearnerDied
+
+    run = _copy_prepared(prepared_run, tmp_path / "learner")
+    cfg = _config(run, "rank.save_every_steps=2")
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = _run_rank(cfg)
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            box["error"] = e
+
+    job = threading.Thread(target=target)
+    job.start()
+    root = run / "rank" / "checkpoints"
+    deadline = time.time() + 600
+    killed = False
+    while not killed and time.time() < deadline and job.is_alive():
+        if latest_complete_checkpoint(root) is not None:
+            for proc in psutil.Process().children(recursive=True):
+                try:
+                    if any(part.startswith("ray::LearnerRank") for part in proc.cmdline()):
+                        os.kill(proc.pid, signal.SIGKILL)
+                        killed = True
+                        break
+                except psutil.Error:
+                    continue
+        time.sleep(0.05)
+    job.join(timeout=600)
+    assert killed, "the job finished before the learner could be killed"
+    assert isinstance(box.get("error"), LearnerDied), box
+    assert "learner rank failed" in str(box["error"])
+    resumed = _run_rank(cfg, resume=True)
+    assert resumed.steps == 12
