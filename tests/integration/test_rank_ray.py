@@ -106,6 +106,33 @@ def _run_rank(cfg, **kw):
     return rank_job(cfg, **kw)
 
 
+def _start_in_thread(cfg) -> tuple[threading.Thread, dict]:
+    """Run the rank job in a thread; its result or exception lands in the returned dict."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = _run_rank(cfg)
+        except BaseException as e:  # noqa: BLE001 - inspected by the test
+            box["error"] = e
+
+    job = threading.Thread(target=target)
+    job.start()
+    return job, box
+
+
+def _kill_child(title_prefix: str) -> int | None:
+    """SIGKILL a process of this session's Ray whose title (Ray: "ray::Class.method") starts so."""
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if any(part.startswith(title_prefix) for part in proc.cmdline()):
+                os.kill(proc.pid, signal.SIGKILL)
+                return proc.pid
+        except psutil.Error:
+            continue
+    return None
+
+
 def _copy_prepared(prepared_run: Path, dest: Path) -> Path:
     shutil.copytree(prepared_run, dest, ignore=shutil.ignore_patterns("rank", "eval"))
     return dest
@@ -122,30 +149,11 @@ def reference_run(ray_session, prepared_run, tmp_path_factory):
 
 def test_deterministic_and_worker_kill_loses_no_pair(ray_session, prepared_run, reference_run, tmp_path):
     run = _copy_prepared(prepared_run, tmp_path / "faulty")
-    cfg = _config(run, "rank.save_every_steps=2")
-    box: dict = {}
-
-    def target():
-        try:
-            box["result"] = _run_rank(cfg)
-        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
-            box["error"] = e
-
-    job = threading.Thread(target=target)
-    job.start()
+    job, box = _start_in_thread(_config(run, "rank.save_every_steps=2"))
     killed = None
     deadline = time.time() + 600
     while killed is None and time.time() < deadline and job.is_alive():
-        # Ray titles a busy actor process "ray::Class.method": kill the rollout worker inside a task.
-        for proc in psutil.Process().children(recursive=True):  # this session's Ray only
-            try:
-                cmdline = proc.cmdline()
-            except psutil.Error:
-                continue
-            if any("VersionedRolloutWorker.sample_version" in part for part in cmdline):
-                os.kill(proc.pid, signal.SIGKILL)
-                killed = proc.pid
-                break
+        killed = _kill_child("ray::VersionedRolloutWorker.sample_version")  # inside a task
         time.sleep(0.05)
     job.join(timeout=600)
     assert "error" not in box, box.get("error")
@@ -205,29 +213,13 @@ def test_learner_death_fails_clearly_and_leaves_a_resumable_checkpoint(ray_sessi
 
     run = _copy_prepared(prepared_run, tmp_path / "learner")
     cfg = _config(run, "rank.save_every_steps=2")
-    box: dict = {}
-
-    def target():
-        try:
-            box["result"] = _run_rank(cfg)
-        except BaseException as e:  # noqa: BLE001 - inspected below
-            box["error"] = e
-
-    job = threading.Thread(target=target)
-    job.start()
+    job, box = _start_in_thread(cfg)
     root = run / "rank" / "checkpoints"
     deadline = time.time() + 600
-    killed = False
-    while not killed and time.time() < deadline and job.is_alive():
+    killed = None
+    while killed is None and time.time() < deadline and job.is_alive():
         if latest_complete_checkpoint(root) is not None:
-            for proc in psutil.Process().children(recursive=True):
-                try:
-                    if any(part.startswith("ray::LearnerRank") for part in proc.cmdline()):
-                        os.kill(proc.pid, signal.SIGKILL)
-                        killed = True
-                        break
-                except psutil.Error:
-                    continue
+            killed = _kill_child("ray::LearnerRank")
         time.sleep(0.05)
     job.join(timeout=600)
     assert killed, "the job finished before the learner could be killed"
