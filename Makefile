@@ -13,7 +13,8 @@ help:
 	@echo "make demo   - create $(VENV), install, run the whole pipeline on the embedded default (CPU, synthetic data)"
 	@echo "make test   - create $(VENV) if needed, run unit and integration tests"
 	@echo "make lint   - ruff"
-	@echo "make bench  - SFT step-time benchmark (figures in bench/results/)"
+	@echo "make bench  - benchmarks: SFT step, learner step, pipeline overlap, RL vs SFT quality (bench/results/)"
+	@echo "make ray-up / ray-down / train-submit - a local Ray head on 127.0.0.1 and \`ray job submit\` of rlt2t train"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +42,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/sft_step.py
+	$(BIN)/python bench/learner_step.py
+	$(BIN)/python bench/pipeline.py
+	$(BIN)/python bench/quality.py
 
 # A local Ray head on loopback (dashboard and job API on 127.0.0.1:8265).
 RAY_TMP ?= /tmp/rlt2t-ray

@@ -104,7 +104,7 @@ class LearnerGroup:
             ).remote(cfg.model, str(cfg.tokenizer_dir), r, init_checkpoint=str(init_checkpoint), rank=i,
                      world_size=r.learners, total_steps=total_steps, seed=cfg.run.seed,
                      max_source_len=cfg.data.max_source_len, max_target_len=cfg.data.max_target_len,
-                     threads=max(1, int(r.learner_cpus)))
+                     threads=max(1, int(r.learner_cpus)), mixed_precision=cfg.run.mixed_precision)
             for i in range(r.learners)
         ]
         address, port = self._get(self.ranks[0].rendezvous_address.remote())

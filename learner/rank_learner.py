@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -47,7 +46,7 @@ def free_address() -> tuple[str, int]:
 class LearnerRank:
     def __init__(self, model_cfg: ModelConfig, tokenizer_dir: str | None, rank_cfg: RankConfig, *,
                  init_checkpoint: str, rank: int, world_size: int, total_steps: int, seed: int,
-                 max_source_len: int, max_target_len: int, threads: int = 0):
+                 max_source_len: int, max_target_len: int, threads: int = 0, mixed_precision: str = "no"):
         self.cfg, self.rank, self.world_size = rank_cfg, rank, world_size
         self.max_source_len, self.max_target_len = max_source_len, max_target_len
         if threads:
@@ -62,6 +61,10 @@ class LearnerRank:
                                            weight_decay=rank_cfg.weight_decay)
         self.scheduler = linear_warmup_decay(self.optimizer, warmup_steps=round(rank_cfg.warmup_ratio * total_steps),
                                              total_steps=max(1, total_steps), min_lr_ratio=rank_cfg.min_lr_ratio)
+        # Mixed precision applies on CUDA only (CPU runs stay float32 and deterministic); fp16 needs loss scaling.
+        cuda = self.device.type == "cuda"
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision) if cuda else None
+        self.scaler = torch.amp.GradScaler("cuda", enabled=cuda and mixed_precision == "fp16")
         # Dropout differs per rank but is reproducible: the RNG is part of every checkpoint.
         torch.manual_seed(seed * 7919 + rank)
         self.steps = 0
@@ -86,11 +89,14 @@ class LearnerRank:
         """One optimizer step on this rank's shard; returns scalars averaged over ranks."""
         batch = rank_batch(self.policy.tokenizer, pairs, max_source_len=self.max_source_len,
                            max_target_len=self.max_target_len).to(self.device)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast()):
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
+                            enabled=self.autocast_dtype is not None):
             out = self.module(batch)
-        out.loss.backward()
+        self.scaler.scale(out.loss).backward()
+        self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
@@ -102,9 +108,6 @@ class LearnerRank:
         keys = ("loss", "ce", "rank_loss", "pair_accuracy", "reward_a", "reward_b", "use_rank_fraction", "grad_norm")
         return {k: float(v) for k, v in zip(keys, mean.tolist(), strict=True)} | {
             "lr": self.scheduler.get_last_lr()[0]}
-
-    def _autocast(self) -> bool:
-        return self.device.type == "cuda" and torch.cuda.is_bf16_supported() and os.environ.get("RLT2T_BF16") == "1"
 
     def _mean(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:

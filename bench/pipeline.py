@@ -1,0 +1,263 @@
+"""Rank-RL pipeline overlap: does the asynchronous loop hide generation behind learning?
+
+    python bench/pipeline.py [--sources 512] [--skip-async]
+
+One core each for rollout and learner. On one epoch of N synthetic training sources, with a
+from-scratch `small`-preset policy (seed 0, saved as a checkpoint directory) as the sampling policy:
+
+  G      generate + score alone: RolloutWorker.sample then RewardWorker.score, chunk by chunk,
+         sequentially, in this process with torch.set_num_threads(1);
+  L      learn alone: LearnerRank.train_step over the resulting pairs (batches in dataset order),
+         in this process, threads=1;
+  sync   the synchronous loop = G then L back to back (one run, so sync = G + L by construction);
+  async  the real `rlt2t.actors.driver.train_rank` for one epoch on a Ray started locally by the
+         driver's `init_ray`: 1 learner (1 CPU, 1 thread), 1 rollout worker (1 CPU), 1 reward worker.
+
+Reported: async wall vs max(G, L) (target: within 10%) and the learner busy fraction the driver logs
+in <run>/logs/rank/metrics.jsonl (target: >= 90% when L >= G).
+
+What the async wall excludes, and how: Ray startup (init_ray is called, and timed, before train_rank,
+which then finds Ray running) and actor construction (run_epoch is wrapped so that it first waits
+for every rollout and reward actor to answer, then times the real run_epoch; train_rank builds and
+waits for the learner itself before that). The final checkpoint write and actor shutdown after the
+epoch are excluded too. The excluded seconds are reported next to the epoch wall, as is the total
+wall of the train_rank call.
+
+The from-scratch policy mostly samples EOS at once (such empty candidates are dropped, so many pairs
+are gold vs. one rambling sample) and now and then runs to rollout.max_new_tokens, which keeps its
+batch decoding: G comes out at roughly a quarter of L (2-core machine, N = 64-320), so this run is
+learner-bound and tests the learner busy fraction. --num-samples makes G heavier to probe G ~ L.
+Candidate lengths are reported (mean_candidate_tokens).
+
+Saves bench/results/pipeline.json with the machine description.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine_info import save  # noqa: E402
+
+from rlt2t.actors.reward import RewardWorker  # noqa: E402
+from rlt2t.actors.rollout import RolloutWorker  # noqa: E402
+from rlt2t.actors.types import ScoredPair  # noqa: E402
+from rlt2t.common.config import Config, ModelConfig, load_config  # noqa: E402
+from rlt2t.common.data import Example  # noqa: E402
+from rlt2t.common.io import atomic_directory  # noqa: E402
+from rlt2t.common.metrics import DocumentFrequency  # noqa: E402
+from rlt2t.common.policy import load_policy  # noqa: E402
+from rlt2t.common.synth import generate_synthetic  # noqa: E402
+from rlt2t.common.tokenization import build_ids_tokenizer, save_tokenizer  # noqa: E402
+from rlt2t.common.tracking import quiet_transformers  # noqa: E402
+from rlt2t.learner.rank_learner import LearnerRank  # noqa: E402
+from rlt2t.learner.trainer import epoch_order  # noqa: E402
+
+WALL_TARGET = 1.10  # async wall <= 1.10 * max(G, L)
+BUSY_TARGET = 0.90  # learner busy fraction when L >= G
+
+
+def prepare(workdir: Path) -> tuple[Path, Path]:
+    """Tokenizer dir and a from-scratch `small` policy (seed 0) saved as a checkpoint dir under workdir."""
+    tok_dir, ckpt = workdir / "tokenizer", workdir / "init"
+    with atomic_directory(tok_dir) as tmp:
+        save_tokenizer(build_ids_tokenizer(1894), tmp)
+    policy = load_policy(ModelConfig(preset="small"), tok_dir, seed=0)
+    with atomic_directory(ckpt) as tmp:
+        policy.model.save_pretrained(tmp)
+        save_tokenizer(policy.tokenizer, tmp)
+    return tok_dir, ckpt
+
+
+def bench_config(workdir: Path, tok_dir: Path, chunk_size: int, batch_size: int, num_samples: int) -> Config:
+    """One epoch, one learner / rollout / reward worker, one CPU each for learner and rollout, no validation."""
+    return load_config(overrides=[
+        f"run.dir={workdir / 'run'}", "run.progress=false", f"tokenizer.path={tok_dir}", "model.preset=small",
+        "rank.epochs=1", "rank.learners=1", "rank.rollout_workers=1", "rank.reward_workers=1",
+        "rank.learner_cpus=1", "rank.rollout_cpus=1", "metric.monitor_size=0",
+        f"rank.chunk_size={chunk_size}", f"rank.batch_size={batch_size}", f"rollout.num_samples={num_samples}",
+    ])
+
+
+def epoch_chunks(cfg: Config, train: list[Example]) -> list[list[Example]]:
+    """Epoch 0's sources in the driver's order (epoch_order), cut into rank.chunk_size chunks as it does."""
+    examples = [train[i] for i in epoch_order(len(train), cfg.run.seed, 0)]
+    return [examples[o : o + cfg.rank.chunk_size] for o in range(0, len(examples), cfg.rank.chunk_size)]
+
+
+def run_sync(cfg: Config, train: list[Example], ckpt: Path) -> dict[str, Any]:
+    """G (sample + score every chunk) then L (learn from every pair), timed separately, one thread."""
+    r = cfg.rank
+    df = DocumentFrequency.from_references([[e.target] for e in train])  # as train_rank computes it
+    rollout = RolloutWorker(cfg.model, str(cfg.tokenizer_dir), cfg.rollout, seed=cfg.run.seed,
+                            max_source_len=cfg.data.max_source_len)
+    # Version 0 = the init checkpoint's weights, exactly what the driver publishes for epoch 0.
+    rollout.set_weights(0, load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt).model.state_dict())
+    reward = RewardWorker(cfg.reward, df)
+
+    sample_s = score_s = 0.0
+    pairs: list[ScoredPair] = []
+    t_sync = time.perf_counter()
+    for chunk in epoch_chunks(cfg, train):
+        t0 = time.perf_counter()
+        sets = rollout.sample(chunk)
+        t1 = time.perf_counter()
+        pairs += reward.score(sets)
+        sample_s, score_s = sample_s + t1 - t0, score_s + time.perf_counter() - t1
+    g = time.perf_counter() - t_sync
+    mean_len = sum(len(p.a.split()) + len(p.b.split()) for p in pairs) / (2 * len(pairs))
+    print(f"G (generate + score): {g:.1f}s  (sample {sample_s:.1f}s, score {score_s:.1f}s, {len(pairs)} pairs, "
+          f"{mean_len:.1f} tokens per candidate)", flush=True)
+
+    steps = math.ceil(len(pairs) / r.batch_size)
+    # Constructed after G so that its dropout RNG (seeded in the constructor) starts as in the Ray actor.
+    learner = LearnerRank(cfg.model, str(cfg.tokenizer_dir), r, init_checkpoint=str(ckpt), rank=0, world_size=1,
+                          total_steps=steps, seed=cfg.run.seed, max_source_len=cfg.data.max_source_len,
+                          max_target_len=cfg.data.max_target_len, threads=1)
+    t0 = time.perf_counter()
+    metrics: dict[str, float] = {}
+    for first in range(0, len(pairs), r.batch_size):
+        metrics = learner.train_step(pairs[first : first + r.batch_size])
+    learn = time.perf_counter() - t0
+    sync = time.perf_counter() - t_sync
+    print(f"L (learn): {learn:.1f}s  ({steps} steps, {learn / steps:.2f}s/step)", flush=True)
+    print(f"sync loop (G then L): {sync:.1f}s", flush=True)
+    return {"G_s": round(g, 2), "G_sample_s": round(sample_s, 2), "G_score_s": round(score_s, 2),
+            "L_s": round(learn, 2), "sync_s": round(sync, 2), "steps": steps, "pairs": len(pairs),
+            "mean_candidate_tokens": round(mean_len, 1), "last_step": metrics}
+
+
+def run_async(cfg: Config, train: list[Example], ckpt: Path) -> dict[str, Any]:
+    """The real train_rank for one epoch; returns its phase timings and what it logged."""
+    import ray
+
+    from rlt2t.actors import driver
+
+    # A reused --workdir: start the run clean, so its metrics.jsonl holds this epoch only.
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    t0 = time.perf_counter()
+    driver.init_ray(cfg)
+    ray_start = time.perf_counter() - t0
+    print(f"Ray started in {ray_start:.1f}s", flush=True)
+
+    marks: dict[str, float] = {}
+    real_run_epoch = driver.run_epoch
+
+    def timed_run_epoch(*args, **kwargs):
+        # train_rank's positional arguments: (cfg, chunks, learners, rollouts, rewards, ...). Wait until every
+        # worker actor is constructed so that the epoch wall (and the driver's learner_busy, measured inside
+        # run_epoch) covers the pipeline only; the learner group is already up at this point.
+        marks["setup_end"] = time.perf_counter()
+        rollouts, rewards = args[3], args[4]
+        ray.get([a.pid.remote() for a in rollouts.actors + rewards.actors])
+        # The rollout worker sets no thread count itself: record what Ray's per-actor OMP setting gave it.
+        marks["rollout_threads"] = ray.get(rollouts.actors[0].__ray_call__.remote(lambda _: torch.get_num_threads()))
+        marks["epoch_start"] = time.perf_counter()
+        out = real_run_epoch(*args, **kwargs)
+        marks["epoch_end"] = time.perf_counter()
+        return out
+
+    driver.run_epoch = timed_run_epoch  # timing wrapper only: the real loop runs unchanged
+    try:
+        t_call = time.perf_counter()
+        result = driver.train_rank(cfg, train, [], init=ckpt)
+        t_done = time.perf_counter()
+    finally:
+        driver.run_epoch = real_run_epoch
+        ray.shutdown()
+
+    rows = [json.loads(line) for line in (cfg.run_dir / "logs" / "rank" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [row for row in rows if row.get("kind") == "train"]
+    if not train_rows:
+        raise RuntimeError(f"{cfg.run_dir}/logs/rank/metrics.jsonl has no train rows")
+    last = train_rows[-1]
+    epoch = marks["epoch_end"] - marks["epoch_start"]
+    out = {
+        "epoch_wall_s": round(epoch, 2), "learner_busy": round(last["learner_busy"], 4),
+        "steps": result.steps, "pairs_used": result.pairs_used, "rollout_threads": marks["rollout_threads"],
+        "excluded": {
+            "ray_start_s": round(ray_start, 2),
+            "train_rank_setup_s": round(marks["setup_end"] - t_call, 2),
+            "actor_construction_wait_s": round(marks["epoch_start"] - marks["setup_end"], 2),
+            "checkpoint_and_shutdown_s": round(t_done - marks["epoch_end"], 2),
+        },
+        "train_rank_total_s": round(t_done - t_call, 2),
+        "last_step": {k: v for k, v in last.items() if k not in ("stage", "kind", "time")},
+    }
+    print(f"async epoch: {epoch:.1f}s, learner busy {last['learner_busy']:.1%}  "
+          f"(train_rank total {out['train_rank_total_s']:.1f}s; excluded {out['excluded']})", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sources", type=int, default=512,
+                    help="N, training sources in the epoch (default 512: L ~40 s, G ~1/4 of that, on a quiet 2-core machine)")
+    ap.add_argument("--chunk-size", type=int, default=32, help="rank.chunk_size, sources per rollout task")
+    ap.add_argument("--batch-size", type=int, default=32, help="rank.batch_size, pairs per learner step")
+    ap.add_argument("--num-samples", type=int, default=6,
+                    help="rollout.num_samples, candidates per source (default 6); raise it to make G the bottleneck")
+    ap.add_argument("--skip-async", action="store_true", help="measure G, L and sync only (no Ray)")
+    ap.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temp dir, removed)")
+    ap.add_argument("--no-save", action="store_true", help="print only; leave bench/results/ alone")
+    args = ap.parse_args()
+    for name in ("sources", "chunk_size", "batch_size", "num_samples"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    quiet_transformers()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(1)  # G and L alone get one core each, like the actors
+
+    with tempfile.TemporaryDirectory(prefix="rlt2t-pipeline-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        tok_dir, ckpt = prepare(workdir)
+        cfg = bench_config(workdir, tok_dir, args.chunk_size, args.batch_size, args.num_samples)
+        train = generate_synthetic(args.sources, seed=1)
+        sync = run_sync(cfg, train, ckpt)
+        asyn = None if args.skip_async else run_async(cfg, train, ckpt)
+
+    bound = max(sync["G_s"], sync["L_s"])
+    summary: dict[str, Any] = {"max_G_L_s": bound, "sync_over_max": round(sync["sync_s"] / bound, 3)}
+    if asyn is not None:
+        ratio = asyn["epoch_wall_s"] / bound
+        learner_bound = sync["L_s"] >= sync["G_s"]
+        summary |= {
+            "async_over_max": round(ratio, 3), "async_over_sync": round(asyn["epoch_wall_s"] / sync["sync_s"], 3),
+            "meets_wall_target": ratio <= WALL_TARGET, "learner_bound": learner_bound,
+            # The busy target only applies when the learner is the bottleneck.
+            "meets_busy_target": asyn["learner_busy"] >= BUSY_TARGET if learner_bound else None,
+            "same_last_loss_as_sync": math.isclose(asyn["last_step"]["loss"], sync["last_step"]["loss"],
+                                                   rel_tol=1e-5, abs_tol=1e-6),
+        }
+        print(f"\nG {sync['G_s']:.1f}s  L {sync['L_s']:.1f}s  sync {sync['sync_s']:.1f}s  "
+              f"async {asyn['epoch_wall_s']:.1f}s = {ratio:.2f} x max(G, L) (target <= {WALL_TARGET:.2f})  "
+              f"learner busy {asyn['learner_busy']:.1%} (target >= {BUSY_TARGET:.0%} when L >= G: "
+              f"{'applies' if learner_bound else 'G > L here'})")
+    if args.no_save:
+        return
+    payload = {
+        "benchmark": "pipeline", "sources": args.sources, "chunk_size": args.chunk_size,
+        "batch_size": args.batch_size, "num_samples": args.num_samples, "policy": "small preset, from scratch (seed 0)",
+        "threads": {"rollout": 1, "learner": 1}, "targets": {"async_over_max": WALL_TARGET, "learner_busy": BUSY_TARGET},
+        "sync": sync, "async": asyn, "summary": summary,
+        "notes": "async wall = the real run_epoch of train_rank, timed after every actor is constructed; "
+                 "Ray startup, actor construction, final checkpoint and shutdown excluded and listed under "
+                 "async.excluded. G and L run in this process (no Ray), one thread each.",
+    }
+    print("saved", save("pipeline", payload))
+
+
+if __name__ == "__main__":
+    main()
