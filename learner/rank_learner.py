@@ -7,6 +7,7 @@ CPU, nccl on GPU); logged scalars and the validation metric are reduced across r
 
 from __future__ import annotations
 
+import copy
 import datetime
 import logging
 import socket
@@ -122,8 +123,9 @@ class LearnerRank:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.model.state_dict().items()}
 
     def training_state(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "rng": rng_state(), "steps": self.steps}
+        """A snapshot (deep copy: optimizer.state_dict() aliases the live moment tensors)."""
+        return copy.deepcopy({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                              "rng": rng_state(), "steps": self.steps})
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
