@@ -47,10 +47,6 @@ class StepFn(Protocol):
         """Forward and backward for one batch (no optimizer step); returns scalars to log (incl. "loss")."""
 
 
-class EpochAware(Protocol):
-    def set_epoch(self, epoch: int) -> None: ...
-
-
 @dataclass
 class StageResult:
     checkpoint: Path
