@@ -46,14 +46,10 @@ from rlt2t.common.config import Config, load_config  # noqa: E402
 from rlt2t.common.io import atomic_open  # noqa: E402
 from rlt2t.common.tracking import setup_logging  # noqa: E402
 from rlt2t.jobs import (  # noqa: E402
-    best_or_latest,
-    build_tokenizer_job,
     eval_job,
     load_split,
-    make_synthetic_data,
-    pretrain_job,
+    prepare_sft,
     rank_job,
-    sft_job,
 )
 from rlt2t.learner.rank_learner import LearnerRank  # noqa: E402
 
@@ -81,18 +77,6 @@ def arm_config(workdir: Path, base: Config, arm: str, seed: int, args: argparse.
         f"rank.epochs={args.rank_epochs}", f"rank.train_subset={args.train_subset}",
         f"rank.loss_weight={ARMS[arm]}", *([f"rank.lr={args.rank_lr}"] if args.rank_lr else []),
     ])
-
-
-def prepare_sft(cfg: Config) -> Path:
-    """Data, tokenizer, pretraining and SFT (each resumed when already there); the SFT checkpoint to start from."""
-    if not cfg.path(cfg.data.train).is_file():
-        make_synthetic_data(cfg)
-    if not cfg.tokenizer_dir.is_dir():
-        build_tokenizer_job(cfg)
-    if cfg.pretrain.enabled:
-        pretrain_job(cfg, resume=True)
-    sft_job(cfg, resume=True)
-    return best_or_latest(cfg.run_dir / "sft" / "checkpoints")
 
 
 def score_checkpoint(cfg: Config, checkpoint: Path) -> dict[str, float]:

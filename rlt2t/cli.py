@@ -144,28 +144,13 @@ def cmd_average(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    from rlt2t.jobs import (
-        best_or_latest,
-        build_tokenizer_job,
-        clean_run,
-        eval_job,
-        make_synthetic_data,
-        pretrain_job,
-        rank_job,
-        sft_job,
-    )
+    from rlt2t.jobs import best_or_latest, clean_run, eval_job, prepare_sft, rank_job
 
     cfg = _cfg(args)
     if args.fresh:
         clean_run(cfg)
     t0 = time.perf_counter()
-    if not cfg.path(cfg.data.train).is_file():
-        make_synthetic_data(cfg)
-    if not cfg.tokenizer_dir.is_dir():
-        build_tokenizer_job(cfg)
-    if cfg.pretrain.enabled:
-        pretrain_job(cfg, resume=True)
-    sft_job(cfg, resume=True)
+    prepare_sft(cfg)
     rows = {"sft": eval_job(cfg, label="sft")}
     if cfg.rank.enabled:
         rank_job(cfg, resume=True)

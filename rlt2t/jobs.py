@@ -182,3 +182,16 @@ def rank_job(cfg: Config, resume: bool = False, init: str | Path | None = None, 
     log.info("rank: starting from %s", latest or start)
     return train_rank(cfg, train, valid, init=start, resume_from=read_checkpoint(latest) if latest else None,
                       stop_after_steps=stop_after_steps)
+
+
+def prepare_sft(cfg: Config) -> Path:
+    """Data, tokenizer, pretraining and SFT, each resumed or skipped when already done; returns the SFT
+    checkpoint that later stages start from (the demo and the quality benchmark share this)."""
+    if not cfg.path(cfg.data.train).is_file():
+        make_synthetic_data(cfg)
+    if not cfg.tokenizer_dir.is_dir():
+        build_tokenizer_job(cfg)
+    if cfg.pretrain.enabled:
+        pretrain_job(cfg, resume=True)
+    sft_job(cfg, resume=True)
+    return best_or_latest(cfg.run_dir / "sft" / "checkpoints")
