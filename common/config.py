@@ -187,6 +187,10 @@ class RankConfig(StageConfig):
     """CPUs per rollout worker."""
     reward_cpus: float = Field(0.5, gt=0.0)
     """CPUs per reward worker."""
+    learner_resources: dict[str, float] = Field(default_factory=dict)
+    """Extra Ray resources per learner rank, e.g. {"accelerator_type:H100": 0.001} (placement group bundles)."""
+    rollout_resources: dict[str, float] = Field(default_factory=dict)
+    """Extra Ray resources per rollout worker (pins sampling to nodes that advertise them)."""
     max_restarts: int = Field(3, ge=0)
     """Ray restarts of a dead rollout/reward worker before the job fails."""
 
@@ -204,6 +208,16 @@ class RolloutConfig(_Section):
     """Sources per sampling call (each expands to num_samples decoder rows)."""
     include_gold: bool = True
     """Add the gold target to each source's candidates before the pair is drawn."""
+    source: Literal["ray", "http"] = "ray"
+    """Where candidates come from: Ray rollout actors, or policy servers (`rollout.urls`)."""
+    urls: list[str] = Field(default_factory=list)
+    """Policy server base URLs for `source: http` (work is spread across them)."""
+    timeout_s: float = Field(120.0, gt=0.0)
+    """Per-request timeout when sampling over HTTP."""
+    backend: Literal["torch", "ct2"] = "torch"
+    """Sampler of the rollout actors: torch, or CTranslate2 (weights converted at each published version)."""
+    ct2_compute_type: str = "int8"
+    """CTranslate2 compute type of the `ct2` backend (int8, int8_float32, float32, ...)."""
 
 
 class RewardConfig(_Section):
@@ -211,6 +225,12 @@ class RewardConfig(_Section):
     """w in the pair reward (1-w)·CIDEr-D + w·BLEU-4 (the competition's 1/3)."""
     cider_sigma: float = Field(6.0, gt=0.0)
     """σ of CIDEr-D's Gaussian length penalty (6 is standard; the original used 15)."""
+    source: Literal["ray", "http"] = "ray"
+    """Where pairs are scored: Ray reward actors, or a reward server (`reward.url`)."""
+    url: str | None = None
+    """Reward server base URL for `source: http`."""
+    timeout_s: float = Field(60.0, gt=0.0)
+    """Per-request timeout when scoring over HTTP."""
 
 
 class EvalConfig(_Section):
@@ -237,6 +257,66 @@ class MetricConfig(_Section):
     """Validation examples decoded after each epoch for the monitor (0: none)."""
 
 
+class ServeConfig(_Section):
+    host: str = "127.0.0.1"
+    """Bind address; loopback by default (set 0.0.0.0 deliberately, with a token)."""
+    port: int = Field(8000, ge=0, le=65535)
+    """Policy server port (0: any free port)."""
+    reward_port: int = Field(8001, ge=0, le=65535)
+    """Reward server port."""
+    checkpoint_dir: str = "{run}/rank/checkpoints"
+    """Checkpoint root (or model directory) the policy server serves; it hot-reloads the newest complete one."""
+    backend: Literal["torch", "ct2"] = "torch"
+    """Inference backend of the policy server."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the torch backend."""
+    reload_interval_s: float = Field(2.0, gt=0.0)
+    """How often the checkpoint root is polled for a newer complete checkpoint."""
+    max_batch_size: int = Field(32, ge=1)
+    """Sources batched into one model call across concurrent requests."""
+    max_wait_ms: float = Field(5.0, ge=0.0)
+    """How long the first request of a batch waits for others to join."""
+    max_queue: int = Field(256, ge=1)
+    """Sources waiting beyond which requests are refused with 503 + Retry-After."""
+    max_sources_per_call: int = Field(64, ge=1)
+    """Most sources in one request."""
+    max_tokens_per_source: int = Field(512, ge=1)
+    """Most tokens in one source (or reference/candidate) text."""
+    max_candidates_per_source: int = Field(32, ge=1)
+    """Most candidates (samples, beams, hypotheses or scored targets) per source."""
+    token_env: str = "RLT2T_API_TOKEN"
+    """Environment variable holding the bearer token (unset: no auth)."""
+    token_file: str | None = None
+    """File holding the bearer token (takes precedence over token_env)."""
+
+
+class ExportConfig(_Section):
+    quantization: Literal["int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16",
+                          "float32"] = "int8"
+    """CTranslate2 weight quantization."""
+    out: str = "{run}/export"
+    """Where `rlt2t export` writes (one subdirectory per exported model)."""
+    threads: int = Field(0, ge=0)
+    """CTranslate2 intra-op threads (0: its default)."""
+
+
+class PredictConfig(_Section):
+    beam_size: int = Field(10, ge=1)
+    """Beam size of each generator."""
+    num_hypotheses: int = Field(4, ge=1)
+    """Hypotheses kept per input per generator."""
+    rerank: Literal["mean_logprob", "idf", "consensus"] = "mean_logprob"
+    """How candidates are ranked (see `rlt2t predict --help`)."""
+    idf_max_n: int = Field(2, ge=1, le=4)
+    """Longest n-gram of the IDF rerank."""
+    consensus_top: int = Field(8, ge=2)
+    """Candidates (by mean log-prob) among which consensus is measured."""
+    batch_size: int = Field(32, ge=1)
+    """Inputs per generator/scorer call."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest generated candidate."""
+
+
 # Presets: (d_model, layers, heads, ffn, max positions). `base` is the BART-base shape.
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(d_model=32, layers=1, heads=2, ffn=64, positions=256),
@@ -258,6 +338,9 @@ class Config(_Section):
     reward: RewardConfig = RewardConfig()
     eval: EvalConfig = EvalConfig()
     metric: MetricConfig = MetricConfig()
+    serve: ServeConfig = ServeConfig()
+    export: ExportConfig = ExportConfig()
+    predict: PredictConfig = PredictConfig()
 
     @model_validator(mode="after")
     def _lengths_fit_positions(self) -> Config:
@@ -272,6 +355,13 @@ class Config(_Section):
                     )
         if self.rank.batch_size % self.rank.learners:
             raise ValueError(f"rank.batch_size={self.rank.batch_size} must divide by rank.learners={self.rank.learners}")
+        if self.rollout.source == "http" and not self.rollout.urls:
+            raise ValueError("rollout.source=http needs rollout.urls (policy server base URLs)")
+        if self.reward.source == "http" and not self.reward.url:
+            raise ValueError("reward.source=http needs reward.url (the reward server's base URL)")
+        if self.predict.num_hypotheses > self.predict.beam_size:
+            raise ValueError(f"predict.num_hypotheses={self.predict.num_hypotheses} exceeds predict.beam_size="
+                             f"{self.predict.beam_size}")
         if self.eval.max_new_tokens > self.data.max_target_len * 4:
             raise ValueError("eval.max_new_tokens is more than 4x data.max_target_len; likely a typo")
         return self

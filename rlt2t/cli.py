@@ -235,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--fresh", action="store_true", help="delete run.dir first instead of resuming it")
     p.set_defaults(fn=cmd_demo)
+
+    from rlt2t import cmd_export, cmd_serve
+
+    cmd_serve.register(sub, _config_args)
+    cmd_export.register(sub, _config_args)
     return parser
 
 
