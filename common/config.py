@@ -288,6 +288,12 @@ class ServeConfig(_Section):
     """Environment variable holding the bearer token (unset: no auth)."""
     token_file: str | None = None
     """File holding the bearer token (takes precedence over token_env)."""
+    num_cpus: float = Field(1.0, gt=0.0)
+    """CPUs of the policy server when deployed as a Ray actor (`make deploy`)."""
+    num_gpus: float = Field(0.0, ge=0.0)
+    """GPU (fraction) of the policy server when deployed as a Ray actor."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Extra Ray resources of the deployed policy server."""
 
 
 class ExportConfig(_Section):
