@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k metrics"`.
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-unit test-integration lint bench clean help ray-up ray-down train-submit
+.PHONY: install demo test test-unit test-integration lint bench clean help ray-up ray-down train-submit \
+	deploy undeploy deploy-status gpu-smoke
 
 help:
 	@echo "make demo   - create $(VENV), install, run the whole pipeline on the embedded default (CPU, synthetic data)"
@@ -15,6 +16,9 @@ help:
 	@echo "make lint   - ruff"
 	@echo "make bench  - benchmarks: SFT step, learner step, pipeline overlap, RL vs SFT quality (bench/results/)"
 	@echo "make ray-up / ray-down / train-submit - a local Ray head on 127.0.0.1 and \`ray job submit\` of rlt2t train"
+	@echo "make deploy / undeploy / deploy-status - training job + policy server on the Ray cluster at RAY_ADDRESS"
+	@echo "                        (or CLUSTER=deploy/cluster-aws.yaml: ray up, then deploy from its head); see deploy/README.md"
+	@echo "make gpu-smoke - on a CUDA machine: the learner's nccl + mixed-precision path (tests/gpu)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +76,53 @@ train-submit: $(STAMP)
 	RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/ray job submit --address $${RAY_ADDRESS:-$(RAY_ADDRESS_LOCAL)} --working-dir . \
 		--runtime-env-json '{"excludes": [".venv", "runs", ".git"]}' \
 		-- $(JOB_PYTHON) -m rlt2t.cli train $(if $(TRAIN_CONFIG),--config $(abspath $(TRAIN_CONFIG))) run.dir=$(RUN_DIR) $(TRAIN_ARGS)
+
+# `make deploy`: the training job and the policy server on a Ray cluster (deploy/README.md).
+# Against RAY_ADDRESS (the dashboard, default the local head of `make ray-up`), or with
+# CLUSTER=deploy/cluster-aws.yaml: `ray up` the cluster, then run the same deploy on its head node.
+DEPLOY_CONFIG ?=
+DEPLOY_ARGS ?=
+DEPLOY_STATE ?= .deploy/state.json
+CLUSTER ?=
+# On a launched cluster: where setup put the repo, and a run dir on the storage every node mounts.
+CLUSTER_REPO ?= ~/rlt2t
+CLUSTER_RUN_DIR ?= /mnt/rlt2t/runs/demo
+DEPLOY_CMD = python -m rlt2t.deploy
+
+deploy: $(STAMP)
+	@if [ -n "$(CLUSTER)" ]; then \
+		$(BIN)/ray up -y $(CLUSTER) && \
+		$(BIN)/ray exec $(CLUSTER) "cd $(CLUSTER_REPO) && RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(DEPLOY_CMD) up \
+			--address http://127.0.0.1:8265 --python python --state $(DEPLOY_STATE) \
+			$(if $(DEPLOY_CONFIG),--config $(DEPLOY_CONFIG)) run.dir=$(CLUSTER_RUN_DIR) $(DEPLOY_ARGS)"; \
+	else \
+		RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/$(DEPLOY_CMD) up --address $${RAY_ADDRESS:-$(RAY_ADDRESS_LOCAL)} \
+			--python $(JOB_PYTHON) --state $(DEPLOY_STATE) $(if $(DEPLOY_CONFIG),--config $(DEPLOY_CONFIG)) \
+			run.dir=$(RUN_DIR) $(DEPLOY_ARGS); \
+	fi
+
+deploy-status: $(STAMP)
+	@if [ -n "$(CLUSTER)" ]; then \
+		$(BIN)/ray exec $(CLUSTER) "cd $(CLUSTER_REPO) && RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(DEPLOY_CMD) status --state $(DEPLOY_STATE)"; \
+	else \
+		RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/$(DEPLOY_CMD) status --state $(DEPLOY_STATE) \
+			$${RAY_ADDRESS:+--address $$RAY_ADDRESS}; \
+	fi
+
+# Stops the job and the server; the cluster itself stays (`ray down -y $(CLUSTER)` removes it).
+undeploy: $(STAMP)
+	@if [ -n "$(CLUSTER)" ]; then \
+		$(BIN)/ray exec $(CLUSTER) "cd $(CLUSTER_REPO) && RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(DEPLOY_CMD) down --state $(DEPLOY_STATE)"; \
+	else \
+		RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/$(DEPLOY_CMD) down --state $(DEPLOY_STATE) --python $(JOB_PYTHON) \
+			$${RAY_ADDRESS:+--address $$RAY_ADDRESS}; \
+	fi
+
+gpu-smoke: $(STAMP)
+	@$(BIN)/python -c "import sys, torch; ok = torch.cuda.is_available(); \
+		print('gpu-smoke: CUDA available:', torch.cuda.get_device_name(0) if ok else 'no', '- torch', torch.__version__); \
+		sys.exit(0 if ok else 'gpu-smoke needs a CUDA GPU: torch.cuda.is_available() is False (install the CUDA build of torch, see README)')"
+	$(BIN)/python -m pytest tests/gpu -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -91,14 +91,14 @@ class LearnerGroup:
 
     def __init__(self, cfg: Config, init_checkpoint: Path, total_steps: int):
         r = cfg.rank
-        bundles = [{"CPU": r.learner_cpus, **({"GPU": r.learner_gpus} if r.learner_gpus else {})}
-                   for _ in range(r.learners)]
+        bundles = [{"CPU": r.learner_cpus, **({"GPU": r.learner_gpus} if r.learner_gpus else {}),
+                    **r.learner_resources} for _ in range(r.learners)]
         self.pg = placement_group(bundles, strategy="PACK")
         ray.get(self.pg.ready(), timeout=600)
         actor = ray.remote(LearnerRank)
         self.ranks = [
             actor.options(
-                num_cpus=r.learner_cpus, num_gpus=r.learner_gpus, max_restarts=0,
+                num_cpus=r.learner_cpus, num_gpus=r.learner_gpus, resources=dict(r.learner_resources), max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                                      placement_group_bundle_index=i),
             ).remote(cfg.model, str(cfg.tokenizer_dir), r, init_checkpoint=str(init_checkpoint), rank=i,
@@ -152,9 +152,9 @@ class WorkerPool:
     """Rollout or reward actors, restarted by Ray when they die; tasks go to the least busy one."""
 
     def __init__(self, cls: type, n: int, *, num_cpus: float, num_gpus: float, max_restarts: int, args: tuple,
-                 kwargs: dict):
-        remote = ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts,
-                                         max_task_retries=0)
+                 kwargs: dict, resources: dict[str, float] | None = None):
+        remote = ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=dict(resources or {}),
+                                         max_restarts=max_restarts, max_task_retries=0)
         self.actors = [remote.remote(*args, **kwargs) for _ in range(n)]
         self.busy = [0] * n
 
@@ -231,10 +231,12 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
 
     # CIDEr-D document frequencies: once, from the training references, shipped to every reward worker.
     df = DocumentFrequency.from_references([[e.target] for e in train])
+    df.save(out_dir / "document_frequency.json")  # for reward / policy servers scoring this task
     start = Path(resume_from.path) if resume_from else init
     learners = LearnerGroup(cfg, start, total_steps)
     rollouts = WorkerPool(VersionedRolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus, num_gpus=r.rollout_gpus,
-                          max_restarts=r.max_restarts, args=(cfg.model, str(cfg.tokenizer_dir), cfg.rollout),
+                          max_restarts=r.max_restarts, resources=r.rollout_resources,
+                          args=(cfg.model, str(cfg.tokenizer_dir), cfg.rollout),
                           kwargs=dict(seed=cfg.run.seed, max_source_len=cfg.data.max_source_len))
     rewards = WorkerPool(RewardActor, r.reward_workers, num_cpus=r.reward_cpus, num_gpus=0,
                          max_restarts=r.max_restarts, args=(cfg.reward, df), kwargs={})
@@ -265,6 +267,7 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
         keep = {v: ray.get(ref) for v, ref in published.items() if v < step}
         path = save_checkpoint(ckpt_root, name, model=saver.model, tokenizer=saver.tokenizer, step=step,
                                meta={"stage": "rank", "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+                                     "policy_version": step,
                                      "metrics": metrics, "best": best or None, "total_steps": total_steps},
                                training_state={"learners": learners.training_states(), "published": keep})
         prune_checkpoints(ckpt_root, r.keep_last, protect={Path(best["path"])} if best else set())

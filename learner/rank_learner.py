@@ -1,8 +1,11 @@
 """One rank of the rank-RL learner group: the policy under DDP, stepping on its shard of each batch.
 
 A plain class: the driver wraps it with ``ray.remote`` and places N of them through a placement group;
-``world_size = 1`` runs the same code without a process group. Gradients are averaged by DDP (gloo on
-CPU, nccl on GPU); logged scalars and the validation metric are reduced across ranks here.
+``world_size = 1`` runs the same code without a process group. The ranks rendezvous over TCP on an
+address rank 0 picks (no launcher, no shared filesystem), then accelerate takes over device placement,
+DDP wrapping (gloo on CPU, nccl on GPU) and mixed precision (bf16/fp16 autocast and loss scaling, on
+CUDA only: CPU runs stay float32 and bitwise reproducible). Logged scalars and the validation metric
+are reduced across ranks here.
 """
 
 from __future__ import annotations
@@ -10,13 +13,15 @@ from __future__ import annotations
 import copy
 import datetime
 import logging
+import os
 import socket
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from rlt2t.actors.batch import rank_batch
 from rlt2t.actors.types import ScoredPair
@@ -52,23 +57,46 @@ class LearnerRank:
         self.max_source_len, self.max_target_len = max_source_len, max_target_len
         if threads:
             torch.set_num_threads(threads)
-        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if rank_cfg.learner_gpus and
-                                   torch.cuda.is_available() else "cpu")
+            # accelerate resets the thread count on multi-CPU runs unless OMP_NUM_THREADS says otherwise.
+            os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        self.use_cuda = bool(rank_cfg.learner_gpus) and torch.cuda.is_available()
+        if rank_cfg.learner_gpus and not self.use_cuda:
+            log.warning("rank.learner_gpus=%s but CUDA is not available here: learner rank %d runs on CPU",
+                        rank_cfg.learner_gpus, rank)
+        # Mixed precision applies on CUDA only (CPU runs stay float32 and deterministic).
+        self.mixed_precision = mixed_precision if self.use_cuda else "no"
         self.policy: Policy = load_policy(model_cfg, tokenizer_dir, checkpoint=init_checkpoint)
-        self.policy.model.to(self.device).train()
+        self.policy.model.train()
         self.module: torch.nn.Module = SharedEncoderRankLoss(
             self.policy.model, score_kind=rank_cfg.score, loss_weight=rank_cfg.loss_weight, alpha=rank_cfg.delay_alpha)
         self.optimizer = torch.optim.AdamW(self.policy.model.parameters(), lr=rank_cfg.lr,
                                            weight_decay=rank_cfg.weight_decay)
+        # Not handed to accelerate: its wrapper steps a scheduler once per process, ours counts global steps.
         self.scheduler = linear_warmup_decay(self.optimizer, warmup_steps=round(rank_cfg.warmup_ratio * total_steps),
                                              total_steps=max(1, total_steps), min_lr_ratio=rank_cfg.min_lr_ratio)
-        # Mixed precision applies on CUDA only (CPU runs stay float32 and deterministic); fp16 needs loss scaling.
-        cuda = self.device.type == "cuda"
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision) if cuda else None
-        self.scaler = torch.amp.GradScaler("cuda", enabled=cuda and mixed_precision == "fp16")
+        self.accelerator: Accelerator | None = None
         # Dropout differs per rank but is reproducible: the RNG is part of every checkpoint.
         torch.manual_seed(seed * 7919 + rank)
         self.steps = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self._prepare().device
+
+    def _prepare(self) -> Accelerator:
+        """Hand the model and optimizer to accelerate (after the process group exists, when there is one)."""
+        if self.accelerator is None:
+            if self.world_size > 1:
+                # Each Ray actor sees only its own GPU (CUDA_VISIBLE_DEVICES), so its local rank is 0.
+                os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+                                  LOCAL_WORLD_SIZE="1")
+            acc = Accelerator(cpu=not self.use_cuda, mixed_precision=self.mixed_precision)
+            if self.world_size > 1 and acc.num_processes != self.world_size:
+                raise RuntimeError(f"accelerate sees {acc.num_processes} processes, the learner group has "
+                                   f"{self.world_size} ({acc.distributed_type})")
+            self.module, self.optimizer = acc.prepare(self.module, self.optimizer)
+            self.accelerator = acc
+        return self.accelerator
 
     # --- process group ----------------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -76,28 +104,27 @@ class LearnerRank:
 
     def join(self, address: str, port: int) -> None:
         """Form the DDP world (call on every rank concurrently)."""
-        if self.world_size == 1:
-            return
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=datetime.timedelta(minutes=10))
-        self.module = DistributedDataParallel(self.module, device_ids=[self.device.index] if self.device.type == "cuda"
-                                              else None)
-        log.info("learner rank %d/%d joined (%s)", self.rank, self.world_size, backend)
+        if self.world_size > 1:
+            # Our own rendezvous (rank 0's node, a free port): accelerate then finds the group initialised.
+            backend = "nccl" if self.use_cuda else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
+                                    world_size=self.world_size, timeout=datetime.timedelta(minutes=10))
+            os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port))  # what accelerate expects to find
+        acc = self._prepare()
+        log.info("learner rank %d/%d ready: %s on %s, mixed precision %s", self.rank, self.world_size,
+                 acc.distributed_type.value if acc.distributed_type != DistributedType.NO else "single process",
+                 acc.device, acc.mixed_precision)
 
     # --- training ------------------------------------------------------------------------------------------
     def train_step(self, pairs: Sequence[ScoredPair]) -> dict[str, float]:
         """One optimizer step on this rank's shard; returns scalars averaged over ranks."""
+        acc = self._prepare()
         batch = rank_batch(self.policy.tokenizer, pairs, max_source_len=self.max_source_len,
-                           max_target_len=self.max_target_len).to(self.device)
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
-                            enabled=self.autocast_dtype is not None):
-            out = self.module(batch)
-        self.scaler.scale(out.loss).backward()
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.model.parameters(), self.cfg.grad_clip)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+                           max_target_len=self.max_target_len).to(acc.device)
+        out = self.module(batch)  # prepare() wrapped forward in autocast when mixed precision is on
+        acc.backward(out.loss)  # scales the loss for fp16
+        grad_norm = acc.clip_grad_norm_(self.policy.model.parameters(), self.cfg.grad_clip)  # unscales first
+        self.optimizer.step()  # skipped by accelerate's wrapper on an fp16 overflow
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
@@ -112,7 +139,7 @@ class LearnerRank:
 
     def _mean(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            t = t.to(self.device)
+            t = t.to(self.accelerator.device)
             dist.all_reduce(t)
             t = t.cpu() / self.world_size
         return t
@@ -124,12 +151,19 @@ class LearnerRank:
 
     def training_state(self) -> dict[str, Any]:
         """A snapshot (deep copy: optimizer.state_dict() aliases the live moment tensors)."""
-        return copy.deepcopy({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                              "rng": rng_state(), "steps": self.steps})
+        acc = self._prepare()
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "rng": rng_state(), "steps": self.steps}
+        if acc.scaler is not None:
+            state["scaler"] = acc.scaler.state_dict()
+        return copy.deepcopy(state)
 
     def load_training_state(self, state: dict[str, Any]) -> None:
+        acc = self._prepare()
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if acc.scaler is not None and "scaler" in state:
+            acc.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"])
         self.steps = state["steps"]
 
