@@ -31,7 +31,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm.auto import tqdm
@@ -149,7 +149,13 @@ class LearnerGroup:
 
 
 class WorkerPool:
-    """Rollout or reward actors, restarted by Ray when they die; tasks go to the least busy one."""
+    """Rollout or reward actors, restarted by Ray when they die; tasks go to the least busy healthy one.
+
+    A worker whose task failed cools down (0.5 s, doubling per consecutive failure, at most 10 s): Ray
+    is restarting it, and a task sent meanwhile would fail at once (``ActorUnavailableError``).
+    """
+
+    MAX_COOLDOWN_S = 10.0
 
     def __init__(self, cls: type, n: int, *, num_cpus: float, num_gpus: float, max_restarts: int, args: tuple,
                  kwargs: dict, resources: dict[str, float] | None = None):
@@ -157,9 +163,28 @@ class WorkerPool:
                                          max_restarts=max_restarts, max_task_retries=0)
         self.actors = [remote.remote(*args, **kwargs) for _ in range(n)]
         self.busy = [0] * n
+        self.cooldown_until = [0.0] * n
+        self.failures = [0] * n  # consecutive
 
     def pick(self) -> int:
-        return min(range(len(self.actors)), key=lambda i: self.busy[i])
+        """The least busy worker not cooling down (the one back soonest when all are)."""
+        now = time.monotonic()
+        healthy = [i for i in range(len(self.actors)) if self.cooldown_until[i] <= now]
+        if not healthy:
+            return min(range(len(self.actors)), key=lambda i: self.cooldown_until[i])
+        return min(healthy, key=lambda i: self.busy[i])
+
+    def next_available(self) -> float:
+        """Monotonic time at which some worker is out of cooldown (<= now when one already is)."""
+        return min(self.cooldown_until)
+
+    def failed(self, i: int) -> None:
+        self.failures[i] += 1
+        delay = min(0.5 * 2 ** (self.failures[i] - 1), self.MAX_COOLDOWN_S)
+        self.cooldown_until[i] = max(self.cooldown_until[i], time.monotonic() + delay)
+
+    def succeeded(self, i: int) -> None:
+        self.failures[i] = 0
 
 
 # --- the job ---------------------------------------------------------------------------------------------
@@ -170,6 +195,9 @@ class Chunk:
     examples: list[Example]
     version: int
     attempts: int = 0
+    """Failures of a task on it (worker death, an error in the task)."""
+    unavailable: int = 0
+    """Times it was refused because its worker was restarting (retried after the worker's cooldown)."""
 
 
 @dataclass
@@ -179,6 +207,8 @@ class RankResult:
     history: list[dict[str, float]] = field(default_factory=list)
     redispatched: int = 0
     pairs_used: int = 0
+    out_of_order: int = 0
+    """Chunks handed to the learner ahead of an earlier one (only when rank.deterministic is off)."""
 
 
 def needed_version(global_step: int, epoch_start: int, refresh: int) -> int:
@@ -324,6 +354,8 @@ def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts
     ordered = r.deterministic if r.deterministic is not None else not torch.cuda.is_available()
     pending: dict[ray.ObjectRef, tuple[str, int, int]] = {}  # ref -> (kind, chunk index, worker)
     ready: dict[int, list[ScoredPair]] = {}  # reorder buffer: chunk index -> scored pairs
+    consumed: set[int] = set()  # chunk indices whose pairs reached the learner's queue
+    retries: list[tuple[float, int]] = []  # (monotonic time, chunk index): re-dispatches waiting for a worker
     queue: list[ScoredPair] = []  # pairs in dataset order, not yet learned from
     next_submit = next_consume = 0
     learner_refs: list[ray.ObjectRef] | None = None
@@ -340,6 +372,11 @@ def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts
         rollouts.busy[w] += 1
 
     while next_consume < len(chunks) or queue or learner_refs is not None:
+        # Re-dispatch failed chunks whose wait is over (ahead of new work: the learner needs them first).
+        now = time.monotonic()
+        for due in sorted(x for x in retries if x[0] <= now):
+            retries.remove(due)
+            submit_rollout(chunks[due[1]])
         # Dispatch rollouts ahead of the learner, bounded, each once its weights version exists.
         while (next_submit < len(chunks) and next_submit - next_consume < r.max_inflight_chunks
                and chunks[next_submit].version in published):
@@ -348,7 +385,12 @@ def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts
         # Move completed chunks into the learner's queue: in dataset order (deterministic), or as they
         # come (faster when workers are uneven; the result then depends on timing).
         while next_consume in ready or (not ordered and ready):
-            queue.extend(ready.pop(next_consume if next_consume in ready else min(ready)))
+            index = next_consume if next_consume in ready else min(ready)
+            if index in consumed:  # an invariant, checked because a re-dispatch bug would silently reuse pairs
+                raise RuntimeError(f"rank: chunk {index} delivered twice")
+            consumed.add(index)
+            result.out_of_order += index != next_consume
+            queue.extend(ready.pop(index))
             next_consume += 1
         # Start a learner step when a full batch (or the epoch's tail) is queued.
         if learner_refs is None and queue and (len(queue) >= r.batch_size or next_consume == len(chunks)):
@@ -359,13 +401,19 @@ def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts
             batch_info = {"staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
                           "pairs": len(batch)}
         waitable = list(pending) + (learner_refs or [])
+        if not waitable and retries:
+            time.sleep(max(0.0, min(t for t, _ in retries) - time.monotonic()))
+            continue
         if not waitable:
             if next_submit < len(chunks):  # the next chunk waits for a version the learner has not reached
                 raise RuntimeError(f"rank: chunk {next_submit} needs policy version {chunks[next_submit].version} "
                                    f"but the learner is at step {step}; lower rank.refresh_every_steps "
                                    "or rank.max_inflight_chunks")
             break
-        done, _ = ray.wait(waitable, num_returns=1)
+        timeout = max(0.0, min(t for t, _ in retries) - time.monotonic()) if retries else None
+        done, _ = ray.wait(waitable, num_returns=1, timeout=timeout)
+        if not done:
+            continue  # a re-dispatch is due
         ref = done[0]
         if learner_refs is not None and ref in learner_refs:
             ray.wait(learner_refs, num_returns=len(learner_refs))
@@ -396,19 +444,37 @@ def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts
         try:
             if kind == "rollout":
                 ray.get(ref)  # surfaces a dead worker here, before scoring
+                pool.succeeded(w)
                 rw = rewards.pick()
                 score_ref = rewards.actors[rw].score.remote(ref)
                 pending[score_ref] = ("reward", index, rw)
                 rewards.busy[rw] += 1
             else:
                 ready[index] = ray.get(ref)
+                pool.succeeded(w)
         except (RayActorError, RayTaskError) as e:
             chunk = chunks[index]
-            chunk.attempts += 1
+            pool.failed(w)
             result.redispatched += 1
-            if chunk.attempts > r.max_restarts + 1:
-                raise RuntimeError(f"rank: chunk {index} failed {chunk.attempts} times; last error: {e}") from e
-            log.warning("rank: %s worker %d failed on chunk %d (%s); re-dispatching", kind, w, index,
-                        type(e).__name__)
-            submit_rollout(chunk)
+            # A restarting worker refuses tasks at once: that is not the chunk's fault, only a reason to wait
+            # (bounded: some minutes of cooldowns). Any other failure counts against rank.max_restarts.
+            if isinstance(e, ActorUnavailableError):
+                chunk.unavailable += 1
+                exhausted = chunk.unavailable > 30
+            else:
+                chunk.attempts += 1
+                exhausted = chunk.attempts > r.max_restarts + 1
+            if exhausted:
+                raise RuntimeError(f"rank: chunk {index} failed {chunk.attempts} times and was refused "
+                                   f"{chunk.unavailable} times by restarting workers; last error: {e}") from e
+            when = max(rollouts.next_available(), rewards.next_available())
+            log.warning("rank: %s worker %d failed on chunk %d (%s); re-dispatching%s", kind, w, index,
+                        type(e).__name__, f" in {when - time.monotonic():.1f} s" if when > time.monotonic() else "")
+            retries.append((when, index))
+    stopped = stop_after_steps and step >= stop_after_steps
+    if not stopped and len(consumed) != len(chunks):
+        raise RuntimeError(f"rank: the epoch ended with {len(chunks) - len(consumed)} of {len(chunks)} chunks unused")
+    if result.out_of_order:
+        log.info("rank: %d chunks reached the learner out of dataset order (rank.deterministic off)",
+                 result.out_of_order)
     return {"step": step, "last": last}

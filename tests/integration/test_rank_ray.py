@@ -227,3 +227,26 @@ def test_learner_death_fails_clearly_and_leaves_a_resumable_checkpoint(ray_sessi
     assert "learner rank failed" in str(box["error"])
     resumed = _run_rank(cfg, resume=True)
     assert resumed.steps == 12
+
+
+def test_unordered_mode_with_a_dead_worker_uses_every_pair_once(ray_session, prepared_run, tmp_path):
+    """rank.deterministic=false: chunks go to the learner as they complete, yet none is lost or reused.
+
+    Killing a rollout worker mid-task delays that chunk's re-dispatch while the other worker's chunks
+    complete, so the learner receives them out of dataset order.
+    """
+    run = _copy_prepared(prepared_run, tmp_path / "unordered")
+    cfg = _config(run, "rank.deterministic=false", "rank.rollout_workers=2", "rank.epochs=1", "rank.chunk_size=4")
+    job, box = _start_in_thread(cfg)
+    killed = None
+    deadline = time.time() + 600
+    while killed is None and time.time() < deadline and job.is_alive():
+        killed = _kill_child("ray::VersionedRolloutWorker.sample_version")
+        time.sleep(0.05)
+    job.join(timeout=600)
+    assert "error" not in box, box.get("error")  # the driver raises if a chunk is delivered twice or never
+    assert killed is not None, "never found a rollout worker to kill"
+    result = box["result"]
+    assert result.redispatched >= 1
+    assert result.pairs_used == 96 and result.steps == 6
+    assert result.out_of_order >= 1, "the re-dispatched chunk should have arrived after later ones"
