@@ -36,6 +36,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm.auto import tqdm
 
+from rlt2t.actors.http_sources import HttpRewardWorker, HttpRolloutWorker
 from rlt2t.actors.reward import RewardWorker
 from rlt2t.actors.rollout import RolloutWorker
 from rlt2t.actors.types import ScoredPair
@@ -44,6 +45,7 @@ from rlt2t.common.checkpoint import (
     checkpoint_name,
     load_training_state,
     prune_checkpoints,
+    read_checkpoint,
     save_checkpoint,
 )
 from rlt2t.common.config import Config
@@ -158,10 +160,14 @@ class WorkerPool:
     MAX_COOLDOWN_S = 10.0
 
     def __init__(self, cls: type, n: int, *, num_cpus: float, num_gpus: float, max_restarts: int, args: tuple,
-                 kwargs: dict, resources: dict[str, float] | None = None):
+                 kwargs: dict, resources: dict[str, float] | None = None,
+                 per_actor_args: Sequence[tuple] | None = None):
         remote = ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=dict(resources or {}),
                                          max_restarts=max_restarts, max_task_retries=0)
-        self.actors = [remote.remote(*args, **kwargs) for _ in range(n)]
+        own = list(per_actor_args) if per_actor_args is not None else [()] * n
+        if len(own) != n:
+            raise ValueError(f"per_actor_args: {len(own)} entries for {n} workers")
+        self.actors = [remote.remote(*extra, *args, **kwargs) for extra in own]
         self.busy = [0] * n
         self.cooldown_until = [0.0] * n
         self.failures = [0] * n  # consecutive
@@ -242,6 +248,37 @@ def init_ray(cfg: Config) -> None:
              log_to_driver=True, configure_logging=False, runtime_env={"env_vars": WORKER_ENV})
 
 
+def wait_for_servers(cfg: Config, published_dir: Path) -> None:
+    """Block until every policy / reward server of an http source answers /readyz (rollout.timeout_s)."""
+    import httpx
+
+    from rlt2t.actors.http_sources import _token
+
+    token = _token(cfg.serve.token_env)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    servers = [(u, "policy", f"rlt2t serve policy --checkpoint-dir {published_dir}") for u in cfg.rollout.urls
+               if cfg.rollout.source == "http"]
+    if cfg.reward.source == "http":
+        servers.append((cfg.reward.url, "reward", "rlt2t serve reward --document-frequency "
+                        f"{published_dir.parent / 'document_frequency.json'}"))
+    deadline = time.monotonic() + cfg.rollout.timeout_s
+    for url, kind, how in servers:
+        announced = False
+        while True:
+            try:
+                if httpx.get(f"{url.rstrip('/')}/readyz", headers=headers, timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank: the {kind} server at {url} was not ready within rollout.timeout_s="
+                                   f"{cfg.rollout.timeout_s:g} s (start it with: {how})")
+            if not announced:
+                log.info("rank: waiting for the %s server at %s (start it with: %s)", kind, url, how)
+                announced = True
+            time.sleep(0.5)
+
+
 def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], *, init: Path,
                resume_from: CheckpointInfo | None = None, stop_after_steps: int = 0) -> RankResult:
     """Run rank RL from ``init`` (an SFT checkpoint) or resume ``resume_from``; returns the last checkpoint."""
@@ -264,19 +301,45 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
     df.save(out_dir / "document_frequency.json")  # for reward / policy servers scoring this task
     start = Path(resume_from.path) if resume_from else init
     learners = LearnerGroup(cfg, start, total_steps)
-    rollouts = WorkerPool(VersionedRolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus, num_gpus=r.rollout_gpus,
-                          max_restarts=r.max_restarts, resources=r.rollout_resources,
-                          args=(cfg.model, str(cfg.tokenizer_dir), cfg.rollout),
-                          kwargs=dict(seed=cfg.run.seed, max_source_len=cfg.data.max_source_len))
-    rewards = WorkerPool(RewardActor, r.reward_workers, num_cpus=r.reward_cpus, num_gpus=0,
-                         max_restarts=r.max_restarts, args=(cfg.reward, df), kwargs={})
+    http_rollout = cfg.rollout.source == "http"
+    if http_rollout:
+        # One light actor per policy server: they wait on HTTP, so they reserve little CPU.
+        rollouts = WorkerPool(HttpRolloutWorker, len(cfg.rollout.urls), num_cpus=0.1, num_gpus=0,
+                              max_restarts=r.max_restarts, args=(), kwargs=dict(rollout=cfg.rollout, seed=cfg.run.seed),
+                              per_actor_args=[(url,) for url in cfg.rollout.urls])
+    else:
+        rollouts = WorkerPool(VersionedRolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus,
+                              num_gpus=r.rollout_gpus, max_restarts=r.max_restarts, resources=r.rollout_resources,
+                              args=(cfg.model, str(cfg.tokenizer_dir), cfg.rollout),
+                              kwargs=dict(seed=cfg.run.seed, max_source_len=cfg.data.max_source_len))
+    if cfg.reward.source == "http":
+        rewards = WorkerPool(HttpRewardWorker, r.reward_workers, num_cpus=0.1, num_gpus=0, max_restarts=r.max_restarts,
+                             args=(cfg.reward.url, cfg.reward), kwargs={})
+    else:
+        rewards = WorkerPool(RewardActor, r.reward_workers, num_cpus=r.reward_cpus, num_gpus=0,
+                             max_restarts=r.max_restarts, args=(cfg.reward, df), kwargs={})
     saver = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=start)  # writes checkpoints on the driver
+    published_dir = out_dir / "published"
+
+    def write_published(version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Policy servers (rollout.source=http) load the learner's weights from here (hot reload)."""
+        name = checkpoint_name(step=version)
+        if read_checkpoint(published_dir / name) is not None:
+            return
+        saver.model.load_state_dict(weights)
+        save_checkpoint(published_dir, name, model=saver.model, tokenizer=saver.tokenizer, step=version,
+                        meta={"stage": "rank-published", "policy_version": version})
+        prune_checkpoints(published_dir, keep_last=2)
+        log.info("rank: published version %d to %s", version, published_dir)
 
     step, epoch0, published = 0, 0, {}
     if resume_from is not None:
         state = load_training_state(resume_from.path)
         learners.load_training_states(state["learners"])
         published = {int(v): ray.put(w) for v, w in state["published"].items()}
+        if http_rollout:
+            for v, w in sorted(state["published"].items()):
+                write_published(int(v), w)
         step, epoch0 = resume_from.step, resume_from.meta["epoch"]
         log.info("rank: resuming from %s (step %d, epoch %d)", resume_from.path, step, epoch0)
     logger = RunLogger(cfg.run_dir / "logs" / "rank", "rank")
@@ -286,7 +349,10 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
 
     def publish(version: int) -> None:
         if version not in published:
-            published[version] = ray.put(learners.weights())
+            weights = learners.weights()
+            published[version] = ray.put(weights)
+            if http_rollout:
+                write_published(version, weights)
 
     def checkpoint(epoch: int, batch_in_epoch: int, metrics: dict[str, float]) -> Path:
         nonlocal best
@@ -304,6 +370,9 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
         return path
 
     try:
+        if http_rollout:
+            publish(step)  # the servers need weights to load before they can answer
+            wait_for_servers(cfg, published_dir)
         if r.refresh_every_steps and step % r.refresh_every_steps == 0:
             publish(step)  # the learner holds exactly these weights now (start, or a resumed checkpoint)
         for epoch in range(epoch0, r.epochs):
@@ -367,7 +436,9 @@ def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts
 
     def submit_rollout(c: Chunk) -> None:
         w = rollouts.pick()
-        ref = rollouts.actors[w].sample_version.remote(c.version, published[c.version], c.examples)
+        # Policy servers load published checkpoints themselves: do not ship them the weights.
+        weights = None if cfg.rollout.source == "http" else published[c.version]
+        ref = rollouts.actors[w].sample_version.remote(c.version, weights, c.examples)
         pending[ref] = ("rollout", c.index, w)
         rollouts.busy[w] += 1
 

@@ -40,25 +40,25 @@ class RewardWorker:
         hyps = [text for s in sets for text in s.pair]
         refs = [[s.reference] for s in sets for _ in range(2)]
         scores = self.metric.per_sample(hyps, refs).tolist()
-        out = []
-        for i, s in enumerate(sets):
-            first, second = s.pair
-            score_first, score_second = scores[2 * i], scores[2 * i + 1]
-            if score_second > score_first:
-                first, second, score_first, score_second = second, first, score_second, score_first
-            out.append(
-                ScoredPair(
-                    example_id=s.example_id,
-                    source=s.source,
-                    reference=s.reference,
-                    a=first,
-                    b=second,
-                    score_a=score_first,
-                    score_b=score_second,
-                    # A tie is exact float equality: the metric is deterministic, so equal texts (or texts
-                    # the metric cannot tell apart) score bit-identically.
-                    use_rank=first != second and score_first != score_second,
-                    policy_version=s.policy_version,
-                )
-            )
-        return out
+        return [order_pair(s, scores[2 * i], scores[2 * i + 1]) for i, s in enumerate(sets)]
+
+
+def order_pair(s: CandidateSet, score_first: float, score_second: float) -> ScoredPair:
+    """The scored pair of ``s`` given the scores of its two drawn candidates: better first, ties kept in
+    draw order, ``use_rank`` off for equal strings or tied scores."""
+    first, second = s.pair
+    if score_second > score_first:
+        first, second, score_first, score_second = second, first, score_second, score_first
+    return ScoredPair(
+        example_id=s.example_id,
+        source=s.source,
+        reference=s.reference,
+        a=first,
+        b=second,
+        score_a=score_first,
+        score_b=score_second,
+        # A tie is exact float equality: the metric is deterministic, so equal texts (or texts the metric
+        # cannot tell apart) score bit-identically.
+        use_rank=first != second and score_first != score_second,
+        policy_version=s.policy_version,
+    )

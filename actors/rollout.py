@@ -243,19 +243,30 @@ class RolloutWorker:
         return out
 
     def _candidate_set(self, ex: Example, samples: Sequence[str]) -> CandidateSet:
-        assert ex.target is not None  # checked in sample()
-        pool = list(samples) + ([ex.target] if self.rollout.include_gold else [])
-        # dict keeps first-occurrence order: deduplication that does not depend on set iteration order.
-        candidates = tuple(dict.fromkeys(t for t in map(normalize_text, pool) if t))
-        if len(candidates) >= 2:
-            rng = random.Random(stable_seed(self.seed, self._version, ex.id, "pair"))
-            first, second = rng.sample(candidates, 2)
-            pair = (first, second)
-        else:
-            # One candidate: it is paired with itself and the reward worker turns ranking off for it.
-            only = candidates[0] if candidates else ""
-            pair = (only, only)
-        return CandidateSet(
-            example_id=ex.id, source=ex.source, reference=ex.target, candidates=candidates, pair=pair,
-            policy_version=self._version,
-        )
+        return candidate_set(ex, samples, include_gold=self.rollout.include_gold, seed=self.seed,
+                             version=self._version)
+
+
+def candidate_set(ex: Example, samples: Sequence[str], *, include_gold: bool, seed: int, version: int) -> CandidateSet:
+    """A source's candidate set from its samples: gold added, normalised, deduplicated, a pair drawn.
+
+    The pair draw is keyed on (seed, version, example id), so any sampler (Ray actor, policy server)
+    that produces the same samples gives the same pair.
+    """
+    if ex.target is None:
+        raise ValueError(f"example {ex.id!r} has no target; rank RL needs a reference")
+    pool = list(samples) + ([ex.target] if include_gold else [])
+    # dict keeps first-occurrence order: deduplication that does not depend on set iteration order.
+    candidates = tuple(dict.fromkeys(t for t in map(normalize_text, pool) if t))
+    if len(candidates) >= 2:
+        rng = random.Random(stable_seed(seed, version, ex.id, "pair"))
+        first, second = rng.sample(candidates, 2)
+        pair = (first, second)
+    else:
+        # One candidate: it is paired with itself and the reward worker turns ranking off for it.
+        only = candidates[0] if candidates else ""
+        pair = (only, only)
+    return CandidateSet(
+        example_id=ex.id, source=ex.source, reference=ex.target, candidates=candidates, pair=pair,
+        policy_version=version,
+    )

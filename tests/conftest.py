@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import uvicorn
 
 from rlt2t.common.config import ModelConfig
 from rlt2t.common.policy import load_policy
@@ -37,3 +41,34 @@ def _quiet_transformers():
     from rlt2t.common.tracking import quiet_transformers
 
     quiet_transformers()
+
+
+class LiveServer:
+    """uvicorn serving ``app`` on a loopback port (0: a free one), in a thread; ``url`` once it accepts."""
+
+    def __init__(self, app, port: int = 0) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
+        self.sock.close()
+
+
+@pytest.fixture
+def live_server() -> type[LiveServer]:
+    """The LiveServer class: `with live_server(app) as s: httpx.get(s.url + ...)`."""
+    return LiveServer

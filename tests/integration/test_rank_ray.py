@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -133,6 +134,12 @@ def _kill_child(title_prefix: str) -> int | None:
     return None
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _copy_prepared(prepared_run: Path, dest: Path) -> Path:
     shutil.copytree(prepared_run, dest, ignore=shutil.ignore_patterns("rank", "eval"))
     return dest
@@ -250,3 +257,41 @@ def test_unordered_mode_with_a_dead_worker_uses_every_pair_once(ray_session, pre
     assert result.redispatched >= 1
     assert result.pairs_used == 96 and result.steps == 6
     assert result.out_of_order >= 1, "the re-dispatched chunk should have arrived after later ones"
+
+
+def test_http_rollout_and_reward_sources_train_through_live_servers(ray_session, prepared_run, tmp_path,
+                                                                     live_server):
+    """rollout.source=http + reward.source=http: the job samples on a policy server that hot-reloads the
+    versions it publishes and scores on a reward server; every pair is used once."""
+    import json
+
+    from rlt2t.services import policy_app, reward_app
+
+    run = _copy_prepared(prepared_run, tmp_path / "http")
+    # The policy server needs the first published version: start the job, wait for its first published
+    # checkpoint, then start the servers it waits for.
+    ports = [_free_port(), _free_port()]
+    policy_url, reward_url = (f"http://127.0.0.1:{p}" for p in ports)
+    cfg = _config(run, "rank.epochs=2", "rank.train_subset=32", "rollout.source=http",
+                  f"rollout.urls=[\"{policy_url}\"]", "reward.source=http", f"reward.url={reward_url}",
+                  "serve.reload_interval_s=0.2", "rollout.timeout_s=120")
+    job, box = _start_in_thread(cfg)
+    published = run / "rank" / "published"
+    deadline = time.time() + 300
+    while latest_complete_checkpoint(published) is None and job.is_alive() and time.time() < deadline:
+        time.sleep(0.1)
+    assert latest_complete_checkpoint(published) is not None, box
+    df = run / "rank" / "document_frequency.json"
+    servers = [live_server(policy_app.create_app(cfg, checkpoint_dir=published), ports[0]),
+               live_server(reward_app.create_app(cfg, document_frequency=df), ports[1])]
+    with servers[0], servers[1]:
+        job.join(timeout=600)
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    assert result.pairs_used == 2 * 32 and result.steps == 4
+    rows = [json.loads(x) for x in (run / "logs" / "rank" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    # Epoch 2's pairs come from the version published after epoch 1 (the server reloaded it).
+    assert [p.name for p in sorted(published.iterdir()) if not p.name.startswith(".")] == ["step-000000", "step-000002"]
+    # Epoch 2 asks for version 2: had the server not reloaded it, staleness would be 2 and 3.
+    assert [r["staleness_max"] for r in train if r["epoch"] == 1] == [0, 1]

@@ -1,0 +1,105 @@
+"""Rollout and reward over HTTP: the policy and reward servers as alternatives to the Ray actors.
+
+With ``rollout.source: http`` the driver runs one light :class:`HttpRolloutWorker` per policy server URL
+(Ray actors, so dispatch, re-dispatch and the reorder buffer are the ones the local actors use); each
+asks its server for samples and builds the candidate sets locally with the same rules as
+:class:`~rlt2t.actors.rollout.RolloutWorker`. The servers get the learner's weights from the checkpoints
+the driver publishes under ``{run}/rank/published`` (``rlt2t serve policy --checkpoint-dir`` that
+directory; it hot-reloads the newest). A server that has not loaded the version a chunk asks for yet is
+waited for, up to ``rollout.timeout_s``, then its candidates are used anyway and the staleness logged
+says by how much they lag.
+
+With ``reward.source: http`` an :class:`HttpRewardWorker` scores each drawn pair on the reward server
+(its ``task_score``, configured by the server's own ``reward`` section and document frequencies: start
+it with ``--document-frequency {run}/rank/document_frequency.json`` to score as the Ray actors do).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+from rlt2t.actors.reward import order_pair
+from rlt2t.actors.rollout import candidate_set, stable_seed
+from rlt2t.actors.types import CandidateSet, ScoredPair
+from rlt2t.common.config import RewardConfig, RolloutConfig
+from rlt2t.common.data import Example
+
+log = logging.getLogger("rlt2t.http_sources")
+
+# The server's seed field is bounded (JSON-safe integers).
+_SEED_RANGE = 2**31 - 1
+
+
+def _token(env: str = "RLT2T_API_TOKEN") -> str | None:
+    return os.environ.get(env) or None
+
+
+class HttpRolloutWorker:
+    """Samples candidate sets on one policy server; the same contract as ``RolloutWorker``."""
+
+    def __init__(self, url: str, rollout: RolloutConfig, *, seed: int, token_env: str = "RLT2T_API_TOKEN",
+                 poll_s: float = 0.5) -> None:
+        from rlt2t.services.client import PolicyClient
+
+        self.url = url
+        self.rollout = rollout
+        self.seed = seed
+        self.poll_s = poll_s
+        self.client = PolicyClient(url, token=_token(token_env), timeout=rollout.timeout_s)
+
+    def sample_version(self, version: int, weights, examples: Sequence[Example]) -> list[CandidateSet]:
+        """Candidate sets for ``examples`` from weights of ``version`` or newer (``weights`` is unused:
+        the server loads published checkpoints)."""
+        del weights
+        cfg = self.rollout
+        out: list[CandidateSet] = []
+        for first in range(0, len(examples), cfg.batch_size):
+            chunk = list(examples[first : first + cfg.batch_size])
+            for i, ex in enumerate(chunk):
+                if ex.target is None:
+                    raise ValueError(f"examples[{first + i}] (id {ex.id!r}) has no target; rank RL needs a reference")
+            seed = stable_seed(self.seed, version, *(ex.id for ex in chunk)) % _SEED_RANGE
+            deadline = time.monotonic() + cfg.timeout_s
+            while True:
+                response = self.client.candidates(
+                    [ex.source for ex in chunk], mode="sample", num_candidates=cfg.num_samples, top_k=cfg.top_k,
+                    temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
+                if response.policy_version >= version or time.monotonic() >= deadline:
+                    break
+                time.sleep(self.poll_s)  # the server has not reloaded the published version yet
+            if response.policy_version < version:
+                log.warning("policy server %s still serves version %d after %.0f s; chunk wanted %d",
+                            self.url, response.policy_version, cfg.timeout_s, version)
+            for ex, candidates in zip(chunk, response.candidates, strict=True):
+                out.append(candidate_set(ex, [c.text for c in candidates], include_gold=cfg.include_gold,
+                                         seed=self.seed, version=response.policy_version))
+        return out
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class HttpRewardWorker:
+    """Scores drawn pairs on a reward server; the same contract as ``RewardWorker``."""
+
+    def __init__(self, url: str, reward: RewardConfig, *, token_env: str = "RLT2T_API_TOKEN") -> None:
+        from rlt2t.services.client import RewardClient
+
+        self.url = url
+        self.client = RewardClient(url, token=_token(token_env), timeout=reward.timeout_s)
+
+    def score(self, sets: Sequence[CandidateSet]) -> list[ScoredPair]:
+        if not sets:
+            return []
+        hyps = [text for s in sets for text in s.pair]
+        refs = [s.reference for s in sets for _ in range(2)]
+        scores = self.client.reward(hyps, refs, metrics=["task_score"]).scores["task_score"]
+        if len(scores) != len(hyps):
+            raise RuntimeError(f"reward server {self.url} returned {len(scores)} scores for {len(hyps)} candidates")
+        return [order_pair(s, scores[2 * i], scores[2 * i + 1]) for i, s in enumerate(sets)]
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -1,0 +1,323 @@
+"""Inference backends of the policy server: one interface, torch now, CTranslate2 later.
+
+A backend holds one set of weights (one checkpoint) and is never mutated: hot reload builds a new
+backend and the batcher swaps the reference between batches. Backend methods are called from the
+batcher's single worker thread only (torch is not re-entrant-friendly, and the machines are small).
+
+Log-probs everywhere are of the *raw* model, log-softmax of the logits at temperature 1 without top-k /
+top-p filtering: the quantity reranking and the rank loss use, comparable between sampled, beamed and
+teacher-forced texts.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+from transformers.modeling_outputs import BaseModelOutput
+
+from rlt2t.common.batching import collate_seq2seq, encode_texts
+from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir
+from rlt2t.common.config import Config
+from rlt2t.common.policy import Policy, load_policy
+from rlt2t.learner.losses import token_scores
+
+log = logging.getLogger("rlt2t.services.backends")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One candidate: generated ids (no decoder start, EOS included when produced), raw log-probs."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Decoding settings of one model call (requests are only batched with equal settings)."""
+
+    mode: str = "sample"
+    """`sample` or `beam`."""
+    num_candidates: int = 1
+    top_k: int = 0
+    top_p: float = 1.0
+    temperature: float = 1.0
+    beam_size: int = 4
+    max_new_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Teacher-forced scores of one target: label ids (tokens + EOS) and their raw log-probs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@runtime_checkable
+class PolicyBackend(Protocol):
+    """What the policy server needs from an inference engine."""
+
+    name: str
+    """Backend kind (`torch`, `ct2`)."""
+    version: int
+    """Policy version of the loaded weights."""
+    checkpoint: str
+    """Directory the weights came from."""
+    checksum: str
+    """sha256 of the weight files."""
+    loaded_at: float
+    """Unix time of loading."""
+    max_positions: int
+    """Longest token sequence (source, or decoder input) the model accepts."""
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens of each text without special tokens (what the tokens-per-source limit counts)."""
+        ...
+
+    def candidates(self, sources: Sequence[str], sampling: Sampling,
+                   row_seeds: Sequence[int]) -> list[list[Generation]]:
+        """``sampling.num_candidates`` generations per source. In `sample` mode ``row_seeds`` holds one
+        seed per row (row ``i * k + j`` = sample j of source i), each row's randomness coming from its
+        seed alone; `beam` mode is deterministic and ignores them."""
+        ...
+
+    def score(self, sources: Sequence[str], targets: Sequence[Sequence[str]]) -> list[list[Scored]]:
+        """Teacher-forced per-token log-probs of ``targets[i][j]`` given ``sources[i]``."""
+        ...
+
+
+def load_backend(cfg: Config, model_dir: str | Path) -> PolicyBackend:
+    """The ``cfg.serve.backend`` backend for a model or checkpoint directory (the one loading entry point
+    of the server and its hot reload)."""
+    if cfg.serve.backend == "torch":
+        return TorchBackend.from_checkpoint(cfg, model_dir)
+    raise ValueError(f"serve.backend: {cfg.serve.backend!r} is not available in the policy server yet "
+                     "(supported: torch)")
+
+
+def weights_checksum(model_dir: str | Path) -> str:
+    """sha256 over the weight files (safetensors / bin) of a model directory, in name order."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in Path(model_dir).iterdir()
+                   if p.is_file() and p.suffix in (".safetensors", ".bin") and not p.name.startswith("."))
+    for path in files:
+        digest.update(path.name.encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_version(model_dir: str | Path) -> int:
+    """The marker's ``policy_version`` if present, else its ``step``; 0 for a plain model directory."""
+    info = read_checkpoint(model_dir)
+    if info is None:
+        return 0
+    version = info.meta.get("policy_version", info.step)
+    return int(version)
+
+
+def _filter_logits(scores: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Mask (to -inf) what top-k then top-p exclude; scores [N, V] are already temperature-scaled."""
+    vocab = scores.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))  # ties with the k-th are kept
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        probs = sorted_scores.softmax(dim=-1)
+        # Drop a token when the mass before it already reaches top_p; the most likely is always kept.
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+class TorchBackend:
+    """The policy as a Hugging Face BART on torch; see :class:`PolicyBackend`."""
+
+    name = "torch"
+
+    def __init__(self, policy: Policy, *, version: int = 0, checkpoint: str = "", checksum: str = "",
+                 device: str = "cpu", max_batch_rows: int = 256) -> None:
+        self.policy = policy
+        self.device = torch.device(device)
+        self.model = policy.model.to(self.device).eval()  # never dropout at inference
+        self.tokenizer = policy.tokenizer
+        # The request handlers count tokens on the event loop while the worker encodes: a private copy
+        # keeps the Rust tokenizer from being borrowed by two threads at once.
+        self._counting_tokenizer = copy.deepcopy(policy.tokenizer)
+        self.version = version
+        self.checkpoint = checkpoint or policy.origin
+        self.checksum = checksum
+        self.loaded_at = time.time()
+        self.max_positions = int(self.model.config.max_position_embeddings)
+        self.max_batch_rows = max_batch_rows
+
+    @classmethod
+    def from_checkpoint(cls, cfg: Config, path: str | Path, *, device: str | None = None) -> TorchBackend:
+        """Load a checkpoint or model directory (or the newest complete checkpoint of a root)."""
+        model_dir = resolve_model_dir(path)
+        policy = load_policy(cfg.model, cfg.tokenizer_dir if cfg.tokenizer_dir.is_dir() else None,
+                             checkpoint=model_dir)
+        dev = device or cfg.serve.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        return cls(policy, version=checkpoint_version(model_dir), checkpoint=str(model_dir),
+                   checksum=weights_checksum(model_dir), device=dev)
+
+    # -- interface -----------------------------------------------------------------------------------
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        ids = self._counting_tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        return [len(x) for x in ids]
+
+    def candidates(self, sources: Sequence[str], sampling: Sampling,
+                   row_seeds: Sequence[int]) -> list[list[Generation]]:
+        if sampling.mode == "beam":
+            return self._beam(sources, sampling)
+        if sampling.mode != "sample":
+            raise ValueError(f"sampling.mode must be 'sample' or 'beam', got {sampling.mode!r}")
+        k = sampling.num_candidates
+        if len(row_seeds) != len(sources) * k:
+            raise ValueError(f"row_seeds: need one per row ({len(sources)} x {k}), got {len(row_seeds)}")
+        generators = [torch.Generator(device=self.device).manual_seed(s) for s in row_seeds]
+        ids, _ = encode_texts(self.tokenizer, sources, self.max_positions)
+        batch = collate_seq2seq(ids, None, self.tokenizer.pad_token_id)
+        rows = self.sample(batch["input_ids"], batch["attention_mask"], sampling, generators)
+        texts = self.policy.decode([r[0] for r in rows]) if rows else []
+        flat = [Generation(text, tokens, lps) for text, (tokens, lps) in zip(texts, rows, strict=True)]
+        return [flat[i * k : (i + 1) * k] for i in range(len(sources))]
+
+    def score(self, sources: Sequence[str], targets: Sequence[Sequence[str]]) -> list[list[Scored]]:
+        if len(targets) != len(sources):
+            raise ValueError(f"targets: need one list per source ({len(sources)}), got {len(targets)}")
+        src_ids, _ = encode_texts(self.tokenizer, sources, self.max_positions)
+        out: list[list[Scored]] = []
+        for i, ts in enumerate(targets):
+            label_ids, _ = encode_texts(self.tokenizer, ts, self.max_positions)
+            lps = self.teacher_forced([src_ids[i]] * len(label_ids), label_ids)
+            out.append([Scored(lab, lp) for lab, lp in zip(label_ids, lps, strict=True)])
+        return out
+
+    # -- torch work ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def teacher_forced(self, sources: Sequence[Sequence[int]], labels: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Raw log-prob of every label id given its source: sources/labels are lists of id lists [N]."""
+        out: list[list[float]] = []
+        pad_id = self.tokenizer.pad_token_id
+        start_id = self.model.config.decoder_start_token_id
+        for first in range(0, len(labels), self.max_batch_rows):
+            src, lab = sources[first : first + self.max_batch_rows], labels[first : first + self.max_batch_rows]
+            batch = collate_seq2seq(src, lab, pad_id)
+            label_t = batch["labels"].to(self.device)
+            decoder_in = torch.full_like(label_t, pad_id)
+            decoder_in[:, 0] = start_id
+            decoder_in[:, 1:] = label_t[:, :-1].clamp(min=0).masked_fill(label_t[:, :-1] < 0, pad_id)
+            logits = self.model(input_ids=batch["input_ids"].to(self.device),
+                                attention_mask=batch["attention_mask"].to(self.device),
+                                decoder_input_ids=decoder_in).logits
+            scores = token_scores(logits, label_t, "logprobs").cpu()
+            out += [scores[r, : len(lab[r])].tolist() for r in range(len(lab))]
+        return out
+
+    @torch.inference_mode()
+    def sample(self, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
+               generators: Sequence[torch.Generator]) -> list[tuple[list[int], list[float]]]:
+        """KV-cached ancestral sampling with top-k, top-p and temperature; returns (ids, raw log-probs)
+        per row, row ``i * k + j`` = sample j of source i drawing from ``generators[i * k + j]`` only.
+
+        The draws are those of ``actors.rollout.sample_candidates`` (Gumbel-max, V uniforms per step per
+        row), so with top_p = 1 the same generators give the same tokens. A row reaching max_new_tokens
+        ends with the generation config's forced EOS, as ``generate`` does; its log-prob is still the
+        model's.
+        """
+        k = sampling.num_candidates
+        num_rows = input_ids.shape[0] * k
+        if num_rows == 0:
+            return []
+        model, config = self.model, self.model.config
+        start_id, eos_id = config.decoder_start_token_id, config.eos_token_id
+        forced_eos = getattr(getattr(model, "generation_config", None), "forced_eos_token_id", None)
+        if isinstance(forced_eos, list | tuple):
+            forced_eos = min(forced_eos) if forced_eos else None
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        hidden = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden, mask = hidden.repeat_interleave(k, dim=0), attention_mask.repeat_interleave(k, dim=0)
+        rows = list(range(num_rows))
+        tokens_out: list[list[int]] = [[] for _ in range(num_rows)]
+        lps_out: list[list[float]] = [[] for _ in range(num_rows)]
+        next_tokens = torch.full((num_rows, 1), start_id, dtype=torch.long, device=self.device)
+        cache = None
+        for step_index in range(sampling.max_new_tokens):
+            step = model(encoder_outputs=BaseModelOutput(last_hidden_state=hidden), attention_mask=mask,
+                         decoder_input_ids=next_tokens, past_key_values=cache, use_cache=True)
+            cache = step.past_key_values
+            logits = step.logits[:, -1, :].float()
+            raw_logprobs = logits.log_softmax(dim=-1)
+            if step_index == sampling.max_new_tokens - 1 and forced_eos is not None:
+                tokens = torch.full((len(rows),), forced_eos, dtype=torch.long, device=self.device)
+            else:
+                scores = _filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+                uniforms = torch.stack([torch.rand(scores.shape[-1], generator=generators[r], device=self.device)
+                                        for r in rows])
+                tokens = (scores - torch.log(-torch.log(uniforms))).argmax(dim=-1)
+            chosen = raw_logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+            finished = []
+            for pos, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+                tokens_out[row].append(token)
+                lps_out[row].append(chosen[pos])
+                if token == eos_id:
+                    finished.append(pos)
+            if len(finished) == len(rows) or step_index == sampling.max_new_tokens - 1:
+                break
+            if finished:
+                done = set(finished)
+                keep = [pos for pos in range(len(rows)) if pos not in done]
+                index = torch.tensor(keep, dtype=torch.long, device=self.device)
+                cache.batch_select_indices(index)
+                hidden, mask, tokens = hidden[index], mask[index], tokens[index]
+                rows = [rows[pos] for pos in keep]
+            next_tokens = tokens[:, None]
+        return list(zip(tokens_out, lps_out, strict=True))
+
+    def _beam(self, sources: Sequence[str], sampling: Sampling) -> list[list[Generation]]:
+        """Beam search via ``generate``; per-token log-probs recomputed by teacher forcing (exact, raw)."""
+        if sampling.num_candidates > sampling.beam_size:
+            raise ValueError(f"num_candidates={sampling.num_candidates} exceeds beam_size={sampling.beam_size}")
+        ids, _ = encode_texts(self.tokenizer, sources, self.max_positions)
+        batch = collate_seq2seq(ids, None, self.tokenizer.pad_token_id)
+        h = sampling.num_candidates
+        with torch.inference_mode():
+            gen = self.model.generate(
+                input_ids=batch["input_ids"].to(self.device), attention_mask=batch["attention_mask"].to(self.device),
+                num_beams=sampling.beam_size, num_return_sequences=h, max_new_tokens=sampling.max_new_tokens,
+                do_sample=False, early_stopping=True,
+            ).cpu()
+        pad_id, eos_id = self.tokenizer.pad_token_id, self.model.config.eos_token_id
+        rows: list[list[int]] = []
+        for seq in gen.tolist():
+            seq = seq[1:]  # drop the decoder start token
+            if eos_id in seq:
+                seq = seq[: seq.index(eos_id) + 1]
+            else:
+                while seq and seq[-1] == pad_id:
+                    seq.pop()
+            rows.append(seq)
+        lps = self.teacher_forced([ids[r // h] for r in range(len(rows))], rows)
+        texts = self.policy.decode(rows)
+        flat = [Generation(t, r, lp) for t, r, lp in zip(texts, rows, lps, strict=True)]
+        return [flat[i * h : (i + 1) * h] for i in range(len(sources))]

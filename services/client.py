@@ -1,0 +1,327 @@
+"""Typed httpx clients of the policy and reward servers; methods mirror the routes.
+
+    with PolicyClient("http://127.0.0.1:8000", token=os.environ.get("RLT2T_API_TOKEN")) as policy:
+        out = policy.candidates(["12 7 33"], num_candidates=4, top_k=3, temperature=0.8)
+        out.candidates[0][0].text, out.policy_version
+
+Each client instance owns one pooled ``httpx.Client`` (``AsyncPolicyClient``: ``httpx.AsyncClient``);
+use it as a context manager or call ``close()``. Requests are validated against the schema models
+before they are sent, and responses parsed into them.
+
+Retries (``retries`` extra attempts, exponential backoff with full jitter, ``backoff_s · 2^attempt``
+capped at ``max_backoff_s``) happen only on transient failures: a connection that could not be made
+(refused, DNS, connect timeout) and 503 (queue full / shutting down), where the server's Retry-After is
+honoured up to ``max_retry_after_s``. Everything else raises at once: 4xx → :class:`RequestError`
+(401 → :class:`AuthError`), other 5xx → :class:`ServerError`, a read timeout → :class:`ServiceTimeout`
+(the server may still be working on it: not retried), and exhausted retries → :class:`Unavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from rlt2t.services.schemas import (
+    CandidatesRequest,
+    CandidatesResponse,
+    Health,
+    ModelInfo,
+    PairsRequest,
+    PairsResponse,
+    RewardRequest,
+    RewardResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
+
+log = logging.getLogger("rlt2t.services.client")
+
+M = TypeVar("M", bound=BaseModel)
+
+# Indirection so tests can replace the waits without patching the time/asyncio modules.
+_sleep = time.sleep
+_async_sleep = asyncio.sleep
+
+
+class ServiceError(Exception):
+    """A request to an rlt2t service failed; ``status`` is the HTTP status (None: no response)."""
+
+    def __init__(self, message: str, *, status: int | None = None, detail: Any = None, url: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = detail
+        self.url = url
+
+
+class RequestError(ServiceError):
+    """The server rejected the request (4xx); ``detail`` is its error body (field errors for 422)."""
+
+
+class AuthError(RequestError):
+    """401: missing or wrong bearer token."""
+
+
+class ServerError(ServiceError):
+    """The server failed (5xx other than 503)."""
+
+
+class Unavailable(ServiceError):
+    """Retries exhausted: the server could not be reached or kept answering 503."""
+
+
+class ServiceTimeout(ServiceError):
+    """No response in time (not retried: the request may still be running on the server)."""
+
+
+def _detail(response: httpx.Response) -> Any:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:2000]
+    return body.get("detail", body) if isinstance(body, dict) else body
+
+
+def _error_for(response: httpx.Response) -> ServiceError:
+    detail = _detail(response)
+    status = response.status_code
+    url = str(response.request.url) if response.request is not None else ""
+    message = f"{response.request.method} {url} → {status}: {detail}"
+    if status == 401:
+        return AuthError(message, status=status, detail=detail, url=url)
+    if 400 <= status < 500:
+        return RequestError(message, status=status, detail=detail, url=url)
+    if status == 503:
+        return Unavailable(message, status=status, detail=detail, url=url)
+    return ServerError(message, status=status, detail=detail, url=url)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("Retry-After")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date: fall back to our own backoff
+
+
+class _Retrying:
+    """Shared settings and decisions of the sync and async clients."""
+
+    def __init__(self, base_url: str, *, token: str | None, timeout: float, connect_timeout: float, retries: int,
+                 backoff_s: float, max_backoff_s: float, max_retry_after_s: float) -> None:
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        if timeout <= 0 or connect_timeout <= 0:
+            raise ValueError(f"timeout and connect_timeout must be > 0, got {timeout}, {connect_timeout}")
+        self.base_url = base_url.rstrip("/")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.max_retry_after_s = max_retry_after_s
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.timeout = httpx.Timeout(timeout, connect=connect_timeout)
+
+    def delay(self, attempt: int, response: httpx.Response | None) -> float:
+        """Seconds to wait before retry number ``attempt + 1``."""
+        if response is not None and (after := _retry_after(response)) is not None:
+            return min(after, self.max_retry_after_s) + random.uniform(0, self.backoff_s)
+        return random.uniform(0, min(self.max_backoff_s, self.backoff_s * 2**attempt))
+
+    @staticmethod
+    def transient(exc: Exception) -> bool:
+        # Only failures where the request surely did not run: no connection, or no pooled connection free.
+        return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+
+    @staticmethod
+    def parse(response: httpx.Response, model: type[M]) -> M:
+        if response.status_code != 200:
+            raise _error_for(response)
+        try:
+            return model.model_validate_json(response.content)
+        except ValueError as e:
+            raise ServerError(f"{response.request.url}: response does not match {model.__name__}: {e}",
+                              status=response.status_code, url=str(response.request.url)) from e
+
+
+def _body(model: type[BaseModel], fields: dict[str, Any]) -> dict[str, Any]:
+    """Validate request fields client-side (a typo fails here, naming the field) and dump them."""
+    return model(**fields).model_dump(mode="json", exclude_none=True)
+
+
+class _SyncBase(_Retrying):
+    def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 60.0, connect_timeout: float = 5.0,
+                 retries: int = 3, backoff_s: float = 0.2, max_backoff_s: float = 5.0, max_retry_after_s: float = 10.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        super().__init__(base_url, token=token, timeout=timeout, connect_timeout=connect_timeout, retries=retries,
+                         backoff_s=backoff_s, max_backoff_s=max_backoff_s, max_retry_after_s=max_retry_after_s)
+        self._http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=self.timeout,
+                                  transport=transport)
+
+    def _request(self, method: str, path: str, model: type[M], json: dict[str, Any] | None = None) -> M:
+        for attempt in range(self.retries + 1):
+            response = None
+            try:
+                response = self._http.request(method, path, json=json)
+            except httpx.TimeoutException as e:
+                if not self.transient(e):
+                    raise ServiceTimeout(f"{method} {self.base_url}{path}: timed out: {e}", url=path) from e
+                error: Exception = e
+            except httpx.TransportError as e:
+                if not self.transient(e):
+                    raise Unavailable(f"{method} {self.base_url}{path}: {type(e).__name__}: {e}", url=path) from e
+                error = e
+            else:
+                if response.status_code != 503:
+                    return self.parse(response, model)
+                error = _error_for(response)
+            if attempt == self.retries:
+                break
+            wait = self.delay(attempt, response)
+            log.debug("%s %s: %s; retry %d/%d in %.2fs", method, path, error, attempt + 1, self.retries, wait)
+            _sleep(wait)
+        if isinstance(error, ServiceError):
+            raise error
+        raise Unavailable(f"{method} {self.base_url}{path}: {type(error).__name__}: {error} "
+                          f"(after {self.retries} retries)", url=path) from error
+
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self._http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def healthz(self) -> Health:
+        return self._request("GET", "/healthz", Health)
+
+    def readyz(self) -> Health:
+        return self._request("GET", "/readyz", Health)
+
+
+class _AsyncBase(_Retrying):
+    def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 60.0, connect_timeout: float = 5.0,
+                 retries: int = 3, backoff_s: float = 0.2, max_backoff_s: float = 5.0, max_retry_after_s: float = 10.0,
+                 transport: httpx.AsyncBaseTransport | None = None, max_connections: int = 100) -> None:
+        super().__init__(base_url, token=token, timeout=timeout, connect_timeout=connect_timeout, retries=retries,
+                         backoff_s=backoff_s, max_backoff_s=max_backoff_s, max_retry_after_s=max_retry_after_s)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout,
+                                       transport=transport,
+                                       limits=httpx.Limits(max_connections=max_connections,
+                                                           max_keepalive_connections=max_connections))
+
+    async def _request(self, method: str, path: str, model: type[M], json: dict[str, Any] | None = None) -> M:
+        for attempt in range(self.retries + 1):
+            response = None
+            try:
+                response = await self._http.request(method, path, json=json)
+            except httpx.TimeoutException as e:
+                if not self.transient(e):
+                    raise ServiceTimeout(f"{method} {self.base_url}{path}: timed out: {e}", url=path) from e
+                error: Exception = e
+            except httpx.TransportError as e:
+                if not self.transient(e):
+                    raise Unavailable(f"{method} {self.base_url}{path}: {type(e).__name__}: {e}", url=path) from e
+                error = e
+            else:
+                if response.status_code != 503:
+                    return self.parse(response, model)
+                error = _error_for(response)
+            if attempt == self.retries:
+                break
+            await _async_sleep(self.delay(attempt, response))
+        if isinstance(error, ServiceError):
+            raise error
+        raise Unavailable(f"{method} {self.base_url}{path}: {type(error).__name__}: {error} "
+                          f"(after {self.retries} retries)", url=path) from error
+
+    async def aclose(self) -> None:
+        """Close the pooled connections."""
+        await self._http.aclose()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def healthz(self) -> Health:
+        return await self._request("GET", "/healthz", Health)
+
+    async def readyz(self) -> Health:
+        return await self._request("GET", "/readyz", Health)
+
+
+class PolicyClient(_SyncBase):
+    """Synchronous client of the policy server."""
+
+    def candidates(self, sources: Sequence[str], **params: Any) -> CandidatesResponse:
+        """POST /v1/candidates; ``params`` are the other ``CandidatesRequest`` fields (num_candidates, ...)."""
+        body = _body(CandidatesRequest, {"sources": list(sources), **params})
+        return self._request("POST", "/v1/candidates", CandidatesResponse, body)
+
+    def pairs(self, sources: Sequence[str], references: Sequence[str], **params: Any) -> PairsResponse:
+        """POST /v1/pairs; ``params`` are the other ``PairsRequest`` fields (example_ids, seed, ...)."""
+        body = _body(PairsRequest, {"sources": list(sources), "references": list(references), **params})
+        return self._request("POST", "/v1/pairs", PairsResponse, body)
+
+    def score(self, source: str, targets: Sequence[str]) -> ScoreResponse:
+        """POST /v1/score: teacher-forced log-probs of ``targets`` given ``source``."""
+        return self._request("POST", "/v1/score", ScoreResponse,
+                             _body(ScoreRequest, {"source": source, "targets": list(targets)}))
+
+    def model(self) -> ModelInfo:
+        """GET /v1/model."""
+        return self._request("GET", "/v1/model", ModelInfo)
+
+
+class AsyncPolicyClient(_AsyncBase):
+    """Asynchronous client of the policy server (same methods as :class:`PolicyClient`, awaited)."""
+
+    async def candidates(self, sources: Sequence[str], **params: Any) -> CandidatesResponse:
+        body = _body(CandidatesRequest, {"sources": list(sources), **params})
+        return await self._request("POST", "/v1/candidates", CandidatesResponse, body)
+
+    async def pairs(self, sources: Sequence[str], references: Sequence[str], **params: Any) -> PairsResponse:
+        body = _body(PairsRequest, {"sources": list(sources), "references": list(references), **params})
+        return await self._request("POST", "/v1/pairs", PairsResponse, body)
+
+    async def score(self, source: str, targets: Sequence[str]) -> ScoreResponse:
+        return await self._request("POST", "/v1/score", ScoreResponse,
+                                   _body(ScoreRequest, {"source": source, "targets": list(targets)}))
+
+    async def model(self) -> ModelInfo:
+        return await self._request("GET", "/v1/model", ModelInfo)
+
+
+class RewardClient(_SyncBase):
+    """Synchronous client of the reward server."""
+
+    def reward(self, candidates: Sequence[str], references: Sequence[str | Sequence[str]],
+               metrics: Sequence[str] | None = None) -> RewardResponse:
+        """POST /v1/reward: per-sample scores per metric (default: the task score)."""
+        fields: dict[str, Any] = {"candidates": list(candidates),
+                                  "references": [r if isinstance(r, str) else list(r) for r in references]}
+        if metrics is not None:
+            fields["metrics"] = list(metrics)
+        return self._request("POST", "/v1/reward", RewardResponse, _body(RewardRequest, fields))
+
+
+class AsyncRewardClient(_AsyncBase):
+    """Asynchronous client of the reward server."""
+
+    async def reward(self, candidates: Sequence[str], references: Sequence[str | Sequence[str]],
+                     metrics: Sequence[str] | None = None) -> RewardResponse:
+        fields: dict[str, Any] = {"candidates": list(candidates),
+                                  "references": [r if isinstance(r, str) else list(r) for r in references]}
+        if metrics is not None:
+            fields["metrics"] = list(metrics)
+        return await self._request("POST", "/v1/reward", RewardResponse, _body(RewardRequest, fields))

@@ -1,0 +1,313 @@
+"""The policy server: candidates, training pairs and teacher-forced scores over HTTP.
+
+    app = create_app(cfg)                      # serves cfg.serve.checkpoint_dir, hot-reloading it
+    uvicorn.run(app, host="127.0.0.1", port=8000)   # or: rlt2t serve policy
+
+Routes (see ``rlt2t.services.schemas`` for the bodies):
+
+- ``POST /v1/candidates``: sampling (top-k / top-p / temperature) or beam search → texts, token ids,
+  raw per-token log-probs, and the policy version.
+- ``POST /v1/pairs``: the rank-RL rollout over HTTP: K samples per source, the gold added,
+  deduplicated, a pair drawn and scored with the task score, ``a`` the better (``actors.types.ScoredPair``
+  fields). CIDEr-D document frequencies come from ``document_frequency`` (the JSON rank training writes)
+  when given, else from the request's own references, in which case a pair's scores depend on the other
+  references in the request.
+- ``POST /v1/score``: teacher-forced per-token log-probs of targets given a source (the rerank primitive).
+- ``GET /v1/model``, ``/healthz`` (no auth), ``/readyz``, ``/metrics``.
+
+Limits: ``serve.max_sources_per_call`` sources (or items) per request; ``serve.max_tokens_per_source``
+tokens per text *as the model's tokenizer counts them* (special tokens excluded), further capped by the
+model's positions less one (room for EOS); ``serve.max_candidates_per_source`` samples, beam width,
+hypotheses or scored targets per source. Violations are 422s naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+from collections.abc import Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import Counter, Gauge, Histogram
+from starlette.concurrency import run_in_threadpool
+
+from rlt2t.actors.reward import RewardWorker
+from rlt2t.actors.rollout import normalize_text, stable_seed
+from rlt2t.actors.types import CandidateSet
+from rlt2t.common.checkpoint import resolve_model_dir
+from rlt2t.common.config import Config
+from rlt2t.common.metrics import DocumentFrequency
+from rlt2t.services.backends import Generation, PolicyBackend, Sampling, Scored, load_backend
+from rlt2t.services.batching import Batcher, Overloaded
+from rlt2t.services.http import (
+    OVERLOADED,
+    UNAUTHORIZED,
+    ServiceMetrics,
+    add_common_routes,
+    auth_dependencies,
+    field_error,
+    install_error_handlers,
+    load_token,
+)
+from rlt2t.services.reload import CheckpointWatcher, is_checkpoint_root
+from rlt2t.services.schemas import (
+    Candidate,
+    CandidatesRequest,
+    CandidatesResponse,
+    ModelInfo,
+    PairsRequest,
+    PairsResponse,
+    ScoredPair,
+    ScoreRequest,
+    ScoreResponse,
+    TargetScore,
+)
+
+log = logging.getLogger("rlt2t.services.policy")
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def candidate_set(example_id: str, source: str, reference: str, samples: Sequence[str], *, include_gold: bool,
+                  seed: int, version: int) -> CandidateSet:
+    """The candidate set and drawn pair of one source, by the rules of ``RolloutWorker``: samples then the
+    gold, whitespace-normalised, empties dropped, deduplicated keeping the first; the pair drawn with
+    ``random.Random(stable_seed(seed, version, example_id, "pair"))``; one candidate pairs with itself."""
+    pool = list(samples) + ([reference] if include_gold else [])
+    candidates = tuple(dict.fromkeys(t for t in map(normalize_text, pool) if t))
+    if len(candidates) >= 2:
+        rng = random.Random(stable_seed(seed, version, example_id, "pair"))
+        first, second = rng.sample(candidates, 2)
+        pair = (first, second)
+    else:
+        only = candidates[0] if candidates else ""
+        pair = (only, only)
+    return CandidateSet(example_id=example_id, source=source, reference=reference, candidates=candidates,
+                        pair=pair, policy_version=version)
+
+
+# -- runners: executed on the batcher's worker thread, one merged call per batch ----------------------
+
+def _run_candidates(backend: PolicyBackend, key: tuple[str, Sampling], items: list[tuple[str, list[int]]]
+                    ) -> list[list[Generation]]:
+    sampling = key[1]
+    return backend.candidates([s for s, _ in items], sampling, [seed for _, seeds in items for seed in seeds])
+
+
+def _run_pair_samples(backend: PolicyBackend, key: tuple[str, Sampling], items: list[tuple[str, str, int]]
+                      ) -> list[list[Generation]]:
+    # Row seeds as RolloutWorker keys them, with the version of the weights that actually sample.
+    sampling = key[1]
+    seeds = [stable_seed(seed, backend.version, ex_id, j) for _, ex_id, seed in items
+             for j in range(sampling.num_candidates)]
+    return backend.candidates([s for s, _, _ in items], sampling, seeds)
+
+
+def _run_score(backend: PolicyBackend, key: str, items: list[tuple[str, list[str]]]) -> list[list[Scored]]:
+    return backend.score([s for s, _ in items], [t for _, t in items])
+
+
+class _PolicyMetrics(ServiceMetrics):
+    def __init__(self) -> None:
+        super().__init__("rlt2t_policy")
+        self.batch_sources = Histogram("rlt2t_policy_batch_sources", "Sources per model call", buckets=BATCH_BUCKETS,
+                                       registry=self.registry)
+        self.batch_seconds = Histogram("rlt2t_policy_batch_seconds", "Model call time",
+                                       buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry)
+        self.queue_depth = Gauge("rlt2t_policy_queue_sources", "Sources waiting for a model call",
+                                 registry=self.registry)
+        self.model_version = Gauge("rlt2t_policy_model_version", "Policy version being served",
+                                   registry=self.registry)
+        self.reloads = Counter("rlt2t_policy_reloads", "Checkpoints hot-reloaded", registry=self.registry)
+        self.rejected = Counter("rlt2t_policy_rejected", "Requests refused with 503 (queue full)",
+                                registry=self.registry)
+
+    def on_batch(self, sources: int, seconds: float) -> None:
+        self.batch_sources.observe(sources)
+        self.batch_seconds.observe(seconds)
+
+
+def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend: PolicyBackend | None = None,
+               document_frequency: str | Path | None = None) -> FastAPI:
+    """The policy server app.
+
+    ``backend`` given: serve it (and watch ``checkpoint_dir`` only if that is given too). Otherwise
+    load the newest complete checkpoint of ``checkpoint_dir`` (default ``cfg.serve.checkpoint_dir``; a
+    plain model directory works too) and hot-reload newer ones every ``serve.reload_interval_s``.
+    Raises FileNotFoundError when there is nothing to serve.
+    """
+    serve = cfg.serve
+    watch_root: Path | None = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if backend is None:
+        root = watch_root or cfg.path(serve.checkpoint_dir)
+        if not root.exists():
+            raise FileNotFoundError(f"serve.checkpoint_dir: {root} does not exist")
+        backend = load_backend(cfg, resolve_model_dir(root))
+        watch_root = root
+    if watch_root is not None and not is_checkpoint_root(watch_root):
+        watch_root = None  # a single model directory: nothing newer can appear in it
+    df = DocumentFrequency.load(document_frequency) if document_frequency is not None else None
+    token = load_token(serve)
+    protected = auth_dependencies(token)
+    auth_responses = UNAUTHORIZED if token else {}
+
+    metrics = _PolicyMetrics()
+    batcher = Batcher(backend, max_batch_size=serve.max_batch_size, max_wait_ms=serve.max_wait_ms,
+                      max_queue=serve.max_queue, on_batch=metrics.on_batch)
+    metrics.queue_depth.set_function(lambda: batcher.queue_depth)
+    metrics.model_version.set_function(lambda: batcher.backend.version)
+
+    def install(new: PolicyBackend) -> None:
+        batcher.swap_backend(new)
+        metrics.reloads.inc()
+
+    watcher = None
+    if watch_root is not None:
+        watcher = CheckpointWatcher(watch_root, loader=lambda p: load_backend(cfg, p), install=install,
+                                    interval_s=serve.reload_interval_s, current=backend.checkpoint)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        batcher.start()
+        if watcher is not None:
+            watcher.start()
+        log.info("serving %s (version %d, %s backend)", backend.checkpoint, backend.version, backend.name)
+        try:
+            yield
+        finally:
+            if watcher is not None:
+                watcher.stop()
+            batcher.stop()
+
+    app = FastAPI(title="rlt2t policy server", version="1", lifespan=lifespan)
+    app.state.batcher, app.state.watcher, app.state.metrics = batcher, watcher, metrics
+    install_error_handlers(app)
+    metrics.install(app)
+    add_common_routes(app, metrics, lambda: not batcher.stopping, protected)
+
+    @app.exception_handler(Overloaded)
+    async def overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        metrics.rejected.inc()
+        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": str(exc.retry_after)})
+
+    # -- validation shared by the routes -------------------------------------------------------------
+
+    def token_limit() -> int:
+        # EOS takes one position: a text of n tokens is n + 1 ids on the encoder or decoder side.
+        return min(serve.max_tokens_per_source, batcher.backend.max_positions - 1)
+
+    def check_texts(field: str, texts: Sequence[str], nested: int | None = None) -> None:
+        limit = token_limit()
+        for i, n in enumerate(batcher.backend.count_tokens(texts)):
+            if n > limit:
+                loc = ("body", field, i) if nested is None else ("body", field, nested, i)
+                raise field_error(loc, f"{n} tokens; at most {limit} per text (serve.max_tokens_per_source and "
+                                  "the model's positions)")
+
+    def check_count(field: str, value: int, limit: int, what: str) -> None:
+        if value > limit:
+            raise field_error(("body", field), f"{value} {what}; at most {limit}", value)
+
+    def check_new_tokens(value: int) -> None:
+        limit = batcher.backend.max_positions - 1  # the decoder start token takes a position
+        if value > limit:
+            raise field_error(("body", "max_new_tokens"), f"at most {limit} for this model", value)
+
+    # -- routes --------------------------------------------------------------------------------------
+
+    @app.post("/v1/candidates", response_model=CandidatesResponse, dependencies=protected, tags=["policy"],
+              responses={**auth_responses, **OVERLOADED})
+    async def candidates(req: CandidatesRequest) -> CandidatesResponse:
+        """Sample or beam-search candidates for each source."""
+        check_count("sources", len(req.sources), serve.max_sources_per_call, "sources")
+        check_count("num_candidates", req.num_candidates, serve.max_candidates_per_source, "candidates per source")
+        if req.mode == "beam":
+            check_count("beam_size", req.beam_size, serve.max_candidates_per_source, "beams")
+            check_count("num_candidates", req.num_candidates, req.beam_size, "hypotheses (beam_size)")
+        check_new_tokens(req.max_new_tokens)
+        check_texts("sources", req.sources)
+        # Only the settings a mode uses go into the batching key, so e.g. beam requests that differ in an
+        # (unused) temperature still share a model call.
+        if req.mode == "beam":
+            sampling = Sampling(mode="beam", num_candidates=req.num_candidates, beam_size=req.beam_size,
+                                max_new_tokens=req.max_new_tokens)
+        else:
+            sampling = Sampling(mode="sample", num_candidates=req.num_candidates, top_k=req.top_k, top_p=req.top_p,
+                                temperature=req.temperature, beam_size=1, max_new_tokens=req.max_new_tokens)
+        base = req.seed if req.seed is not None else secrets.randbits(63)
+        items = [(s, [stable_seed(base, i, j) for j in range(req.num_candidates)]) for i, s in enumerate(req.sources)]
+        results, used = await batcher.submit(("candidates", sampling), items, _run_candidates)
+        return CandidatesResponse(
+            candidates=[[Candidate(text=g.text, token_ids=g.token_ids, logprobs=g.logprobs,
+                                   total_logprob=float(sum(g.logprobs))) for g in gens] for gens in results],
+            policy_version=used.version,
+        )
+
+    @app.post("/v1/pairs", response_model=PairsResponse, dependencies=protected, tags=["policy"],
+              responses={**auth_responses, **OVERLOADED})
+    async def pairs(req: PairsRequest) -> PairsResponse:
+        """Scored (better, worse) pairs for rank training, one per source."""
+        r = cfg.rollout
+        n = len(req.sources)
+        check_count("sources", n, serve.max_sources_per_call, "sources")
+        if len(req.references) != n:
+            raise field_error(("body", "references"), f"{len(req.references)} references for {n} sources")
+        if req.example_ids is not None and len(req.example_ids) != n:
+            raise field_error(("body", "example_ids"), f"{len(req.example_ids)} example ids for {n} sources")
+        num_samples = req.num_samples if req.num_samples is not None else r.num_samples
+        check_count("num_samples", num_samples, serve.max_candidates_per_source, "samples per source")
+        max_new = req.max_new_tokens if req.max_new_tokens is not None else r.max_new_tokens
+        check_new_tokens(max_new)
+        check_texts("sources", req.sources)
+        check_texts("references", req.references)
+        sampling = Sampling(mode="sample", num_candidates=num_samples,
+                            top_k=req.top_k if req.top_k is not None else r.top_k, top_p=req.top_p,
+                            temperature=req.temperature if req.temperature is not None else r.temperature,
+                            beam_size=1, max_new_tokens=max_new)
+        ids = list(req.example_ids) if req.example_ids is not None else [str(i) for i in range(n)]
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        include_gold = req.include_gold if req.include_gold is not None else r.include_gold
+        results, used = await batcher.submit(("pairs", sampling), list(zip(req.sources, ids, [seed] * n, strict=True)),
+                                             _run_pair_samples)
+
+        def score() -> list:
+            sets = [candidate_set(ex_id, src, ref, [g.text for g in gens], include_gold=include_gold, seed=seed,
+                                  version=used.version)
+                    for ex_id, src, ref, gens in zip(ids, req.sources, req.references, results, strict=True)]
+            table = df if df is not None else DocumentFrequency.from_references([[ref] for ref in req.references])
+            return RewardWorker(cfg.reward, table).score(sets)
+
+        scored = await run_in_threadpool(score)  # metric work stays off the event loop
+        return PairsResponse(pairs=[ScoredPair(**vars(p)) for p in scored], policy_version=used.version)
+
+    @app.post("/v1/score", response_model=ScoreResponse, dependencies=protected, tags=["policy"],
+              responses={**auth_responses, **OVERLOADED})
+    async def score(req: ScoreRequest) -> ScoreResponse:
+        """Teacher-forced log-probs of each target given the source."""
+        check_count("targets", len(req.targets), serve.max_candidates_per_source, "targets")
+        limit = token_limit()
+        (n_source,) = batcher.backend.count_tokens([req.source])
+        if n_source > limit:
+            raise field_error(("body", "source"), f"{n_source} tokens; at most {limit} per text")
+        check_texts("targets", req.targets)
+        results, used = await batcher.submit("score", [(req.source, list(req.targets))], _run_score)
+        return ScoreResponse(
+            scores=[TargetScore(token_ids=s.token_ids, logprobs=s.logprobs, total_logprob=float(sum(s.logprobs)),
+                                mean_logprob=float(sum(s.logprobs)) / max(1, len(s.logprobs)))
+                    for s in results[0]],
+            policy_version=used.version,
+        )
+
+    @app.get("/v1/model", response_model=ModelInfo, dependencies=protected, tags=["policy"],
+             responses=auth_responses)
+    async def model_info() -> ModelInfo:
+        """The weights being served."""
+        b = batcher.backend
+        return ModelInfo(version=b.version, checkpoint=b.checkpoint, checksum=b.checksum, loaded_at=b.loaded_at,
+                         backend=b.name, max_source_tokens=token_limit())
+
+    return app

@@ -1,0 +1,211 @@
+"""The HTTP API contract of the policy and reward servers: request and response models.
+
+Both the FastAPI apps and the typed client (``rlt2t.services.client``) use these models, so a field
+renamed here changes both sides at once. Every request model forbids unknown fields and non-finite
+numbers: a typo or a NaN is a 422 naming the field, never a 5xx.
+
+Static bounds (``TEXT_MAX_CHARS``, ``LIST_MAX_ITEMS``, ...) only keep a hostile request cheap to
+reject; the configured limits (``serve.max_sources_per_call``, ``serve.max_tokens_per_source``,
+``serve.max_candidates_per_source``) are checked by the apps after parsing and answered with the same
+422 body FastAPI gives for schema errors (``{"detail": [{"loc": [...], "msg": ..., "type": ...}]}``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+TEXT_MAX_CHARS = 100_000
+"""Hard cap on the characters of any one text (sources, targets, references, candidates)."""
+LIST_MAX_ITEMS = 4096
+"""Hard cap on the length of any list in a request."""
+SEED_MAX = 2**63 - 1
+"""Seeds are 63-bit (what torch generators accept everywhere)."""
+
+# A source must hold some text: an all-whitespace source tokenises to nothing but EOS.
+SourceText = Annotated[str, StringConstraints(min_length=1, max_length=TEXT_MAX_CHARS, pattern=r"\S")]
+# Targets, candidates and references may be empty strings (a policy can emit EOS at once).
+Text = Annotated[str, StringConstraints(max_length=TEXT_MAX_CHARS)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+
+class ErrorResponse(_Response):
+    """Body of 401 / 503 answers (and any other error that is not a field validation error)."""
+
+    detail: str
+    """What went wrong."""
+
+
+class SamplingParams(_Request):
+    """How candidates are produced; shared by /v1/candidates (and, with server defaults, /v1/pairs)."""
+
+    mode: Literal["sample", "beam"] = "sample"
+    """`sample`: ancestral sampling with top-k / top-p / temperature; `beam`: beam search."""
+    num_candidates: int = Field(1, ge=1, le=LIST_MAX_ITEMS)
+    """Samples per source (`sample`) or hypotheses kept per source (`beam`, at most beam_size)."""
+    top_k: int = Field(0, ge=0, le=1_000_000)
+    """Sample among the k most likely tokens (0: no top-k filter; 1: greedy)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: no filter)."""
+    temperature: float = Field(1.0, gt=0.0, le=100.0)
+    """Logits are divided by this before sampling (log-probs returned are of the raw model)."""
+    beam_size: int = Field(4, ge=1, le=LIST_MAX_ITEMS)
+    """Beam width of `beam` mode."""
+    max_new_tokens: int = Field(64, ge=1, le=100_000)
+    """Longest candidate in tokens, EOS included (also bounded by the model's positions)."""
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    """`sample` mode: same seed, weights and request → same candidates, whatever else is batched with
+    it (None: fresh randomness)."""
+
+
+class CandidatesRequest(SamplingParams):
+    """POST /v1/candidates."""
+
+    sources: list[SourceText] = Field(min_length=1, max_length=LIST_MAX_ITEMS)
+    """Source texts; any text is accepted (unknown words become the tokenizer's <unk>)."""
+
+
+class Candidate(_Response):
+    text: str
+    """Decoded text (special tokens dropped, whitespace normalised)."""
+    token_ids: list[int]
+    """The generated token ids, without the decoder start token, EOS included when produced."""
+    logprobs: list[float]
+    """Per-token log-probability of ``token_ids`` under the raw model (log-softmax of the logits, not
+    temperature- or top-k/top-p-adjusted): what reranking and the rank loss use."""
+    total_logprob: float
+    """Sum of ``logprobs``."""
+
+
+class CandidatesResponse(_Response):
+    candidates: list[list[Candidate]]
+    """One list per source, in request order (``num_candidates`` each)."""
+    policy_version: int
+    """Version of the weights that produced every candidate of this response."""
+
+
+class PairsRequest(_Request):
+    """POST /v1/pairs: sample, build candidate sets and score the drawn pair, as rank training does.
+
+    Fields left null take the server's ``rollout`` config (num_samples, top_k, temperature,
+    max_new_tokens, include_gold).
+    """
+
+    sources: list[SourceText] = Field(min_length=1, max_length=LIST_MAX_ITEMS)
+    """Source texts."""
+    references: list[Text] = Field(min_length=1, max_length=LIST_MAX_ITEMS)
+    """Gold target of each source (same length as sources)."""
+    example_ids: list[Annotated[str, StringConstraints(min_length=1, max_length=256)]] | None = Field(
+        None, max_length=LIST_MAX_ITEMS)
+    """Example ids keying the sampling randomness (default: "0", "1", ... by position)."""
+    num_samples: int | None = Field(None, ge=1, le=LIST_MAX_ITEMS)
+    """K samples per source before the gold is added."""
+    top_k: int | None = Field(None, ge=0, le=1_000_000)
+    """Top-k filter of sampling (0: none)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus filter of sampling (1: none, as training)."""
+    temperature: float | None = Field(None, gt=0.0, le=100.0)
+    """Sampling temperature."""
+    max_new_tokens: int | None = Field(None, ge=1, le=100_000)
+    """Longest sample in tokens, EOS included."""
+    include_gold: bool | None = None
+    """Add the reference to the candidates before the pair is drawn."""
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    """Run seed: with the same weights, version and ids the pairs equal the Ray rollout worker's
+    (None: fresh randomness)."""
+
+
+class ScoredPair(_Response):
+    """The fields of ``rlt2t.actors.types.ScoredPair``: ``a`` is the better candidate."""
+
+    example_id: str
+    source: str
+    reference: str
+    a: str
+    b: str
+    score_a: float
+    score_b: float
+    use_rank: bool
+    policy_version: int
+
+
+class PairsResponse(_Response):
+    pairs: list[ScoredPair]
+    """One pair per source, in request order."""
+    policy_version: int
+    """Version of the weights that sampled every pair."""
+
+
+class ScoreRequest(_Request):
+    """POST /v1/score: teacher-forced log-probs of candidate targets given one source."""
+
+    source: SourceText
+    """Source text."""
+    targets: list[Text] = Field(min_length=1, max_length=LIST_MAX_ITEMS)
+    """Candidate target texts (EOS is appended to each, as in training labels)."""
+
+
+class TargetScore(_Response):
+    token_ids: list[int]
+    """Label ids of the target: its tokens then EOS."""
+    logprobs: list[float]
+    """log p(token_t | source, tokens_<t) under the raw model, one per label id."""
+    total_logprob: float
+    """Sum of ``logprobs``."""
+    mean_logprob: float
+    """``total_logprob / len(token_ids)`` (the rerank score)."""
+
+
+class ScoreResponse(_Response):
+    scores: list[TargetScore]
+    """One entry per target, in request order."""
+    policy_version: int
+    """Version of the weights that scored them."""
+
+
+class ModelInfo(_Response):
+    """GET /v1/model."""
+
+    version: int
+    """`policy_version` of the checkpoint marker, else its step (0 for a plain model directory)."""
+    checkpoint: str
+    """Directory the weights were loaded from."""
+    checksum: str
+    """sha256 of the weight files."""
+    loaded_at: float
+    """Unix time the weights were loaded."""
+    backend: str
+    """Inference backend (`torch`, ...)."""
+    max_source_tokens: int
+    """Effective tokens-per-source limit (config limit and model positions)."""
+
+
+class Health(_Response):
+    status: str
+    """`ok` (healthz) or `ready` (readyz)."""
+
+
+class RewardRequest(_Request):
+    """POST /v1/reward: per-sample scores of candidates against references."""
+
+    candidates: list[Text] = Field(min_length=1, max_length=LIST_MAX_ITEMS)
+    """Hypothesis texts."""
+    references: list[Text | Annotated[list[Text], Field(min_length=1, max_length=64)]] = Field(
+        min_length=1, max_length=LIST_MAX_ITEMS)
+    """Per candidate: one reference string, or a list of references."""
+    metrics: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(
+        default_factory=lambda: ["task_score"], min_length=1, max_length=32)
+    """Registered metric names (task_score uses the server's reward.bleu_weight / cider_sigma)."""
+
+
+class RewardResponse(_Response):
+    scores: dict[str, list[float]]
+    """Metric name → one score per candidate, in request order."""

@@ -1,0 +1,207 @@
+"""Policy server routes on a tiny checkpoint (TestClient): shapes, log-prob correctness, pairs as training
+makes them, validation errors naming the field, auth, metrics, the CLI's error path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from rlt2t.actors.reward import RewardWorker
+from rlt2t.actors.rollout import RolloutWorker
+from rlt2t.cli import main as cli_main
+from rlt2t.common.config import ModelConfig, RolloutConfig
+from rlt2t.common.data import Example
+from rlt2t.common.metrics import DocumentFrequency
+from rlt2t.learner.evaluate import generate
+from rlt2t.services.policy_app import create_app
+
+SOURCES = ["11 12 13 14", "20 21", "30 31 32 33 34 35 36"]
+
+
+@pytest.fixture
+def client(serve_cfg, checkpoint_root):
+    with TestClient(create_app(serve_cfg, checkpoint_dir=checkpoint_root)) as c:
+        yield c
+
+
+def teacher_forced(policy, source: str, ids: list[int]) -> list[float]:
+    """Independent reference: log p(ids[t] | source, ids[:t]) with one plain forward pass."""
+    model = policy.model.eval()
+    enc = policy.tokenizer([source], return_tensors="pt")
+    dec = torch.tensor([[model.config.decoder_start_token_id] + ids[:-1]])
+    with torch.no_grad():
+        logits = model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, decoder_input_ids=dec).logits
+    return logits.log_softmax(-1)[0, torch.arange(len(ids)), torch.tensor(ids)].tolist()
+
+
+def test_candidates_shapes_and_raw_logprobs(client, tiny_policy):
+    r = client.post("/v1/candidates", json={"sources": SOURCES, "num_candidates": 3, "top_k": 5,
+                                            "temperature": 0.7, "max_new_tokens": 10, "seed": 4})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["policy_version"] == 0
+    assert [len(c) for c in body["candidates"]] == [3, 3, 3]
+    for source, cands in zip(SOURCES, body["candidates"], strict=True):
+        for cand in cands:
+            ids = cand["token_ids"]
+            assert 1 <= len(ids) <= 10 and len(cand["logprobs"]) == len(ids)
+            assert cand["text"] == tiny_policy.decode([ids])[0]
+            # Raw model log-probs (not temperature/top-k adjusted) of exactly the returned tokens.
+            assert cand["logprobs"] == pytest.approx(teacher_forced(tiny_policy, source, ids), abs=1e-4)
+            assert cand["total_logprob"] == pytest.approx(sum(cand["logprobs"]), abs=1e-6)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch_mates(client):
+    params = {"num_candidates": 2, "top_k": 0, "max_new_tokens": 8, "seed": 9}
+    together = client.post("/v1/candidates", json={"sources": SOURCES, **params}).json()["candidates"]
+    again = client.post("/v1/candidates", json={"sources": SOURCES, **params}).json()["candidates"]
+    assert together == again
+    other_seed = client.post("/v1/candidates", json={"sources": SOURCES, **params, "seed": 10}).json()
+    assert other_seed["candidates"] != together
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(client, tiny_policy):
+    greedy = generate(tiny_policy, SOURCES, max_new_tokens=8)
+    for extra in ({"top_k": 1}, {"top_p": 1e-6}):
+        r = client.post("/v1/candidates", json={"sources": SOURCES, "max_new_tokens": 8, **extra})
+        assert [c[0]["text"] for c in r.json()["candidates"]] == greedy, extra
+
+
+def test_beam_returns_hypotheses_with_teacher_forced_logprobs(client, tiny_policy):
+    r = client.post("/v1/candidates", json={"sources": SOURCES[:2], "mode": "beam", "beam_size": 4,
+                                            "num_candidates": 3, "max_new_tokens": 6})
+    assert r.status_code == 200, r.text
+    for source, cands in zip(SOURCES, r.json()["candidates"], strict=False):
+        assert len(cands) == 3
+        best = generate(tiny_policy, [source], num_beams=4, max_new_tokens=6)[0]
+        assert cands[0]["text"] == best
+        for cand in cands:
+            assert cand["logprobs"] == pytest.approx(teacher_forced(tiny_policy, source, cand["token_ids"]), abs=1e-4)
+    bad = client.post("/v1/candidates", json={"sources": ["1"], "mode": "beam", "beam_size": 2, "num_candidates": 3})
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "num_candidates"]
+
+
+def test_score_matches_teacher_forcing(client, tiny_policy):
+    targets = ["40 41 42", "", "unknown wörds ✓"]
+    r = client.post("/v1/score", json={"source": SOURCES[0], "targets": targets})
+    assert r.status_code == 200, r.text
+    scores = r.json()["scores"]
+    eos = tiny_policy.tokenizer.eos_token_id
+    assert scores[1]["token_ids"] == [eos]
+    unk = tiny_policy.tokenizer.unk_token_id
+    assert scores[2]["token_ids"] == [unk, unk, unk, eos]
+    for s in scores:
+        assert s["logprobs"] == pytest.approx(teacher_forced(tiny_policy, SOURCES[0], s["token_ids"]), abs=1e-4)
+        assert s["mean_logprob"] == pytest.approx(s["total_logprob"] / len(s["token_ids"]))
+
+
+def test_pairs_equal_the_ray_rollout_and_reward_workers(serve_cfg, checkpoint_root, tmp_path, ids_tokenizer_dir):
+    refs = ["11 12 13", "20 22", "30 31 32"]
+    df = DocumentFrequency.from_references([[r] for r in refs + ["11 40", "50 51"]])
+    df.save(tmp_path / "df.json")
+    rollout = RolloutConfig(num_samples=4, top_k=3, temperature=0.8, max_new_tokens=8)
+    serve_cfg.rollout = rollout
+    app = create_app(serve_cfg, checkpoint_dir=checkpoint_root, document_frequency=tmp_path / "df.json")
+    with TestClient(app) as c:
+        r = c.post("/v1/pairs", json={"sources": SOURCES, "references": refs, "example_ids": ["a", "b", "c"],
+                                      "seed": 77})
+    assert r.status_code == 200, r.text
+    worker = RolloutWorker(ModelConfig(path=str(checkpoint_root / "epoch-0001"), dropout=0.0),
+                           str(ids_tokenizer_dir), rollout, seed=77, max_source_len=128)
+    examples = [Example(id=i, source=s, target=t) for i, s, t in zip("abc", SOURCES, refs, strict=True)]
+    expected = RewardWorker(serve_cfg.reward, df).score(worker.sample(examples))
+    assert r.json()["pairs"] == [vars(p) for p in expected]
+    assert r.json()["policy_version"] == 0
+
+
+def test_any_text_is_a_source(client):
+    r = client.post("/v1/candidates", json={"sources": ["never seen words", "😀 ünïcödé", "1 2 99999"],
+                                            "max_new_tokens": 4})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(("body", "loc"), [
+    ({"sources": []}, ["body", "sources"]),
+    ({"sources": [""]}, ["body", "sources", 0]),
+    ({"sources": ["1", "  \n"]}, ["body", "sources", 1]),
+    ({"sources": ["1"], "colour": "red"}, ["body", "colour"]),
+    ({"sources": ["1"], "temperature": -1}, ["body", "temperature"]),
+    ({"sources": ["1"], "top_p": 1.5}, ["body", "top_p"]),
+    ({"sources": ["1"], "seed": 2**70}, ["body", "seed"]),
+    ({"sources": ["1"], "num_candidates": 7}, ["body", "num_candidates"]),  # serve.max_candidates_per_source=6
+    ({"sources": ["1"] * 9}, ["body", "sources"]),  # serve.max_sources_per_call=8
+    ({"sources": ["1", " ".join(["5"] * 41)]}, ["body", "sources", 1]),  # serve.max_tokens_per_source=40
+    ({"sources": ["1"], "max_new_tokens": 256}, ["body", "max_new_tokens"]),  # tiny model: 256 positions
+    ({"sources": ["1"], "mode": "greedy"}, ["body", "mode"]),
+    ({"sources": "1"}, ["body", "sources"]),
+])
+def test_bad_candidate_requests_are_422_naming_the_field(client, body, loc):
+    r = client.post("/v1/candidates", json=body)
+    assert r.status_code == 422, r.text
+    assert loc in [e["loc"] for e in r.json()["detail"]]
+
+
+def test_bad_pairs_and_score_requests_name_the_field(client):
+    r = client.post("/v1/pairs", json={"sources": ["1", "2"], "references": ["3"]})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "references"]
+    r = client.post("/v1/pairs", json={"sources": ["1"], "references": ["3"], "example_ids": ["a", "b"]})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "example_ids"]
+    r = client.post("/v1/score", json={"source": "1", "targets": ["2"] * 7})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "targets"]
+    r = client.post("/v1/score", json={"source": "1", "targets": ["2", " ".join(["3"] * 41)]})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "targets", 1]
+    r = client.post("/v1/score", content=b'{"source": "1", "targets": [NaN]}', headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    r = client.post("/v1/candidates", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422
+
+
+def test_model_info_health_and_metrics(client, checkpoint_root):
+    info = client.get("/v1/model").json()
+    assert info["version"] == 0 and info["checkpoint"] == str(checkpoint_root / "epoch-0001")
+    assert len(info["checksum"]) == 64 and info["backend"] == "torch" and info["max_source_tokens"] == 40
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json() == {"status": "ready"}
+    client.post("/v1/candidates", json={"sources": ["1", "2"], "max_new_tokens": 3})
+    client.post("/v1/candidates", json={"sources": []})
+    text = client.get("/metrics").text
+    assert 'rlt2t_policy_requests_total{route="/v1/candidates",status="200"} 1.0' in text
+    assert 'rlt2t_policy_requests_total{route="/v1/candidates",status="422"} 1.0' in text
+    assert "rlt2t_policy_request_seconds_bucket" in text
+    assert "rlt2t_policy_batch_sources_sum 2.0" in text
+    assert "rlt2t_policy_queue_sources 0.0" in text and "rlt2t_policy_model_version 0.0" in text
+
+
+def test_bearer_token_from_env_guards_every_route_but_healthz(serve_cfg, checkpoint_root, monkeypatch):
+    monkeypatch.setenv("RLT2T_API_TOKEN", "s3cret")
+    with TestClient(create_app(serve_cfg, checkpoint_dir=checkpoint_root)) as c:
+        assert c.get("/healthz").status_code == 200
+        for method, path in (("get", "/v1/model"), ("get", "/readyz"), ("get", "/metrics"),
+                             ("post", "/v1/candidates")):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+                r = getattr(c, method)(path, headers=headers)
+                assert r.status_code == 401, (path, headers)
+                assert r.json() == {"detail": "missing or invalid bearer token"}
+        ok = c.post("/v1/candidates", json={"sources": ["1"], "max_new_tokens": 2},
+                    headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+
+
+def test_token_file_takes_precedence(serve_cfg, checkpoint_root, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLT2T_API_TOKEN", "from-env")
+    (tmp_path / "token").write_text("from-file\n")
+    serve_cfg.serve.token_file = str(tmp_path / "token")
+    with TestClient(create_app(serve_cfg, checkpoint_dir=checkpoint_root)) as c:
+        assert c.get("/v1/model", headers={"Authorization": "Bearer from-env"}).status_code == 401
+        assert c.get("/v1/model", headers={"Authorization": "Bearer from-file"}).status_code == 200
+
+
+def test_nothing_to_serve_is_a_clear_error(serve_cfg, tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="serve.checkpoint_dir"):
+        create_app(serve_cfg, checkpoint_dir=tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="complete checkpoints"):
+        create_app(serve_cfg, checkpoint_dir=tmp_path / "empty")
+    assert cli_main(["serve", "policy", "--checkpoint-dir", str(tmp_path / "empty"), f"run.dir={tmp_path}"]) == 2
+    assert "rlt2t serve: error:" in capsys.readouterr().err
