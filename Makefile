@@ -91,6 +91,7 @@ DEPLOY_CMD = python -m rlt2t.deploy
 
 deploy: $(STAMP)
 	@if [ -n "$(CLUSTER)" ]; then \
+		RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/ray get-auth-token --generate > /dev/null && \
 		$(BIN)/ray up -y $(CLUSTER) && \
 		$(BIN)/ray exec $(CLUSTER) "cd $(CLUSTER_REPO) && RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(DEPLOY_CMD) up \
 			--address http://127.0.0.1:8265 --python python --state $(DEPLOY_STATE) \

@@ -41,14 +41,14 @@ class HttpRolloutWorker:
     """Samples candidate sets on one policy server; the same contract as ``RolloutWorker``."""
 
     def __init__(self, url: str, rollout: RolloutConfig, *, seed: int, token_env: str = "RLT2T_API_TOKEN",
-                 poll_s: float = 0.5) -> None:
+                 poll_s: float = 0.5, transport=None) -> None:
         from rlt2t.services.client import PolicyClient
 
         self.url = url
         self.rollout = rollout
         self.seed = seed
         self.poll_s = poll_s
-        self.client = PolicyClient(url, token=_token(token_env), timeout=rollout.timeout_s)
+        self.client = PolicyClient(url, token=_token(token_env), timeout=rollout.timeout_s, transport=transport)
 
     def sample_version(self, version: int, weights, examples: Sequence[Example]) -> list[CandidateSet]:
         """Candidate sets for ``examples`` from weights of ``version`` or newer (``weights`` is unused:
@@ -85,11 +85,11 @@ class HttpRolloutWorker:
 class HttpRewardWorker:
     """Scores drawn pairs on a reward server; the same contract as ``RewardWorker``."""
 
-    def __init__(self, url: str, reward: RewardConfig, *, token_env: str = "RLT2T_API_TOKEN") -> None:
+    def __init__(self, url: str, reward: RewardConfig, *, token_env: str = "RLT2T_API_TOKEN", transport=None) -> None:
         from rlt2t.services.client import RewardClient
 
         self.url = url
-        self.client = RewardClient(url, token=_token(token_env), timeout=reward.timeout_s)
+        self.client = RewardClient(url, token=_token(token_env), timeout=reward.timeout_s, transport=transport)
 
     def score(self, sets: Sequence[CandidateSet]) -> list[ScoredPair]:
         if not sets:

@@ -1,0 +1,72 @@
+"""HTTP rollout/reward sources against stub servers (httpx.MockTransport): same contracts as the actors."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from rlt2t.actors.http_sources import HttpRewardWorker, HttpRolloutWorker
+from rlt2t.actors.rollout import candidate_set
+from rlt2t.common.config import RewardConfig, RolloutConfig
+from rlt2t.common.data import Example
+
+EXAMPLES = [Example(id="a", source="1 2 3", target="7 8"), Example(id="b", source="4 5", target="9")]
+
+
+def _candidates_response(sources: list[str], k: int, version: int) -> dict:
+    cands = [[{"text": f"{i} {j % 2}", "token_ids": [1], "logprobs": [-0.5], "total_logprob": -0.5}
+              for j in range(k)] for i in range(len(sources))]
+    return {"candidates": cands, "policy_version": version}
+
+
+def test_rollout_waits_for_the_published_version_and_builds_candidate_sets():
+    versions = iter([0, 0, 3])  # the server reloads version 3 on the third request
+    requests = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        requests.append(body)
+        return httpx.Response(200, json=_candidates_response(body["sources"], body["num_candidates"], next(versions)))
+
+    cfg = RolloutConfig(num_samples=3, top_k=3, temperature=0.8, max_new_tokens=8, timeout_s=30)
+    worker = HttpRolloutWorker("http://policy", cfg, seed=5, poll_s=0.0, transport=httpx.MockTransport(handler))
+    sets = worker.sample_version(2, None, EXAMPLES)
+    assert len(requests) == 3  # asked again until the version was >= 2
+    assert all(r["mode"] == "sample" and r["top_k"] == 3 and r["num_candidates"] == 3 for r in requests)
+    assert requests[0]["seed"] == requests[-1]["seed"]  # the same draw is asked for each time
+    assert [s.policy_version for s in sets] == [3, 3]
+    expected = candidate_set(EXAMPLES[0], ["0 0", "0 1", "0 0"], include_gold=True, seed=5, version=3)
+    assert sets[0] == expected
+    assert sets[0].candidates == ("0 0", "0 1", "7 8")  # samples deduplicated, gold added
+
+
+def test_rollout_gives_up_waiting_after_the_timeout_and_uses_what_it_got():
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        return httpx.Response(200, json=_candidates_response(body["sources"], body["num_candidates"], 1))
+
+    cfg = RolloutConfig(num_samples=2, timeout_s=0.05)
+    worker = HttpRolloutWorker("http://policy", cfg, seed=0, poll_s=0.01, transport=httpx.MockTransport(handler))
+    sets = worker.sample_version(4, None, EXAMPLES)
+    assert [s.policy_version for s in sets] == [1, 1]  # staleness is measured from this
+
+
+def test_reward_orders_each_pair_by_the_servers_scores():
+    from rlt2t.actors.types import CandidateSet
+
+    sets = [CandidateSet(example_id="a", source="s", reference="r", candidates=("x", "y"), pair=("x", "y"),
+                         policy_version=2),
+            CandidateSet(example_id="b", source="s", reference="r", candidates=("z",), pair=("z", "z"),
+                         policy_version=2)]
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.update(json.loads(request.content))
+        return httpx.Response(200, json={"scores": {"task_score": [0.1, 0.9, 0.5, 0.5]}})
+
+    worker = HttpRewardWorker("http://reward", RewardConfig(), transport=httpx.MockTransport(handler))
+    pairs = worker.score(sets)
+    assert seen["candidates"] == ["x", "y", "z", "z"] and seen["metrics"] == ["task_score"]
+    assert (pairs[0].a, pairs[0].b, pairs[0].score_a, pairs[0].use_rank) == ("y", "x", 0.9, True)
+    assert pairs[1].use_rank is False and pairs[1].policy_version == 2
