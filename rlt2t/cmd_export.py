@@ -1,10 +1,81 @@
-"""`rlt2t export ...` subcommands (registered by rlt2t.cli)."""
+"""`rlt2t export` (CTranslate2 conversion) and `rlt2t predict` (ensemble inference), registered by rlt2t.cli."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
+
+from rlt2t.common.config import load_config
+
+RERANK_HELP = (
+    "mean_logprob: length-normalised log-likelihood averaged over scorers; idf: the same, tokens weighted by "
+    "the IDF of training n-grams covering them; consensus: among the predict.consensus_top best by "
+    "likelihood, the one with the highest mean CIDEr-D against the others (default: predict.rerank)"
+)
+
+
+def _paths(value: str, flag: str) -> list[str]:
+    paths = [v.strip() for v in value.split(",") if v.strip()]
+    if not paths:
+        raise ValueError(f"{flag}: give one or more comma-separated directories")
+    return paths
+
+
+def cmd_export(args) -> None:
+    from rlt2t.common.checkpoint import resolve_model_dir
+    from rlt2t.common.ct2 import export_ct2
+    from rlt2t.predict import save_idf_beside
+
+    cfg = load_config(args.config, args.overrides)
+    source = Path(args.checkpoint)
+    if not source.exists():
+        raise FileNotFoundError(f"--checkpoint {source}: no such directory")
+    try:
+        model_dir = resolve_model_dir(source)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--checkpoint: {e}") from None
+    out = Path(args.out) if args.out else cfg.path(cfg.export.out) / model_dir.name
+    quantization = args.quantization or cfg.export.quantization
+    export_ct2(model_dir, out, quantization, force=args.force,
+               tokenizer_dir=cfg.tokenizer_dir if cfg.tokenizer_dir.is_dir() else None)
+    idf = save_idf_beside(cfg, out)
+    print(f"export: {model_dir} → {out} ({quantization}){f'; IDF table {idf}' if idf else ''}")
+
+
+def cmd_predict(args) -> None:
+    from rlt2t.cli import print_table
+    from rlt2t.predict import predict
+
+    cfg = load_config(args.config, args.overrides)
+    result = predict(cfg, _paths(args.generators, "--generators"), _paths(args.scorers, "--scorers"), args.input,
+                     args.out, rerank=args.rerank)
+    print(f"predict: {len(result.ids)} inputs, {result.mean_candidates:.1f} candidates each, rerank={result.rerank}")
+    print(f"predictions: {result.csv_path}\ncandidates: {result.jsonl_path}")
+    if result.metrics:
+        print_table(f"{Path(args.input).name}: single generators vs ensemble vs oracle", result.metrics)
 
 
 def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add this module's subcommands to the `rlt2t` parser; `config_args` adds --config and overrides."""
+    p = sub.add_parser("export", help="convert a checkpoint to CTranslate2 (int8 by default) with its IDF table")
+    config_args(p)
+    p.add_argument("--checkpoint", required=True, help="model directory, checkpoint, or checkpoint root (newest)")
+    p.add_argument("--out", default=None, help="export directory (default: {export.out}/<checkpoint name>)")
+    p.add_argument("--quantization", default=None,
+                   choices=["int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",
+                            "bfloat16", "float32"],
+                   help="weight type (default: export.quantization)")
+    p.add_argument("--force", action="store_true", help="replace an existing export directory")
+    p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("predict", help="ensemble inference: generators propose, scorers score, rerank picks")
+    config_args(p)
+    p.add_argument("--generators", required=True, help="comma-separated export dirs (or model dirs: exported on "
+                                                       "the fly into {export.out}/cache)")
+    p.add_argument("--scorers", required=True, help="comma-separated export dirs (or model dirs)")
+    p.add_argument("--input", required=True, help="JSONL (id, source[, target]) or competition CSV")
+    p.add_argument("--out", required=True, help="submission CSV (report_id,prediction); the candidates JSONL "
+                                                "goes beside it as <stem>.candidates.jsonl")
+    p.add_argument("--rerank", default=None, choices=["mean_logprob", "idf", "consensus"], help=RERANK_HELP)
+    p.set_defaults(fn=cmd_predict)

@@ -1,0 +1,220 @@
+"""Reranking of ensemble candidates (DESIGN.md step 7): pure functions over texts and per-token log-probs.
+
+Inputs for one source: ``candidates`` (texts, whitespace-separated tokens) and ``logprobs[s][c]``, the
+per-token log-probs that scorer ``s`` gives candidate ``c`` under teacher forcing, one per token plus the
+EOS last (what :meth:`rlt2t.common.ct2.Ct2Policy.score` returns). Every function returns the index of the
+chosen candidate, or raises ValueError for malformed input.
+
+- :func:`mean_logprob`: length-normalised log-likelihood averaged over scorers.
+- :func:`idf_score`: the same mean with tokens weighted by the IDF of the training-corpus n-grams that
+  cover them (the original's reranker; the table is :class:`IdfTable`, built by our own code).
+- :func:`consensus`: among the best candidates by mean log-prob, the one the others agree with most
+  (mean CIDEr-D against the rest).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from rlt2t.common.io import atomic_write_text
+from rlt2t.common.metrics import CiderD
+
+RERANK_MODES = ("mean_logprob", "idf", "consensus")
+_IDF_FORMAT = "rlt2t-idf"
+
+
+class IdfTable:
+    """Document frequencies of the 1..max_n-grams of a corpus (whitespace tokens); idf = log(N / df).
+
+    N is the number of texts; df(g) counts the texts that contain g at least once. An n-gram not in the
+    table is *unknown* (never seen in training targets) and has no idf.
+    """
+
+    def __init__(self, num_docs: int, max_n: int, df: dict[tuple[str, ...], int]):
+        if isinstance(num_docs, bool) or not isinstance(num_docs, int) or num_docs < 1:
+            raise ValueError(f"num_docs must be an int >= 1, got {num_docs!r}")
+        if isinstance(max_n, bool) or not isinstance(max_n, int) or not 1 <= max_n <= 8:
+            raise ValueError(f"max_n must be an int in [1, 8], got {max_n!r}")
+        for g, count in df.items():
+            if not 1 <= len(g) <= max_n or not 1 <= count <= num_docs:
+                raise ValueError(f"df[{' '.join(g)!r}]={count}: n-gram order must be 1..{max_n}, count 1..{num_docs}")
+        self.num_docs = num_docs
+        self.max_n = max_n
+        self.df = df
+        log_n = math.log(num_docs)
+        self._idf = {g: log_n - math.log(c) for g, c in df.items()}
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str], max_n: int = 2) -> IdfTable:
+        """Count document frequencies over ``texts`` (e.g. the training targets)."""
+        df: Counter[tuple[str, ...]] = Counter()
+        num_docs = 0
+        for text in texts:
+            num_docs += 1
+            tokens = text.split()
+            df.update({tuple(tokens[i : i + n]) for n in range(1, max_n + 1) for i in range(len(tokens) - n + 1)})
+        if num_docs == 0:
+            raise ValueError("texts is empty; an IDF table needs at least one text")
+        return cls(num_docs, max_n, dict(df))
+
+    def idf(self, ngram: Sequence[str]) -> float | None:
+        """log(N / df) of a known n-gram, None for an unknown one."""
+        return self._idf.get(tuple(ngram))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the table as JSON, atomically."""
+        payload = {"format": _IDF_FORMAT, "num_docs": self.num_docs, "max_n": self.max_n,
+                   "df": {" ".join(g): c for g, c in self.df.items()}}
+        atomic_write_text(path, json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> IdfTable:
+        """Read a table written by :meth:`save` (ValueError naming the file when it is not one)."""
+        try:
+            payload = json.loads(Path(path).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e.msg})") from None
+        if not isinstance(payload, dict) or payload.get("format") != _IDF_FORMAT:
+            raise ValueError(f"{path}: not an IDF table (format must be {_IDF_FORMAT!r})")
+        return cls(payload["num_docs"], payload["max_n"], {tuple(k.split()): v for k, v in payload["df"].items()})
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, IdfTable):
+            return NotImplemented
+        return (self.num_docs, self.max_n, self.df) == (other.num_docs, other.max_n, other.df)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _check(candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence[float]]]) -> None:
+    if not candidates:
+        raise ValueError("candidates is empty")
+    if not logprobs:
+        raise ValueError("logprobs: need at least one scorer")
+    for s, per_scorer in enumerate(logprobs):
+        if len(per_scorer) != len(candidates):
+            raise ValueError(f"logprobs[{s}] has {len(per_scorer)} entries for {len(candidates)} candidates")
+        for c, lp in enumerate(per_scorer):
+            if len(lp) == 0:
+                raise ValueError(f"logprobs[{s}][{c}] is empty (it holds at least the EOS log-prob)")
+
+
+def mean_logprobs(logprobs: Sequence[Sequence[Sequence[float]]]) -> np.ndarray:
+    """Per candidate: the mean over scorers of the mean token log-prob (EOS included). [C] float64."""
+    return np.mean([[float(np.mean(lp)) for lp in per_scorer] for per_scorer in logprobs], axis=0)
+
+
+def mean_logprob(candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence[float]]]) -> int:
+    """Index of the candidate with the highest length-normalised log-likelihood, averaged over scorers.
+
+    score(c) = (1/S) Σ_s (1/|lp_s(c)|) Σ_t lp_s(c)_t. Ties go to the earlier candidate.
+    """
+    _check(candidates, logprobs)
+    return int(np.argmax(mean_logprobs(logprobs)))
+
+
+def idf_weighted_mean(text: str, logprobs: Sequence[float], table: IdfTable) -> float:
+    """IDF-weighted mean token log-prob of one candidate under one scorer.
+
+    With tokens x_1..x_T of ``text`` and log-probs lp_1..lp_T, lp_{T+1} (the last is the EOS):
+
+    - K(t) = the known n-grams (1 <= n <= table.max_n, df > 0) of the candidate that cover position t;
+    - w_t = mean_{g in K(t)} idf(g) for positions with K(t) non-empty ("known" positions);
+    - every other position (unknown tokens, and the EOS) gets w̄, the mean of w over the known positions;
+    - score = Σ_t w_t·lp_t / Σ_t w_t over t = 1..T+1.
+
+    When no position is known, or Σ w_t = 0 (every known n-gram occurs in every training text), the
+    weights carry no information and the score is the plain mean of lp: never a division by zero.
+    Needs one log-prob per whitespace token plus the EOS (a word-level tokenizer, like the `ids` one).
+    """
+    tokens = text.split()
+    if len(logprobs) != len(tokens) + 1:
+        raise ValueError(
+            f"idf rerank needs one log-prob per whitespace token plus the EOS: {len(tokens)} tokens, "
+            f"{len(logprobs)} log-probs (the scorer's tokenizer must be word-level, e.g. tokenizer.kind=ids)"
+        )
+    lp = np.asarray(logprobs, dtype=np.float64)
+    sums = np.zeros(len(tokens))
+    counts = np.zeros(len(tokens))
+    for n in range(1, table.max_n + 1):
+        for i in range(len(tokens) - n + 1):
+            value = table.idf(tokens[i : i + n])
+            if value is not None:
+                sums[i : i + n] += value
+                counts[i : i + n] += 1
+    known = counts > 0
+    if not known.any():
+        return float(lp.mean())
+    weights = np.empty(len(lp))
+    weights[:-1] = np.divide(sums, counts, out=np.zeros_like(sums), where=known)
+    mean_known = float(weights[:-1][known].mean())
+    weights[:-1][~known] = mean_known
+    weights[-1] = mean_known
+    total = weights.sum()
+    if total <= 0.0:
+        return float(lp.mean())
+    return float((weights * lp).sum() / total)
+
+
+def idf_scores(candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence[float]]], table: IdfTable) -> np.ndarray:
+    """Per candidate: the mean over scorers of :func:`idf_weighted_mean`. [C] float64."""
+    _check(candidates, logprobs)
+    return np.mean([[idf_weighted_mean(text, lp, table) for text, lp in zip(candidates, per_scorer, strict=True)]
+                    for per_scorer in logprobs], axis=0)
+
+
+def idf_score(candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence[float]]], table: IdfTable) -> int:
+    """Index of the candidate with the highest IDF-weighted mean log-prob (see :func:`idf_weighted_mean`)."""
+    return int(np.argmax(idf_scores(candidates, logprobs, table)))
+
+
+def consensus_scores(candidates: Sequence[str], top: Sequence[int], cider: CiderD) -> np.ndarray:
+    """Mean CIDEr-D of each candidate in ``top`` against the other candidates of ``top``. [len(top)]."""
+    if len(top) < 2:
+        return np.zeros(len(top))
+    hyps = [candidates[i] for i in top]
+    refs = [[candidates[j] for j in top if j != i] for i in top]
+    return cider.per_sample(hyps, refs)
+
+
+def consensus(candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence[float]]], *, top: int = 8,
+              cider: CiderD | None = None) -> int:
+    """Index of the candidate the others agree with most.
+
+    The ``top`` candidates by :func:`mean_logprobs` are kept; each is scored by its mean CIDEr-D against
+    the other kept ones (its references); the highest wins, ties broken by mean log-prob. ``cider``
+    should carry document frequencies of the training targets (``CiderD(df=...)``); without them CIDEr-D
+    takes them from the kept candidates. One candidate (or ``top`` 1) falls back to :func:`mean_logprob`.
+    """
+    _check(candidates, logprobs)
+    if top < 1:
+        raise ValueError(f"top must be >= 1, got {top}")
+    means = mean_logprobs(logprobs)
+    # Stable sort by descending mean: equal means keep candidate order, so the result is deterministic.
+    kept = sorted(range(len(candidates)), key=lambda i: -means[i])[:top]
+    if len(kept) < 2:
+        return kept[0]
+    agreement = consensus_scores(candidates, kept, cider or CiderD())
+    best = max(range(len(kept)), key=lambda k: (agreement[k], means[kept[k]]))
+    return kept[best]
+
+
+def rerank(mode: str, candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence[float]]], *,
+           table: IdfTable | None = None, top: int = 8, cider: CiderD | None = None) -> int:
+    """Dispatch on ``mode`` (one of :data:`RERANK_MODES`)."""
+    if mode == "mean_logprob":
+        return mean_logprob(candidates, logprobs)
+    if mode == "idf":
+        if table is None:
+            raise ValueError("rerank mode 'idf' needs an IdfTable (table=...)")
+        return idf_score(candidates, logprobs, table)
+    if mode == "consensus":
+        return consensus(candidates, logprobs, top=top, cider=cider)
+    raise ValueError(f"rerank: unknown mode {mode!r} (known: {', '.join(RERANK_MODES)})")

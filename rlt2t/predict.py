@@ -1,0 +1,288 @@
+"""Ensemble prediction (DESIGN.md step 7): generators propose, scorers score, a reranker picks.
+
+    rlt2t predict --generators G1,G2 --scorers S1,S2 --input test.jsonl --out pred.csv [--rerank idf]
+
+Each generator (a CTranslate2 export) proposes ``predict.num_hypotheses`` beam-search hypotheses
+(``predict.beam_size``) per input; the candidates of an input are pooled across generators and
+deduplicated (whitespace-normalised text, first occurrence kept). Each scorer computes the per-token
+log-probs of every candidate (teacher forcing, EOS included); the rerank mode (``predict.rerank``, see
+:mod:`rlt2t.common.rerank`) picks one. A plain Hugging Face model directory or checkpoint root is accepted
+too: it is exported on the fly (``export.quantization``) into ``{export.out}/cache/`` and reused while
+its weights do not change.
+
+Outputs: the submission CSV ``report_id,prediction`` (header-less) at ``out`` and
+``<out stem>.candidates.jsonl`` beside it with each input's candidates, which generators proposed them,
+per-scorer mean log-probs, rerank scores and the chosen one. When every input has a target, the result
+also holds the metric table: each generator alone (its top hypothesis), the ensemble, and the oracle (the
+best candidate by the task score).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from rlt2t.common.checkpoint import resolve_model_dir
+from rlt2t.common.config import Config
+from rlt2t.common.ct2 import Ct2Policy, export_ct2, is_export_dir
+from rlt2t.common.data import Example, export_competition_csv, import_competition_csv, load_examples
+from rlt2t.common.io import atomic_write_jsonl
+from rlt2t.common.metrics import CiderD, DocumentFrequency, get_metric
+from rlt2t.common.rerank import RERANK_MODES, IdfTable, consensus_scores, idf_scores, mean_logprobs
+
+log = logging.getLogger("rlt2t.predict")
+
+IDF_FILE = "idf.json"
+
+
+@dataclass
+class PredictResult:
+    ids: list[str]
+    predictions: list[str]
+    csv_path: Path
+    jsonl_path: Path
+    rerank: str
+    mean_candidates: float
+    """Mean number of distinct candidates per input."""
+    metrics: dict[str, dict[str, float]] | None
+    """Rows `<generator>`, `ensemble (<mode>)`, `oracle` when every input has a target, else None."""
+
+
+def read_inputs(path: str | Path, on_error: str = "raise") -> list[Example]:
+    """Inputs from JSONL (``id``, ``source``, optional ``target``) or the competition CSV (by suffix)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--input {path}: no such file")
+    if path.suffix.lower() == ".csv":
+        return list(import_competition_csv(path, on_error=on_error))
+    return list(load_examples(path, require_target=False, on_error=on_error))
+
+
+def _weights_digest(model_dir: Path) -> str:
+    """A cheap identity of a model directory's weights: names, sizes and modification times."""
+    h = hashlib.sha256()
+    for p in sorted(model_dir.iterdir()):
+        if p.is_file() and p.suffix in (".safetensors", ".bin"):
+            st = p.stat()
+            h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:12]
+
+
+def resolve_export(cfg: Config, path: str | Path, role: str) -> Path:
+    """An export directory for ``path``: itself, or an on-the-fly export of a model dir / checkpoint root."""
+    path = Path(path)
+    if is_export_dir(path):
+        return path
+    if not path.exists():
+        raise FileNotFoundError(f"--{role} {path}: no such directory")
+    try:
+        model_dir = resolve_model_dir(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"--{role} {path}: neither a CTranslate2 export (`rlt2t export`) nor a model directory / checkpoint root"
+        ) from None
+    quant = cfg.export.quantization
+    cache = cfg.path(cfg.export.out) / "cache" / f"{model_dir.name}-{_weights_digest(model_dir)}-{quant}"
+    if not is_export_dir(cache):
+        log.info("--%s %s is a model directory: exporting it (%s) to %s", role, model_dir, quant, cache)
+        export_ct2(model_dir, cache, quant, force=True, tokenizer_dir=cfg.tokenizer_dir)
+    return cache
+
+
+def load_idf_table(cfg: Config, exports: Sequence[Path]) -> IdfTable:
+    """The IDF table saved beside an export (by `rlt2t export`), else rebuilt from data.train."""
+    for export in exports:
+        path = export / IDF_FILE
+        if path.is_file():
+            table = IdfTable.load(path)
+            if table.max_n == cfg.predict.idf_max_n:
+                return table
+            log.info("%s has max_n=%d, predict.idf_max_n=%d: not used", path, table.max_n, cfg.predict.idf_max_n)
+    train = cfg.path(cfg.data.train)
+    if not train.is_file():
+        raise FileNotFoundError(
+            f"rerank=idf: no {IDF_FILE} beside the exports and data.train {train} does not exist to rebuild it"
+        )
+    log.info("rerank=idf: no %s beside the exports; building it from %s", IDF_FILE, train)
+    return build_idf_table(cfg)
+
+
+def build_idf_table(cfg: Config) -> IdfTable:
+    """IDF table of the training targets (``data.train``), n-grams up to ``predict.idf_max_n``."""
+    train = load_examples(cfg.path(cfg.data.train), on_error=cfg.data.on_error)
+    return IdfTable.from_texts((e.target for e in train if e.target), cfg.predict.idf_max_n)
+
+
+def _consensus_cider(cfg: Config) -> CiderD:
+    train = cfg.path(cfg.data.train)
+    if train.is_file():
+        targets = [[e.target] for e in load_examples(train, on_error=cfg.data.on_error) if e.target]
+        if targets:
+            return CiderD(sigma=cfg.metric.cider_sigma, df=DocumentFrequency.from_references(targets))
+    log.info("rerank=consensus: data.train %s not found; CIDEr-D takes its df from the candidates", train)
+    return CiderD(sigma=cfg.metric.cider_sigma)
+
+
+def _unique_names(paths: Sequence[Path]) -> list[str]:
+    names: list[str] = []
+    for p in paths:
+        name = p.name
+        while name in names:
+            name = f"{p.parent.name}/{name}"
+        names.append(name)
+    return names
+
+
+def _batches(n: int, size: int, desc: str, progress: bool):
+    return tqdm(range(0, n, size), desc=desc, disable=not progress, leave=False, total=(n + size - 1) // size)
+
+
+def predict(
+    cfg: Config,
+    generators: Sequence[str | Path],
+    scorers: Sequence[str | Path],
+    input_path: str | Path,
+    out_path: str | Path,
+    *,
+    rerank: str | None = None,
+) -> PredictResult:
+    """Generate, score and rerank; write the CSV and the candidates JSONL. See the module docstring."""
+    mode = rerank or cfg.predict.rerank
+    if mode not in RERANK_MODES:
+        raise ValueError(f"--rerank: unknown mode {mode!r} (known: {', '.join(RERANK_MODES)})")
+    if not generators:
+        raise ValueError("--generators: give at least one export directory")
+    if not scorers:
+        raise ValueError("--scorers: give at least one export directory")
+    examples = read_inputs(input_path, cfg.data.on_error)
+    if not examples:
+        raise ValueError(f"--input {input_path}: no inputs")
+    gen_dirs = [resolve_export(cfg, g, "generators") for g in generators]
+    score_dirs = [resolve_export(cfg, s, "scorers") for s in scorers]
+    p = cfg.predict
+    progress = cfg.run.progress
+    loaded: dict[Path, Ct2Policy] = {}
+
+    def policy(path: Path) -> Ct2Policy:
+        if path not in loaded:  # one translator per directory, even when it both generates and scores
+            loaded[path] = Ct2Policy(path, intra_threads=cfg.export.threads, max_source_len=cfg.data.max_source_len)
+        return loaded[path]
+
+    table = load_idf_table(cfg, [*score_dirs, *gen_dirs]) if mode == "idf" else None
+    cider = _consensus_cider(cfg) if mode == "consensus" else None
+    sources = [e.source for e in examples]
+    gen_names, score_names = _unique_names(gen_dirs), _unique_names(score_dirs)
+
+    # 1. Candidates: every generator's hypotheses, pooled and deduplicated per input.
+    tops: dict[str, list[str]] = {}
+    pools: list[dict[str, list[str]]] = [{} for _ in examples]  # text -> generators that proposed it
+    for name, path in zip(gen_names, gen_dirs, strict=True):
+        ct2 = policy(path)
+        tops[name] = []
+        for start in _batches(len(sources), p.batch_size, f"generate {name}", progress):
+            chunk = ct2.generate(sources[start : start + p.batch_size], beam_size=p.beam_size,
+                                 num_hypotheses=p.num_hypotheses, max_new_tokens=p.max_new_tokens)
+            for i, hyps in enumerate(chunk, start):
+                tops[name].append(hyps[0].text)
+                for h in hyps:
+                    pools[i].setdefault(h.text, [])
+                    if name not in pools[i][h.text]:
+                        pools[i][h.text].append(name)
+    candidates = [list(pool) for pool in pools]
+
+    # 2. Scores: every scorer, every candidate (flattened so batches are full).
+    flat = [(i, c) for i, cands in enumerate(candidates) for c in cands]
+    logprobs: list[list[list[list[float]]]] = [[[] for _ in score_names] for _ in examples]  # [input][scorer][cand]
+    for s, (name, path) in enumerate(zip(score_names, score_dirs, strict=True)):
+        ct2 = policy(path)
+        for start in _batches(len(flat), p.batch_size, f"score {name}", progress):
+            part = flat[start : start + p.batch_size]
+            for (i, _), lp in zip(part, ct2.score([sources[i] for i, _ in part], [c for _, c in part]), strict=True):
+                logprobs[i][s].append(lp)
+
+    # 3. Rerank.
+    chosen: list[int] = []
+    rows = []
+    for idx, (ex, cands, lps) in enumerate(zip(examples, candidates, logprobs, strict=True)):
+        means = mean_logprobs(lps)
+        if mode == "mean_logprob":
+            scores = means
+        elif mode == "idf":
+            scores = idf_scores(cands, lps, table)
+        else:
+            kept = sorted(range(len(cands)), key=lambda k: -means[k])[: p.consensus_top]
+            agreement = consensus_scores(cands, kept, cider)
+            # Candidates outside the top get -inf; ties on agreement go to the better mean log-prob.
+            scores = np.full(len(cands), -np.inf)
+            for k, a in zip(kept, agreement, strict=True):
+                scores[k] = a
+        best = max(range(len(cands)), key=lambda k: (scores[k], means[k]))
+        chosen.append(best)
+        rows.append({
+            "id": ex.id, "source": ex.source, **({"target": ex.target} if ex.target is not None else {}),
+            "prediction": cands[best], "chosen": best, "rerank": mode,
+            "candidates": [
+                {"text": c, "generators": pools_i, "rerank_score": _json_float(scores[k]),
+                 "mean_logprob": {sn: float(np.mean(lps[s][k])) for s, sn in enumerate(score_names)}}
+                for k, (c, pools_i) in enumerate(zip(cands, pools[idx].values(), strict=True))
+            ],
+        })
+    predictions = [cands[k] for cands, k in zip(candidates, chosen, strict=True)]
+
+    out_path = Path(out_path)
+    jsonl_path = out_path.with_name(out_path.stem + ".candidates.jsonl")
+    ids = [e.id for e in examples]
+    export_competition_csv(out_path, ids, predictions)
+    atomic_write_jsonl(jsonl_path, rows)
+    metrics = None
+    if all(e.target is not None for e in examples):
+        metrics = _metric_rows(cfg, examples, tops, predictions, candidates, mode)
+    log.info("predict: %d inputs, %.1f candidates each, rerank=%s → %s", len(examples),
+             np.mean([len(c) for c in candidates]), mode, out_path)
+    return PredictResult(ids=ids, predictions=predictions, csv_path=out_path, jsonl_path=jsonl_path, rerank=mode,
+                         mean_candidates=float(np.mean([len(c) for c in candidates])), metrics=metrics)
+
+
+def _json_float(x: float) -> float | None:
+    return float(x) if np.isfinite(x) else None
+
+
+def _metric_rows(cfg: Config, examples: Sequence[Example], tops: dict[str, list[str]], predictions: list[str],
+                 candidates: list[list[str]], mode: str) -> dict[str, dict[str, float]]:
+    from rlt2t.learner.evaluate import metric_table
+
+    refs = [[e.target] for e in examples]
+    rows = {name: metric_table(hyps, refs, cfg.metric) for name, hyps in tops.items()}
+    rows[f"ensemble ({mode})"] = metric_table(predictions, refs, cfg.metric)
+    # Oracle: per input, the candidate with the best task score. CIDEr-D's df comes from the inputs'
+    # references (one set per input), as in the corpus score, not from the repeated per-candidate refs.
+    df = DocumentFrequency.from_references(refs)
+    task = get_metric("task_score", bleu_weight=cfg.metric.bleu_weight, sigma=cfg.metric.cider_sigma, df=df)
+    flat_hyps = [c for cands in candidates for c in cands]
+    flat_refs = [r for cands, r in zip(candidates, refs, strict=True) for _ in cands]
+    per = task.per_sample(flat_hyps, flat_refs)
+    oracle, at = [], 0
+    for cands in candidates:
+        oracle.append(cands[int(np.argmax(per[at : at + len(cands)]))])
+        at += len(cands)
+    rows["oracle"] = metric_table(oracle, refs, cfg.metric)
+    return rows
+
+
+def save_idf_beside(cfg: Config, export_dir: Path) -> Path | None:
+    """Build the IDF table from data.train and save it as ``{export_dir}/idf.json`` (None if no data.train)."""
+    train = cfg.path(cfg.data.train)
+    if not train.is_file():
+        log.warning("data.train %s not found: no %s saved beside %s (predict rebuilds it when needed)",
+                    train, IDF_FILE, export_dir)
+        return None
+    path = export_dir / IDF_FILE
+    build_idf_table(cfg).save(path)
+    return path
+
