@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import random
+import tempfile
 from collections.abc import Sequence
 
 import torch
@@ -197,6 +198,13 @@ class RolloutWorker:
         self.seed = seed
         self.max_source_len = max_source_len
         self._version = 0
+        # rollout.backend=ct2: the weights of each version are converted to a CTranslate2 model in a local
+        # temporary directory (no shared filesystem needed) the first time that version samples.
+        self._ct2 = None
+        self._ct2_dir = tempfile.TemporaryDirectory(prefix="rlt2t-ct2-") if rollout.backend == "ct2" else None
+        if rollout.backend == "ct2" and self.device.type != "cpu":
+            log.warning("rollout.backend=ct2 samples on CPU here (device %s is used by the torch backend only)",
+                        self.device)
 
     @property
     def version(self) -> int:
@@ -209,6 +217,7 @@ class RolloutWorker:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         self.policy.model.load_state_dict(state_dict, strict=True)
         self._version = version
+        self._ct2 = None  # converted again, lazily, for the new weights
 
     def sample(self, examples: Sequence[Example]) -> list[CandidateSet]:
         """One candidate set per example, in order; see :class:`CandidateSet` for what it holds."""
@@ -223,16 +232,19 @@ class RolloutWorker:
             chunk = examples[first : first + cfg.batch_size]
             ids, n_trunc = encode_texts(tok, [ex.source for ex in chunk], self.max_source_len)
             truncated += n_trunc
-            batch = collate_seq2seq(ids, None, tok.pad_token_id)
-            generators = [
-                torch.Generator(device=self.device).manual_seed(stable_seed(self.seed, self._version, ex.id, j))
-                for ex in chunk
-                for j in range(cfg.num_samples)
-            ]
-            samples = sample_candidates(
-                self.policy, batch["input_ids"], batch["attention_mask"], cfg.num_samples, cfg.top_k,
-                cfg.temperature, cfg.max_new_tokens, generators,
-            )
+            if self._ct2_dir is not None:
+                samples = self._sample_ct2(chunk)
+            else:
+                batch = collate_seq2seq(ids, None, tok.pad_token_id)
+                generators = [
+                    torch.Generator(device=self.device).manual_seed(stable_seed(self.seed, self._version, ex.id, j))
+                    for ex in chunk
+                    for j in range(cfg.num_samples)
+                ]
+                samples = sample_candidates(
+                    self.policy, batch["input_ids"], batch["attention_mask"], cfg.num_samples, cfg.top_k,
+                    cfg.temperature, cfg.max_new_tokens, generators,
+                )
             texts = self.policy.decode(samples)
             for i, ex in enumerate(chunk):
                 own = texts[i * cfg.num_samples : (i + 1) * cfg.num_samples]
@@ -241,6 +253,20 @@ class RolloutWorker:
             log.warning("rollout: truncated %d of %d sources to %d tokens", truncated, len(examples),
                         self.max_source_len)
         return out
+
+    def _sample_ct2(self, chunk: Sequence[Example]) -> list[list[int]]:
+        """K samples per source with CTranslate2. CT2 seeds a whole call, not each row, so the seed is keyed
+        on the chunk's example ids: the driver re-dispatches a chunk whole, and it samples the same again."""
+        from rlt2t.common.ct2 import ct2_sampler_from_state_dict, sample_ct2
+
+        cfg = self.rollout
+        if self._ct2 is None:
+            self._ct2 = ct2_sampler_from_state_dict(
+                self.policy, None, self._ct2_dir.name, cfg.ct2_compute_type, intra_threads=torch.get_num_threads(),
+                max_source_len=self.max_source_len, name="current")
+        seed = stable_seed(self.seed, self._version, "ct2", *(ex.id for ex in chunk)) % (2**31 - 1)
+        return sample_ct2(self._ct2, [ex.source for ex in chunk], cfg.num_samples, cfg.top_k, cfg.temperature,
+                          cfg.max_new_tokens, seed)
 
     def _candidate_set(self, ex: Example, samples: Sequence[str]) -> CandidateSet:
         return candidate_set(ex, samples, include_gold=self.rollout.include_gold, seed=self.seed,

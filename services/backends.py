@@ -1,4 +1,4 @@
-"""Inference backends of the policy server: one interface, torch now, CTranslate2 later.
+"""Inference backends of the policy server: one interface, torch (default) and CTranslate2.
 
 A backend holds one set of weights (one checkpoint) and is never mutated: hot reload builds a new
 backend and the batcher swaps the reference between batches. Backend methods are called from the
@@ -102,8 +102,9 @@ def load_backend(cfg: Config, model_dir: str | Path) -> PolicyBackend:
     of the server and its hot reload)."""
     if cfg.serve.backend == "torch":
         return TorchBackend.from_checkpoint(cfg, model_dir)
-    raise ValueError(f"serve.backend: {cfg.serve.backend!r} is not available in the policy server yet "
-                     "(supported: torch)")
+    if cfg.serve.backend == "ct2":
+        return Ct2Backend.from_checkpoint(cfg, model_dir)
+    raise ValueError(f"serve.backend: unknown backend {cfg.serve.backend!r} (supported: torch, ct2)")
 
 
 def weights_checksum(model_dir: str | Path) -> str:
@@ -149,6 +150,7 @@ class TorchBackend:
     """The policy as a Hugging Face BART on torch; see :class:`PolicyBackend`."""
 
     name = "torch"
+    supports_top_p = True
 
     def __init__(self, policy: Policy, *, version: int = 0, checkpoint: str = "", checksum: str = "",
                  device: str = "cpu", max_batch_rows: int = 256) -> None:
@@ -321,3 +323,95 @@ class TorchBackend:
         texts = self.policy.decode(rows)
         flat = [Generation(t, r, lp) for t, r, lp in zip(texts, rows, lps, strict=True)]
         return [flat[i * h : (i + 1) * h] for i in range(len(sources))]
+
+
+class Ct2Backend:
+    """The policy as a CTranslate2 export; see :class:`PolicyBackend`.
+
+    A checkpoint (or plain model directory) is exported to a private temporary directory at load, with
+    ``export.quantization``; an ``rlt2t export`` directory is served as it is (version 0: exports carry
+    no policy version). Differences from the torch backend, both CTranslate2 limits: sampling is seeded
+    per model call, not per row (the same request alone gives the same candidates; batched with others
+    it may not), and there is no top-p (a request with ``top_p < 1`` is refused with a 422).
+    Log-probs are recomputed by teacher forcing (``score_batch``): raw, as everywhere.
+    """
+
+    name = "ct2"
+    supports_top_p = False
+
+    def __init__(self, ct2, *, version: int = 0, checkpoint: str = "", checksum: str = "", workdir=None) -> None:
+        self.ct2 = ct2
+        self.tokenizer = ct2.tokenizer
+        self._counting_tokenizer = copy.deepcopy(ct2.tokenizer)  # see TorchBackend
+        self.version = version
+        self.checkpoint = checkpoint or str(ct2.export_dir)
+        self.checksum = checksum
+        self.loaded_at = time.time()
+        self.max_positions = int(ct2.max_source_len)
+        self._workdir = workdir  # a TemporaryDirectory holding the export; removed with the backend
+
+    @classmethod
+    def from_checkpoint(cls, cfg: Config, path: str | Path) -> Ct2Backend:
+        import tempfile
+
+        from rlt2t.common.ct2 import Ct2Policy, export_ct2, is_export_dir, read_export_info
+
+        threads = cfg.export.threads
+        if is_export_dir(path):
+            info = read_export_info(path)
+            return cls(Ct2Policy(path, intra_threads=threads), checkpoint=str(path),
+                       checksum=str(info.get("checksum", info.get("source_sha256", ""))))
+        model_dir = resolve_model_dir(path)
+        workdir = tempfile.TemporaryDirectory(prefix="rlt2t-serve-ct2-")
+        out = export_ct2(model_dir, Path(workdir.name) / "model", cfg.export.quantization,
+                         tokenizer_dir=cfg.tokenizer_dir if cfg.tokenizer_dir.is_dir() else None)
+        return cls(Ct2Policy(out, intra_threads=threads), version=checkpoint_version(model_dir),
+                   checkpoint=str(model_dir), checksum=weights_checksum(model_dir), workdir=workdir)
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        ids = self._counting_tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        return [len(x) for x in ids]
+
+    def candidates(self, sources: Sequence[str], sampling: Sampling,
+                   row_seeds: Sequence[int]) -> list[list[Generation]]:
+        k = sampling.num_candidates
+        if sampling.mode == "beam":
+            hyps = self.ct2.generate(sources, beam_size=sampling.beam_size, num_hypotheses=k,
+                                     max_new_tokens=sampling.max_new_tokens)
+        elif sampling.mode == "sample":
+            if sampling.top_p < 1.0:
+                raise ValueError("top_p: the ct2 backend has no nucleus sampling")
+            seed = int.from_bytes(hashlib.sha256(repr(tuple(row_seeds)).encode()).digest()[:4], "little")
+            hyps = self.ct2.generate(sources, beam_size=1, num_hypotheses=k, max_new_tokens=sampling.max_new_tokens,
+                                     sampling_topk=sampling.top_k, sampling_temperature=sampling.temperature,
+                                     seed=seed)
+        else:
+            raise ValueError(f"sampling.mode must be 'sample' or 'beam', got {sampling.mode!r}")
+        flat = [h for per_source in hyps for h in per_source]
+        srcs = [sources[r // k] for r in range(len(flat))]
+        rows = [list(h.token_ids) for h in flat]
+        lps = self._teacher_forced(srcs, rows)
+        gens = [Generation(h.text, row, lp) for h, row, lp in zip(flat, rows, lps, strict=True)]
+        return [gens[i * k : (i + 1) * k] for i in range(len(sources))]
+
+    def score(self, sources: Sequence[str], targets: Sequence[Sequence[str]]) -> list[list[Scored]]:
+        if len(targets) != len(sources):
+            raise ValueError(f"targets: need one list per source ({len(sources)}), got {len(targets)}")
+        eos = self.tokenizer.eos_token_id
+        out: list[list[Scored]] = []
+        for source, ts in zip(sources, targets, strict=True):
+            ids = self.tokenizer(list(ts), add_special_tokens=False)["input_ids"] if ts else []
+            lps = self.ct2.score([source] * len(ts), list(ts))
+            out.append([Scored([*x, eos], lp) for x, lp in zip(ids, lps, strict=True)])
+        return out
+
+    def _teacher_forced(self, sources: Sequence[str], rows: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Raw log-probs of generated id rows: score_batch over their tokens (it appends the EOS itself)."""
+        eos = self.tokenizer.eos_token_id
+        body = [list(r[:-1]) if r and r[-1] == eos else list(r) for r in rows]
+        if not rows:
+            return []
+        results = self.ct2.translator.score_batch(
+            self.ct2.source_tokens(sources), [self.tokenizer.convert_ids_to_tokens(b) for b in body],
+            max_input_length=0)
+        return [list(map(float, res.log_probs))[: len(r)] for res, r in zip(results, rows, strict=True)]

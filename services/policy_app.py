@@ -236,6 +236,9 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             sampling = Sampling(mode="beam", num_candidates=req.num_candidates, beam_size=req.beam_size,
                                 max_new_tokens=req.max_new_tokens)
         else:
+            if req.top_p < 1.0 and not getattr(batcher.backend, "supports_top_p", True):
+                raise field_error(("body", "top_p"), f"the {batcher.backend.name} backend has no nucleus sampling; "
+                                  "leave top_p at 1", req.top_p)
             sampling = Sampling(mode="sample", num_candidates=req.num_candidates, top_k=req.top_k, top_p=req.top_p,
                                 temperature=req.temperature, beam_size=1, max_new_tokens=req.max_new_tokens)
         base = req.seed if req.seed is not None else secrets.randbits(63)

@@ -274,3 +274,33 @@ def test_worker_rejects_bad_input(ids_tokenizer_dir, weights):
     with pytest.raises(ValidationError, match="num_samples"):
         RolloutConfig(num_samples=0)
     assert worker.sample([]) == []
+
+
+def test_ct2_backend_keeps_the_candidate_contract_and_follows_new_weights(ids_tokenizer_dir):
+    """rollout.backend=ct2: same CandidateSet contract; the same chunk samples the same; new weights are
+    converted again (a greedy worker's outputs change with them)."""
+    from rlt2t.common.config import ModelConfig, RolloutConfig
+    from rlt2t.common.data import Example
+
+    cfg = RolloutConfig(num_samples=3, top_k=3, temperature=0.8, max_new_tokens=8, backend="ct2",
+                        ct2_compute_type="float32")
+    worker = RolloutWorker(ModelConfig(preset="tiny", dropout=0.0), str(ids_tokenizer_dir), cfg, seed=0,
+                           max_source_len=32)
+    examples = [Example(id=str(i), source=f"{10 + i} 11 12", target="13 14") for i in range(4)]
+    first = worker.sample(examples)
+    assert [s.example_id for s in first] == ["0", "1", "2", "3"]
+    for s in first:
+        assert s.reference == "13 14" and "13 14" in s.candidates and s.pair[0] in s.candidates
+        assert len(s.candidates) == len(set(s.candidates)) and s.policy_version == 0
+    assert [s.candidates for s in worker.sample(examples)] == [s.candidates for s in first]
+
+    greedy = RolloutWorker(ModelConfig(preset="tiny", dropout=0.0), str(ids_tokenizer_dir),
+                           cfg.model_copy(update={"top_k": 1, "include_gold": False}), seed=0, max_source_len=32)
+    before = [s.candidates for s in greedy.sample(examples)]
+    g = torch.Generator().manual_seed(3)
+    weights = {k: v + 0.5 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+               for k, v in greedy.policy.model.state_dict().items()}
+    greedy.set_weights(1, weights)
+    after = greedy.sample(examples)
+    assert all(s.policy_version == 1 for s in after)
+    assert [s.candidates for s in after] != before, "the ct2 model was not rebuilt from the new weights"

@@ -1,0 +1,75 @@
+"""The policy server on the CTranslate2 backend (serve.backend=ct2): same routes and contracts as torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from rlt2t.common.checkpoint import save_checkpoint
+from rlt2t.services.policy_app import create_app
+
+
+@pytest.fixture
+def perturbed_root(tmp_path, tiny_policy):
+    """A checkpoint of the tiny policy with noised weights, so greedy outputs are not all the same."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in tiny_policy.model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    root = tmp_path / "ct2-checkpoints"
+    save_checkpoint(root, "epoch-0002", model=tiny_policy.model, tokenizer=tiny_policy.tokenizer, step=4,
+                    meta={"policy_version": 4})
+    return root
+
+
+def _teacher_forced(policy, source: str, ids: list[int]) -> list[float]:
+    enc = policy.tokenizer([source], return_tensors="pt")
+    labels = torch.tensor([ids])
+    with torch.no_grad():
+        logits = policy.model.eval()(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                                     labels=labels).logits
+    return logits.log_softmax(-1)[0].gather(-1, labels[0][:, None])[:, 0].tolist()
+
+
+@pytest.fixture
+def ct2_client(serve_cfg, perturbed_root):
+    cfg = serve_cfg.model_copy(update={"serve": serve_cfg.serve.model_copy(update={"backend": "ct2"}),
+                                       "export": serve_cfg.export.model_copy(update={"quantization": "float32"})})
+    with TestClient(create_app(cfg, checkpoint_dir=perturbed_root)) as c:
+        yield c
+
+
+def test_ct2_backend_serves_candidates_with_raw_logprobs(ct2_client, tiny_policy):
+    info = ct2_client.get("/v1/model").json()
+    assert info["version"] == 4 and info["backend"] == "ct2"
+    body = {"sources": ["11 12 13", "20 21"], "num_candidates": 3, "top_k": 3, "temperature": 0.8,
+            "max_new_tokens": 8, "seed": 7}
+    first = ct2_client.post("/v1/candidates", json=body)
+    assert first.status_code == 200, first.text
+    out = first.json()
+    assert out["policy_version"] == 4 and [len(c) for c in out["candidates"]] == [3, 3]
+    again = ct2_client.post("/v1/candidates", json=body).json()
+    assert [[c["text"] for c in s] for s in again["candidates"]] == [[c["text"] for c in s] for s in out["candidates"]]
+    for source, cands in zip(body["sources"], out["candidates"], strict=True):
+        for c in cands:
+            assert len(c["logprobs"]) == len(c["token_ids"]) >= 1
+            # float32 export: the log-probs are the torch model's (tiny_policy holds the served weights).
+            assert c["logprobs"] == pytest.approx(_teacher_forced(tiny_policy, source, c["token_ids"]), abs=1e-3)
+
+
+def test_ct2_backend_beam_and_score_match_torch(ct2_client, tiny_policy):
+    beam = ct2_client.post("/v1/candidates", json={"sources": ["11 12 13"], "mode": "beam", "beam_size": 4,
+                                                   "num_candidates": 2, "max_new_tokens": 8})
+    assert beam.status_code == 200, beam.text
+    assert len(beam.json()["candidates"][0]) == 2
+    scored = ct2_client.post("/v1/score", json={"source": "11 12 13", "targets": ["14 15", "16"]})
+    assert scored.status_code == 200, scored.text
+    for s in scored.json()["scores"]:
+        assert s["logprobs"] == pytest.approx(_teacher_forced(tiny_policy, "11 12 13", s["token_ids"]), abs=1e-3)
+
+
+def test_ct2_backend_refuses_top_p_with_a_field_error(ct2_client):
+    r = ct2_client.post("/v1/candidates", json={"sources": ["11 12"], "top_p": 0.5})
+    assert r.status_code == 422
+    assert "top_p" in r.text
