@@ -144,7 +144,8 @@ def cmd_average(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    from rlt2t.jobs import best_or_latest, clean_run, eval_job, prepare_sft, rank_job
+    from rlt2t.jobs import best_or_latest, clean_run, eval_job, export_job, prepare_sft, rank_job
+    from rlt2t.predict import predict
 
     cfg = _cfg(args)
     if args.fresh:
@@ -152,10 +153,20 @@ def cmd_demo(args) -> None:
     t0 = time.perf_counter()
     prepare_sft(cfg)
     rows = {"sft": eval_job(cfg, label="sft")}
+    models = {"sft": best_or_latest(cfg.run_dir / "sft" / "checkpoints")}
     if cfg.rank.enabled:
         rank_job(cfg, resume=True)
-        rows["rank RL"] = eval_job(cfg, checkpoint=best_or_latest(cfg.run_dir / "rank" / "checkpoints"), label="rank")
+        models["rank"] = best_or_latest(cfg.run_dir / "rank" / "checkpoints")
+        rows["rank RL"] = eval_job(cfg, checkpoint=models["rank"], label="rank")
     print_table(f"{cfg.eval.split} split, {'greedy' if cfg.eval.num_beams == 1 else 'beam'} decoding", rows)
+    if args.predict:
+        # The last stage of the method: CTranslate2 exports of both models, ensemble rerank on the test split.
+        exports = [export_job(cfg, path, cfg.path(cfg.export.out) / name, force=True) for name, path in models.items()]
+        result = predict(cfg, exports, exports, cfg.path(cfg.data.test), cfg.run_dir / "predict" / "test.csv")
+        if result.metrics:
+            print_table(f"test split, CTranslate2 {cfg.export.quantization}: single models (beam "
+                        f"{cfg.predict.beam_size}) vs ensemble ({result.rerank}) vs oracle", result.metrics)
+        print(f"predictions: {result.csv_path}")
     print(f"demo finished in {time.perf_counter() - t0:.0f} s; run directory: {cfg.run_dir}")
     print(f"logs: tensorboard --logdir {cfg.run_dir / 'logs'}")
 
@@ -234,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the whole pipeline on the embedded default (synthetic data, small model)")
     _config_args(p)
     p.add_argument("--fresh", action="store_true", help="delete run.dir first instead of resuming it")
+    p.add_argument("--no-predict", dest="predict", action="store_false",
+                   help="skip the CTranslate2 export and ensemble prediction at the end")
     p.set_defaults(fn=cmd_demo)
 
     from rlt2t import cmd_export, cmd_serve

@@ -23,24 +23,11 @@ def _paths(value: str, flag: str) -> list[str]:
 
 
 def cmd_export(args) -> None:
-    from rlt2t.common.checkpoint import resolve_model_dir
-    from rlt2t.common.ct2 import export_ct2
-    from rlt2t.predict import save_idf_beside
+    from rlt2t.jobs import export_job
 
     cfg = load_config(args.config, args.overrides)
-    source = Path(args.checkpoint)
-    if not source.exists():
-        raise FileNotFoundError(f"--checkpoint {source}: no such directory")
-    try:
-        model_dir = resolve_model_dir(source)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"--checkpoint: {e}") from None
-    out = Path(args.out) if args.out else cfg.path(cfg.export.out) / model_dir.name
-    quantization = args.quantization or cfg.export.quantization
-    export_ct2(model_dir, out, quantization, force=args.force,
-               tokenizer_dir=cfg.tokenizer_dir if cfg.tokenizer_dir.is_dir() else None)
-    idf = save_idf_beside(cfg, out)
-    print(f"export: {model_dir} → {out} ({quantization}){f'; IDF table {idf}' if idf else ''}")
+    out = export_job(cfg, args.checkpoint, args.out, quantization=args.quantization, force=args.force)
+    print(f"export: {args.checkpoint} → {out} ({args.quantization or cfg.export.quantization})")
 
 
 def cmd_predict(args) -> None:

@@ -142,6 +142,29 @@ def best_or_latest(ckpt_root: Path) -> Path:
     return latest
 
 
+def export_job(cfg: Config, checkpoint: str | Path, out: str | Path | None = None, *,
+               quantization: str | None = None, force: bool = False) -> Path:
+    """CTranslate2 export of a model dir / checkpoint / checkpoint root (newest), with its IDF table."""
+    from rlt2t.common.checkpoint import resolve_model_dir
+    from rlt2t.common.ct2 import export_ct2
+    from rlt2t.predict import save_idf_beside
+
+    source = Path(checkpoint)
+    if not source.exists():
+        raise FileNotFoundError(f"--checkpoint {source}: no such directory")
+    try:
+        model_dir = resolve_model_dir(source)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--checkpoint: {e}") from None
+    out = Path(out) if out else cfg.path(cfg.export.out) / model_dir.name
+    quantization = quantization or cfg.export.quantization
+    export_ct2(model_dir, out, quantization, force=force,
+               tokenizer_dir=cfg.tokenizer_dir if cfg.tokenizer_dir.is_dir() else None)
+    idf = save_idf_beside(cfg, out)
+    log.info("export: %s → %s (%s)%s", model_dir, out, quantization, f"; IDF table {idf}" if idf else "")
+    return out
+
+
 def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | None = None) -> dict[str, float]:
     from rlt2t.learner.evaluate import evaluate
 
