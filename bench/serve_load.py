@@ -14,7 +14,8 @@ a model directory; or --checkpoint). Async httpx clients, each with one connecti
             50 ms and tries again. The server's RSS is sampled (psutil) throughout.
 
 Reported: requests/s and p50/p99 latency of each phase, the batched/batch-1 throughput ratio (target
->= 4x), the overload status counts (target: nothing but 200 and 503) and the server RSS before, max and
+>= 4x), the model-only ceiling of that ratio (the server's backend called in this process with no HTTP:
+sources/s at 1 source per call vs --clients sources per call, same decoding settings), the overload status counts (target: nothing but 200 and 503) and the server RSS before, max and
 after (target: bounded). The servers are stopped with SIGTERM (killed if they do not exit in 30 s) and
 everything ends by itself. Saves bench/results/serve_load.json with the machine description.
 """
@@ -92,6 +93,26 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def model_ceiling(model_dir: Path, workdir: Path, batch: int, texts: list[str], repeats: int = 3) -> dict[str, float]:
+    """Sources/s of the backend alone at 1 and ``batch`` sources per call: no server can batch better."""
+    from rlt2t.common.config import load_config
+    from rlt2t.services.backends import Sampling, TorchBackend
+
+    cfg = load_config([], [f"run.dir={workdir}", "model.preset=small", "serve.device=cpu"])
+    backend = TorchBackend.from_checkpoint(cfg, model_dir)
+    sampling = Sampling(mode="sample", num_candidates=REQUEST["num_candidates"], top_k=REQUEST["top_k"],
+                        temperature=REQUEST["temperature"], beam_size=1, max_new_tokens=REQUEST["max_new_tokens"])
+    rate = {}
+    for n in (1, batch):
+        backend.candidates(texts[:n], sampling, list(range(n)))  # warm-up
+        t0 = time.perf_counter()
+        for r in range(repeats * (batch // n if n == 1 else 1)):
+            backend.candidates(texts[r % len(texts) : r % len(texts) + n], sampling, list(range(n)))
+        calls = repeats * (batch // n if n == 1 else 1)
+        rate[n] = calls * n / (time.perf_counter() - t0)
+    return {"sources_per_s_1": rate[1], f"sources_per_s_{batch}": rate[batch], "ratio": rate[batch] / rate[1]}
 
 
 def sources(n: int, seed: int = 0) -> list[str]:
@@ -191,6 +212,11 @@ def main() -> None:
         finally:
             single.stop()
 
+        ceiling = model_ceiling(model_dir, work, args.clients, texts)
+        print(f"model only: {ceiling['sources_per_s_1']:.1f} sources/s one at a time, "
+              f"{ceiling[f'sources_per_s_{args.clients}']:.1f} in calls of {args.clients}: "
+              f"ceiling {ceiling['ratio']:.2f}x", flush=True)
+
     speedup = phases["batched"]["requests_per_s"] / max(phases["batch1"]["requests_per_s"], 1e-9)
     over = phases["overload"]["statuses"]
     only_200_503 = set(over) <= {"200", "503"}
@@ -200,12 +226,13 @@ def main() -> None:
         p = phases[name]
         print(f"{name:<10} {p['clients']:>7} {p['requests_per_s']:>8.1f} {p['p50_ms']:>8.0f} {p['p99_ms']:>8.0f}  "
               f"{p['statuses']}")
-    print(f"\nbatching speedup: {speedup:.2f}x (target >= {SPEEDUP_TARGET:.0f}x)")
+    print(f"\nbatching speedup: {speedup:.2f}x (target >= {SPEEDUP_TARGET:.0f}x; the model alone batches "
+          f"{ceiling['ratio']:.2f}x on this machine)")
     print(f"overload: only 200/503: {only_200_503}; 503s without Retry-After: {phases['overload']['retry_after_missing']}")
     print(f"server RSS MiB: before {rss_before:.0f}, max {rss_max:.0f}, after {rss_after:.0f}")
     payload = {
         "request": REQUEST, "seconds": args.seconds, "warmup": warm["statuses"],
-        "phases": phases, "speedup": speedup, "speedup_target": SPEEDUP_TARGET,
+        "phases": phases, "speedup": speedup, "speedup_target": SPEEDUP_TARGET, "model_only": ceiling,
         "overload_only_200_503": only_200_503,
         "rss_mib": {"before": rss_before, "max": rss_max, "after": rss_after},
         "model": str(args.checkpoint or "preset:small, seed 0"),
