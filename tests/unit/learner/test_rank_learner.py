@@ -52,3 +52,29 @@ def test_evaluate_returns_the_metric_table_and_monitor(tmp_path, tiny_policy):
     table = learner.evaluate(examples, MetricConfig(), max_new_tokens=4)
     assert {"cider_d", "bleu4", "task_score", "monitor"} <= set(table)
     assert table["monitor"] == table["cider_d"]  # monitor_bleu_weight = 0
+
+
+def test_accelerate_autocast_path_runs_in_bf16(tmp_path, tiny_policy):
+    """The mixed-precision path through accelerate (autocast, backward, clipping, step), exercised on CPU's
+    bf16 autocast: runs only ever use it on CUDA, but the code path is the same and no GPU is needed here."""
+    from accelerate.state import AcceleratorState
+
+    learner = _learner(tmp_path, tiny_policy)
+    assert learner.mixed_precision == "no"  # CPU runs stay float32 (and bitwise reproducible)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        learner.mixed_precision = "bf16"
+        acc = learner._prepare()
+        assert acc.mixed_precision == "bf16"
+        captured = []
+        hook = learner.policy.model.lm_head.register_forward_hook(lambda m, i, o: captured.append(o.dtype))
+        before = learner.weights()
+        metrics = learner.train_step(_pairs(8))
+        hook.remove()
+        assert captured and captured[0] == torch.bfloat16  # the forward really ran under autocast
+        assert torch.isfinite(torch.tensor(metrics["loss"]))
+        after = learner.weights()
+        assert all(v.dtype == torch.float32 for v in after.values())  # master weights stay float32
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
