@@ -58,12 +58,26 @@ def run_server(app, host: str, port: int, name: str) -> None:
     log.info("%s server stopped", name)
 
 
+def _document_frequency(cfg, given: str | None) -> str | None:
+    """--document-frequency, else the run's own table (written by rank training) when it exists."""
+    if given is not None:
+        return given
+    default = cfg.run_dir / "rank" / "document_frequency.json"
+    if default.is_file():
+        log.info("CIDEr-D document frequencies from %s (the run's training references)", default)
+        return str(default)
+    log.info("no --document-frequency and no %s: CIDEr-D document frequencies come from each request's "
+             "references", default)
+    return None
+
+
 def cmd_serve_policy(args) -> None:
     from rlt2t.common.config import load_config
     from rlt2t.services.policy_app import create_app
 
     cfg = load_config(args.config, args.overrides)
-    app = create_app(cfg, checkpoint_dir=args.checkpoint_dir, document_frequency=args.document_frequency)
+    app = create_app(cfg, checkpoint_dir=args.checkpoint_dir,
+                     document_frequency=_document_frequency(cfg, args.document_frequency))
     run_server(app, args.host or cfg.serve.host, cfg.serve.port if args.port is None else args.port, "policy")
 
 
@@ -72,7 +86,7 @@ def cmd_serve_reward(args) -> None:
     from rlt2t.services.reward_app import create_app
 
     cfg = load_config(args.config, args.overrides)
-    app = create_app(cfg, document_frequency=args.document_frequency)
+    app = create_app(cfg, document_frequency=_document_frequency(cfg, args.document_frequency))
     run_server(app, args.host or cfg.serve.host, cfg.serve.reward_port if args.port is None else args.port, "reward")
 
 
@@ -88,7 +102,8 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("--host", default=None, help="bind address (default: serve.host, 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default: serve.port; 0: any free port)")
     p.add_argument("--document-frequency", default=None, metavar="FILE",
-                   help="CIDEr-D document frequencies for /v1/pairs (default: from each request's references)")
+                   help="CIDEr-D document frequencies for /v1/pairs (default: {run}/rank/document_frequency.json "
+                        "when it exists, else each request's references)")
     p.set_defaults(fn=cmd_serve_policy)
 
     p = serve.add_parser("reward", help="serve metric scores (/v1/reward)")
@@ -96,5 +111,6 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("--host", default=None, help="bind address (default: serve.host, 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default: serve.reward_port; 0: any free port)")
     p.add_argument("--document-frequency", default=None, metavar="FILE",
-                   help="CIDEr-D document frequencies (default: from each request's references)")
+                   help="CIDEr-D document frequencies (default: {run}/rank/document_frequency.json when it exists, "
+                        "else each request's references)")
     p.set_defaults(fn=cmd_serve_reward)
