@@ -20,9 +20,11 @@ pairs already scored: the pipeline is asynchronous, the result is not timing-dep
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,12 +42,12 @@ from rlt2t.actors.http_sources import HttpRewardWorker, HttpRolloutWorker
 from rlt2t.actors.reward import RewardWorker
 from rlt2t.actors.rollout import RolloutWorker
 from rlt2t.actors.types import ScoredPair
+from rlt2t.common.batching import encode_texts
 from rlt2t.common.checkpoint import (
     CheckpointInfo,
     checkpoint_name,
     load_training_state,
     prune_checkpoints,
-    read_checkpoint,
     save_checkpoint,
 )
 from rlt2t.common.config import Config
@@ -248,13 +250,27 @@ def init_ray(cfg: Config) -> None:
              log_to_driver=True, configure_logging=False, runtime_env={"env_vars": WORKER_ENV})
 
 
-def wait_for_servers(cfg: Config, published_dir: Path) -> None:
+def truncate_sources(examples: list[Example], tokenizer, max_source_len: int) -> list[Example]:
+    """Examples whose source is longer than ``max_source_len`` tokens (EOS included) get the decoded
+    truncated source; the others are returned as they are."""
+    sources = [e.source for e in examples]
+    lengths = [len(x) for x in tokenizer(sources, add_special_tokens=True)["input_ids"]]
+    long = [i for i, n in enumerate(lengths) if n > max_source_len]
+    if not long:
+        return examples
+    ids, _ = encode_texts(tokenizer, [sources[i] for i in long], max_source_len)
+    out = list(examples)
+    for i, x in zip(long, ids, strict=True):
+        out[i] = dataclasses.replace(out[i], source=" ".join(tokenizer.decode(x, skip_special_tokens=True).split()))
+    log.warning("rank: truncated %d of %d sources to data.max_source_len=%d tokens for the policy servers",
+                len(long), len(examples), max_source_len)
+    return out
+
+
+def wait_for_servers(cfg: Config, published_dir: Path, token: str | None) -> None:
     """Block until every policy / reward server of an http source answers /readyz (rollout.timeout_s)."""
     import httpx
 
-    from rlt2t.actors.http_sources import _token
-
-    token = _token(cfg.serve.token_env)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     servers = [(u, "policy", f"rlt2t serve policy --checkpoint-dir {published_dir}") for u in cfg.rollout.urls
                if cfg.rollout.source == "http"]
@@ -266,10 +282,14 @@ def wait_for_servers(cfg: Config, published_dir: Path) -> None:
         announced = False
         while True:
             try:
-                if httpx.get(f"{url.rstrip('/')}/readyz", headers=headers, timeout=5).status_code == 200:
-                    break
+                status = httpx.get(f"{url.rstrip('/')}/readyz", headers=headers, timeout=5).status_code
             except httpx.HTTPError:
-                pass
+                status = None
+            if status == 200:
+                break
+            if status in (401, 403):
+                raise RuntimeError(f"rank: the {kind} server at {url} refused our bearer token (HTTP {status}); "
+                                   f"set serve.token_file or ${cfg.serve.token_env} to the server's token")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank: the {kind} server at {url} was not ready within rollout.timeout_s="
                                    f"{cfg.rollout.timeout_s:g} s (start it with: {how})")
@@ -302,10 +322,16 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
     start = Path(resume_from.path) if resume_from else init
     learners = LearnerGroup(cfg, start, total_steps)
     http_rollout = cfg.rollout.source == "http"
+    token = None
+    if http_rollout or cfg.reward.source == "http":
+        from rlt2t.services.http import load_token
+
+        token = load_token(cfg.serve)  # the servers' bearer token, handed to the workers explicitly
     if http_rollout:
         # One light actor per policy server: they wait on HTTP, so they reserve little CPU.
         rollouts = WorkerPool(HttpRolloutWorker, len(cfg.rollout.urls), num_cpus=0.1, num_gpus=0,
-                              max_restarts=r.max_restarts, args=(), kwargs=dict(rollout=cfg.rollout, seed=cfg.run.seed),
+                              max_restarts=r.max_restarts, args=(),
+                              kwargs=dict(rollout=cfg.rollout, seed=cfg.run.seed, token=token),
                               per_actor_args=[(url,) for url in cfg.rollout.urls])
     else:
         rollouts = WorkerPool(VersionedRolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus,
@@ -314,7 +340,7 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
                               kwargs=dict(seed=cfg.run.seed, max_source_len=cfg.data.max_source_len))
     if cfg.reward.source == "http":
         rewards = WorkerPool(HttpRewardWorker, r.reward_workers, num_cpus=0.1, num_gpus=0, max_restarts=r.max_restarts,
-                             args=(cfg.reward.url, cfg.reward), kwargs={})
+                             args=(cfg.reward.url, cfg.reward), kwargs=dict(token=token))
     else:
         rewards = WorkerPool(RewardActor, r.reward_workers, num_cpus=r.reward_cpus, num_gpus=0,
                              max_restarts=r.max_restarts, args=(cfg.reward, df), kwargs={})
@@ -324,14 +350,18 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
     def write_published(version: int, weights: dict[str, torch.Tensor]) -> None:
         """Policy servers (rollout.source=http) load the learner's weights from here (hot reload)."""
         name = checkpoint_name(step=version)
-        if read_checkpoint(published_dir / name) is not None:
-            return
         saver.model.load_state_dict(weights)
         save_checkpoint(published_dir, name, model=saver.model, tokenizer=saver.tokenizer, step=version,
                         meta={"stage": "rank-published", "policy_version": version})
         prune_checkpoints(published_dir, keep_last=2)
         log.info("rank: published version %d to %s", version, published_dir)
 
+    if http_rollout:
+        # Versions a crashed or earlier run published are not this run's weights: servers must not see them.
+        shutil.rmtree(published_dir, ignore_errors=True)
+        # Policy servers tokenise on their side: cut sources to data.max_source_len here, as the Ray
+        # rollout workers do, so the servers sample from the context the learner trains on.
+        train = truncate_sources(train, saver.tokenizer, cfg.data.max_source_len)
     step, epoch0, published = 0, 0, {}
     if resume_from is not None:
         state = load_training_state(resume_from.path)
@@ -372,7 +402,7 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
     try:
         if http_rollout:
             publish(step)  # the servers need weights to load before they can answer
-            wait_for_servers(cfg, published_dir)
+            wait_for_servers(cfg, published_dir, token)
         if r.refresh_every_steps and step % r.refresh_every_steps == 0:
             publish(step)  # the learner holds exactly these weights now (start, or a resumed checkpoint)
         for epoch in range(epoch0, r.epochs):
@@ -467,7 +497,12 @@ def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts
         if learner_refs is None and queue and (len(queue) >= r.batch_size or next_consume == len(chunks)):
             batch, queue = queue[: r.batch_size], queue[r.batch_size:]
             staleness = [step - p.policy_version for p in batch]
-            learner_refs = learners.train_step_async(batch)
+            shards = batch
+            if len(batch) < r.learners:
+                # An epoch tail smaller than the group: every rank must step (DDP all-reduces), so the
+                # tail's pairs are repeated to give each rank one.
+                shards = [batch[i % len(batch)] for i in range(r.learners)]
+            learner_refs = learners.train_step_async(shards)
             busy_since = time.perf_counter()
             batch_info = {"staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
                           "pairs": len(batch)}

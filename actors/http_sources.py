@@ -33,14 +33,10 @@ log = logging.getLogger("rlt2t.http_sources")
 _SEED_RANGE = 2**31 - 1
 
 
-def _token(env: str = "RLT2T_API_TOKEN") -> str | None:
-    return os.environ.get(env) or None
-
-
 class HttpRolloutWorker:
     """Samples candidate sets on one policy server; the same contract as ``RolloutWorker``."""
 
-    def __init__(self, url: str, rollout: RolloutConfig, *, seed: int, token_env: str = "RLT2T_API_TOKEN",
+    def __init__(self, url: str, rollout: RolloutConfig, *, seed: int, token: str | None = None,
                  poll_s: float = 0.5, transport=None) -> None:
         from rlt2t.services.client import PolicyClient
 
@@ -48,7 +44,7 @@ class HttpRolloutWorker:
         self.rollout = rollout
         self.seed = seed
         self.poll_s = poll_s
-        self.client = PolicyClient(url, token=_token(token_env), timeout=rollout.timeout_s, transport=transport)
+        self.client = PolicyClient(url, token=token, timeout=rollout.timeout_s, transport=transport)
 
     def sample_version(self, version: int, weights, examples: Sequence[Example]) -> list[CandidateSet]:
         """Candidate sets for ``examples`` from weights of ``version`` or newer (``weights`` is unused:
@@ -62,21 +58,23 @@ class HttpRolloutWorker:
                 if ex.target is None:
                     raise ValueError(f"examples[{first + i}] (id {ex.id!r}) has no target; rank RL needs a reference")
             seed = stable_seed(self.seed, version, *(ex.id for ex in chunk)) % _SEED_RANGE
-            deadline = time.monotonic() + cfg.timeout_s
-            while True:
-                response = self.client.candidates(
-                    [ex.source for ex in chunk], mode="sample", num_candidates=cfg.num_samples, top_k=cfg.top_k,
-                    temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
-                if response.policy_version >= version or time.monotonic() >= deadline:
-                    break
-                time.sleep(self.poll_s)  # the server has not reloaded the published version yet
-            if response.policy_version < version:
-                log.warning("policy server %s still serves version %d after %.0f s; chunk wanted %d",
-                            self.url, response.policy_version, cfg.timeout_s, version)
+            self._wait_for_version(version)
+            response = self.client.candidates(
+                [ex.source for ex in chunk], mode="sample", num_candidates=cfg.num_samples, top_k=cfg.top_k,
+                temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
+            if response.policy_version != version:
+                log.warning("policy server %s answered with version %d; chunk wanted %d", self.url,
+                            response.policy_version, version)
             for ex, candidates in zip(chunk, response.candidates, strict=True):
                 out.append(candidate_set(ex, [c.text for c in candidates], include_gold=cfg.include_gold,
                                          seed=self.seed, version=response.policy_version))
         return out
+
+    def _wait_for_version(self, version: int) -> None:
+        """Poll the (cheap) /v1/model until the server serves ``version`` or newer, up to rollout.timeout_s."""
+        deadline = time.monotonic() + self.rollout.timeout_s
+        while self.client.model().version < version and time.monotonic() < deadline:
+            time.sleep(self.poll_s)  # the server has not reloaded the published version yet
 
     def pid(self) -> int:
         return os.getpid()
@@ -85,11 +83,11 @@ class HttpRolloutWorker:
 class HttpRewardWorker:
     """Scores drawn pairs on a reward server; the same contract as ``RewardWorker``."""
 
-    def __init__(self, url: str, reward: RewardConfig, *, token_env: str = "RLT2T_API_TOKEN", transport=None) -> None:
+    def __init__(self, url: str, reward: RewardConfig, *, token: str | None = None, transport=None) -> None:
         from rlt2t.services.client import RewardClient
 
         self.url = url
-        self.client = RewardClient(url, token=_token(token_env), timeout=reward.timeout_s, transport=transport)
+        self.client = RewardClient(url, token=token, timeout=reward.timeout_s, transport=transport)
 
     def score(self, sets: Sequence[CandidateSet]) -> list[ScoredPair]:
         if not sets:

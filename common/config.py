@@ -289,6 +289,8 @@ class ServeConfig(_Section):
     """Environment variable holding the bearer token (unset: no auth)."""
     token_file: str | None = None
     """File holding the bearer token (takes precedence over token_env)."""
+    allow_unauthenticated: bool = False
+    """Allow binding a non-loopback address without a bearer token (refused otherwise)."""
     num_cpus: float = Field(1.0, gt=0.0)
     """CPUs of the policy server when deployed as a Ray actor (`make deploy`)."""
     num_gpus: float = Field(0.0, ge=0.0)

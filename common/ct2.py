@@ -343,6 +343,8 @@ class Ct2Policy:
                              f"{sampling_temperature}")
         if not sources:
             return []
+        if sampling_topk >= len(self.tokenizer):
+            sampling_topk = 0  # top-k over the whole vocabulary is no filter (CT2 rejects k > vocabulary)
         if seed is not None:
             self.reseed(seed)
         forced = self.forced_eos_id is not None

@@ -73,21 +73,27 @@ def _document_frequency(cfg, given: str | None) -> str | None:
 
 def cmd_serve_policy(args) -> None:
     from rlt2t.common.config import load_config
+    from rlt2t.services.http import check_exposure, load_token
     from rlt2t.services.policy_app import create_app
 
     cfg = load_config(args.config, args.overrides)
+    host = args.host or cfg.serve.host
+    check_exposure(cfg.serve, host, load_token(cfg.serve))
     app = create_app(cfg, checkpoint_dir=args.checkpoint_dir,
                      document_frequency=_document_frequency(cfg, args.document_frequency))
-    run_server(app, args.host or cfg.serve.host, cfg.serve.port if args.port is None else args.port, "policy")
+    run_server(app, host, cfg.serve.port if args.port is None else args.port, "policy")
 
 
 def cmd_serve_reward(args) -> None:
     from rlt2t.common.config import load_config
+    from rlt2t.services.http import check_exposure, load_token
     from rlt2t.services.reward_app import create_app
 
     cfg = load_config(args.config, args.overrides)
+    host = args.host or cfg.serve.host
+    check_exposure(cfg.serve, host, load_token(cfg.serve))
     app = create_app(cfg, document_frequency=_document_frequency(cfg, args.document_frequency))
-    run_server(app, args.host or cfg.serve.host, cfg.serve.reward_port if args.port is None else args.port, "reward")
+    run_server(app, host, cfg.serve.reward_port if args.port is None else args.port, "reward")
 
 
 def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:

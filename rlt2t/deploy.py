@@ -219,7 +219,9 @@ def _config_args(config_paths: Sequence[str | Path], working_dir: Path) -> list[
 def train_entrypoint(python: str, config_paths: Sequence[str | Path], overrides: Sequence[str],
                      working_dir: Path) -> str:
     """The shell command of the training job."""
-    return shlex.join([python, "-m", "rlt2t.cli", "train", *_config_args(config_paths, working_dir), *overrides])
+    # --resume: a fresh run starts from the SFT checkpoint; a redeploy after a crash continues the newest one.
+    return shlex.join([python, "-m", "rlt2t.cli", "train", "--resume", *_config_args(config_paths, working_dir),
+                       *overrides])
 
 
 def serve_entrypoint(python: str, config_paths: Sequence[str | Path], overrides: Sequence[str],
@@ -250,9 +252,11 @@ class PolicyServerActor:
     def __init__(self, cfg: Any, *, startup_timeout_s: float = 120.0):
         import uvicorn
 
+        from rlt2t.services.http import check_exposure, load_token
         from rlt2t.services.policy_app import create_app
 
         s = cfg.serve
+        check_exposure(s, s.host, load_token(s))
         app = create_app(cfg, checkpoint_dir=cfg.path(s.checkpoint_dir))
         self._server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="info"))
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
@@ -271,8 +275,17 @@ class PolicyServerActor:
 
             host = ray.util.get_node_ip_address()
         self._url = f"http://{_host_for_url(host)}:{port}"
+        # Health is checked from this process: the launcher job runs on the head, which cannot reach a
+        # server bound to its own node's loopback (the default serve.host) on another node.
+        local = "127.0.0.1" if s.host in ("0.0.0.0", "::", "", "localhost") or s.host.startswith("127.") else s.host
+        self._local_url = f"http://{_host_for_url(local)}:{port}"
 
     def url(self) -> str:
+        return self._url
+
+    def healthy_url(self, timeout_s: float) -> str:
+        """The URL, once /healthz answers from this node (DeployError after ``timeout_s``)."""
+        wait_healthy(self._local_url, timeout_s)
         return self._url
 
     def stop(self) -> None:
@@ -329,9 +342,7 @@ def start_policy_server(cfg: Any, *, name: str = SERVER_NAME, namespace: str = N
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                  placement_group_bundle_index=0),
         ).remote(cfg, startup_timeout_s=timeout_s)
-    url = ray.get(actor.url.remote(), timeout=timeout_s)
-    wait_healthy(url, timeout_s)  # from inside the cluster: the client may not reach the node
-    return url
+    return ray.get(actor.healthy_url.remote(timeout_s), timeout=timeout_s + 30)
 
 
 def stop_policy_server(name: str = SERVER_NAME, namespace: str = NAMESPACE, timeout_s: float = 60.0) -> bool:

@@ -153,6 +153,8 @@ class Batcher:
         """
         if not items:
             return [], self.backend
+        if self._stopping:  # after shutdown: refuse, never restart the worker
+            raise Overloaded("server is shutting down", 1)
         self.start()
         loop = asyncio.get_running_loop()
         job = _Job(key=key, runner=runner, items=list(items), loop=loop, future=loop.create_future())
@@ -213,15 +215,20 @@ class Batcher:
                     results += batch[0].runner(backend, batch[0].key, chunk)
                 if len(results) != len(items):
                     raise RuntimeError(f"runner returned {len(results)} results for {len(items)} items")
-            except Exception as e:  # a failed call fails its own requests, never the worker
+            except BaseException as e:  # a failed call fails its own requests, never the worker
                 log.exception("model call failed for a batch of %d sources", len(items))
                 for job in batch:
-                    _post(job, None, e)
+                    _post(job, None, e if isinstance(e, Exception) else RuntimeError(f"model call aborted: {e!r}"))
+                if not isinstance(e, Exception):
+                    raise
                 continue
             seconds = time.perf_counter() - start
             self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
             if self._on_batch is not None:
-                self._on_batch(len(items), seconds)
+                try:
+                    self._on_batch(len(items), seconds)
+                except Exception:  # metrics must never strand the batch's requests
+                    log.exception("batch metrics callback failed")
             offset = 0
             for job in batch:
                 own = results[offset : offset + len(job.items)]

@@ -57,6 +57,19 @@ def load_token(serve: ServeConfig, base_dir: str | Path | None = None) -> str | 
     return os.environ.get(serve.token_env, "").strip() or None
 
 
+def check_exposure(serve: ServeConfig, host: str, token: str | None) -> None:
+    """Refuse to listen beyond loopback without a bearer token (unless serve.allow_unauthenticated)."""
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        loopback = False
+    if not loopback and token is None and not serve.allow_unauthenticated:
+        raise ValueError(f"serve.host={host} would expose the server beyond this machine without a bearer token: "
+                         f"set serve.token_file or ${serve.token_env} (or serve.allow_unauthenticated=true)")
+
+
 def auth_dependencies(token: str | None) -> list[Any]:
     """FastAPI dependencies for protected routes (none when no token is configured)."""
     if token is None:

@@ -24,6 +24,7 @@ hypotheses or scored targets per source. Violations are 422s naming the field.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import secrets
 from collections.abc import Sequence
@@ -38,7 +39,7 @@ from starlette.concurrency import run_in_threadpool
 from rlt2t.actors.reward import RewardWorker
 from rlt2t.actors.rollout import normalize_text, stable_seed
 from rlt2t.actors.types import CandidateSet
-from rlt2t.common.checkpoint import resolve_model_dir
+from rlt2t.common.checkpoint import latest_complete_checkpoint, resolve_model_dir
 from rlt2t.common.config import Config
 from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.services.backends import Generation, PolicyBackend, Sampling, Scored, load_backend
@@ -138,15 +139,21 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     ``backend`` given: serve it (and watch ``checkpoint_dir`` only if that is given too). Otherwise
     load the newest complete checkpoint of ``checkpoint_dir`` (default ``cfg.serve.checkpoint_dir``; a
     plain model directory works too) and hot-reload newer ones every ``serve.reload_interval_s``.
-    Raises FileNotFoundError when there is nothing to serve.
+    A checkpoint root with no complete checkpoint yet (it may not exist yet either, as long as its
+    parent does: a training run about to write it) is waited for: model routes and /readyz answer 503
+    with Retry-After until the first one is loaded. Raises FileNotFoundError when neither the root nor
+    its parent exists (most likely a typo).
     """
     serve = cfg.serve
     watch_root: Path | None = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if backend is None:
         root = watch_root or cfg.path(serve.checkpoint_dir)
-        if not root.exists():
-            raise FileNotFoundError(f"serve.checkpoint_dir: {root} does not exist")
-        backend = load_backend(cfg, resolve_model_dir(root))
+        if not root.exists() and not root.parent.is_dir():
+            raise FileNotFoundError(f"serve.checkpoint_dir: neither {root} nor its parent exists")
+        if is_checkpoint_root(root) and latest_complete_checkpoint(root) is None:
+            log.warning("no complete checkpoint under %s yet: answering 503 until one appears", root)
+        else:
+            backend = load_backend(cfg, resolve_model_dir(root))
         watch_root = root
     if watch_root is not None and not is_checkpoint_root(watch_root):
         watch_root = None  # a single model directory: nothing newer can appear in it
@@ -159,7 +166,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     batcher = Batcher(backend, max_batch_size=serve.max_batch_size, max_wait_ms=serve.max_wait_ms,
                       max_queue=serve.max_queue, on_batch=metrics.on_batch)
     metrics.queue_depth.set_function(lambda: batcher.queue_depth)
-    metrics.model_version.set_function(lambda: batcher.backend.version)
+    metrics.model_version.set_function(lambda: batcher.backend.version if batcher.backend is not None else -1)
 
     def install(new: PolicyBackend) -> None:
         batcher.swap_backend(new)
@@ -168,14 +175,16 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     watcher = None
     if watch_root is not None:
         watcher = CheckpointWatcher(watch_root, loader=lambda p: load_backend(cfg, p), install=install,
-                                    interval_s=serve.reload_interval_s, current=backend.checkpoint)
+                                    interval_s=serve.reload_interval_s,
+                                    current=backend.checkpoint if backend is not None else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         batcher.start()
         if watcher is not None:
             watcher.start()
-        log.info("serving %s (version %d, %s backend)", backend.checkpoint, backend.version, backend.name)
+        if backend is not None:
+            log.info("serving %s (version %d, %s backend)", backend.checkpoint, backend.version, backend.name)
         try:
             yield
         finally:
@@ -187,7 +196,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     app.state.batcher, app.state.watcher, app.state.metrics = batcher, watcher, metrics
     install_error_handlers(app)
     metrics.install(app)
-    add_common_routes(app, metrics, lambda: not batcher.stopping, protected)
+    add_common_routes(app, metrics, lambda: batcher.backend is not None and not batcher.stopping, protected)
 
     @app.exception_handler(Overloaded)
     async def overloaded(request: Request, exc: Overloaded) -> JSONResponse:
@@ -196,13 +205,21 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
 
     # -- validation shared by the routes -------------------------------------------------------------
 
+    def loaded() -> PolicyBackend:
+        """The backend the next batch runs on; 503 (Retry-After) while no checkpoint has been loaded."""
+        b = batcher.backend
+        if b is None:
+            raise Overloaded(f"no complete checkpoint under {watch_root} yet",
+                             max(1, math.ceil(serve.reload_interval_s)))
+        return b
+
     def token_limit() -> int:
         # EOS takes one position: a text of n tokens is n + 1 ids on the encoder or decoder side.
-        return min(serve.max_tokens_per_source, batcher.backend.max_positions - 1)
+        return min(serve.max_tokens_per_source, loaded().max_positions - 1)
 
     def check_texts(field: str, texts: Sequence[str], nested: int | None = None) -> None:
         limit = token_limit()
-        for i, n in enumerate(batcher.backend.count_tokens(texts)):
+        for i, n in enumerate(loaded().count_tokens(texts)):
             if n > limit:
                 loc = ("body", field, i) if nested is None else ("body", field, nested, i)
                 raise field_error(loc, f"{n} tokens; at most {limit} per text (serve.max_tokens_per_source and "
@@ -213,7 +230,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             raise field_error(("body", field), f"{value} {what}; at most {limit}", value)
 
     def check_new_tokens(value: int) -> None:
-        limit = batcher.backend.max_positions - 1  # the decoder start token takes a position
+        limit = loaded().max_positions - 1  # the decoder start token takes a position
         if value > limit:
             raise field_error(("body", "max_new_tokens"), f"at most {limit} for this model", value)
 
@@ -236,8 +253,8 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             sampling = Sampling(mode="beam", num_candidates=req.num_candidates, beam_size=req.beam_size,
                                 max_new_tokens=req.max_new_tokens)
         else:
-            if req.top_p < 1.0 and not getattr(batcher.backend, "supports_top_p", True):
-                raise field_error(("body", "top_p"), f"the {batcher.backend.name} backend has no nucleus sampling; "
+            if req.top_p < 1.0 and not getattr(loaded(), "supports_top_p", True):
+                raise field_error(("body", "top_p"), f"the {loaded().name} backend has no nucleus sampling; "
                                   "leave top_p at 1", req.top_p)
             sampling = Sampling(mode="sample", num_candidates=req.num_candidates, top_k=req.top_k, top_p=req.top_p,
                                 temperature=req.temperature, beam_size=1, max_new_tokens=req.max_new_tokens)
@@ -293,7 +310,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         """Teacher-forced log-probs of each target given the source."""
         check_count("targets", len(req.targets), serve.max_candidates_per_source, "targets")
         limit = token_limit()
-        (n_source,) = batcher.backend.count_tokens([req.source])
+        (n_source,) = loaded().count_tokens([req.source])
         if n_source > limit:
             raise field_error(("body", "source"), f"{n_source} tokens; at most {limit} per text")
         check_texts("targets", req.targets)
@@ -306,10 +323,10 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         )
 
     @app.get("/v1/model", response_model=ModelInfo, dependencies=protected, tags=["policy"],
-             responses=auth_responses)
+             responses={**auth_responses, **OVERLOADED})
     async def model_info() -> ModelInfo:
         """The weights being served."""
-        b = batcher.backend
+        b = loaded()
         return ModelInfo(version=b.version, checkpoint=b.checkpoint, checksum=b.checksum, loaded_at=b.loaded_at,
                          backend=b.name, max_source_tokens=token_limit())
 

@@ -20,21 +20,30 @@ def _candidates_response(sources: list[str], k: int, version: int) -> dict:
     return {"candidates": cands, "policy_version": version}
 
 
+def _model_info(version: int) -> dict:
+    return {"version": version, "checkpoint": "/c", "checksum": "x", "loaded_at": 0.0, "backend": "torch",
+            "max_source_tokens": 255}
+
+
 def test_rollout_waits_for_the_published_version_and_builds_candidate_sets():
-    versions = iter([0, 0, 3])  # the server reloads version 3 on the third request
-    requests = []
+    versions = iter([0, 0, 3])  # /v1/model: the server reloads version 3 on the third poll
+    requests, polls = [], []
 
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/model":
+            polls.append(request.headers.get("authorization"))
+            return httpx.Response(200, json=_model_info(next(versions)))
         body = json.loads(request.content)
         requests.append(body)
-        return httpx.Response(200, json=_candidates_response(body["sources"], body["num_candidates"], next(versions)))
+        return httpx.Response(200, json=_candidates_response(body["sources"], body["num_candidates"], 3))
 
     cfg = RolloutConfig(num_samples=3, top_k=3, temperature=0.8, max_new_tokens=8, timeout_s=30)
-    worker = HttpRolloutWorker("http://policy", cfg, seed=5, poll_s=0.0, transport=httpx.MockTransport(handler))
+    worker = HttpRolloutWorker("http://policy", cfg, seed=5, poll_s=0.0, token="s3cret",
+                               transport=httpx.MockTransport(handler))
     sets = worker.sample_version(2, None, EXAMPLES)
-    assert len(requests) == 3  # asked again until the version was >= 2
-    assert all(r["mode"] == "sample" and r["top_k"] == 3 and r["num_candidates"] == 3 for r in requests)
-    assert requests[0]["seed"] == requests[-1]["seed"]  # the same draw is asked for each time
+    assert len(polls) == 3 and len(requests) == 1  # polled the cheap route, sampled once
+    assert polls[0] == "Bearer s3cret"
+    assert requests[0]["mode"] == "sample" and requests[0]["top_k"] == 3 and requests[0]["num_candidates"] == 3
     assert [s.policy_version for s in sets] == [3, 3]
     expected = candidate_set(EXAMPLES[0], ["0 0", "0 1", "0 0"], include_gold=True, seed=5, version=3)
     assert sets[0] == expected
@@ -43,6 +52,8 @@ def test_rollout_waits_for_the_published_version_and_builds_candidate_sets():
 
 def test_rollout_gives_up_waiting_after_the_timeout_and_uses_what_it_got():
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/model":
+            return httpx.Response(200, json=_model_info(1))
         body = json.loads(request.content)
         return httpx.Response(200, json=_candidates_response(body["sources"], body["num_candidates"], 1))
 

@@ -3,6 +3,8 @@ makes them, validation errors naming the field, auth, metrics, the CLI's error p
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -199,9 +201,30 @@ def test_token_file_takes_precedence(serve_cfg, checkpoint_root, tmp_path, monke
 
 def test_nothing_to_serve_is_a_clear_error(serve_cfg, tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="serve.checkpoint_dir"):
-        create_app(serve_cfg, checkpoint_dir=tmp_path / "missing")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="complete checkpoints"):
-        create_app(serve_cfg, checkpoint_dir=tmp_path / "empty")
-    assert cli_main(["serve", "policy", "--checkpoint-dir", str(tmp_path / "empty"), f"run.dir={tmp_path}"]) == 2
+        create_app(serve_cfg, checkpoint_dir=tmp_path / "missing" / "checkpoints")
+    assert cli_main(["serve", "policy", "--checkpoint-dir", str(tmp_path / "missing" / "checkpoints"),
+                     f"run.dir={tmp_path}"]) == 2
     assert "rlt2t serve: error:" in capsys.readouterr().err
+
+
+def test_waits_for_the_first_checkpoint_with_503s(serve_cfg, tmp_path, tiny_policy):
+    """A root a training run has not written yet: 503 + Retry-After (never 500), then it serves."""
+    from rlt2t.common.checkpoint import save_checkpoint
+
+    root = tmp_path / "rank" / "checkpoints"  # does not exist yet; its parent is created below
+    root.parent.mkdir()
+    cfg = serve_cfg.model_copy(update={"serve": serve_cfg.serve.model_copy(update={"reload_interval_s": 0.05})})
+    with TestClient(create_app(cfg, checkpoint_dir=root)) as c:
+        assert c.get("/healthz").status_code == 200
+        assert c.get("/readyz").status_code == 503
+        for r in (c.get("/v1/model"), c.post("/v1/candidates", json={"sources": ["11 12"]}),
+                  c.post("/v1/score", json={"source": "11", "targets": ["12"]})):
+            assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, r.text
+        save_checkpoint(root, "epoch-0001", model=tiny_policy.model, tokenizer=tiny_policy.tokenizer, step=3,
+                        meta={"policy_version": 3})
+        deadline = time.monotonic() + 20
+        while c.get("/readyz").status_code != 200:
+            assert time.monotonic() < deadline, "the first checkpoint was never loaded"
+            time.sleep(0.05)
+        assert c.get("/v1/model").json()["version"] == 3
+        assert c.post("/v1/candidates", json={"sources": ["11 12"], "max_new_tokens": 4}).status_code == 200
