@@ -295,3 +295,11 @@ def test_http_rollout_and_reward_sources_train_through_live_servers(ray_session,
     assert [p.name for p in sorted(published.iterdir()) if not p.name.startswith(".")] == ["step-000000", "step-000002"]
     # Epoch 2 asks for version 2: had the server not reloaded it, staleness would be 2 and 3.
     assert [r["staleness_max"] for r in train if r["epoch"] == 1] == [0, 1]
+
+
+def test_a_tail_batch_smaller_than_the_learner_group_still_steps_every_rank(ray_session, prepared_run, tmp_path):
+    """33 sources, batch 16, 2 ranks: the last batch holds 1 pair; it is repeated so both ranks step."""
+    run = _copy_prepared(prepared_run, tmp_path / "tail")
+    result = _run_rank(_config(run, "rank.learners=2", "rank.train_subset=33", "rank.epochs=1",
+                               "rank.rollout_workers=1", "rank.learner_cpus=1"))
+    assert result.steps == 3 and result.pairs_used == 33

@@ -73,3 +73,10 @@ def test_ct2_backend_refuses_top_p_with_a_field_error(ct2_client):
     r = ct2_client.post("/v1/candidates", json={"sources": ["11 12"], "top_p": 0.5})
     assert r.status_code == 422
     assert "top_p" in r.text
+
+
+def test_ct2_backend_top_k_beyond_the_vocabulary_means_no_filter(ct2_client):
+    r = ct2_client.post("/v1/candidates", json={"sources": ["11 12"], "top_k": 1_000_000, "num_candidates": 2,
+                                                "max_new_tokens": 4, "seed": 1})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["candidates"][0]) == 2
