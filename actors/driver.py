@@ -98,7 +98,20 @@ class LearnerGroup:
         bundles = [{"CPU": r.learner_cpus, **({"GPU": r.learner_gpus} if r.learner_gpus else {}),
                     **r.learner_resources} for _ in range(r.learners)]
         self.pg = placement_group(bundles, strategy="PACK")
-        ray.get(self.pg.ready(), timeout=600)
+        self.ranks = []
+        try:
+            self._start(cfg, init_checkpoint, total_steps)
+        except BaseException:
+            self.shutdown()  # the placement group and any rank started must not outlive a failed start
+            raise
+
+    def _start(self, cfg: Config, init_checkpoint: Path, total_steps: int) -> None:
+        r = cfg.rank
+        try:
+            ray.get(self.pg.ready(), timeout=600)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"rank: no nodes offer {r.learners} learner bundles of {self.pg.bundle_specs[0]} "
+                               "within 600 s (rank.learner_cpus / learner_gpus / learner_resources)") from None
         actor = ray.remote(LearnerRank)
         self.ranks = [
             actor.options(
@@ -169,6 +182,7 @@ class WorkerPool:
         own = list(per_actor_args) if per_actor_args is not None else [()] * n
         if len(own) != n:
             raise ValueError(f"per_actor_args: {len(own)} entries for {n} workers")
+        self.cls = cls
         self.actors = [remote.remote(*extra, *args, **kwargs) for extra in own]
         self.busy = [0] * n
         self.cooldown_until = [0.0] * n
@@ -193,6 +207,14 @@ class WorkerPool:
 
     def succeeded(self, i: int) -> None:
         self.failures[i] = 0
+
+    def shutdown(self) -> None:
+        """Let workers release what they hold (``close``, best effort: ``ray.kill`` skips finalizers)."""
+        if hasattr(self.cls, "close"):
+            with contextlib.suppress(Exception):
+                ray.wait([a.close.remote() for a in self.actors], num_returns=len(self.actors), timeout=30)
+        for a in self.actors:
+            ray.kill(a)
 
 
 # --- the job ---------------------------------------------------------------------------------------------
@@ -299,6 +321,50 @@ def wait_for_servers(cfg: Config, published_dir: Path, token: str | None) -> Non
             time.sleep(0.5)
 
 
+def _start_groups(cfg: Config, start: Path, total_steps: int, df: DocumentFrequency):
+    """The learner group, rollout and reward pools, and the driver's checkpoint writer."""
+    r = cfg.rank
+    learners = rollouts = rewards = None
+    try:
+        learners = LearnerGroup(cfg, start, total_steps)
+        http_rollout = cfg.rollout.source == "http"
+        token = None
+        if http_rollout or cfg.reward.source == "http":
+            from rlt2t.services.http import load_token
+
+            token = load_token(cfg.serve)  # the servers' bearer token, handed to the workers explicitly
+        if http_rollout:
+            # One light actor per policy server: they wait on HTTP, so they reserve little CPU.
+            rollouts = WorkerPool(HttpRolloutWorker, len(cfg.rollout.urls), num_cpus=0.1, num_gpus=0,
+                                  max_restarts=r.max_restarts, args=(),
+                                  kwargs=dict(rollout=cfg.rollout, seed=cfg.run.seed, token=token),
+                                  per_actor_args=[(url,) for url in cfg.rollout.urls])
+        else:
+            rollouts = WorkerPool(VersionedRolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus,
+                                  num_gpus=r.rollout_gpus, max_restarts=r.max_restarts, resources=r.rollout_resources,
+                                  args=(cfg.model, str(cfg.tokenizer_dir), cfg.rollout),
+                                  kwargs=dict(seed=cfg.run.seed, max_source_len=cfg.data.max_source_len))
+        if cfg.reward.source == "http":
+            rewards = WorkerPool(HttpRewardWorker, r.reward_workers, num_cpus=0.1, num_gpus=0, max_restarts=r.max_restarts,
+                                 args=(cfg.reward.url, cfg.reward), kwargs=dict(token=token))
+        else:
+            rewards = WorkerPool(RewardActor, r.reward_workers, num_cpus=r.reward_cpus, num_gpus=0,
+                                 max_restarts=r.max_restarts, args=(cfg.reward, df), kwargs={})
+        saver = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=start)  # writes checkpoints on the driver
+    except BaseException:
+        _release(learners, rollouts, rewards)
+        raise
+    return learners, rollouts, rewards, saver, token
+
+
+def _release(learners: LearnerGroup | None, *pools: WorkerPool | None) -> None:
+    if learners is not None:
+        learners.shutdown()
+    for pool in pools:
+        if pool is not None:
+            pool.shutdown()
+
+
 def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], *, init: Path,
                resume_from: CheckpointInfo | None = None, stop_after_steps: int = 0) -> RankResult:
     """Run rank RL from ``init`` (an SFT checkpoint) or resume ``resume_from``; returns the last checkpoint."""
@@ -320,32 +386,15 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
     df = DocumentFrequency.from_references([[e.target] for e in train])
     df.save(out_dir / "document_frequency.json")  # for reward / policy servers scoring this task
     start = Path(resume_from.path) if resume_from else init
-    learners = LearnerGroup(cfg, start, total_steps)
+    learners = rollouts = rewards = None
+    try:
+        learners, rollouts, rewards, saver, token = _start_groups(cfg, start, total_steps, df)
+    except BaseException:
+        _release(learners, rollouts, rewards)  # nothing may outlive a failed start on a standing cluster
+        raise
     http_rollout = cfg.rollout.source == "http"
-    token = None
-    if http_rollout or cfg.reward.source == "http":
-        from rlt2t.services.http import load_token
-
-        token = load_token(cfg.serve)  # the servers' bearer token, handed to the workers explicitly
-    if http_rollout:
-        # One light actor per policy server: they wait on HTTP, so they reserve little CPU.
-        rollouts = WorkerPool(HttpRolloutWorker, len(cfg.rollout.urls), num_cpus=0.1, num_gpus=0,
-                              max_restarts=r.max_restarts, args=(),
-                              kwargs=dict(rollout=cfg.rollout, seed=cfg.run.seed, token=token),
-                              per_actor_args=[(url,) for url in cfg.rollout.urls])
-    else:
-        rollouts = WorkerPool(VersionedRolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus,
-                              num_gpus=r.rollout_gpus, max_restarts=r.max_restarts, resources=r.rollout_resources,
-                              args=(cfg.model, str(cfg.tokenizer_dir), cfg.rollout),
-                              kwargs=dict(seed=cfg.run.seed, max_source_len=cfg.data.max_source_len))
-    if cfg.reward.source == "http":
-        rewards = WorkerPool(HttpRewardWorker, r.reward_workers, num_cpus=0.1, num_gpus=0, max_restarts=r.max_restarts,
-                             args=(cfg.reward.url, cfg.reward), kwargs=dict(token=token))
-    else:
-        rewards = WorkerPool(RewardActor, r.reward_workers, num_cpus=r.reward_cpus, num_gpus=0,
-                             max_restarts=r.max_restarts, args=(cfg.reward, df), kwargs={})
-    saver = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=start)  # writes checkpoints on the driver
     published_dir = out_dir / "published"
+
 
     def write_published(version: int, weights: dict[str, torch.Tensor]) -> None:
         """Policy servers (rollout.source=http) load the learner's weights from here (hot reload)."""
@@ -438,10 +487,7 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
         bar.close()
         logger.close()
         plot_curves(logger.dir / "metrics.jsonl", logger.dir / "curves.png", title=f"rank RL: {cfg.run_dir}")
-        learners.shutdown()
-        for pool in (rollouts, rewards):
-            for a in pool.actors:
-                ray.kill(a)
+        _release(learners, rollouts, rewards)
     return result
 
 

@@ -206,6 +206,12 @@ class RolloutWorker:
             log.warning("rollout.backend=ct2 samples on CPU here (device %s is used by the torch backend only)",
                         self.device)
 
+    def close(self) -> None:
+        """Remove the CTranslate2 conversions (the driver calls this before killing the actor)."""
+        self._ct2 = None
+        if self._ct2_dir is not None:
+            self._ct2_dir.cleanup()
+
     @property
     def version(self) -> int:
         """Version of the weights currently loaded."""

@@ -257,7 +257,8 @@ class PolicyServerActor:
 
         s = cfg.serve
         check_exposure(s, s.host, load_token(s))
-        app = create_app(cfg, checkpoint_dir=cfg.path(s.checkpoint_dir))
+        self._checkpoint_dir = str(cfg.path(s.checkpoint_dir))
+        app = create_app(cfg, checkpoint_dir=self._checkpoint_dir)
         self._server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="info"))
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
         self._thread.start()
@@ -282,6 +283,10 @@ class PolicyServerActor:
 
     def url(self) -> str:
         return self._url
+
+    def serving(self) -> str:
+        """The checkpoint root this server watches (a redeploy must not reuse a server of another run)."""
+        return self._checkpoint_dir
 
     def healthy_url(self, timeout_s: float) -> str:
         """The URL, once /healthz answers from this node (DeployError after ``timeout_s``)."""
@@ -326,7 +331,11 @@ def start_policy_server(cfg: Any, *, name: str = SERVER_NAME, namespace: str = N
     ray.init(namespace=namespace, log_to_driver=True)
     try:
         actor = ray.get_actor(name, namespace=namespace)
-        print(f"policy server {name!r} is already running; reusing it")
+        serving, wanted = ray.get(actor.serving.remote(), timeout=60), str(cfg.path(cfg.serve.checkpoint_dir))
+        if serving != wanted:
+            raise DeployError(f"policy server {name!r} is already running for {serving}, not {wanted}: "
+                              "run `make undeploy` first")
+        print(f"policy server {name!r} is already running for {serving}; reusing it")
     except ValueError:
         s = cfg.serve
         bundle = {"CPU": s.num_cpus, **({"GPU": s.num_gpus} if s.num_gpus else {}), **s.resources}

@@ -8,6 +8,7 @@ EOS bias of 2 makes some greedy decodes stop early and others run to the token l
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -293,6 +294,10 @@ def test_ct2_backend_keeps_the_candidate_contract_and_follows_new_weights(ids_to
         assert s.reference == "13 14" and "13 14" in s.candidates and s.pair[0] in s.candidates
         assert len(s.candidates) == len(set(s.candidates)) and s.policy_version == 0
     assert [s.candidates for s in worker.sample(examples)] == [s.candidates for s in first]
+    workdir = Path(worker._ct2_dir.name)
+    assert any(workdir.iterdir())
+    worker.close()
+    assert not workdir.exists()  # the conversions do not outlive the worker
 
     greedy = RolloutWorker(ModelConfig(preset="tiny", dropout=0.0), str(ids_tokenizer_dir),
                            cfg.model_copy(update={"top_k": 1, "include_gold": False}), seed=0, max_source_len=32)
