@@ -37,15 +37,17 @@ def fuzz_cfg(tmp_path_factory):
                             "rollout.max_new_tokens=8"])
 
 
-@pytest.fixture(scope="module")
-def policy_schema(fuzz_cfg, ids_tokenizer_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["torch", "ct2"])
+def policy_schema(request, fuzz_cfg, ids_tokenizer_dir, tmp_path_factory):
+    """The policy app on each backend (the CTranslate2 one has its own limits to map to 4xx)."""
     from rlt2t.common.config import ModelConfig
     from rlt2t.common.policy import load_policy
 
     policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
     root = tmp_path_factory.mktemp("fuzz-ckpt")
     save_checkpoint(root, "epoch-0001", model=policy.model, tokenizer=policy.tokenizer, step=1)
-    app = policy_app.create_app(fuzz_cfg, checkpoint_dir=root)
+    cfg = fuzz_cfg.model_copy(update={"serve": fuzz_cfg.serve.model_copy(update={"backend": request.param})})
+    app = policy_app.create_app(cfg, checkpoint_dir=root)
     return schemathesis.openapi.from_asgi("/openapi.json", app)
 
 

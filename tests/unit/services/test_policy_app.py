@@ -63,6 +63,30 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch_mates(client):
     assert other_seed["candidates"] != together
 
 
+def test_seeded_candidates_do_not_depend_on_concurrent_batch_mates(serve_cfg, checkpoint_root):
+    """Requests sent together are merged into one model call; a seeded one answers as it does alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = serve_cfg.model_copy(update={"serve": serve_cfg.serve.model_copy(update={"max_wait_ms": 300})})
+    params = {"num_candidates": 2, "top_k": 0, "max_new_tokens": 8}
+    with TestClient(create_app(cfg, checkpoint_dir=checkpoint_root)) as c:
+        alone = c.post("/v1/candidates", json={"sources": SOURCES[:1], **params, "seed": 9}).json()["candidates"]
+        bodies = [{"sources": SOURCES[:1], **params, "seed": 9}] + [
+            {"sources": [s], **params, "seed": 100 + i} for i, s in enumerate(SOURCES[1:])]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: c.post("/v1/candidates", json=b), bodies))
+        sizes = [line for line in c.get("/metrics").text.splitlines()
+                 if line.startswith("rlt2t_policy_batch_sources_count")]
+    assert all(a.status_code == 200 for a in answers)
+    together = answers[0].json()["candidates"]
+    assert [[c["token_ids"] for c in x] for x in together] == [[c["token_ids"] for c in x] for x in alone]
+    # Padding to batch mates' lengths moves log-probs only by float rounding.
+    for got, want in zip(together[0], alone[0], strict=True):
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+    # Fewer model calls than requests: the concurrent ones really shared a batch.
+    assert float(sizes[0].split()[-1]) < 1 + len(bodies), sizes
+
+
 def test_top_k_1_and_tiny_top_p_are_greedy(client, tiny_policy):
     greedy = generate(tiny_policy, SOURCES, max_new_tokens=8)
     for extra in ({"top_k": 1}, {"top_p": 1e-6}):
