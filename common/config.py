@@ -289,6 +289,8 @@ class ServeConfig(_Section):
     """Environment variable holding the bearer token (unset: no auth)."""
     token_file: str | None = None
     """File holding the bearer token (takes precedence over token_env)."""
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    """Largest request body accepted (413 beyond it, before any parsing or authentication)."""
     allow_unauthenticated: bool = False
     """Allow binding a non-loopback address without a bearer token (refused otherwise)."""
     num_cpus: float = Field(1.0, gt=0.0)

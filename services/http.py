@@ -11,6 +11,7 @@ registry would refuse the second one's metric names).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -114,6 +115,56 @@ class ServiceMetrics:
 
     def render(self) -> Response:
         return PlainTextResponse(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class BodyLimit:
+    """Pure ASGI middleware refusing bodies over ``max_bytes`` with 413, by Content-Length or while they
+    stream in: FastAPI would otherwise read and parse a body before even checking the bearer token. The
+    body (at most ``max_bytes``) is read here and replayed to the app."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: let the app see it
+                chunks = None
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self._refuse(send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        if chunks is None:
+            await self.app(scope, receive, send)
+            return
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnect notifications
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send) -> None:
+        body = json.dumps({"detail": f"request body larger than {self.max_bytes} bytes (serve.max_body_bytes)"})
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body.encode()})
 
 
 class _ObserveRequests:

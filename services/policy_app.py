@@ -47,6 +47,7 @@ from rlt2t.services.batching import Batcher, Overloaded
 from rlt2t.services.http import (
     OVERLOADED,
     UNAUTHORIZED,
+    BodyLimit,
     ServiceMetrics,
     add_common_routes,
     auth_dependencies,
@@ -195,6 +196,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     app = FastAPI(title="rlt2t policy server", version="1", lifespan=lifespan)
     app.state.batcher, app.state.watcher, app.state.metrics = batcher, watcher, metrics
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=serve.max_body_bytes)
     metrics.install(app)
     add_common_routes(app, metrics, lambda: batcher.backend is not None and not batcher.stopping, protected)
 

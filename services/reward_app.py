@@ -25,6 +25,7 @@ from rlt2t.common.config import Config
 from rlt2t.common.metrics import DocumentFrequency, available_metrics, get_metric
 from rlt2t.services.http import (
     UNAUTHORIZED,
+    BodyLimit,
     ServiceMetrics,
     add_common_routes,
     auth_dependencies,
@@ -57,6 +58,7 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
 
     app = FastAPI(title="rlt2t reward server", version="1")
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=cfg.serve.max_body_bytes)
     metrics.install(app)
     add_common_routes(app, metrics, lambda: True, protected)
 

@@ -252,3 +252,22 @@ def test_waits_for_the_first_checkpoint_with_503s(serve_cfg, tmp_path, tiny_poli
             time.sleep(0.05)
         assert c.get("/v1/model").json()["version"] == 3
         assert c.post("/v1/candidates", json={"sources": ["11 12"], "max_new_tokens": 4}).status_code == 200
+
+def test_oversized_bodies_are_refused_before_parsing_or_auth(serve_cfg, checkpoint_root, monkeypatch):
+    monkeypatch.setenv("RLT2T_API_TOKEN", "t0ken")
+    cfg = serve_cfg.model_copy(update={"serve": serve_cfg.serve.model_copy(update={"max_body_bytes": 2048})})
+    with TestClient(create_app(cfg, checkpoint_dir=checkpoint_root)) as c:
+        big = {"sources": ["1 " * 1500]}
+        r = c.post("/v1/candidates", json=big)  # no token: still 413, the body is never parsed
+        assert r.status_code == 413 and "serve.max_body_bytes" in r.json()["detail"]
+
+        def chunks():  # no Content-Length: counted as it streams
+            for _ in range(10):
+                yield b"x" * 512
+
+        r = c.post("/v1/candidates", content=chunks(), headers={"Authorization": "Bearer t0ken",
+                                                                "content-type": "application/json"})
+        assert r.status_code == 413
+        ok = c.post("/v1/candidates", json={"sources": ["11 12"], "max_new_tokens": 3},
+                    headers={"Authorization": "Bearer t0ken"})
+        assert ok.status_code == 200
