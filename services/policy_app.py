@@ -231,6 +231,12 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         if value > limit:
             raise field_error(("body", field), f"{value} {what}; at most {limit}", value)
 
+    def check_top_p(value: float) -> None:
+        backend = loaded()
+        if value < 1.0 and not getattr(backend, "supports_top_p", True):
+            raise field_error(("body", "top_p"), f"the {backend.name} backend has no nucleus sampling; leave top_p "
+                              "at 1", value)
+
     def check_new_tokens(value: int) -> None:
         limit = loaded().max_positions - 1  # the decoder start token takes a position
         if value > limit:
@@ -255,9 +261,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             sampling = Sampling(mode="beam", num_candidates=req.num_candidates, beam_size=req.beam_size,
                                 max_new_tokens=req.max_new_tokens)
         else:
-            if req.top_p < 1.0 and not getattr(loaded(), "supports_top_p", True):
-                raise field_error(("body", "top_p"), f"the {loaded().name} backend has no nucleus sampling; "
-                                  "leave top_p at 1", req.top_p)
+            check_top_p(req.top_p)
             sampling = Sampling(mode="sample", num_candidates=req.num_candidates, top_k=req.top_k, top_p=req.top_p,
                                 temperature=req.temperature, beam_size=1, max_new_tokens=req.max_new_tokens)
         base = req.seed if req.seed is not None else secrets.randbits(63)
@@ -286,6 +290,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         check_new_tokens(max_new)
         check_texts("sources", req.sources)
         check_texts("references", req.references)
+        check_top_p(req.top_p)
         sampling = Sampling(mode="sample", num_candidates=num_samples,
                             top_k=req.top_k if req.top_k is not None else r.top_k, top_p=req.top_p,
                             temperature=req.temperature if req.temperature is not None else r.temperature,

@@ -70,9 +70,11 @@ def test_ct2_backend_beam_and_score_match_torch(ct2_client, tiny_policy):
 
 
 def test_ct2_backend_refuses_top_p_with_a_field_error(ct2_client):
-    r = ct2_client.post("/v1/candidates", json={"sources": ["11 12"], "top_p": 0.5})
-    assert r.status_code == 422
-    assert "top_p" in r.text
+    for route, body in (("/v1/candidates", {"sources": ["11 12"], "top_p": 0.5}),
+                        ("/v1/pairs", {"sources": ["11 12"], "references": ["13"], "top_p": 0.5})):
+        r = ct2_client.post(route, json=body)
+        assert r.status_code == 422, (route, r.text)
+        assert "top_p" in r.text
 
 
 def test_ct2_backend_top_k_beyond_the_vocabulary_means_no_filter(ct2_client):
