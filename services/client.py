@@ -138,6 +138,27 @@ class _Retrying:
         # Only failures where the request surely did not run: no connection, or no pooled connection free.
         return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
 
+    def outcome(self, method: str, path: str, model: type[M], response: httpx.Response | None,
+                exc: httpx.TransportError | None) -> tuple[M | None, Exception | None]:
+        """One attempt: (parsed result, None), or (None, the error to retry on); raises what is not retried."""
+        if exc is not None:
+            if self.transient(exc):
+                return None, exc
+            if isinstance(exc, httpx.TimeoutException):
+                raise ServiceTimeout(f"{method} {self.base_url}{path}: timed out: {exc}", url=path) from exc
+            raise Unavailable(f"{method} {self.base_url}{path}: {type(exc).__name__}: {exc}", url=path) from exc
+        assert response is not None
+        if response.status_code != 503:
+            return self.parse(response, model), None
+        return None, _error_for(response)
+
+    def give_up(self, method: str, path: str, error: Exception) -> ServiceError:
+        """The exception to raise once the retries are spent."""
+        if isinstance(error, ServiceError):
+            return error
+        return Unavailable(f"{method} {self.base_url}{path}: {type(error).__name__}: {error} "
+                           f"(after {self.retries} retries)", url=path)
+
     @staticmethod
     def parse(response: httpx.Response, model: type[M]) -> M:
         if response.status_code != 200:
@@ -165,30 +186,20 @@ class _SyncBase(_Retrying):
 
     def _request(self, method: str, path: str, model: type[M], json: dict[str, Any] | None = None) -> M:
         for attempt in range(self.retries + 1):
-            response = None
+            response = exc = None
             try:
                 response = self._http.request(method, path, json=json)
-            except httpx.TimeoutException as e:
-                if not self.transient(e):
-                    raise ServiceTimeout(f"{method} {self.base_url}{path}: timed out: {e}", url=path) from e
-                error: Exception = e
-            except httpx.TransportError as e:
-                if not self.transient(e):
-                    raise Unavailable(f"{method} {self.base_url}{path}: {type(e).__name__}: {e}", url=path) from e
-                error = e
-            else:
-                if response.status_code != 503:
-                    return self.parse(response, model)
-                error = _error_for(response)
+            except httpx.TransportError as e:  # timeouts included
+                exc = e
+            result, error = self.outcome(method, path, model, response, exc)
+            if error is None:
+                return result
             if attempt == self.retries:
                 break
             wait = self.delay(attempt, response)
             log.debug("%s %s: %s; retry %d/%d in %.2fs", method, path, error, attempt + 1, self.retries, wait)
             _sleep(wait)
-        if isinstance(error, ServiceError):
-            raise error
-        raise Unavailable(f"{method} {self.base_url}{path}: {type(error).__name__}: {error} "
-                          f"(after {self.retries} retries)", url=path) from error
+        raise self.give_up(method, path, error) from (error if not isinstance(error, ServiceError) else None)
 
     def close(self) -> None:
         """Close the pooled connections."""
@@ -220,28 +231,18 @@ class _AsyncBase(_Retrying):
 
     async def _request(self, method: str, path: str, model: type[M], json: dict[str, Any] | None = None) -> M:
         for attempt in range(self.retries + 1):
-            response = None
+            response = exc = None
             try:
                 response = await self._http.request(method, path, json=json)
-            except httpx.TimeoutException as e:
-                if not self.transient(e):
-                    raise ServiceTimeout(f"{method} {self.base_url}{path}: timed out: {e}", url=path) from e
-                error: Exception = e
-            except httpx.TransportError as e:
-                if not self.transient(e):
-                    raise Unavailable(f"{method} {self.base_url}{path}: {type(e).__name__}: {e}", url=path) from e
-                error = e
-            else:
-                if response.status_code != 503:
-                    return self.parse(response, model)
-                error = _error_for(response)
+            except httpx.TransportError as e:  # timeouts included
+                exc = e
+            result, error = self.outcome(method, path, model, response, exc)
+            if error is None:
+                return result
             if attempt == self.retries:
                 break
             await _async_sleep(self.delay(attempt, response))
-        if isinstance(error, ServiceError):
-            raise error
-        raise Unavailable(f"{method} {self.base_url}{path}: {type(error).__name__}: {error} "
-                          f"(after {self.retries} retries)", url=path) from error
+        raise self.give_up(method, path, error) from (error if not isinstance(error, ServiceError) else None)
 
     async def aclose(self) -> None:
         """Close the pooled connections."""
