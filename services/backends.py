@@ -96,6 +96,10 @@ class PolicyBackend(Protocol):
         """Teacher-forced per-token log-probs of ``targets[i][j]`` given ``sources[i]``."""
         ...
 
+    def close(self) -> None:
+        """Release what the backend holds on disk (no call may follow)."""
+        ...
+
 
 def load_backend(cfg: Config, model_dir: str | Path) -> PolicyBackend:
     """The ``cfg.serve.backend`` backend for a model or checkpoint directory (the one loading entry point
@@ -193,6 +197,9 @@ class TorchBackend:
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return _count_tokens(self._counting_tokenizer, texts)
+
+    def close(self) -> None:
+        """Nothing on disk to release."""
 
     def candidates(self, sources: Sequence[str], sampling: Sampling,
                    row_seeds: Sequence[int]) -> list[list[Generation]]:
@@ -378,6 +385,13 @@ class Ct2Backend:
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return _count_tokens(self._counting_tokenizer, texts)
+
+    def close(self) -> None:
+        """Remove the export this backend made (the translator already holds the model in memory). Also
+        done when the backend is garbage-collected; this makes it happen before a process is killed."""
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
 
     def candidates(self, sources: Sequence[str], sampling: Sampling,
                    row_seeds: Sequence[int]) -> list[list[Generation]]:

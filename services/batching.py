@@ -138,6 +138,17 @@ class Batcher:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def close_backends(self) -> bool:
+        """After :meth:`stop`: close the installed and any pending backend. False (nothing closed) while
+        a batch still runs, since the backend is in use."""
+        if not self._stopping or (self._thread is not None and self._thread.is_alive()):
+            return False
+        with self._cond:
+            backends = {id(b): b for b in (self._backend, self._next_backend) if b is not None}
+        for b in backends.values():
+            b.close()
+        return True
+
     # -- producer side (event loop) ------------------------------------------------------------------
 
     def retry_after(self) -> int:

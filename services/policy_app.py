@@ -192,6 +192,8 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             if watcher is not None:
                 watcher.stop()
             batcher.stop()
+            if not batcher.close_backends():
+                log.warning("a batch was still running at shutdown: its backend was left open")
 
     app = FastAPI(title="rlt2t policy server", version="1", lifespan=lifespan)
     app.state.batcher, app.state.watcher, app.state.metrics = batcher, watcher, metrics

@@ -28,6 +28,10 @@ class FakeBackend:
     calls: list[list[str]] = field(default_factory=list)
     gate: threading.Event | None = None
     started: threading.Event = field(default_factory=threading.Event)
+    closed: int = 0
+
+    def close(self):
+        self.closed += 1
 
     def count_tokens(self, texts):
         return [len(t.split()) for t in texts]
@@ -51,6 +55,24 @@ def echo(backend: PolicyBackend, key, items):
 
 def test_fake_backend_satisfies_the_protocol():
     assert isinstance(FakeBackend(), PolicyBackend)
+
+
+def test_backends_are_closed_only_once_the_batch_in_flight_is_done():
+    running, pending = FakeBackend(gate=threading.Event()), FakeBackend(version=2)
+    b = Batcher(running, max_batch_size=4, max_wait_ms=0, max_queue=8)
+    b.start()
+    assert not b.close_backends()  # not stopped
+    worker = threading.Thread(target=lambda: asyncio.run(b.submit("k", ["a"], echo)))
+    worker.start()
+    assert running.started.wait(10)
+    b.swap_backend(pending)
+    b.stop(timeout=0.1)  # the gated batch is still running
+    assert not b.close_backends() and running.closed == pending.closed == 0
+    running.gate.set()
+    worker.join(10)
+    b.stop()
+    assert b.close_backends()
+    assert running.closed == pending.closed == 1
 
 
 def test_concurrent_requests_share_one_model_call():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -82,3 +84,14 @@ def test_ct2_backend_top_k_beyond_the_vocabulary_means_no_filter(ct2_client):
                                                 "max_new_tokens": 4, "seed": 1})
     assert r.status_code == 200, r.text
     assert len(r.json()["candidates"][0]) == 2
+
+
+def test_ct2_backend_removes_its_export_when_the_server_stops(serve_cfg, perturbed_root):
+    cfg = serve_cfg.model_copy(update={"serve": serve_cfg.serve.model_copy(update={"backend": "ct2"}),
+                                       "export": serve_cfg.export.model_copy(update={"quantization": "float32"})})
+    with TestClient(create_app(cfg, checkpoint_dir=perturbed_root)) as c:
+        export = Path(c.app.state.batcher.backend.ct2.export_dir)
+        assert export.is_dir()
+        r = c.post("/v1/candidates", json={"sources": ["11 12 13"], "max_new_tokens": 4, "seed": 1})
+        assert r.status_code == 200, r.text
+    assert not export.exists()  # removed at shutdown, not left for the garbage collector
