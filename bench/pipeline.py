@@ -85,7 +85,7 @@ def bench_config(workdir: Path, tok_dir: Path, chunk_size: int, batch_size: int,
     return load_config(overrides=[
         f"run.dir={workdir / 'run'}", "run.progress=false", f"tokenizer.path={tok_dir}", "model.preset=small",
         "rank.epochs=1", "rank.learners=1", "rank.rollout_workers=1", "rank.reward_workers=1",
-        "rank.learner_cpus=1", "rank.rollout_cpus=1", "metric.monitor_size=0",
+        "rank.learner_cpus=1", "rank.rollout_cpus=1", "metric.monitor_size=0", "run.log_every=1",
         f"rank.chunk_size={chunk_size}", f"rank.batch_size={batch_size}", f"rollout.num_samples={num_samples}",
     ])
 
@@ -127,15 +127,18 @@ def run_sync(cfg: Config, train: list[Example], ckpt: Path) -> dict[str, Any]:
                           max_target_len=cfg.data.max_target_len, threads=1)
     t0 = time.perf_counter()
     metrics: dict[str, float] = {}
+    step_s = []
     for first in range(0, len(pairs), r.batch_size):
         metrics = learner.train_step(pairs[first : first + r.batch_size])
+        step_s.append(round(metrics["step_s"], 3))
     learn = time.perf_counter() - t0
     sync = time.perf_counter() - t_sync
-    print(f"L (learn): {learn:.1f}s  ({steps} steps, {learn / steps:.2f}s/step)", flush=True)
+    print(f"L (learn): {learn:.1f}s  ({steps} steps, {learn / steps:.2f}s/step; first {step_s[0]:.2f}s, "
+          f"median {sorted(step_s)[len(step_s) // 2]:.2f}s)", flush=True)
     print(f"sync loop (G then L): {sync:.1f}s", flush=True)
     return {"G_s": round(g, 2), "G_sample_s": round(sample_s, 2), "G_score_s": round(score_s, 2),
             "L_s": round(learn, 2), "sync_s": round(sync, 2), "steps": steps, "pairs": len(pairs),
-            "mean_candidate_tokens": round(mean_len, 1), "last_step": metrics}
+            "mean_candidate_tokens": round(mean_len, 1), "step_s": step_s, "last_step": metrics}
 
 
 def run_async(cfg: Config, train: list[Example], ckpt: Path) -> dict[str, Any]:
@@ -183,6 +186,7 @@ def run_async(cfg: Config, train: list[Example], ckpt: Path) -> dict[str, Any]:
         raise RuntimeError(f"{cfg.run_dir}/logs/rank/metrics.jsonl has no train rows")
     last = train_rows[-1]
     epoch = marks["epoch_end"] - marks["epoch_start"]
+    step_s = [round(row["step_s"], 3) for row in train_rows]  # run.log_every=1: one row per step
     out = {
         "epoch_wall_s": round(epoch, 2), "learner_busy": round(last["learner_busy"], 4),
         "steps": result.steps, "pairs_used": result.pairs_used, "rollout_threads": marks["rollout_threads"],
@@ -193,8 +197,14 @@ def run_async(cfg: Config, train: list[Example], ckpt: Path) -> dict[str, Any]:
             "checkpoint_and_shutdown_s": round(t_done - marks["epoch_end"], 2),
         },
         "train_rank_total_s": round(t_done - t_call, 2),
+        # The epoch wall = the learner's compute (sum of step_s) + the time it waited: for the first chunk,
+        # between steps (the driver's round trip), or for pairs.
+        "step_s": step_s, "learner_compute_s": round(sum(step_s), 2),
+        "learner_waiting_s": round(epoch - sum(step_s), 2),
         "last_step": {k: v for k, v in last.items() if k not in ("stage", "kind", "time")},
     }
+    print(f"async epoch: {epoch:.1f}s = learner compute {sum(step_s):.1f}s (first step {step_s[0]:.2f}s, median "
+          f"{sorted(step_s)[len(step_s) // 2]:.2f}s) + waiting {epoch - sum(step_s):.1f}s", flush=True)
     print(f"async epoch: {epoch:.1f}s, learner busy {last['learner_busy']:.1%}  "
           f"(train_rank total {out['train_rank_total_s']:.1f}s; excluded {out['excluded']})", flush=True)
     return out

@@ -15,6 +15,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -117,7 +118,9 @@ class LearnerRank:
 
     # --- training ------------------------------------------------------------------------------------------
     def train_step(self, pairs: Sequence[ScoredPair]) -> dict[str, float]:
-        """One optimizer step on this rank's shard; returns scalars averaged over ranks."""
+        """One optimizer step on this rank's shard; returns scalars averaged over ranks (``step_s``: the
+        seconds this step computed, excluding the metrics all-reduce and the wait for the call)."""
+        t0 = time.perf_counter()
         acc = self._prepare()
         batch = rank_batch(self.policy.tokenizer, pairs, max_source_len=self.max_source_len,
                            max_target_len=self.max_target_len).to(acc.device)
@@ -131,9 +134,11 @@ class LearnerRank:
         used = [p for p in pairs if p.use_rank]
         local = torch.tensor([out.loss.item(), out.ce.item(), out.rank.item(), out.accuracy.item(),
                               sum(p.score_a for p in pairs) / len(pairs), sum(p.score_b for p in pairs) / len(pairs),
-                              len(used) / len(pairs), float(grad_norm)], dtype=torch.float64)
+                              len(used) / len(pairs), float(grad_norm), time.perf_counter() - t0],
+                             dtype=torch.float64)
         mean = self._mean(local)
-        keys = ("loss", "ce", "rank_loss", "pair_accuracy", "reward_a", "reward_b", "use_rank_fraction", "grad_norm")
+        keys = ("loss", "ce", "rank_loss", "pair_accuracy", "reward_a", "reward_b", "use_rank_fraction", "grad_norm",
+                "step_s")
         return {k: float(v) for k, v in zip(keys, mean.tolist(), strict=True)} | {
             "lr": self.scheduler.get_last_lr()[0]}
 
