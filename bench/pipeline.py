@@ -14,7 +14,9 @@ from-scratch `small`-preset policy (seed 0, saved as a checkpoint directory) as 
          driver's `init_ray`: 1 learner (1 CPU, 1 thread), 1 rollout worker (1 CPU), 1 reward worker.
 
 Reported: async wall vs max(G, L) (target: within 10%) and the learner busy fraction the driver logs
-in <run>/logs/rank/metrics.jsonl (target: >= 90% when L >= G).
+in <run>/logs/rank/metrics.jsonl (target: >= 90% when L >= G). The async epoch runs --async-runs
+times (default 3, each on a fresh Ray): the median run is reported, every run's ratio is listed. Its
+wall is split into the learner's compute (the sum of the steps' step_s) and the time it waited.
 
 What the async wall excludes, and how: Ray startup (init_ray is called, and timed, before train_rank,
 which then finds Ray running) and actor construction (run_epoch is wrapped so that it first waits
@@ -218,11 +220,13 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32, help="rank.batch_size, pairs per learner step")
     ap.add_argument("--num-samples", type=int, default=6,
                     help="rollout.num_samples, candidates per source (default 6); raise it to make G the bottleneck")
+    ap.add_argument("--async-runs", type=int, default=3,
+                    help="asynchronous epochs to run, each on a fresh Ray (the median wall is reported)")
     ap.add_argument("--skip-async", action="store_true", help="measure G, L and sync only (no Ray)")
     ap.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temp dir, removed)")
     ap.add_argument("--no-save", action="store_true", help="print only; leave bench/results/ alone")
     args = ap.parse_args()
-    for name in ("sources", "chunk_size", "batch_size", "num_samples"):
+    for name in ("sources", "chunk_size", "batch_size", "num_samples", "async_runs"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     quiet_transformers()
@@ -236,7 +240,10 @@ def main() -> None:
         cfg = bench_config(workdir, tok_dir, args.chunk_size, args.batch_size, args.num_samples)
         train = generate_synthetic(args.sources, seed=1)
         sync = run_sync(cfg, train, ckpt)
-        asyn = None if args.skip_async else run_async(cfg, train, ckpt)
+        runs = [] if args.skip_async else [run_async(cfg, train, ckpt) for _ in range(args.async_runs)]
+    # The async wall varies run to run on a small shared machine: the run with the median wall is reported,
+    # every run's wall is listed.
+    asyn = sorted(runs, key=lambda a: a["epoch_wall_s"])[len(runs) // 2] if runs else None
 
     bound = max(sync["G_s"], sync["L_s"])
     summary: dict[str, Any] = {"max_G_L_s": bound, "sync_over_max": round(sync["sync_s"] / bound, 3)}
@@ -245,14 +252,18 @@ def main() -> None:
         learner_bound = sync["L_s"] >= sync["G_s"]
         summary |= {
             "async_over_max": round(ratio, 3), "async_over_sync": round(asyn["epoch_wall_s"] / sync["sync_s"], 3),
+            "async_runs_over_max": [round(a["epoch_wall_s"] / bound, 3) for a in runs],
+            "all_async_runs_meet_wall_target": all(a["epoch_wall_s"] / bound <= WALL_TARGET for a in runs),
             "meets_wall_target": ratio <= WALL_TARGET, "learner_bound": learner_bound,
             # The busy target only applies when the learner is the bottleneck.
             "meets_busy_target": asyn["learner_busy"] >= BUSY_TARGET if learner_bound else None,
             "same_last_loss_as_sync": math.isclose(asyn["last_step"]["loss"], sync["last_step"]["loss"],
                                                    rel_tol=1e-5, abs_tol=1e-6),
         }
+        each = ", ".join(f"{a['epoch_wall_s'] / bound:.2f}" for a in runs)
         print(f"\nG {sync['G_s']:.1f}s  L {sync['L_s']:.1f}s  sync {sync['sync_s']:.1f}s  "
-              f"async {asyn['epoch_wall_s']:.1f}s = {ratio:.2f} x max(G, L) (target <= {WALL_TARGET:.2f})  "
+              f"async {asyn['epoch_wall_s']:.1f}s (median of {len(runs)}) = {ratio:.2f} x max(G, L) (target <= "
+              f"{WALL_TARGET:.2f}; runs: {each})  "
               f"learner busy {asyn['learner_busy']:.1%} (target >= {BUSY_TARGET:.0%} when L >= G: "
               f"{'applies' if learner_bound else 'G > L here'})")
     if args.no_save:
