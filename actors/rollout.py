@@ -25,7 +25,7 @@ from rlt2t.actors.types import CandidateSet
 from rlt2t.common.batching import collate_seq2seq, encode_texts
 from rlt2t.common.config import ModelConfig, RolloutConfig
 from rlt2t.common.data import Example
-from rlt2t.common.policy import Policy, load_policy
+from rlt2t.common.policy import Policy, check_sampling, load_policy
 
 log = logging.getLogger("rlt2t.rollout")
 
@@ -98,12 +98,7 @@ def sample_candidates(
             f"input_ids must be [B, S] and attention_mask the same shape, got {tuple(input_ids.shape)} and "
             f"{tuple(attention_mask.shape)}"
         )
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0: no top-k filter), got {top_k}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_sampling(k, top_k, temperature)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     num_rows = input_ids.shape[0] * k

@@ -41,6 +41,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -136,7 +137,7 @@ def run_sync(cfg: Config, train: list[Example], ckpt: Path) -> dict[str, Any]:
     learn = time.perf_counter() - t0
     sync = time.perf_counter() - t_sync
     print(f"L (learn): {learn:.1f}s  ({steps} steps, {learn / steps:.2f}s/step; first {step_s[0]:.2f}s, "
-          f"median {sorted(step_s)[len(step_s) // 2]:.2f}s)", flush=True)
+          f"median {statistics.median(step_s):.2f}s)", flush=True)
     print(f"sync loop (G then L): {sync:.1f}s", flush=True)
     return {"G_s": round(g, 2), "G_sample_s": round(sample_s, 2), "G_score_s": round(score_s, 2),
             "L_s": round(learn, 2), "sync_s": round(sync, 2), "steps": steps, "pairs": len(pairs),
@@ -206,7 +207,7 @@ def run_async(cfg: Config, train: list[Example], ckpt: Path) -> dict[str, Any]:
         "last_step": {k: v for k, v in last.items() if k not in ("stage", "kind", "time")},
     }
     print(f"async epoch: {epoch:.1f}s = learner compute {sum(step_s):.1f}s (first step {step_s[0]:.2f}s, median "
-          f"{sorted(step_s)[len(step_s) // 2]:.2f}s) + waiting {epoch - sum(step_s):.1f}s", flush=True)
+          f"{statistics.median(step_s):.2f}s) + waiting {epoch - sum(step_s):.1f}s", flush=True)
     print(f"async epoch: {epoch:.1f}s, learner busy {last['learner_busy']:.1%}  "
           f"(train_rank total {out['train_rank_total_s']:.1f}s; excluded {out['excluded']})", flush=True)
     return out

@@ -50,7 +50,7 @@ from transformers import PreTrainedTokenizerBase
 from rlt2t.common.batching import encode_texts
 from rlt2t.common.checkpoint import MARKER, STATE_FILE
 from rlt2t.common.io import atomic_directory, atomic_write_json
-from rlt2t.common.policy import Policy
+from rlt2t.common.policy import Policy, check_sampling
 from rlt2t.common.tokenization import load_tokenizer, save_tokenizer
 
 log = logging.getLogger("rlt2t.ct2")
@@ -440,12 +440,7 @@ def sample_ct2(
     ``top_k=0`` samples from the whole vocabulary, ``top_k=1`` is greedy. With ``seed`` the call is
     reproducible (same weights, sources, k, options and seed: same rows); see the module doc.
     """
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0: no top-k filter), got {top_k}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_sampling(k, top_k, temperature)
     per_source = ct2.generate(sources, beam_size=1, num_hypotheses=k, max_new_tokens=max_new_tokens,
                               sampling_topk=top_k, sampling_temperature=temperature, seed=seed)
     rows: list[list[int]] = []
