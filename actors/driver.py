@@ -26,6 +26,7 @@ import math
 import os
 import shutil
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -508,12 +509,21 @@ def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts
     retries: list[tuple[float, int]] = []  # (monotonic time, chunk index): re-dispatches waiting for a worker
     queue: list[ScoredPair] = []  # pairs in dataset order, not yet learned from
     next_submit = next_consume = 0
-    learner_refs: list[ray.ObjectRef] | None = None
+    # Learner steps submitted and not yet returned, oldest first: (refs, batch info). The next step is
+    # queued on the learner while one runs, so it never waits for the driver's round trip between steps.
+    steps_inflight: deque[tuple[list[ray.ObjectRef], dict[str, Any]]] = deque()
     last: dict[str, float] = {}
     window_t, window_pairs = time.perf_counter(), 0
-    busy_since = None
+    busy_since = 0.0
     learner_busy = 0.0
     epoch_t0 = time.perf_counter()
+
+    def after_step_needs_driver(n: int) -> bool:
+        """Whether the driver acts on the learner right after its n-th step (publish, checkpoint, stop):
+        no later step may be queued behind that one, or it would run first."""
+        return bool((r.refresh_every_steps and n % r.refresh_every_steps == 0)
+                    or (r.save_every_steps and n % r.save_every_steps == 0)
+                    or (stop_after_steps and n >= stop_after_steps))
 
     def submit_rollout(c: Chunk) -> None:
         w = rollouts.pick()
@@ -523,7 +533,7 @@ def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts
         pending[ref] = ("rollout", c.index, w)
         rollouts.busy[w] += 1
 
-    while next_consume < len(chunks) or queue or learner_refs is not None:
+    while next_consume < len(chunks) or queue or steps_inflight:
         # Re-dispatch failed chunks whose wait is over (ahead of new work: the learner needs them first).
         now = time.monotonic()
         for due in sorted(x for x in retries if x[0] <= now):
@@ -544,20 +554,24 @@ def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts
             result.out_of_order += index != next_consume
             queue.extend(ready.pop(index))
             next_consume += 1
-        # Start a learner step when a full batch (or the epoch's tail) is queued.
-        if learner_refs is None and queue and (len(queue) >= r.batch_size or next_consume == len(chunks)):
+        # Queue a learner step (at most two: one running, one waiting) when a full batch or the epoch's
+        # tail is ready, unless the driver must act after the step already queued.
+        while (len(steps_inflight) < 2 and queue and (len(queue) >= r.batch_size or next_consume == len(chunks))
+               and not (steps_inflight and after_step_needs_driver(step + len(steps_inflight)))):
             batch, queue = queue[: r.batch_size], queue[r.batch_size:]
-            staleness = [step - p.policy_version for p in batch]
+            # Staleness against the learner's version when this batch is trained (after the queued steps).
+            staleness = [step + len(steps_inflight) - p.policy_version for p in batch]
             shards = batch
             if len(batch) < r.learners:
                 # An epoch tail smaller than the group: every rank must step (DDP all-reduces), so the
                 # tail's pairs are repeated to give each rank one.
                 shards = [batch[i % len(batch)] for i in range(r.learners)]
-            learner_refs = learners.train_step_async(shards)
-            busy_since = time.perf_counter()
-            batch_info = {"staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
-                          "pairs": len(batch)}
-        waitable = list(pending) + (learner_refs or [])
+            if not steps_inflight:
+                busy_since = time.perf_counter()
+            steps_inflight.append((learners.train_step_async(shards), {
+                "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+                "pairs": len(batch)}))
+        waitable = list(pending) + (steps_inflight[0][0] if steps_inflight else [])
         if not waitable and retries:
             time.sleep(max(0.0, min(t for t, _ in retries) - time.monotonic()))
             continue
@@ -572,11 +586,12 @@ def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts
         if not done:
             continue  # a re-dispatch is due
         ref = done[0]
-        if learner_refs is not None and ref in learner_refs:
+        if steps_inflight and ref in steps_inflight[0][0]:
+            learner_refs, batch_info = steps_inflight.popleft()
             ray.wait(learner_refs, num_returns=len(learner_refs))
             metrics = learners.result(learner_refs)
-            learner_busy += time.perf_counter() - busy_since
-            learner_refs = None
+            if not steps_inflight:
+                learner_busy += time.perf_counter() - busy_since
             step += 1
             result.pairs_used += batch_info["pairs"]
             window_pairs += batch_info["pairs"]
@@ -584,10 +599,11 @@ def run_epoch(cfg: Config, chunks: list[Chunk], learners: LearnerGroup, rollouts
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['pair_accuracy']:.2f}")
             if r.refresh_every_steps and step % r.refresh_every_steps == 0:
                 publish(step)
-            if step % cfg.run.log_every == 0 or next_consume == len(chunks) and not queue:
+            if step % cfg.run.log_every == 0 or next_consume == len(chunks) and not queue and not steps_inflight:
                 now = time.perf_counter()
+                busy = learner_busy + (now - busy_since if steps_inflight else 0.0)
                 last = {**metrics, **batch_info, "epoch": epoch, "pairs_per_s": window_pairs / max(now - window_t, 1e-9),
-                        "learner_busy": learner_busy / max(now - epoch_t0, 1e-9), "redispatched": result.redispatched}
+                        "learner_busy": busy / max(now - epoch_t0, 1e-9), "redispatched": result.redispatched}
                 logger.log(step, last)
                 window_t, window_pairs = now, 0
             if r.save_every_steps and step % r.save_every_steps == 0 and (next_consume < len(chunks) or queue):
