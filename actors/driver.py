@@ -57,7 +57,7 @@ from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.plots import plot_curves
 from rlt2t.common.policy import load_policy
 from rlt2t.common.tracking import RunLogger
-from rlt2t.learner.rank_learner import LearnerRank
+from rlt2t.learner.rank_learner import BatchTooLarge, LearnerRank
 from rlt2t.learner.trainer import epoch_order
 
 log = logging.getLogger("rlt2t.driver")
@@ -100,6 +100,7 @@ class LearnerGroup:
                     **r.learner_resources} for _ in range(r.learners)]
         self.pg = placement_group(bundles, strategy="PACK")
         self.ranks = []
+        self._preflight: list[ray.ObjectRef] = []
         try:
             self._start(cfg, init_checkpoint, total_steps)
         except BaseException:
@@ -127,15 +128,43 @@ class LearnerGroup:
         ]
         address, port = self._get(self.ranks[0].rendezvous_address.remote())
         self._get([rank.join.remote(address, port) for rank in self.ranks])
+        # Not waited for here: it runs while the rollout and reward workers start, and the first
+        # train_step_async checks its outcome (each actor runs its calls in order, so no step overtakes it).
+        self._preflight = [rank.preflight.remote() for rank in self.ranks] if r.preflight else []
 
     def _get(self, refs):
+        """ray.get, failing on the first rank that fails: under DDP the others may wait on it forever."""
         try:
+            if not isinstance(refs, list):
+                return ray.get(refs)
+            remaining = list(refs)
+            while remaining:
+                done, remaining = ray.wait(remaining, num_returns=1)
+                ray.get(done)  # raises this rank's error now
             return ray.get(refs)
         except (RayActorError, RayTaskError) as e:
             raise LearnerDied(f"a learner rank failed: {e}") from e
 
+    def check_preflight(self) -> None:
+        """Surface the preflight's outcome (once): an out-of-memory error there fails the job before training."""
+        if not self._preflight:
+            return
+        refs, self._preflight = self._preflight, []
+        try:
+            stats = self._get(refs)
+        except LearnerDied as e:
+            cause = getattr(e.__cause__, "cause", None)  # the rank's own exception, inside Ray's RayTaskError
+            if isinstance(cause, BatchTooLarge):
+                raise ValueError(str(cause)) from None  # a setting to change: resuming would fail the same way
+            raise
+        first = stats[0]
+        log.info("rank: learner preflight on the largest batch (%d pairs per rank, %d source / %d target tokens): "
+                 "%.1f s, peak memory %.2f GiB (rank 0)", first["pairs"], first["source_tokens"],
+                 first["target_tokens"], first["seconds"], first["peak_memory_gib"])
+
     def train_step_async(self, pairs: Sequence[ScoredPair]) -> list[ray.ObjectRef]:
         """Shard a global batch over the ranks (rank i takes pairs i, i+N, ...)."""
+        self.check_preflight()
         n = len(self.ranks)
         return [rank.train_step.remote(list(pairs[i::n])) for i, rank in enumerate(self.ranks)]
 
@@ -432,9 +461,18 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
     result = RankResult(checkpoint=start, steps=step)
     best = (resume_from.meta.get("best") or {}) if resume_from else {}
 
+    # The weights the run starts from are the checkpoint the driver loaded too: the first publish ships
+    # these, so the first rollouts need not wait for the learner (busy with its preflight at this point).
+    start_weights: dict[str, torch.Tensor] | None = {k: v.detach().clone() for k, v in saver.model.state_dict().items()}
+    start_version = step
+
     def publish(version: int) -> None:
+        nonlocal start_weights
         if version not in published:
-            weights = learners.weights()
+            if version == start_version and start_weights is not None:
+                weights, start_weights = start_weights, None
+            else:
+                weights = learners.weights()
             published[version] = ray.put(weights)
             if http_rollout:
                 write_published(version, weights)
@@ -474,6 +512,7 @@ def train_rank(cfg: Config, train: Sequence[Example], valid: Sequence[Example], 
                       for i, o in enumerate(range(0, len(examples), r.chunk_size))]
             if r.refresh_every_steps == 0:
                 publish(epoch_start)
+            start_weights = None  # published by now, or never needed (a run resumed mid-epoch)
             epoch_stats = run_epoch(cfg, chunks, learners, rollouts, rewards, published, publish, logger, bar,
                                     step, stop_after_steps, result, checkpoint, epoch, epoch_start)
             step = epoch_stats["step"]

@@ -193,6 +193,11 @@ class RankConfig(StageConfig):
     """Extra Ray resources per rollout worker (pins sampling to nodes that advertise them)."""
     max_restarts: int = Field(3, ge=0)
     """Ray restarts of a dead rollout/reward worker before the job fails."""
+    preflight: bool = True
+    """Each learner rank runs one forward/backward on the largest batch it can receive (rank.batch_size /
+    learners pairs, data.max_source_len / max_target_len tokens) while the workers start: out-of-memory
+    fails the job at setup, and the first step does not pay the fresh process's warm-up. No optimizer step,
+    RNGs restored: training is unchanged."""
 
 
 class RolloutConfig(_Section):

@@ -13,7 +13,9 @@ from __future__ import annotations
 import copy
 import datetime
 import logging
+import math
 import os
+import resource
 import socket
 import time
 from collections.abc import Sequence
@@ -31,7 +33,7 @@ from rlt2t.common.config import MetricConfig, ModelConfig, RankConfig
 from rlt2t.common.data import Example
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.learner.evaluate import generate, metric_table
-from rlt2t.learner.rank_step import SharedEncoderRankLoss
+from rlt2t.learner.rank_step import RankBatch, SharedEncoderRankLoss
 from rlt2t.learner.schedule import linear_warmup_decay
 
 log = logging.getLogger("rlt2t.learner")
@@ -48,6 +50,10 @@ def free_address() -> tuple[str, int]:
     with socket.socket() as s:
         s.bind((host, 0))
         return host, s.getsockname()[1]
+
+
+class BatchTooLarge(RuntimeError):
+    """The largest batch a learner rank can receive does not fit in its memory (found by the preflight)."""
 
 
 class LearnerRank:
@@ -115,6 +121,59 @@ class LearnerRank:
         log.info("learner rank %d/%d ready: %s on %s, mixed precision %s", self.rank, self.world_size,
                  acc.distributed_type.value if acc.distributed_type != DistributedType.NO else "single process",
                  acc.device, acc.mixed_precision)
+
+    # --- preflight ---------------------------------------------------------------------------------------------
+    def largest_batch_shape(self) -> tuple[int, int, int]:
+        """(pairs, source tokens, target tokens) of the largest shard this rank can be handed."""
+        return math.ceil(self.cfg.batch_size / self.world_size), self.max_source_len, self.max_target_len
+
+    def preflight(self) -> dict[str, float]:
+        """One forward and backward pass on the largest batch this rank can receive, before any training.
+
+        The learner's memory need is known before the first rollout: ceil(rank.batch_size / rank.learners)
+        pairs, sources of data.max_source_len tokens, gold, a and b of data.max_target_len tokens. Running
+        that batch first makes an out-of-memory error fail the job at setup, with a message naming those
+        settings, instead of after the first rollouts; it also warms what a fresh process pays for on its
+        first step (the allocator's memory, the kernels, the DDP buckets and all-reduce) while the rollout
+        workers start. Training is unchanged: no optimizer step, the gradients are dropped and every RNG
+        is restored.
+        """
+        t0 = time.perf_counter()
+        acc = self._prepare()
+        pairs, src_len, tgt_len = self.largest_batch_shape()
+        vocab = self.policy.model.config.vocab_size
+        gen = torch.Generator().manual_seed(0)  # the batch's content is irrelevant; the global RNGs stay untouched
+
+        def ids(length: int) -> torch.Tensor:
+            return torch.randint(0, vocab, (pairs, length), generator=gen)
+
+        batch = RankBatch(input_ids=ids(src_len), attention_mask=torch.ones(pairs, src_len, dtype=torch.long),
+                          gold_labels=ids(tgt_len), labels_a=ids(tgt_len), labels_b=ids(tgt_len),
+                          use_rank=torch.ones(pairs, dtype=torch.bool)).to(acc.device)
+        rng = rng_state()
+        if self.use_cuda:
+            torch.cuda.reset_peak_memory_stats(acc.device)
+        try:
+            out = self.module(batch)
+            out.loss.backward()  # unscaled under fp16: these gradients are dropped, never stepped on
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+            if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "can't allocate memory" not in str(e):
+                raise
+            raise BatchTooLarge(
+                f"learner rank {self.rank}: the largest batch it can receive does not fit in memory on {acc.device}: "
+                f"{pairs} pairs (rank.batch_size={self.cfg.batch_size} over rank.learners={self.world_size}), "
+                f"sources of data.max_source_len={src_len} tokens, targets of data.max_target_len={tgt_len}. "
+                "Lower one of them, or add learner ranks. "
+                f"({type(e).__name__}: {e})") from e
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            set_rng_state(rng)
+        if self.use_cuda:
+            peak_gib = torch.cuda.max_memory_allocated(acc.device) / 2**30
+        else:  # the process's peak resident set (Linux reports KiB)
+            peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        return {"seconds": time.perf_counter() - t0, "pairs": pairs, "source_tokens": src_len,
+                "target_tokens": tgt_len, "peak_memory_gib": peak_gib}
 
     # --- training ------------------------------------------------------------------------------------------
     def train_step(self, pairs: Sequence[ScoredPair]) -> dict[str, float]:

@@ -47,6 +47,8 @@ def test_learner_steps_on_cuda_with_mixed_precision(init_dir, precision):
     learner.join("127.0.0.1", 0)
     assert learner.device.type == "cuda"
     assert learner.accelerator.mixed_precision == precision
+    stats = learner.preflight()  # the largest batch first, as the job's learners do
+    assert stats["peak_memory_gib"] > 0 and not learner.optimizer.state
     before = {k: v.clone() for k, v in learner.weights().items()}
     for _ in range(3):
         metrics = learner.train_step(_pairs(8))

@@ -201,11 +201,15 @@ def test_resume_after_real_kill_is_bitwise_identical(ray_session, prepared_run, 
     assert all(torch.equal(reference[k], resumed[k]) for k in reference), "resumed run differs from uninterrupted"
 
 
-def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, prepared_run, tmp_path):
+def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, prepared_run, tmp_path, caplog):
     import json
 
     run = _copy_prepared(prepared_run, tmp_path / "refresh")
-    result = _run_rank(_config(run, "rank.refresh_every_steps=2", "rank.epochs=1"))
+    with caplog.at_level("INFO", logger="rlt2t.driver"):
+        result = _run_rank(_config(run, "rank.refresh_every_steps=2", "rank.epochs=1"))
+    # The learner's preflight ran on the largest batch (16 pairs, tiny.yaml's max lengths) before step 1.
+    preflight = [r.getMessage() for r in caplog.records if "learner preflight" in r.getMessage()]
+    assert len(preflight) == 1 and "16 pairs per rank" in preflight[0], preflight
     assert result.steps == 6
     rows = [json.loads(x) for x in (run / "logs" / "rank" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
@@ -303,3 +307,43 @@ def test_a_tail_batch_smaller_than_the_learner_group_still_steps_every_rank(ray_
     result = _run_rank(_config(run, "rank.learners=2", "rank.train_subset=33", "rank.epochs=1",
                                "rank.rollout_workers=1", "rank.learner_cpus=1"))
     assert result.steps == 3 and result.pairs_used == 33
+
+
+def test_learner_group_fails_on_the_first_failed_rank_without_waiting_for_the_others(ray_session):
+    """Under DDP a rank that raised leaves the others blocked in a collective: the group must not wait
+    for them (here: one call fails at once, the other would take 10 minutes)."""
+    from rlt2t.actors.driver import LearnerDied, LearnerGroup
+
+    @ray.remote(num_cpus=0)
+    def stuck():
+        time.sleep(600)
+
+    @ray.remote(num_cpus=0)
+    def out_of_memory():
+        raise RuntimeError("learner rank 1: the largest batch it can receive does not fit in memory")
+
+    slow = stuck.remote()
+    t0 = time.monotonic()
+    with pytest.raises(LearnerDied, match="does not fit in memory"):
+        LearnerGroup._get(None, [slow, out_of_memory.remote()])
+    assert time.monotonic() - t0 < 60
+    ray.cancel(slow, force=True)
+
+
+def test_a_preflight_out_of_memory_is_reported_as_a_setting_to_change(ray_session):
+    """BatchTooLarge from a rank's preflight becomes a ValueError naming the settings (the CLI's clear
+    error, exit 2), not a learner crash that suggests --resume."""
+    from rlt2t.actors.driver import LearnerGroup
+    from rlt2t.learner.rank_learner import BatchTooLarge
+
+    @ray.remote(num_cpus=0)
+    def preflight():
+        raise BatchTooLarge("learner rank 0: the largest batch it can receive does not fit in memory on cuda:0: "
+                            "32 pairs (rank.batch_size=32 over rank.learners=1)")
+
+    group = LearnerGroup.__new__(LearnerGroup)  # the group's bookkeeping only: no actors are needed
+    group._preflight = [preflight.remote()]
+    with pytest.raises(ValueError, match=r"does not fit in memory.*rank\.batch_size=32") as err:
+        group.check_preflight()
+    assert "Traceback" not in str(err.value)
+    group.check_preflight()  # checked once: nothing is left to wait for

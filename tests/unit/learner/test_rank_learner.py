@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlt2t.actors.types import ScoredPair
 from rlt2t.common.config import MetricConfig, ModelConfig, RankConfig
 from rlt2t.common.data import Example
-from rlt2t.learner.rank_learner import LearnerRank
+from rlt2t.learner.rank_learner import BatchTooLarge, LearnerRank
 
 
 def _pairs(n: int) -> list[ScoredPair]:
@@ -78,3 +79,63 @@ def test_accelerate_autocast_path_runs_in_bf16(tmp_path, tiny_policy):
         assert any(not torch.equal(before[k], after[k]) for k in before)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_preflight_runs_the_largest_batch_and_leaves_training_unchanged(tmp_path, tiny_policy):
+    """Preflight then steps gives bitwise the losses and weights of the same steps alone."""
+    # One learner at a time: the constructor seeds the process's global RNG, which dropout draws from.
+    plain = _learner(tmp_path / "plain", tiny_policy)
+    plain_losses = [plain.train_step(_pairs(8))["loss"] for _ in range(2)]
+    plain_weights = plain.weights()
+
+    checked = _learner(tmp_path / "checked", tiny_policy)
+    shapes = []
+    hook = checked.policy.model.get_encoder().register_forward_hook(lambda m, i, o: shapes.append(tuple(o[0].shape)))
+    rng_before = torch.get_rng_state()
+    stats = checked.preflight()
+    hook.remove()
+    # The largest shard: rank.batch_size pairs (one rank) of max_source_len source tokens.
+    assert shapes == [(32, 32, checked.policy.model.config.d_model)]
+    assert (stats["pairs"], stats["source_tokens"], stats["target_tokens"]) == (32, 32, 16)
+    assert stats["seconds"] > 0 and stats["peak_memory_gib"] > 0
+    assert torch.equal(torch.get_rng_state(), rng_before)  # dropout's draws were given back
+    assert all(p.grad is None for p in checked.policy.model.parameters())
+    assert not checked.optimizer.state  # no optimizer step was taken
+    assert [checked.train_step(_pairs(8))["loss"] for _ in range(2)] == plain_losses
+    checked_weights = checked.weights()
+    assert all(torch.equal(plain_weights[k], checked_weights[k]) for k in plain_weights)
+
+
+def test_preflight_shard_shape_follows_the_world_size(tmp_path, tiny_policy):
+    learner = _learner(tmp_path, tiny_policy)
+    learner.world_size = 3  # the shape only; no process group is formed
+    assert learner.largest_batch_shape() == (11, 32, 16)  # ceil(32 / 3) pairs per rank
+
+
+def test_preflight_out_of_memory_names_the_settings(tmp_path, tiny_policy, monkeypatch):
+    learner = _learner(tmp_path, tiny_policy)
+    learner._prepare()
+
+    def no_memory(batch):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(learner, "module", no_memory)
+    with pytest.raises(BatchTooLarge) as err:
+        learner.preflight()
+    message = str(err.value)
+    for setting in ("rank.batch_size=32", "rank.learners=1", "data.max_source_len=32", "data.max_target_len=16",
+                    "Tried to allocate 20.00 GiB"):
+        assert setting in message
+
+
+def test_preflight_lets_other_errors_through(tmp_path, tiny_policy, monkeypatch):
+    learner = _learner(tmp_path, tiny_policy)
+    learner._prepare()
+
+    def broken(batch):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(learner, "module", broken)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as err:
+        learner.preflight()
+    assert "does not fit in memory" not in str(err.value)
