@@ -101,6 +101,7 @@ class LearnerGroup:
         self.pg = placement_group(bundles, strategy="PACK")
         self.ranks = []
         self._preflight: list[ray.ObjectRef] = []
+        self._loading: list[ray.ObjectRef] = []  # resumed training states, sent and not yet confirmed
         try:
             self._start(cfg, init_checkpoint, total_steps)
         except BaseException:
@@ -162,9 +163,17 @@ class LearnerGroup:
                  "%.1f s, peak memory %.2f GiB (rank 0)", first["pairs"], first["source_tokens"],
                  first["target_tokens"], first["seconds"], first["peak_memory_gib"])
 
+    def _settle(self) -> None:
+        """Confirm the setup calls not waited for (preflight, resumed states) before anything uses the
+        learners' state: a rank that failed to load its state must not train or be checkpointed."""
+        self.check_preflight()
+        if self._loading:
+            refs, self._loading = self._loading, []
+            self._get(refs)
+
     def train_step_async(self, pairs: Sequence[ScoredPair]) -> list[ray.ObjectRef]:
         """Shard a global batch over the ranks (rank i takes pairs i, i+N, ...)."""
-        self.check_preflight()
+        self._settle()
         n = len(self.ranks)
         return [rank.train_step.remote(list(pairs[i::n])) for i, rank in enumerate(self.ranks)]
 
@@ -172,18 +181,23 @@ class LearnerGroup:
         return self._get(refs)[0]  # scalars are already averaged over ranks
 
     def weights(self) -> dict[str, torch.Tensor]:
+        self._settle()
         return self._get(self.ranks[0].weights.remote())
 
     def training_states(self) -> list[dict[str, Any]]:
+        self._settle()
         return self._get([r.training_state.remote() for r in self.ranks])
 
     def load_training_states(self, states: list[dict[str, Any]]) -> None:
         if len(states) != len(self.ranks):
             raise ValueError(f"checkpoint has {len(states)} learner states, the job has {len(self.ranks)} ranks "
                              "(rank.learners must match to resume exactly)")
-        self._get([r.load_training_state.remote(s) for r, s in zip(self.ranks, states, strict=True)])
+        # Not waited for: queued behind the preflight, so the first rollouts need not wait for either.
+        # Each rank runs its calls in order, and _settle confirms the load before the state is used.
+        self._loading = [r.load_training_state.remote(s) for r, s in zip(self.ranks, states, strict=True)]
 
     def evaluate(self, examples: Sequence[Example], cfg: Config) -> dict[str, float]:
+        self._settle()
         return self._get([r.evaluate.remote(list(examples), cfg.metric, cfg.eval.max_new_tokens)
                           for r in self.ranks])[0]
 

@@ -347,3 +347,20 @@ def test_a_preflight_out_of_memory_is_reported_as_a_setting_to_change(ray_sessio
         group.check_preflight()
     assert "Traceback" not in str(err.value)
     group.check_preflight()  # checked once: nothing is left to wait for
+
+
+def test_a_resumed_state_that_fails_to_load_stops_the_job_before_the_state_is_used(ray_session):
+    """load_training_states does not wait (the load queues behind the preflight), so every later use of
+    the learners' state (a step, weights, a checkpoint's training states, evaluation) confirms it first."""
+    from rlt2t.actors.driver import LearnerDied, LearnerGroup
+
+    @ray.remote(num_cpus=0)
+    def load_training_state():
+        raise RuntimeError("loaded state_dict: size mismatch for exp_avg")
+
+    group = LearnerGroup.__new__(LearnerGroup)  # bookkeeping only: with no ranks, nothing else is called
+    group.ranks, group._preflight = [], []
+    group._loading = [load_training_state.remote()]
+    with pytest.raises(LearnerDied, match="size mismatch for exp_avg"):
+        group.training_states()
+    assert group.training_states() == []  # confirmed once; the job has stopped by then anyway
