@@ -263,11 +263,14 @@ def main() -> None:
         rounds = []
         for i in range(1 if args.skip_async else args.async_runs):
             lrn = learn(cfg, pairs, ckpt)
-            rounds.append({"L": lrn, "async": None if args.skip_async else run_async(cfg, train, ckpt)})
-            if not args.skip_async:
-                a = rounds[-1]["async"]
-                print(f"round {i + 1}: async {a['epoch_wall_s']:.1f}s / max(G {gen['G_s']:.1f}s, L {lrn['L_s']:.1f}s) = "
-                      f"{a['epoch_wall_s'] / max(gen['G_s'], lrn['L_s']):.3f}", flush=True)
+            if args.skip_async:
+                rounds.append({"L": lrn, "async": None})
+                continue
+            a = run_async(cfg, train, ckpt)
+            ratio = a["epoch_wall_s"] / max(gen["G_s"], lrn["L_s"])
+            rounds.append({"L": lrn, "async": a, "ratio": ratio})
+            print(f"round {i + 1}: async {a['epoch_wall_s']:.1f}s / max(G {gen['G_s']:.1f}s, L {lrn['L_s']:.1f}s) = "
+                  f"{ratio:.3f}", flush=True)
 
     first_l = rounds[0]["L"]
     sync = {**gen, **first_l, "sync_s": round(gen["G_s"] + first_l["L_s"], 2),
@@ -276,7 +279,7 @@ def main() -> None:
                                "max_G_L_s": max(gen["G_s"], first_l["L_s"])}
     asyn = None
     if not args.skip_async:
-        ratios = [x["async"]["epoch_wall_s"] / max(gen["G_s"], x["L"]["L_s"]) for x in rounds]
+        ratios = [x["ratio"] for x in rounds]
         mid = sorted(range(len(rounds)), key=lambda i: ratios[i])[len(rounds) // 2]  # the median round
         asyn, lm = rounds[mid]["async"], rounds[mid]["L"]
         bound = max(gen["G_s"], lm["L_s"])

@@ -156,8 +156,8 @@ class LearnerRank:
         try:
             out = self.module(batch)
             out.loss.backward()  # unscaled under fp16: these gradients are dropped, never stepped on
-        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
-            if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "can't allocate memory" not in str(e):
+        except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            if not (isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)):
                 raise
             raise BatchTooLarge(
                 f"learner rank {self.rank}: the largest batch it can receive does not fit in memory on {acc.device}: "
