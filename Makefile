@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k metrics"`.
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-unit test-integration lint bench clean help ray-up ray-down train-submit \
+.PHONY: system-deps install demo test test-unit test-integration lint bench clean help ray-up ray-down train-submit \
 	deploy undeploy deploy-status gpu-smoke
 
 help:
@@ -19,6 +19,20 @@ help:
 	@echo "make deploy / undeploy / deploy-status - training job + policy server on the Ray cluster at RAY_ADDRESS"
 	@echo "                        (or CLUSTER=deploy/cluster-aws.yaml: ray up, then deploy from its head); see deploy/README.md"
 	@echo "make gpu-smoke - on a CUDA machine: the learner's nccl + mixed-precision path (tests/gpu)"
+
+# Debian packages some features and their tests need: WordNet data (METEOR, the WordNet task), headless
+# Chromium and its driver (the annotation app's browser tests). Installed when missing and when we may
+# (root); otherwise the command to run is printed. PostgreSQL 15 server binaries are expected from the image.
+DEB_PACKAGES ?= wordnet-base chromium chromium-driver
+
+system-deps:
+	@missing=$$(for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -z "$$missing" ]; then echo "system-deps: all present ($(DEB_PACKAGES))"; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "system-deps: installing $$missing"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing >/dev/null; }; \
+	else echo "system-deps: missing $$missing; run: sudo apt-get install -y $$missing"; fi
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

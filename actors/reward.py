@@ -1,5 +1,5 @@
 """Reward worker of rank RL: scores the drawn pair of each candidate set with the task metric and orders
-it, better first (DESIGN.md, step 5). A plain class that Ray wraps at launch.
+it, better first (docs/design.md, "The method", step 5). A plain class that Ray wraps at launch.
 """
 
 from __future__ import annotations
@@ -7,58 +7,29 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from rlt2t.actors.types import CandidateSet, ScoredPair
 from rlt2t.common.config import RewardConfig
-from rlt2t.common.metrics import DocumentFrequency, get_metric
+from rlt2t.common.metrics import DocumentFrequency
+from rlt2t.common.rewards import load_document_frequency, score_pairs, task_reward
+from rlt2t.common.types import CandidateSet, ScoredPair
 
 
 class RewardWorker:
     """Scores pairs with ``(1 - w) · CIDEr-D + w · BLEU-4`` against each set's reference.
 
     ``document_frequency`` is the CIDEr-D df table the driver computed ONCE from the training references,
-    shipped as a ``DocumentFrequency`` or as the path of its JSON (``DocumentFrequency.save``). It is
-    required: with a df counted from the batch being scored (the coco default) a pair's reward would
-    depend on which other pairs share its batch, and a batch of one would always score 0.
+    shipped as a ``DocumentFrequency`` or as the path of its JSON (``DocumentFrequency.save``); see
+    ``rlt2t.common.rewards`` for why it is required.
     """
 
     def __init__(self, reward: RewardConfig, document_frequency: DocumentFrequency | str | os.PathLike) -> None:
-        if isinstance(document_frequency, str | os.PathLike):
-            document_frequency = DocumentFrequency.load(document_frequency)
-        if not isinstance(document_frequency, DocumentFrequency):
-            raise TypeError(
-                "document_frequency must be a DocumentFrequency or the path of one saved with "
-                f"DocumentFrequency.save, got {type(document_frequency).__name__}"
-            )
         self.reward = reward
-        self.document_frequency = document_frequency
-        self.metric = get_metric(
-            "task_score", bleu_weight=reward.bleu_weight, sigma=reward.cider_sigma, df=document_frequency
-        )
+        self.document_frequency = load_document_frequency(document_frequency)
+        self.metric = task_reward(reward, self.document_frequency)
 
     def score(self, sets: Sequence[CandidateSet]) -> list[ScoredPair]:
-        """One scored pair per set, in order; all 2·len(sets) strings are scored in one metric call."""
-        hyps = [text for s in sets for text in s.pair]
-        refs = [[s.reference] for s in sets for _ in range(2)]
-        scores = self.metric.per_sample(hyps, refs).tolist()
-        return [order_pair(s, scores[2 * i], scores[2 * i + 1]) for i, s in enumerate(sets)]
+        """One scored pair per set, in order."""
+        return score_pairs(self.metric, sets)
 
-
-def order_pair(s: CandidateSet, score_first: float, score_second: float) -> ScoredPair:
-    """The scored pair of ``s`` given the scores of its two drawn candidates: better first, ties kept in
-    draw order, ``use_rank`` off for equal strings or tied scores."""
-    first, second = s.pair
-    if score_second > score_first:
-        first, second, score_first, score_second = second, first, score_second, score_first
-    return ScoredPair(
-        example_id=s.example_id,
-        source=s.source,
-        reference=s.reference,
-        a=first,
-        b=second,
-        score_a=score_first,
-        score_b=score_second,
-        # A tie is exact float equality: the metric is deterministic, so equal texts (or texts the metric
-        # cannot tell apart) score bit-identically.
-        use_rank=first != second and score_first != score_second,
-        policy_version=s.policy_version,
-    )
+    def pid(self) -> int:
+        """The worker's process id (tests kill it to exercise re-dispatch)."""
+        return os.getpid()

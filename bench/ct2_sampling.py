@@ -97,11 +97,11 @@ def worker(kind: str, options: dict, hf: Path, export: Path, repeats: int, threa
     import torch
 
     torch.set_num_threads(threads)
-    from rlt2t.actors.rollout import sample_candidates
     from rlt2t.common.batching import collate_seq2seq, encode_texts
     from rlt2t.common.config import ModelConfig
     from rlt2t.common.ct2 import Ct2Policy, sample_ct2
     from rlt2t.common.policy import load_policy
+    from rlt2t.common.sampling import sample_candidates
     from rlt2t.common.tracking import quiet_transformers
 
     quiet_transformers()
@@ -132,8 +132,8 @@ def worker(kind: str, options: dict, hf: Path, export: Path, repeats: int, threa
         elif kind == "hf_sample_candidates":
             def run() -> list[list[int]]:
                 gens = [torch.Generator().manual_seed(i) for i in range(SOURCES * K)]
-                return sample_candidates(policy, batch["input_ids"], batch["attention_mask"], K, TOP_K, TEMPERATURE,
-                                         NEW_TOKENS, gens)
+                return [r.token_ids for r in sample_candidates(policy.model, batch["input_ids"], batch["attention_mask"],
+                                                               K, TOP_K, TEMPERATURE, NEW_TOKENS, gens)]
         else:
             def run() -> list[list[int]]:
                 with torch.inference_mode():

@@ -11,7 +11,7 @@ from-scratch `small`-preset policy (seed 0, saved as a checkpoint directory) as 
          process, threads=1, after the learner's preflight (rank.preflight: one forward and backward
          on the largest batch, which the job's learners run at setup, before their epoch);
   sync   the synchronous loop = G then L back to back (so sync = G + L by construction);
-  async  the real `rlt2t.actors.driver.train_rank` for one epoch on a Ray started locally by the
+  async  the real `rlt2t.driver.train_rank` for one epoch on a Ray started locally by the
          driver's `init_ray`: 1 learner (1 CPU, 1 thread), 1 rollout worker (1 CPU), 1 reward worker.
 
 Reported: async wall vs max(G, L) (target: within 10%) and the learner busy fraction the driver logs
@@ -63,7 +63,6 @@ from machine_info import save  # noqa: E402
 
 from rlt2t.actors.reward import RewardWorker  # noqa: E402
 from rlt2t.actors.rollout import RolloutWorker  # noqa: E402
-from rlt2t.actors.types import ScoredPair  # noqa: E402
 from rlt2t.common.config import Config, ModelConfig, load_config  # noqa: E402
 from rlt2t.common.data import Example  # noqa: E402
 from rlt2t.common.io import atomic_directory  # noqa: E402
@@ -72,6 +71,7 @@ from rlt2t.common.policy import load_policy  # noqa: E402
 from rlt2t.common.synth import generate_synthetic  # noqa: E402
 from rlt2t.common.tokenization import build_ids_tokenizer, save_tokenizer  # noqa: E402
 from rlt2t.common.tracking import quiet_transformers  # noqa: E402
+from rlt2t.common.types import ScoredPair  # noqa: E402
 from rlt2t.learner.rank_learner import LearnerRank  # noqa: E402
 from rlt2t.learner.trainer import epoch_order  # noqa: E402
 

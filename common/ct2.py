@@ -25,7 +25,7 @@ Sampling randomness: CT2 4.8 has no per-call seed (no ``sampling_seed``); ``ctra
 sets a process-wide seed that each translator worker thread reads once, when it first samples. A seeded
 call therefore rebuilds the translator (about a millisecond; the weights stay in memory) right after
 setting the seed, which makes it reproducible: same weights, sources, order, options and seed, same
-samples. Unlike :func:`rlt2t.actors.rollout.sample_candidates`, a row's samples depend on the whole
+samples. Unlike :func:`rlt2t.common.sampling.sample_candidates`, a row's samples depend on the whole
 call (which sources share it), not on a per-row seed.
 """
 
@@ -50,7 +50,8 @@ from transformers import PreTrainedTokenizerBase
 from rlt2t.common.batching import encode_texts
 from rlt2t.common.checkpoint import MARKER, STATE_FILE
 from rlt2t.common.io import atomic_directory, atomic_write_json
-from rlt2t.common.policy import Policy, check_sampling
+from rlt2t.common.policy import Policy
+from rlt2t.common.sampling import check_sampling
 from rlt2t.common.tokenization import load_tokenizer, save_tokenizer
 
 log = logging.getLogger("rlt2t.ct2")

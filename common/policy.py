@@ -106,16 +106,6 @@ def load_policy(
     return Policy(model=model, tokenizer=tokenizer, origin=origin)
 
 
-def check_sampling(k: int, top_k: int, temperature: float) -> None:
-    """The sampling arguments every sampler (torch or CTranslate2) shares: k samples, top-k, temperature."""
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0: no top-k filter), got {top_k}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-
-
 def check_lengths(policy: Policy, data_cfg: DataConfig) -> None:
     """Reject source/target lengths the model has no positions for (naming the key)."""
     positions = policy.model.config.max_position_embeddings

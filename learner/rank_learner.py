@@ -26,12 +26,12 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from rlt2t.actors.batch import rank_batch
-from rlt2t.actors.types import ScoredPair
 from rlt2t.common.checkpoint import rng_state, set_rng_state
 from rlt2t.common.config import MetricConfig, ModelConfig, RankConfig
 from rlt2t.common.data import Example
 from rlt2t.common.policy import Policy, load_policy
+from rlt2t.common.types import ScoredPair
+from rlt2t.learner.batch import rank_batch
 from rlt2t.learner.evaluate import generate, metric_table
 from rlt2t.learner.rank_step import RankBatch, SharedEncoderRankLoss
 from rlt2t.learner.schedule import linear_warmup_decay

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.modeling_outputs import BaseModelOutput
 
-from rlt2t.learner.losses import SCORE_KINDS, ScoreKind, pairwise_rank_loss, token_scores
+from rlt2t.common.scoring import SCORE_KINDS, ScoreKind, token_scores
+from rlt2t.learner.losses import pairwise_rank_loss
 
 # Hugging Face's label padding convention; its built-in loss ignores exactly this value.
 IGNORE_INDEX = -100

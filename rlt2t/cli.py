@@ -61,6 +61,14 @@ def cmd_data_synth(args) -> None:
         print(f"{split}: {path}")
 
 
+def cmd_data_wordnet(args) -> None:
+    from rlt2t.jobs import make_wordnet_data
+
+    for split, path in make_wordnet_data(_cfg(args), size=args.size, seed=args.seed,
+                                         wordnet_dir=args.wordnet_dir).items():
+        print(f"{split}: {path}")
+
+
 def cmd_data_import(args) -> None:
     from rlt2t.common.data import import_competition_csv, split_examples, write_examples
 
@@ -189,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--format", choices=["jsonl", "csv"], default="jsonl", help="JSONL, or the competition CSV layout")
     p.set_defaults(fn=cmd_data_synth)
+    p = data.add_parser("wordnet", help="write the WordNet definition-modelling task (natural language) to "
+                        "data.train's dir")
+    _config_args(p)
+    p.add_argument("--size", type=int, default=8000, help="rows in all (train + synth.valid/test_fraction)")
+    p.add_argument("--seed", type=int, default=7, help="which rows are drawn and how they are split")
+    p.add_argument("--wordnet-dir", default=None, help="WordNet dict directory (default: Debian's wordnet-base)")
+    p.set_defaults(fn=cmd_data_wordnet)
     p = data.add_parser("import-csv", help="convert a competition CSV (report_id,description,diagnosis[,clinical])")
     _config_args(p)
     p.add_argument("--input", required=True, help="header-less competition CSV")

@@ -42,6 +42,18 @@ def make_synthetic_data(cfg: Config, fmt: str = "jsonl") -> dict[str, Path]:
     return files
 
 
+def make_wordnet_data(cfg: Config, *, size: int = 8000, seed: int = 7,
+                      wordnet_dir: str | None = None) -> dict[str, Path]:
+    """The WordNet definition-modelling task (``rlt2t.common.wordnet``) into data.train's directory."""
+    from rlt2t.common.wordnet import write_wordnet_task
+
+    out = cfg.path(cfg.data.train).parent
+    files = write_wordnet_task(out, size, seed, valid_fraction=cfg.synth.valid_fraction,
+                               test_fraction=cfg.synth.test_fraction, wordnet_dir=wordnet_dir)
+    log.info("WordNet definitions (%d rows, seed %d) → %s", size, seed, out)
+    return files
+
+
 def load_split(cfg: Config, split: str, require_target: bool = True) -> list[Example]:
     """Load a configured split, checking texts against the tokenizer's vocabulary when it has one."""
     path = cfg.path(getattr(cfg.data, split))
@@ -190,7 +202,7 @@ def clean_run(cfg: Config) -> None:
 
 def rank_job(cfg: Config, resume: bool = False, init: str | Path | None = None, stop_after_steps: int = 0):
     """Rank RL on Ray from the run's best SFT checkpoint (or ``init``); ``resume`` continues the newest checkpoint."""
-    from rlt2t.actors.driver import train_rank
+    from rlt2t.driver import train_rank
 
     save_run_config(cfg, "rank")
     ckpt_root = cfg.run_dir / "rank" / "checkpoints"

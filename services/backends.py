@@ -21,14 +21,13 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
-from torch import Tensor
-from transformers.modeling_outputs import BaseModelOutput
 
 from rlt2t.common.batching import collate_seq2seq, encode_texts
 from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir
 from rlt2t.common.config import Config
 from rlt2t.common.policy import Policy, load_policy
-from rlt2t.learner.losses import token_scores
+from rlt2t.common.sampling import sample_candidates
+from rlt2t.common.scoring import token_scores
 
 log = logging.getLogger("rlt2t.services.backends")
 
@@ -142,23 +141,6 @@ def checkpoint_version(model_dir: str | Path) -> int:
     return int(version)
 
 
-def _filter_logits(scores: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Mask (to -inf) what top-k then top-p exclude; scores [N, V] are already temperature-scaled."""
-    vocab = scores.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))  # ties with the k-th are kept
-    if top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-        probs = sorted_scores.softmax(dim=-1)
-        # Drop a token when the mass before it already reaches top_p; the most likely is always kept.
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
-        drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
-    return scores
-
-
 class TorchBackend:
     """The policy as a Hugging Face BART on torch; see :class:`PolicyBackend`."""
 
@@ -213,9 +195,10 @@ class TorchBackend:
         generators = [torch.Generator(device=self.device).manual_seed(s) for s in row_seeds]
         ids, _ = encode_texts(self.tokenizer, sources, self.max_positions)
         batch = collate_seq2seq(ids, None, self.tokenizer.pad_token_id)
-        rows = self.sample(batch["input_ids"], batch["attention_mask"], sampling, generators)
-        texts = self.policy.decode([r[0] for r in rows]) if rows else []
-        flat = [Generation(text, tokens, lps) for text, (tokens, lps) in zip(texts, rows, strict=True)]
+        rows = sample_candidates(self.model, batch["input_ids"], batch["attention_mask"], k, sampling.top_k,
+                                 sampling.temperature, sampling.max_new_tokens, generators, top_p=sampling.top_p)
+        texts = self.policy.decode([r.token_ids for r in rows]) if rows else []
+        flat = [Generation(text, r.token_ids, r.logprobs) for text, r in zip(texts, rows, strict=True)]
         return [flat[i * k : (i + 1) * k] for i in range(len(sources))]
 
     def score(self, sources: Sequence[str], targets: Sequence[Sequence[str]]) -> list[list[Scored]]:
@@ -250,66 +233,6 @@ class TorchBackend:
             scores = token_scores(logits, label_t, "logprobs").cpu()
             out += [scores[r, : len(lab[r])].tolist() for r in range(len(lab))]
         return out
-
-    @torch.inference_mode()
-    def sample(self, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
-               generators: Sequence[torch.Generator]) -> list[tuple[list[int], list[float]]]:
-        """KV-cached ancestral sampling with top-k, top-p and temperature; returns (ids, raw log-probs)
-        per row, row ``i * k + j`` = sample j of source i drawing from ``generators[i * k + j]`` only.
-
-        The draws are those of ``actors.rollout.sample_candidates`` (Gumbel-max, V uniforms per step per
-        row), so with top_p = 1 the same generators give the same tokens. A row reaching max_new_tokens
-        ends with the generation config's forced EOS, as ``generate`` does; its log-prob is still the
-        model's.
-        """
-        k = sampling.num_candidates
-        num_rows = input_ids.shape[0] * k
-        if num_rows == 0:
-            return []
-        model, config = self.model, self.model.config
-        start_id, eos_id = config.decoder_start_token_id, config.eos_token_id
-        forced_eos = getattr(getattr(model, "generation_config", None), "forced_eos_token_id", None)
-        if isinstance(forced_eos, list | tuple):
-            forced_eos = min(forced_eos) if forced_eos else None
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        hidden = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        hidden, mask = hidden.repeat_interleave(k, dim=0), attention_mask.repeat_interleave(k, dim=0)
-        rows = list(range(num_rows))
-        tokens_out: list[list[int]] = [[] for _ in range(num_rows)]
-        lps_out: list[list[float]] = [[] for _ in range(num_rows)]
-        next_tokens = torch.full((num_rows, 1), start_id, dtype=torch.long, device=self.device)
-        cache = None
-        for step_index in range(sampling.max_new_tokens):
-            step = model(encoder_outputs=BaseModelOutput(last_hidden_state=hidden), attention_mask=mask,
-                         decoder_input_ids=next_tokens, past_key_values=cache, use_cache=True)
-            cache = step.past_key_values
-            logits = step.logits[:, -1, :].float()
-            raw_logprobs = logits.log_softmax(dim=-1)
-            if step_index == sampling.max_new_tokens - 1 and forced_eos is not None:
-                tokens = torch.full((len(rows),), forced_eos, dtype=torch.long, device=self.device)
-            else:
-                scores = _filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
-                uniforms = torch.stack([torch.rand(scores.shape[-1], generator=generators[r], device=self.device)
-                                        for r in rows])
-                tokens = (scores - torch.log(-torch.log(uniforms))).argmax(dim=-1)
-            chosen = raw_logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
-            finished = []
-            for pos, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
-                tokens_out[row].append(token)
-                lps_out[row].append(chosen[pos])
-                if token == eos_id:
-                    finished.append(pos)
-            if len(finished) == len(rows) or step_index == sampling.max_new_tokens - 1:
-                break
-            if finished:
-                done = set(finished)
-                keep = [pos for pos in range(len(rows)) if pos not in done]
-                index = torch.tensor(keep, dtype=torch.long, device=self.device)
-                cache.batch_select_indices(index)
-                hidden, mask, tokens = hidden[index], mask[index], tokens[index]
-                rows = [rows[pos] for pos in keep]
-            next_tokens = tokens[:, None]
-        return list(zip(tokens_out, lps_out, strict=True))
 
     def _beam(self, sources: Sequence[str], sampling: Sampling) -> list[list[Generation]]:
         """Beam search via ``generate``; per-token log-probs recomputed by teacher forcing (exact, raw)."""

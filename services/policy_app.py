@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import secrets
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
@@ -36,12 +35,11 @@ from fastapi.responses import JSONResponse
 from prometheus_client import Counter, Gauge, Histogram
 from starlette.concurrency import run_in_threadpool
 
-from rlt2t.actors.reward import RewardWorker
-from rlt2t.actors.rollout import normalize_text, stable_seed
-from rlt2t.actors.types import CandidateSet
 from rlt2t.common.checkpoint import latest_complete_checkpoint, resolve_model_dir
 from rlt2t.common.config import Config
 from rlt2t.common.metrics import DocumentFrequency
+from rlt2t.common.rewards import score_pairs, task_reward
+from rlt2t.common.sampling import candidate_set, stable_seed
 from rlt2t.services.backends import Generation, PolicyBackend, Sampling, Scored, load_backend
 from rlt2t.services.batching import Batcher, Overloaded
 from rlt2t.services.http import (
@@ -72,24 +70,6 @@ from rlt2t.services.schemas import (
 log = logging.getLogger("rlt2t.services.policy")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def candidate_set(example_id: str, source: str, reference: str, samples: Sequence[str], *, include_gold: bool,
-                  seed: int, version: int) -> CandidateSet:
-    """The candidate set and drawn pair of one source, by the rules of ``RolloutWorker``: samples then the
-    gold, whitespace-normalised, empties dropped, deduplicated keeping the first; the pair drawn with
-    ``random.Random(stable_seed(seed, version, example_id, "pair"))``; one candidate pairs with itself."""
-    pool = list(samples) + ([reference] if include_gold else [])
-    candidates = tuple(dict.fromkeys(t for t in map(normalize_text, pool) if t))
-    if len(candidates) >= 2:
-        rng = random.Random(stable_seed(seed, version, example_id, "pair"))
-        first, second = rng.sample(candidates, 2)
-        pair = (first, second)
-    else:
-        only = candidates[0] if candidates else ""
-        pair = (only, only)
-    return CandidateSet(example_id=example_id, source=source, reference=reference, candidates=candidates,
-                        pair=pair, policy_version=version)
 
 
 # -- runners: executed on the batcher's worker thread, one merged call per batch ----------------------
@@ -308,7 +288,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
                                   version=used.version)
                     for ex_id, src, ref, gens in zip(ids, req.sources, req.references, results, strict=True)]
             table = df if df is not None else DocumentFrequency.from_references([[ref] for ref in req.references])
-            return RewardWorker(cfg.reward, table).score(sets)
+            return score_pairs(task_reward(cfg.reward, table), sets)
 
         scored = await run_in_threadpool(score)  # metric work stays off the event loop
         return PairsResponse(pairs=[ScoredPair(**vars(p)) for p in scored], policy_version=used.version)

@@ -124,7 +124,7 @@ class PairsRequest(_Request):
 
 
 class ScoredPair(_Response):
-    """The fields of ``rlt2t.actors.types.ScoredPair``: ``a`` is the better candidate."""
+    """The fields of ``rlt2t.common.types.ScoredPair``: ``a`` is the better candidate."""
 
     example_id: str
     source: str

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlt2t.actors.types import ScoredPair
 from rlt2t.common.config import ModelConfig, RankConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.policy import load_policy
+from rlt2t.common.types import ScoredPair
 from rlt2t.learner.rank_learner import LearnerRank
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -167,7 +167,7 @@ def test_deploy_to_two_node_loopback_cluster(tmp_path):
         gpu_node = next(n["id"] for n in st["nodes"] if n["resources"].get("fake_gpu"))
         # In a placement group the demand shows as fake_gpu_group_<pg id>.
         wanted = [a for a in st["actors"] if any(k == "fake_gpu" or k.startswith("fake_gpu_group_") for k in a["res"])]
-        assert {"VersionedRolloutWorker", "PolicyServerActor"} <= {a["cls"] for a in wanted}
+        assert {"RolloutWorker", "PolicyServerActor"} <= {a["cls"] for a in wanted}
         assert {a["node"] for a in wanted} == {gpu_node}
 
         down = run(["make", "--no-print-directory", "undeploy", f"DEPLOY_STATE={state}"], deploy_env)

@@ -17,10 +17,10 @@ import pytest
 import ray
 import torch
 
-from rlt2t.actors.types import ScoredPair
 from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint
 from rlt2t.common.config import ModelConfig, RankConfig, load_config
 from rlt2t.common.policy import load_policy
+from rlt2t.common.types import ScoredPair
 from rlt2t.learner.rank_learner import LearnerRank
 
 pytestmark = pytest.mark.integration
@@ -160,7 +160,7 @@ def test_deterministic_and_worker_kill_loses_no_pair(ray_session, prepared_run, 
     killed = None
     deadline = time.time() + 600
     while killed is None and time.time() < deadline and job.is_alive():
-        killed = _kill_child("ray::VersionedRolloutWorker.sample_version")  # inside a task
+        killed = _kill_child("ray::RolloutWorker.sample_version")  # inside a task
         time.sleep(0.05)
     job.join(timeout=600)
     assert "error" not in box, box.get("error")
@@ -220,7 +220,7 @@ def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, prepar
 
 
 def test_learner_death_fails_clearly_and_leaves_a_resumable_checkpoint(ray_session, prepared_run, tmp_path):
-    from rlt2t.actors.driver import LearnerDied
+    from rlt2t.driver import LearnerDied
 
     run = _copy_prepared(prepared_run, tmp_path / "learner")
     cfg = _config(run, "rank.save_every_steps=2")
@@ -252,7 +252,7 @@ def test_unordered_mode_with_a_dead_worker_uses_every_pair_once(ray_session, pre
     killed = None
     deadline = time.time() + 600
     while killed is None and time.time() < deadline and job.is_alive():
-        killed = _kill_child("ray::VersionedRolloutWorker.sample_version")
+        killed = _kill_child("ray::RolloutWorker.sample_version")
         time.sleep(0.05)
     job.join(timeout=600)
     assert "error" not in box, box.get("error")  # the driver raises if a chunk is delivered twice or never
@@ -312,7 +312,7 @@ def test_a_tail_batch_smaller_than_the_learner_group_still_steps_every_rank(ray_
 def test_learner_group_fails_on_the_first_failed_rank_without_waiting_for_the_others(ray_session):
     """Under DDP a rank that raised leaves the others blocked in a collective: the group must not wait
     for them (here: one call fails at once, the other would take 10 minutes)."""
-    from rlt2t.actors.driver import LearnerDied, LearnerGroup
+    from rlt2t.driver import LearnerDied, LearnerGroup
 
     @ray.remote(num_cpus=0)
     def stuck():
@@ -333,7 +333,7 @@ def test_learner_group_fails_on_the_first_failed_rank_without_waiting_for_the_ot
 def test_a_preflight_out_of_memory_is_reported_as_a_setting_to_change(ray_session):
     """BatchTooLarge from a rank's preflight becomes a ValueError naming the settings (the CLI's clear
     error, exit 2), not a learner crash that suggests --resume."""
-    from rlt2t.actors.driver import LearnerGroup
+    from rlt2t.driver import LearnerGroup
     from rlt2t.learner.rank_learner import BatchTooLarge
 
     @ray.remote(num_cpus=0)
@@ -352,7 +352,7 @@ def test_a_preflight_out_of_memory_is_reported_as_a_setting_to_change(ray_sessio
 def test_a_resumed_state_that_fails_to_load_stops_the_job_before_the_state_is_used(ray_session):
     """load_training_states does not wait (the load queues behind the preflight), so every later use of
     the learners' state (a step, weights, a checkpoint's training states, evaluation) confirms it first."""
-    from rlt2t.actors.driver import LearnerDied, LearnerGroup
+    from rlt2t.driver import LearnerDied, LearnerGroup
 
     @ray.remote(num_cpus=0)
     def load_training_state():

@@ -6,9 +6,9 @@ import pytest
 from pydantic import ValidationError
 
 from rlt2t.actors.reward import RewardWorker
-from rlt2t.actors.types import CandidateSet
 from rlt2t.common.config import RewardConfig
 from rlt2t.common.metrics import DocumentFrequency, get_metric
+from rlt2t.common.types import CandidateSet
 
 TRAIN_REFS = ["11 12 13 14 15", "11 12 20 21", "30 31 32 33 34 35", "12 13 14 40", "50 51 52 53"]
 

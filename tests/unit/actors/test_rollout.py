@@ -14,11 +14,18 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rlt2t.actors.rollout import RolloutWorker, normalize_text, sample_candidates, stable_seed
+from rlt2t.actors.rollout import RolloutWorker
 from rlt2t.common.batching import collate_seq2seq, encode_texts
 from rlt2t.common.config import ModelConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.policy import Policy, load_policy
+from rlt2t.common.sampling import normalize_text, stable_seed
+from rlt2t.common.sampling import sample_candidates as sample_rows
+
+
+def sample_candidates(policy, *args, **kwargs) -> list[list[int]]:
+    """The sampled token ids (the rows also carry log-probs, checked in the sampler's own tests)."""
+    return [row.token_ids for row in sample_rows(policy.model, *args, **kwargs)]
 
 MAX_NEW = 10
 SOURCES = ["1 2 3 4 5", "7 8", "9 10 11 12 13 14 15 16", "30 31 32", "40 41 42 43 44 45", "50"]

@@ -26,8 +26,8 @@ from rlt2t.common.ct2 import (
     sample_ct2,
 )
 from rlt2t.common.policy import Policy, load_policy
+from rlt2t.common.scoring import token_scores
 from rlt2t.common.tokenization import save_tokenizer
-from rlt2t.learner.losses import token_scores
 
 MAX_NEW = 12
 NUM_INPUTS = 64

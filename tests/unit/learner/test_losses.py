@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from rlt2t.learner.losses import pairwise_rank_loss, rank_weights, token_scores
+from rlt2t.common.scoring import token_scores
+from rlt2t.learner.losses import pairwise_rank_loss, rank_weights
 
 
 def nll_sigmoid(d: float) -> float:

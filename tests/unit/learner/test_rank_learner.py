@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlt2t.actors.types import ScoredPair
 from rlt2t.common.config import MetricConfig, ModelConfig, RankConfig
 from rlt2t.common.data import Example
+from rlt2t.common.types import ScoredPair
 from rlt2t.learner.rank_learner import BatchTooLarge, LearnerRank
 
 

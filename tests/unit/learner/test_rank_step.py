@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import BartConfig, BartForConditionalGeneration
 
-from rlt2t.learner.losses import token_scores
+from rlt2t.common.scoring import token_scores
 from rlt2t.learner.rank_step import (
     RankBatch,
     SharedEncoderRankLoss,

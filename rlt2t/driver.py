@@ -39,10 +39,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm.auto import tqdm
 
-from rlt2t.actors.http_sources import HttpRewardWorker, HttpRolloutWorker
 from rlt2t.actors.reward import RewardWorker
 from rlt2t.actors.rollout import RolloutWorker
-from rlt2t.actors.types import ScoredPair
 from rlt2t.common.batching import encode_texts
 from rlt2t.common.checkpoint import (
     CheckpointInfo,
@@ -57,8 +55,10 @@ from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.plots import plot_curves
 from rlt2t.common.policy import load_policy
 from rlt2t.common.tracking import RunLogger
+from rlt2t.common.types import ScoredPair
 from rlt2t.learner.rank_learner import BatchTooLarge, LearnerRank
 from rlt2t.learner.trainer import epoch_order
+from rlt2t.services.remote_workers import HttpRewardWorker, HttpRolloutWorker
 
 log = logging.getLogger("rlt2t.driver")
 
@@ -68,28 +68,6 @@ class LearnerDied(RuntimeError):
 
 
 # --- actor groups ----------------------------------------------------------------------------------------
-
-class VersionedRolloutWorker(RolloutWorker):
-    """A RolloutWorker that installs the weights a chunk asks for before sampling it."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._installed: int | None = None  # the constructor's weights are not any published version
-
-    def sample_version(self, version: int, weights: dict[str, torch.Tensor], examples: Sequence[Example]):
-        if version != self._installed:
-            self.set_weights(version, weights)
-            self._installed = version
-        return self.sample(examples)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
-class RewardActor(RewardWorker):
-    def pid(self) -> int:
-        return os.getpid()
-
 
 class LearnerGroup:
     """N LearnerRank actors in one placement group, forming one DDP world."""
@@ -389,7 +367,7 @@ def _start_groups(cfg: Config, start: Path, total_steps: int, df: DocumentFreque
                                   kwargs=dict(rollout=cfg.rollout, seed=cfg.run.seed, token=token),
                                   per_actor_args=[(url,) for url in cfg.rollout.urls])
         else:
-            rollouts = WorkerPool(VersionedRolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus,
+            rollouts = WorkerPool(RolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus,
                                   num_gpus=r.rollout_gpus, max_restarts=r.max_restarts, resources=r.rollout_resources,
                                   args=(cfg.model, str(cfg.tokenizer_dir), cfg.rollout),
                                   kwargs=dict(seed=cfg.run.seed, max_source_len=cfg.data.max_source_len))
@@ -397,7 +375,7 @@ def _start_groups(cfg: Config, start: Path, total_steps: int, df: DocumentFreque
             rewards = WorkerPool(HttpRewardWorker, r.reward_workers, num_cpus=0.1, num_gpus=0, max_restarts=r.max_restarts,
                                  args=(cfg.reward.url, cfg.reward), kwargs=dict(token=token))
         else:
-            rewards = WorkerPool(RewardActor, r.reward_workers, num_cpus=r.reward_cpus, num_gpus=0,
+            rewards = WorkerPool(RewardWorker, r.reward_workers, num_cpus=r.reward_cpus, num_gpus=0,
                                  max_restarts=r.max_restarts, args=(cfg.reward, df), kwargs={})
         saver = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=start)  # writes checkpoints on the driver
     except BaseException:

@@ -6,10 +6,10 @@ import json
 
 import httpx
 
-from rlt2t.actors.http_sources import HttpRewardWorker, HttpRolloutWorker
-from rlt2t.actors.rollout import candidate_set
 from rlt2t.common.config import RewardConfig, RolloutConfig
 from rlt2t.common.data import Example
+from rlt2t.common.sampling import candidate_set
+from rlt2t.services.remote_workers import HttpRewardWorker, HttpRolloutWorker
 
 EXAMPLES = [Example(id="a", source="1 2 3", target="7 8"), Example(id="b", source="4 5", target="9")]
 
@@ -45,7 +45,8 @@ def test_rollout_waits_for_the_published_version_and_builds_candidate_sets():
     assert polls[0] == "Bearer s3cret"
     assert requests[0]["mode"] == "sample" and requests[0]["top_k"] == 3 and requests[0]["num_candidates"] == 3
     assert [s.policy_version for s in sets] == [3, 3]
-    expected = candidate_set(EXAMPLES[0], ["0 0", "0 1", "0 0"], include_gold=True, seed=5, version=3)
+    expected = candidate_set(EXAMPLES[0].id, EXAMPLES[0].source, EXAMPLES[0].target, ["0 0", "0 1", "0 0"],
+                             include_gold=True, seed=5, version=3)
     assert sets[0] == expected
     assert sets[0].candidates == ("0 0", "0 1", "7 8")  # samples deduplicated, gold added
 
@@ -64,7 +65,7 @@ def test_rollout_gives_up_waiting_after_the_timeout_and_uses_what_it_got():
 
 
 def test_reward_orders_each_pair_by_the_servers_scores():
-    from rlt2t.actors.types import CandidateSet
+    from rlt2t.common.types import CandidateSet
 
     sets = [CandidateSet(example_id="a", source="s", reference="r", candidates=("x", "y"), pair=("x", "y"),
                          policy_version=2),

@@ -3,7 +3,7 @@
 With ``rollout.source: http`` the driver runs one light :class:`HttpRolloutWorker` per policy server URL
 (Ray actors, so dispatch, re-dispatch and the reorder buffer are the ones the local actors use); each
 asks its server for samples and builds the candidate sets locally with the same rules as
-:class:`~rlt2t.actors.rollout.RolloutWorker`. The servers get the learner's weights from the checkpoints
+``rlt2t.actors.rollout.RolloutWorker`` (``rlt2t.common.sampling.candidate_set``). The servers get the learner's weights from the checkpoints
 the driver publishes under ``{run}/rank/published`` (``rlt2t serve policy --checkpoint-dir`` that
 directory; it hot-reloads the newest). A server that has not loaded the version a chunk asks for yet is
 waited for, up to ``rollout.timeout_s``, then its candidates are used anyway and the staleness logged
@@ -21,13 +21,14 @@ import os
 import time
 from collections.abc import Sequence
 
-from rlt2t.actors.reward import order_pair
-from rlt2t.actors.rollout import candidate_set, stable_seed
-from rlt2t.actors.types import CandidateSet, ScoredPair
 from rlt2t.common.config import RewardConfig, RolloutConfig
 from rlt2t.common.data import Example
+from rlt2t.common.rewards import order_pair
+from rlt2t.common.sampling import candidate_set, stable_seed
+from rlt2t.common.types import CandidateSet, ScoredPair
+from rlt2t.services.client import PolicyClient, RewardClient
 
-log = logging.getLogger("rlt2t.http_sources")
+log = logging.getLogger("rlt2t.remote_workers")
 
 # The server's seed field is bounded (JSON-safe integers).
 _SEED_RANGE = 2**31 - 1
@@ -38,8 +39,6 @@ class HttpRolloutWorker:
 
     def __init__(self, url: str, rollout: RolloutConfig, *, seed: int, token: str | None = None,
                  poll_s: float = 0.5, transport=None) -> None:
-        from rlt2t.services.client import PolicyClient
-
         self.url = url
         self.rollout = rollout
         self.seed = seed
@@ -66,8 +65,9 @@ class HttpRolloutWorker:
                 log.warning("policy server %s answered with version %d; chunk wanted %d", self.url,
                             response.policy_version, version)
             for ex, candidates in zip(chunk, response.candidates, strict=True):
-                out.append(candidate_set(ex, [c.text for c in candidates], include_gold=cfg.include_gold,
-                                         seed=self.seed, version=response.policy_version))
+                out.append(candidate_set(ex.id, ex.source, ex.target, [c.text for c in candidates],
+                                         include_gold=cfg.include_gold, seed=self.seed,
+                                         version=response.policy_version))
         return out
 
     def _wait_for_version(self, version: int) -> None:
@@ -84,8 +84,6 @@ class HttpRewardWorker:
     """Scores drawn pairs on a reward server; the same contract as ``RewardWorker``."""
 
     def __init__(self, url: str, reward: RewardConfig, *, token: str | None = None, transport=None) -> None:
-        from rlt2t.services.client import RewardClient
-
         self.url = url
         self.client = RewardClient(url, token=token, timeout=reward.timeout_s, transport=transport)
 

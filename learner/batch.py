@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlt2t.actors.types import ScoredPair
 from rlt2t.common.batching import IGNORE_INDEX, collate_seq2seq, encode_texts, pad
+from rlt2t.common.types import ScoredPair
 from rlt2t.learner.rank_step import RankBatch
 
 log = logging.getLogger("rlt2t.rank_batch")

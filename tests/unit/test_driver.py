@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlt2t.actors.driver import needed_version
+from rlt2t.driver import needed_version
 
 
 def test_epoch_refresh_samples_with_the_epoch_start_weights():

@@ -1,12 +1,12 @@
-"""Tests for rlt2t.actors.batch.rank_batch: shapes, padding, truncation, and that the learner's loss runs."""
+"""Tests for rlt2t.learner.batch.rank_batch: shapes, padding, truncation, and that the learner's loss runs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlt2t.actors.batch import rank_batch
-from rlt2t.actors.types import ScoredPair
+from rlt2t.common.types import ScoredPair
+from rlt2t.learner.batch import rank_batch
 from rlt2t.learner.rank_step import shared_encoder_rank_loss
 
 

@@ -1,0 +1,122 @@
+"""A natural-language task from WordNet, readable offline: definition modelling.
+
+Each WordNet synset carries a human-written gloss: a definition, usually followed by example sentences
+in quotes (``a young person of either sex; "she writes books for children"``). The task: given a word,
+its part of speech and one example sentence that uses it, write the definition. Targets are real,
+human-written English (lexicographers' definitions), which is what a benchmark on natural language
+needs; the source's example sentence gives the context that tells the word's senses apart.
+
+The data is Debian's ``wordnet-base`` package (WordNet 3.0, ``/usr/share/wordnet/data.{noun,verb,adj,adv}``;
+``make system-deps`` installs it). Only synsets with at least one example sentence are used. Texts are
+lower-cased and split into word and punctuation tokens joined by single spaces, as coco-caption's
+tokenizer does before CIDEr-D, so the whitespace-token metrics count words, not words glued to commas.
+Rows are drawn with ``random.Random(seed)``: the same files and arguments give the same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlt2t.common.io import atomic_write_json, atomic_write_jsonl
+
+WORDNET_DIRS = ("/usr/share/wordnet", "/usr/share/wordnet/dict", "/usr/local/share/wordnet")
+POS_FILES = {"noun": "data.noun", "verb": "data.verb", "adj": "data.adj", "adv": "data.adv"}
+_TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]")
+_QUOTED = re.compile(r'"([^"]+)"')
+
+
+@dataclass(frozen=True)
+class Synset:
+    offset: str
+    pos: str
+    lemmas: tuple[str, ...]
+    definition: str
+    examples: tuple[str, ...]
+
+
+def find_wordnet(path: str | os.PathLike | None = None) -> Path:
+    """The WordNet dict directory (``path``, ``$WNHOME``/``$WNSEARCHDIR``, or Debian's), or a clear error."""
+    candidates = [path] if path else [os.environ.get("WNSEARCHDIR"), os.environ.get("WNHOME"), *WORDNET_DIRS]
+    for c in candidates:
+        if c and (Path(c) / "data.noun").is_file():
+            return Path(c)
+    raise FileNotFoundError(
+        "WordNet data not found (looked for data.noun in "
+        f"{', '.join(str(c) for c in candidates if c)}); install Debian's wordnet-base "
+        "(`make system-deps`, or `apt-get install wordnet-base`) or pass the dict directory")
+
+
+def tokenize(text: str) -> str:
+    """Lower-case words and punctuation, space-separated (the form CIDEr-D and BLEU count)."""
+    return " ".join(_TOKEN.findall(text.lower()))
+
+
+def read_synsets(wordnet_dir: str | os.PathLike, pos: str) -> Iterator[Synset]:
+    """Synsets of one part of speech from ``data.<pos>`` (WordNet's documented ``wndb`` line format)."""
+    path = Path(wordnet_dir) / POS_FILES[pos]
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.startswith("  "):  # the license header
+                continue
+            fields, _, gloss = line.partition(" | ")
+            parts = fields.split()
+            try:
+                count = int(parts[3], 16)
+                lemmas = tuple(parts[4 + 2 * i].replace("_", " ") for i in range(count))
+            except (IndexError, ValueError) as e:
+                raise ValueError(f"{path}:{line_no}: not a WordNet data line ({e})") from None
+            definition, _, rest = gloss.strip().partition('; "')
+            examples = tuple(m.strip() for m in _QUOTED.findall('"' + rest)) if rest else ()
+            # adjective lemmas may carry a syntactic marker such as "(a)"
+            lemmas = tuple(re.sub(r"\([a-z]+\)$", "", lemma) for lemma in lemmas)
+            yield Synset(parts[0], pos, lemmas, definition.strip().rstrip(";").strip(), examples)
+
+
+def definition_pairs(wordnet_dir: str | os.PathLike) -> list[dict[str, str]]:
+    """One example per synset that has an example sentence: ``source`` = "word ( pos ) : example",
+    ``target`` = the definition, both tokenised; ``id`` = ``<pos>-<offset>``."""
+    rows = []
+    for pos in POS_FILES:
+        for s in read_synsets(wordnet_dir, pos):
+            if not s.examples or not s.definition:
+                continue
+            example = s.examples[0]
+            # The lemma the example uses, when one does: that is the word being defined.
+            word = next((w for w in s.lemmas if w.lower() in example.lower()), s.lemmas[0])
+            source, target = tokenize(f"{word} ({pos}): {example}"), tokenize(s.definition)
+            if source and target:
+                rows.append({"id": f"{pos}-{s.offset}", "source": source, "target": target})
+    return rows
+
+
+def write_wordnet_task(out_dir: str | os.PathLike, size: int, seed: int, valid_fraction: float = 0.05,
+                       test_fraction: float = 0.05, wordnet_dir: str | os.PathLike | None = None) -> dict[str, Path]:
+    """Write ``train``/``valid``/``test`` JSONL of ``size`` rows drawn from :func:`definition_pairs` and a
+    ``wordnet_meta.json`` (written last). Returns the paths keyed ``train``, ``valid``, ``test``, ``meta``."""
+    source_dir = find_wordnet(wordnet_dir)
+    rows = definition_pairs(source_dir)
+    if size > len(rows):
+        raise ValueError(f"size={size}: WordNet at {source_dir} has only {len(rows)} synsets with examples")
+    for name, frac in (("valid_fraction", valid_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 <= frac < 0.5:
+            raise ValueError(f"{name} must be in [0, 0.5), got {frac}")
+    picked = random.Random(seed).sample(rows, size)
+    n_valid = max(1, round(size * valid_fraction)) if valid_fraction else 0
+    n_test = max(1, round(size * test_fraction)) if test_fraction else 0
+    splits = {"valid": picked[:n_valid], "test": picked[n_valid : n_valid + n_test],
+              "train": picked[n_valid + n_test :]}
+    out = Path(out_dir)
+    paths = {}
+    for split, split_rows in splits.items():
+        paths[split] = out / f"{split}.jsonl"
+        atomic_write_jsonl(paths[split], split_rows)
+    paths["meta"] = out / "wordnet_meta.json"
+    atomic_write_json(paths["meta"], {"task": "wordnet-definitions", "source": str(source_dir), "size": size,
+                                      "seed": seed, "available": len(rows),
+                                      **{f"{k}_rows": len(v) for k, v in splits.items()}})
+    return paths
