@@ -1,5 +1,6 @@
-"""Reward worker of rank RL: scores the drawn pair of each candidate set with the task metric and orders
-it, better first (docs/design.md, "The method", step 5). A plain class that Ray wraps at launch.
+"""Reward worker: scores what the rollout workers sampled against each source's reference. Rank RL: the
+drawn pair of each candidate set, ordered better first (docs/design.md, "The method", step 5); policy
+gradients: every sample of each group (and SCST's greedy decode). A plain class that Ray wraps at launch.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from collections.abc import Sequence
 
 from rlt2t.common.config import RewardConfig
 from rlt2t.common.metrics import DocumentFrequency
-from rlt2t.common.rewards import load_document_frequency, score_pairs, task_reward
-from rlt2t.common.types import CandidateSet, ScoredPair
+from rlt2t.common.rewards import load_document_frequency, score_groups, score_pairs, task_reward
+from rlt2t.common.types import CandidateSet, SampledGroup, ScoredGroup, ScoredPair
 
 
 class RewardWorker:
@@ -26,9 +27,11 @@ class RewardWorker:
         self.document_frequency = load_document_frequency(document_frequency)
         self.metric = task_reward(reward, self.document_frequency)
 
-    def score(self, sets: Sequence[CandidateSet]) -> list[ScoredPair]:
-        """One scored pair per set, in order."""
-        return score_pairs(self.metric, sets)
+    def score(self, items: Sequence[CandidateSet] | Sequence[SampledGroup]) -> list[ScoredPair] | list[ScoredGroup]:
+        """One scored pair per candidate set, or one scored group per sampled group, in order."""
+        if items and isinstance(items[0], SampledGroup):
+            return score_groups(self.metric, items)  # type: ignore[arg-type]
+        return score_pairs(self.metric, items)  # type: ignore[arg-type]
 
     def pid(self) -> int:
         """The worker's process id (tests kill it to exercise re-dispatch)."""

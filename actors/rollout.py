@@ -1,5 +1,10 @@
-"""Rollout worker of rank RL: samples K candidates per training source with the current policy, adds the
-gold target, deduplicates and draws the pair the reward worker will score (DESIGN.md, step 5).
+"""Rollout worker: samples K candidates per training source with the current policy, and returns what the
+algorithm asks for (``rlt2t.common.types.RolloutSpec``):
+
+- rank RL: the gold target added, candidates deduplicated, the pair the reward worker will score drawn
+  (docs/design.md, "The method", step 5);
+- policy gradients: the K samples with their token ids and per-token log-probs under the distribution
+  sampled from, the reference policy's log-probs of them (the KL to the start), and SCST's greedy decode.
 
 Sampling is reproducible per example: the samples and the pair of an example depend only on the weights
 and on (seed, policy version, example id), never on which other examples share the batch or which worker
@@ -8,6 +13,7 @@ ran it (``rlt2t.common.sampling``, the sampler the policy server uses too).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import tempfile
@@ -20,8 +26,15 @@ from rlt2t.common.batching import collate_seq2seq, encode_texts
 from rlt2t.common.config import ModelConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.policy import load_policy
-from rlt2t.common.sampling import candidate_set, sample_candidates, stable_seed
-from rlt2t.common.types import CandidateSet
+from rlt2t.common.sampling import (
+    SampledSequence,
+    candidate_set,
+    normalize_text,
+    sample_candidates,
+    stable_seed,
+)
+from rlt2t.common.scoring import sequence_logprobs
+from rlt2t.common.types import CandidateSet, RolloutSpec, SampledGroup
 
 log = logging.getLogger("rlt2t.rollout")
 
@@ -44,8 +57,22 @@ class RolloutWorker:
         seed: int,
         max_source_len: int,
         device: str = "cpu",
+        spec: RolloutSpec | None = None,
+        reference_weights: dict[str, Tensor] | None = None,
     ) -> None:
         self.policy = load_policy(model_cfg, tokenizer_dir, seed=seed)
+        self.spec = spec or RolloutSpec("pair")
+        # The frozen reference (the run's start) scores the samples for the KL: one copy here, none on the
+        # learner ranks. NLPO's masking policy is loaded per published version it needs.
+        self.reference = None
+        if self.spec.reference:
+            if reference_weights is None:
+                raise ValueError("the rollout needs reference log-probs (rl.kl.coef > 0) but got no reference weights")
+            self.reference = load_policy(model_cfg, tokenizer_dir, seed=seed).model
+            self.reference.load_state_dict(reference_weights, strict=True)
+            self.reference.to(device).eval().requires_grad_(False)
+        self.mask_model = None
+        self._mask_version: int | None = None
         self.device = torch.device(device)
         self.policy.model.to(self.device).eval()  # sampling never uses dropout
         positions = self.policy.model.config.max_position_embeddings
@@ -88,24 +115,32 @@ class RolloutWorker:
         self._installed = version
         self._ct2 = None  # converted again, lazily, for the new weights
 
-    def sample_version(self, version: int, weights: dict[str, Tensor], examples: Sequence[Example]
-                       ) -> list[CandidateSet]:
-        """Install the published weights of ``version`` unless they are the ones loaded, then :meth:`sample`.
-        The driver ships each chunk with its version's weights (one object-store reference), so a worker
-        restarted by Ray needs nothing special."""
+    def sample_version(self, version: int, weights: dict[str, Tensor], examples: Sequence[Example],
+                       mask: tuple[int, dict[str, Tensor]] | None = None) -> list[CandidateSet] | list[SampledGroup]:
+        """Install the published weights of ``version`` unless they are the ones loaded (and NLPO's masking
+        policy, ``mask`` = (its version, its weights)), then :meth:`sample`. The driver ships each chunk with
+        its version's weights (one object-store reference), so a worker restarted by Ray needs nothing
+        special."""
         if version != self._installed:
             self.set_weights(version, weights)
+        if mask is not None and mask[0] != self._mask_version:
+            if self.mask_model is None:
+                self.mask_model = copy.deepcopy(self.policy.model).eval()
+            self.mask_model.load_state_dict(mask[1], strict=True)
+            self._mask_version = mask[0]
         return self.sample(examples)
 
     def pid(self) -> int:
         """The worker's process id (tests kill it to exercise re-dispatch)."""
         return os.getpid()
 
-    def sample(self, examples: Sequence[Example]) -> list[CandidateSet]:
-        """One candidate set per example, in order; see :class:`CandidateSet` for what it holds."""
+    def sample(self, examples: Sequence[Example]) -> list[CandidateSet] | list[SampledGroup]:
+        """One candidate set (rank RL) or sampled group (policy gradients) per example, in order."""
         for i, ex in enumerate(examples):
             if ex.target is None:
-                raise ValueError(f"examples[{i}] (id {ex.id!r}) has no target; rank RL needs a reference")
+                raise ValueError(f"examples[{i}] (id {ex.id!r}) has no target; RL needs a reference")
+        if self.spec.kind == "group":
+            return self.sample_groups(examples)
         cfg = self.rollout
         tok = self.policy.tokenizer
         out: list[CandidateSet] = []
@@ -125,7 +160,7 @@ class RolloutWorker:
                 ]
                 samples = [row.token_ids for row in sample_candidates(
                     self.policy.model, batch["input_ids"], batch["attention_mask"], cfg.num_samples, cfg.top_k,
-                    cfg.temperature, cfg.max_new_tokens, generators,
+                    cfg.temperature, cfg.max_new_tokens, generators, top_p=cfg.top_p,
                 )]
             texts = self.policy.decode(samples)
             for i, ex in enumerate(chunk):
@@ -136,10 +171,68 @@ class RolloutWorker:
                         self.max_source_len)
         return out
 
-    def _sample_ct2(self, chunk: Sequence[Example]) -> list[list[int]]:
+    def sample_groups(self, examples: Sequence[Example]) -> list[SampledGroup]:
+        """K samples per example with their per-token log-probs (:class:`SampledGroup`), in order."""
+        cfg = self.rollout
+        k = cfg.num_samples
+        tok = self.policy.tokenizer
+        out: list[SampledGroup] = []
+        truncated = 0
+        for first in range(0, len(examples), cfg.batch_size):
+            chunk = examples[first : first + cfg.batch_size]
+            ids, n_trunc = encode_texts(tok, [ex.source for ex in chunk], self.max_source_len)
+            truncated += n_trunc
+            batch = collate_seq2seq(ids, None, tok.pad_token_id)
+            if self._ct2_dir is not None:
+                rows = self._sample_ct2(chunk, with_logprobs=True)
+            else:
+                rows = sample_candidates(
+                    self.policy.model, batch["input_ids"], batch["attention_mask"], k, cfg.top_k, cfg.temperature,
+                    cfg.max_new_tokens, self._generators(chunk, k), top_p=cfg.top_p, mask_model=self.mask_model,
+                    mask_top_p=self.spec.mask_top_p)
+            reference = None
+            if self.reference is not None:
+                reference = sequence_logprobs(self.reference, batch["input_ids"], batch["attention_mask"],
+                                              [r.token_ids for r in rows], k)
+            greedy = None
+            if self.spec.greedy_baseline:
+                greedy_rows = sample_candidates(self.policy.model, batch["input_ids"], batch["attention_mask"], 1, 1,
+                                                1.0, cfg.max_new_tokens, self._generators(chunk, 1))
+                greedy = self.policy.decode([r.token_ids for r in greedy_rows])
+            texts = self.policy.decode([r.token_ids for r in rows])
+            for i, ex in enumerate(chunk):
+                own = rows[i * k : (i + 1) * k]
+                out.append(SampledGroup(
+                    example_id=ex.id, source=ex.source, reference=ex.target or "",
+                    candidates=tuple(texts[i * k : (i + 1) * k]),
+                    token_ids=tuple(tuple(r.token_ids) for r in own),
+                    sample_logprobs=tuple(tuple(r.sample_logprobs) for r in own),
+                    forced_eos=tuple(_forced(r, self._forced_eos_id, cfg.max_new_tokens) for r in own),
+                    policy_version=self._version,
+                    reference_logprobs=None if reference is None else tuple(
+                        tuple(x) for x in reference[i * k : (i + 1) * k]),
+                    greedy=None if greedy is None else normalize_text(greedy[i])))
+        if truncated:
+            log.warning("rollout: truncated %d of %d sources to %d tokens", truncated, len(examples),
+                        self.max_source_len)
+        return out
+
+    def _generators(self, chunk: Sequence[Example], k: int) -> list[torch.Generator]:
+        """Row ``i * k + j`` draws from a generator keyed on (seed, version, example id, j) alone."""
+        return [torch.Generator(device=self.device).manual_seed(stable_seed(self.seed, self._version, ex.id, j))
+                for ex in chunk for j in range(k)]
+
+    @property
+    def _forced_eos_id(self) -> int | None:
+        forced = getattr(self.policy.model.generation_config, "forced_eos_token_id", None)
+        if isinstance(forced, list | tuple):
+            forced = min(forced) if forced else None
+        return forced
+
+    def _sample_ct2(self, chunk: Sequence[Example], with_logprobs: bool = False):
         """K samples per source with CTranslate2. CT2 seeds a whole call, not each row, so the seed is keyed
         on the chunk's example ids: the driver re-dispatches a chunk whole, and it samples the same again."""
-        from rlt2t.common.ct2 import ct2_sampler_from_state_dict, sample_ct2
+        from rlt2t.common.ct2 import ct2_sampler_from_state_dict, sample_ct2, sample_ct2_logprobs
 
         cfg = self.rollout
         if self._ct2 is None:
@@ -147,6 +240,9 @@ class RolloutWorker:
                 self.policy, None, self._ct2_dir.name, cfg.ct2_compute_type, intra_threads=torch.get_num_threads(),
                 max_source_len=self.max_source_len, name="current")
         seed = stable_seed(self.seed, self._version, "ct2", *(ex.id for ex in chunk)) % (2**31 - 1)
+        if with_logprobs:
+            return sample_ct2_logprobs(self._ct2, [ex.source for ex in chunk], cfg.num_samples, cfg.top_k,
+                                       cfg.temperature, cfg.max_new_tokens, seed)
         return sample_ct2(self._ct2, [ex.source for ex in chunk], cfg.num_samples, cfg.top_k, cfg.temperature,
                           cfg.max_new_tokens, seed)
 
@@ -155,3 +251,10 @@ class RolloutWorker:
             raise ValueError(f"example {ex.id!r} has no target; rank RL needs a reference")
         return candidate_set(ex.id, ex.source, ex.target, samples, include_gold=self.rollout.include_gold,
                              seed=self.seed, version=self._version)
+
+
+
+def _forced(row: SampledSequence, forced_eos_id: int | None, max_new_tokens: int) -> bool:
+    """Whether a row's last token is the EOS forced at the length limit, not drawn: with a forced EOS both
+    samplers fill the last position themselves (``rlt2t.common.sampling``, ``rlt2t.common.ct2``)."""
+    return forced_eos_id is not None and len(row.token_ids) == max_new_tokens

@@ -47,6 +47,33 @@ class CheckpointInfo:
     meta: dict[str, Any]
 
 
+@dataclass
+class BestCheckpoint:
+    """The best checkpoint of a stage by its validation monitor, carried across resumes in checkpoint meta
+    (``meta["best"] = {"score", "path"}``) and protected from pruning."""
+
+    score: float | None = None
+    path: Path | None = None
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any] | None) -> BestCheckpoint:
+        best = (meta or {}).get("best")
+        return cls(best["score"], Path(best["path"])) if best else cls()
+
+    def offer(self, score: float, path: Path) -> bool:
+        """Take ``path`` if its score beats the best so far; returns whether it did."""
+        if self.score is None or score > self.score:
+            self.score, self.path = score, Path(path)
+            return True
+        return False
+
+    def meta(self) -> dict[str, Any] | None:
+        return {"score": self.score, "path": str(self.path)} if self.path is not None else None
+
+    def protect(self) -> set[Path]:
+        return {self.path} if self.path is not None else set()
+
+
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():

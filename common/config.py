@@ -142,9 +142,67 @@ class SFTConfig(StageConfig):
     """FGM adversarial step size on the shared embedding (0 disables)."""
 
 
-class RankConfig(StageConfig):
-    """Rank RL: CE(gold) + λ·pairwise rank loss on sampled (better, worse) pairs."""
+class RankLossConfig(_Section):
+    """Rank RL's loss: CE(gold) + λ·pairwise rank loss on sampled (better, worse) pairs."""
 
+    loss_weight: float = Field(0.2, ge=0.0)
+    """λ in CE(gold) + λ·rank (0 = continue SFT on the gold targets only)."""
+    score: Literal["logits", "logprobs"] = "logprobs"
+    """Token score of the rank loss: the raw logit (the original) or the log-probability (matches reranking)."""
+    delay_alpha: float = Field(0.95, gt=0.0, le=1.0)
+    """α of the first-difference delay weights α^(t-s)."""
+
+
+class KLConfig(_Section):
+    """The KL to the reference policy (the starting checkpoint, frozen) of the policy-gradient algorithms."""
+
+    coef: float = Field(0.05, ge=0.0)
+    """β: the KL coefficient (initial value when adaptive). 0 turns the KL term off (no reference scoring)."""
+    target: float | None = None
+    """Adaptive controller (Ziegler et al.): target KL per sequence in nats; null keeps β fixed."""
+    horizon: int = Field(10000, ge=1)
+    """Adaptive controller horizon, in sequences."""
+
+
+class PolicyGradientConfig(_Section):
+    """Settings shared by SCST, RLOO, GRPO, PPO, A2C and NLPO (docs/design.md, "Policy-gradient algorithms")."""
+
+    clip_eps: float = Field(0.2, gt=0.0)
+    """ε of the clipped ratio (A2C ignores it: no clipping)."""
+    is_cap: float = Field(2.0, ge=1.0)
+    """Truncated importance sampling: cap of the learner-to-sampler probability ratio that weights each token
+    (corrects an int8 or stale sampler; 1 on-policy with the torch sampler)."""
+    epochs: int | None = Field(None, ge=1)
+    """Optimisation passes over each batch of experience (null: 4 for PPO and NLPO, 1 otherwise)."""
+    minibatches: int | None = Field(None, ge=1)
+    """Minibatches per pass, split by source (null: 2 for PPO and NLPO, 1 otherwise)."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Entropy bonus weight (token mean of the policy's entropy)."""
+    target_kl: float = Field(0.0, ge=0.0)
+    """Stop a batch's remaining PPO epochs once the approximate KL to the batch's start exceeds 1.5x this
+    (0: never)."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """PPO/A2C/NLPO discount of GAE."""
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    """PPO/A2C/NLPO λ of GAE."""
+    vf_coef: float = Field(0.5, ge=0.0)
+    """Value-loss weight (PPO, A2C, NLPO)."""
+    value_clip: float = Field(0.2, gt=0.0)
+    """ε_v of the clipped value loss (A2C: unclipped)."""
+    whiten_advantages: bool = True
+    """PPO/A2C/NLPO: whiten advantages over the batch's valid tokens."""
+    nlpo_top_p: float = Field(0.9, gt=0.0, le=1.0)
+    """NLPO: the action space is the top-p tokens of the masking policy."""
+    nlpo_mask_refresh_steps: int = Field(10, ge=1)
+    """NLPO: the masking policy is a copy of the policy refreshed every N learner steps."""
+
+
+class RLConfig(StageConfig):
+    """The RL job on Ray: rollout and reward actors feeding a DDP learner group (`rlt2t train`)."""
+
+    algorithm: Literal["rank", "scst", "rloo", "grpo", "ppo", "a2c", "nlpo"] = "rank"
+    """`rank`: CE + λ·pairwise rank loss (rlt2t's original); `scst`, `rloo`, `grpo`: group policy gradients;
+    `ppo`, `a2c`, `nlpo`: token-level actor-critic (docs/design.md)."""
     epochs: int = Field(2, ge=1)
     """Passes over the training sources."""
     lr: float = Field(2e-4, gt=0.0)
@@ -152,31 +210,29 @@ class RankConfig(StageConfig):
     warmup_ratio: float = Field(0.05, ge=0.0, le=1.0)
     """Fraction of steps of linear warmup."""
     batch_size: int = Field(32, ge=1)
-    """Pairs per optimizer step, over all learner ranks (must divide by learners)."""
-    loss_weight: float = Field(0.2, ge=0.0)
-    """λ in CE(gold) + λ·rank (0 = continue SFT on the gold targets only)."""
-    score: Literal["logits", "logprobs"] = "logprobs"
-    """Token score of the rank loss: the raw logit (the original) or the log-probability (matches reranking)."""
-    delay_alpha: float = Field(0.95, gt=0.0, le=1.0)
-    """α of the first-difference delay weights α^(t-s)."""
+    """Sources per learner step over all learner ranks (rank: one pair each; others: K samples each); must
+    divide by learners."""
+    rank: RankLossConfig = RankLossConfig()
+    kl: KLConfig = KLConfig()
+    pg: PolicyGradientConfig = PolicyGradientConfig()
     refresh_every_steps: int = Field(0, ge=0)
     """Publish new weights to the rollout workers every N learner steps (0: once per epoch, the original)."""
     train_subset: int = Field(1024, ge=0)
-    """Use only the first N training sources (0: all). The embedded default keeps the CPU demo short;
-    set 0 for real runs (the job logs how many sources it uses)."""
+    """Use only the first N training sources (0: all). The embedded default keeps the CPU demo short; set 0
+    for real runs (the job logs how many sources it uses)."""
     learners: int = Field(1, ge=1)
     """Learner ranks forming one DDP world (gloo on CPU, nccl on GPU)."""
     rollout_workers: int = Field(1, ge=1)
     """Rollout actors sampling candidates."""
     reward_workers: int = Field(1, ge=1)
-    """Reward actors scoring candidates with the task metric."""
+    """Reward actors scoring candidates with the reward."""
     chunk_size: int = Field(32, ge=1)
     """Sources per rollout task (the unit of work re-dispatched when a worker dies)."""
     max_inflight_chunks: int = Field(8, ge=1)
     """Bound on rollout chunks sampled ahead of the learner (the queue bound)."""
     deterministic: bool | None = None
-    """Results independent of worker timing: seeds from (seed, version, example id), batches in dataset
-    order (None: on for CPU runs)."""
+    """Results independent of worker timing: seeds from (seed, version, example id), batches in dataset order
+    (null: on for CPU runs)."""
     learner_gpus: float = Field(0.0, ge=0.0)
     """GPUs per learner rank (placement group bundles)."""
     rollout_gpus: float = Field(0.0, ge=0.0)
@@ -193,18 +249,59 @@ class RankConfig(StageConfig):
     """Extra Ray resources per rollout worker (pins sampling to nodes that advertise them)."""
     max_restarts: int = Field(3, ge=0)
     """Ray restarts of a dead rollout/reward worker before the job fails."""
+    schedule_timeout_s: float = Field(300.0, gt=0.0)
+    """A worker or learner rank that the cluster cannot place within this many seconds fails the job, naming
+    the resources it asked for."""
     preflight: bool = True
-    """Each learner rank runs one forward/backward on the largest batch it can receive (rank.batch_size /
-    learners pairs, data.max_source_len / max_target_len tokens) while the workers start: out-of-memory
+    """Each learner rank runs one forward/backward on the largest batch it can receive (rl.batch_size /
+    learners sources, data.max_source_len / max_target_len tokens) while the workers start: out-of-memory
     fails the job at setup, and the first step does not pay the fresh process's warm-up. No optimizer step,
     RNGs restored: training is unchanged."""
+
+    @property
+    def uses_kl(self) -> bool:
+        """Whether the algorithm's loss or reward has a KL to the reference (rank RL has none)."""
+        return self.algorithm != "rank" and self.kl.coef > 0
+
+    @property
+    def ppo_like(self) -> bool:
+        """Token-level actor-critic with a value head (PPO, A2C, NLPO)."""
+        return self.algorithm in ("ppo", "a2c", "nlpo")
+
+    @property
+    def optimisation_epochs(self) -> int:
+        if self.algorithm == "a2c":
+            return 1
+        return self.pg.epochs or (4 if self.algorithm in ("ppo", "nlpo") else 1)
+
+    @property
+    def optimisation_minibatches(self) -> int:
+        if self.algorithm == "a2c":
+            return 1
+        return self.pg.minibatches or (2 if self.algorithm in ("ppo", "nlpo") else 1)
+
+
+# The retired `rank:` section: the RL job's settings are under `rl.*`, the rank loss's under `rl.rank.*`.
+RANK_LOSS_KEYS = ("loss_weight", "score", "delay_alpha")
+
+
+def _retired_keys(tree: dict[str, Any]) -> list[str]:
+    """One message per key of the retired `rank:` section, naming where it lives now."""
+    rank = tree.get("rank")
+    if rank is None:
+        return []
+    if not isinstance(rank, dict):
+        return ["rank: the RL job's section is now `rl` (e.g. rl.epochs, rl.algorithm=rank)"]
+    return [f"rank.{k}: moved to {'rl.rank.' if k in RANK_LOSS_KEYS else 'rl.'}{k}" for k in rank]
 
 
 class RolloutConfig(_Section):
     num_samples: int = Field(6, ge=1)
-    """K: candidates sampled per source (the gold target is added to them)."""
+    """K: candidates sampled per source (rank RL adds the gold target to them)."""
     top_k: int = Field(3, ge=0)
     """Sample among the k most likely next tokens (0: the whole vocabulary)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the most likely tokens whose mass reaches p (1: off; torch backend only)."""
     temperature: float = Field(0.8, gt=0.0)
     """Logits are divided by this before sampling (< 1 sharpens, > 1 flattens)."""
     max_new_tokens: int = Field(64, ge=1)
@@ -212,7 +309,7 @@ class RolloutConfig(_Section):
     batch_size: int = Field(32, ge=1)
     """Sources per sampling call (each expands to num_samples decoder rows)."""
     include_gold: bool = True
-    """Add the gold target to each source's candidates before the pair is drawn."""
+    """Rank RL: add the gold target to each source's candidates before the pair is drawn."""
     source: Literal["ray", "http"] = "ray"
     """Where candidates come from: Ray rollout actors, or policy servers (`rollout.urls`)."""
     urls: list[str] = Field(default_factory=list)
@@ -270,7 +367,7 @@ class ServeConfig(_Section):
     """Policy server port (0: any free port)."""
     reward_port: int = Field(8001, ge=0, le=65535)
     """Reward server port."""
-    checkpoint_dir: str = "{run}/rank/checkpoints"
+    checkpoint_dir: str = "{run}/rl/checkpoints"
     """Checkpoint root (or model directory) the policy server serves; it hot-reloads the newest complete one."""
     backend: Literal["torch", "ct2"] = "torch"
     """Inference backend of the policy server."""
@@ -349,7 +446,7 @@ class Config(_Section):
     model: ModelConfig = ModelConfig()
     pretrain: PretrainConfig = PretrainConfig()
     sft: SFTConfig = SFTConfig()
-    rank: RankConfig = RankConfig()
+    rl: RLConfig = RLConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
     eval: EvalConfig = EvalConfig()
@@ -369,8 +466,19 @@ class Config(_Section):
                         f"data.{key}={getattr(self.data, key)} exceeds the {positions} positions of "
                         f"model.preset={self.model.preset}"
                     )
-        if self.rank.batch_size % self.rank.learners:
-            raise ValueError(f"rank.batch_size={self.rank.batch_size} must divide by rank.learners={self.rank.learners}")
+        if self.rl.batch_size % self.rl.learners:
+            raise ValueError(f"rl.batch_size={self.rl.batch_size} must divide by rl.learners={self.rl.learners}")
+        if self.rl.algorithm != "rank":
+            if self.rollout.max_new_tokens > self.data.max_target_len:
+                raise ValueError(f"rollout.max_new_tokens={self.rollout.max_new_tokens} exceeds data.max_target_len="
+                                 f"{self.data.max_target_len}: the learner trains on the samples' tokens as they are")
+            if self.rl.algorithm in ("rloo", "grpo") and self.rollout.num_samples < 2:
+                raise ValueError(f"rl.algorithm={self.rl.algorithm} needs rollout.num_samples >= 2 (K samples per "
+                                 "source form the baseline)")
+            if self.rollout.backend == "ct2" and self.rl.algorithm == "nlpo":
+                raise ValueError("rl.algorithm=nlpo samples with a masking policy: use rollout.backend=torch")
+        if self.rollout.backend == "ct2" and self.rollout.top_p < 1.0:
+            raise ValueError("rollout.top_p: the ct2 rollout backend has no nucleus sampling (leave it at 1)")
         if self.rollout.source == "http" and not self.rollout.urls:
             raise ValueError("rollout.source=http needs rollout.urls (policy server base URLs)")
         if self.reward.source == "http" and not self.reward.url:
@@ -448,6 +556,9 @@ def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ())
             raise ConfigError(f"override {item!r}: expected key.path=value")
         _set_dotted(tree, key.strip(), _parse_value(raw))
     origin = ", ".join([str(p) for p in paths] + list(overrides)) or "defaults"
+    retired = _retired_keys(tree)
+    if retired:
+        raise ConfigError(f"invalid config ({origin}):\n  " + "\n  ".join(retired))
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ctranslate2
+import numpy as np
 import torch
 from ctranslate2.converters import TransformersConverter
 from transformers import PreTrainedTokenizerBase
@@ -51,7 +52,7 @@ from rlt2t.common.batching import encode_texts
 from rlt2t.common.checkpoint import MARKER, STATE_FILE
 from rlt2t.common.io import atomic_directory, atomic_write_json
 from rlt2t.common.policy import Policy
-from rlt2t.common.sampling import check_sampling
+from rlt2t.common.sampling import SampledSequence, check_sampling, warp_logits
 from rlt2t.common.tokenization import load_tokenizer, save_tokenizer
 
 log = logging.getLogger("rlt2t.ct2")
@@ -451,3 +452,60 @@ def sample_ct2(
         rows.extend(list(h.token_ids) for h in hyps)
     return rows
 
+
+
+def sample_ct2_logprobs(
+    ct2: Ct2Policy,
+    sources: Sequence[str],
+    k: int,
+    top_k: int,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int | None,
+) -> list[SampledSequence]:
+    """:func:`sample_ct2` with per-token log-probs: the raw model's and the one under the distribution
+    CTranslate2 sampled from (temperature, top-k), for a policy-gradient ratio against the learner.
+
+    CTranslate2 returns each step's vocabulary logits (``return_logits_vocab``) at temperature 1 with its
+    own masks applied (none here: ``min_decoding_length`` 0); the transform of
+    ``rlt2t.common.sampling.warp_logits`` on them gives exactly what the sampler drew from. A quantised
+    model's distribution differs from the float32 learner's: that is what the learner's truncated
+    importance weights correct. The forced EOS at the limit gets sample log-prob 0 (it was not drawn).
+    """
+    check_sampling(k, top_k, temperature)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not sources:
+        return []
+    if top_k >= len(ct2.tokenizer):
+        top_k = 0
+    if seed is not None:
+        ct2.reseed(seed)
+    forced = ct2.forced_eos_id is not None
+    steps = max_new_tokens - 1 if forced else max_new_tokens
+    if steps == 0:
+        return [SampledSequence([ct2.forced_eos_id], [0.0], [0.0]) for _ in range(len(sources) * k)]  # type: ignore[list-item]
+    results = ct2.translator.translate_batch(
+        ct2.source_tokens(sources), beam_size=1, num_hypotheses=k, max_decoding_length=steps,
+        min_decoding_length=0, max_input_length=0, return_end_token=True, return_logits_vocab=True,
+        sampling_topk=top_k, sampling_temperature=temperature,
+        max_batch_size=ct2.max_batch_size, batch_type=ct2.batch_type)
+    rows: list[SampledSequence] = []
+    for i, result in enumerate(results):
+        if len(result.hypotheses) != k:
+            raise RuntimeError(f"CTranslate2 returned {len(result.hypotheses)} samples for source {i}, expected {k}")
+        for tokens, step_logits in zip(result.hypotheses, result.logits, strict=True):
+            ids = ct2.tokenizer.convert_tokens_to_ids(tokens)
+            raw_lp: list[float] = []
+            sample_lp: list[float] = []
+            if ids:
+                logits = torch.from_numpy(np.stack([np.asarray(x, dtype=np.float32) for x in step_logits[: len(ids)]]))
+                index = torch.tensor(ids)[:, None]
+                raw_lp = logits.log_softmax(-1).gather(-1, index)[:, 0].tolist()
+                sample_lp = warp_logits(logits, temperature, top_k).log_softmax(-1).gather(-1, index)[:, 0].tolist()
+            if forced and (not ids or ids[-1] != ct2.eos_id):
+                ids.append(ct2.forced_eos_id)
+                raw_lp.append(0.0)  # not computed by the sampler; the learner leaves forced tokens out
+                sample_lp.append(0.0)
+            rows.append(SampledSequence(ids, raw_lp, sample_lp))
+    return rows

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from rlt2t.common.config import RewardConfig
 from rlt2t.common.metrics import DocumentFrequency, Metric, get_metric
-from rlt2t.common.types import CandidateSet, ScoredPair
+from rlt2t.common.types import CandidateSet, SampledGroup, ScoredGroup, ScoredPair
 
 
 def load_document_frequency(document_frequency: DocumentFrequency | str | os.PathLike) -> DocumentFrequency:
@@ -40,6 +40,23 @@ def score_pairs(metric: Metric, sets: Sequence[CandidateSet]) -> list[ScoredPair
     refs = [[s.reference] for s in sets for _ in range(2)]
     scores = metric.per_sample(hyps, refs).tolist() if hyps else []
     return [order_pair(s, scores[2 * i], scores[2 * i + 1]) for i, s in enumerate(sets)]
+
+
+def score_groups(metric: Metric, groups: Sequence[SampledGroup]) -> list[ScoredGroup]:
+    """The reward of every sample (and greedy decode) of each group, in one metric call."""
+    hyps: list[str] = []
+    refs: list[list[str]] = []
+    for g in groups:
+        hyps += list(g.candidates) + ([g.greedy] if g.greedy is not None else [])
+        refs += [[g.reference]] * (len(g.candidates) + (g.greedy is not None))
+    scores = metric.per_sample(hyps, refs).tolist() if hyps else []
+    out, pos = [], 0
+    for g in groups:
+        k = len(g.candidates)
+        greedy = scores[pos + k] if g.greedy is not None else None
+        out.append(ScoredGroup(group=g, rewards=tuple(scores[pos : pos + k]), greedy_reward=greedy))
+        pos += k + (g.greedy is not None)
+    return out
 
 
 def order_pair(s: CandidateSet, score_first: float, score_second: float) -> ScoredPair:

@@ -109,6 +109,8 @@ def sample_candidates(
     generators: Sequence[torch.Generator],
     *,
     top_p: float = 1.0,
+    mask_model=None,
+    mask_top_p: float = 1.0,
 ) -> list[SampledSequence]:
     """Sample ``k`` continuations of each source (temperature, top-k, top-p), one KV-cached decoder pass.
 
@@ -120,6 +122,10 @@ def sample_candidates(
     ``generate``, a model whose generation config sets ``forced_eos_token_id`` (BART's do) gets that token
     as the last one of a row that reaches the limit (its sample log-prob is 0: it was not drawn);
     otherwise such a row just stops. ``top_k=0`` samples from the whole vocabulary; ``top_k=1`` is greedy.
+
+    ``mask_model`` (NLPO): a second encoder-decoder decoded in lock-step; at each step only the tokens in
+    its top-``mask_top_p`` set are allowed (the mask is applied to the logits before temperature, top-k and
+    top-p), and the sample log-prob is under that masked distribution.
 
     The source is encoded once and its states repeated k times; rows that have emitted EOS leave the
     batch (and the cache), so long-tailed lengths cost only what the long rows need.
@@ -149,6 +155,10 @@ def sample_candidates(
     hidden = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     hidden = hidden.repeat_interleave(k, dim=0)  # [B*k, S, H], row i*k+j = source i
     mask = attention_mask.repeat_interleave(k, dim=0)
+    mask_hidden = mask_cache = None
+    if mask_model is not None:
+        mask_hidden = mask_model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask_hidden = mask_hidden.repeat_interleave(k, dim=0)
     rows = list(range(num_rows))  # original row of each still-active row
     tokens_out: list[list[int]] = [[] for _ in range(num_rows)]
     raw_out: list[list[float]] = [[] for _ in range(num_rows)]
@@ -161,6 +171,12 @@ def sample_candidates(
         cache = step.past_key_values
         logits = step.logits[:, -1, :]
         raw = logits.float().log_softmax(dim=-1)
+        if mask_model is not None:
+            mask_step = mask_model(encoder_outputs=BaseModelOutput(last_hidden_state=mask_hidden), attention_mask=mask,
+                                   decoder_input_ids=next_tokens, past_key_values=mask_cache, use_cache=True)
+            mask_cache = mask_step.past_key_values
+            allowed = torch.isfinite(warp_logits(mask_step.logits[:, -1, :], top_p=mask_top_p))
+            logits = logits.masked_fill(~allowed, float("-inf"))
         last = step_index == max_new_tokens - 1
         if last and forced_eos_id is not None:
             # The last token of a row still going is forced, not drawn: no noise is consumed for it.
@@ -190,6 +206,9 @@ def sample_candidates(
             index = torch.tensor(keep, dtype=torch.long, device=device)
             cache.batch_select_indices(index)
             hidden, mask, tokens = hidden[index], mask[index], tokens[index]
+            if mask_cache is not None:
+                mask_cache.batch_select_indices(index)
+                mask_hidden = mask_hidden[index]
             rows = [rows[pos] for pos in keep]
         next_tokens = tokens[:, None]
     return [SampledSequence(t, r, s) for t, r, s in zip(tokens_out, raw_out, sample_out, strict=True)]

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+from transformers.modeling_outputs import BaseModelOutput
 
 ScoreKind = Literal["logits", "logprobs"]
 SCORE_KINDS: tuple[str, ...] = ("logits", "logprobs")
@@ -52,3 +53,33 @@ def token_scores(
         # log_softmax(x)[y] = x[y] - logsumexp(x), without materialising a second [B, T, V] tensor.
         picked = picked - torch.logsumexp(logits.to(dtype), dim=-1)
     return torch.where(valid, picked, torch.zeros_like(picked))
+
+
+@torch.inference_mode()
+def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, rows: list[list[int]], k: int) -> list[list[float]]:
+    """Raw teacher-forced log-probs of ``k`` label rows per source, the encoder run once per source.
+
+    input_ids, attention_mask: [B, S]; ``rows``: B·k id lists, row ``i * k + j`` a label sequence of source i
+    (the sampler's layout). Returns, per row, the log-softmax of the logits at each of its tokens.
+    """
+    size = input_ids.shape[0]
+    if len(rows) != size * k:
+        raise ValueError(f"rows: need {size} x {k} = {size * k} label rows, got {len(rows)}")
+    if not rows:
+        return []
+    config = model.config
+    device = next(model.parameters()).device
+    width = max(1, max(len(r) for r in rows))
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for r, ids in enumerate(rows):
+        labels[r, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+    decoder_input = torch.full_like(labels, config.pad_token_id)
+    decoder_input[:, 0] = config.decoder_start_token_id
+    decoder_input[:, 1:] = labels[:, :-1].masked_fill(labels[:, :-1] < 0, config.pad_token_id)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    hidden = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    logits = model(encoder_outputs=BaseModelOutput(last_hidden_state=hidden.repeat_interleave(k, dim=0)),
+                   attention_mask=attention_mask.repeat_interleave(k, dim=0),
+                   decoder_input_ids=decoder_input.to(device), use_cache=False).logits
+    scores = token_scores(logits, labels.to(device), "logprobs").cpu()
+    return [scores[r, : len(ids)].tolist() for r, ids in enumerate(rows)]

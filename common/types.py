@@ -1,10 +1,18 @@
-"""What flows between the rank-RL workers: candidate sets (rollout → reward) and scored pairs
-(reward → learner collator). Plain frozen dataclasses of strings and numbers, so Ray ships them cheaply.
+"""What flows between the RL workers, as plain frozen dataclasses of strings and numbers (Ray ships them
+cheaply):
+
+- rank RL: candidate sets (rollout → reward) and scored pairs (reward → learner);
+- policy-gradient algorithms: sampled groups (rollout → reward) and scored groups (reward → learner);
+- :class:`RolloutSpec`: what an algorithm asks the rollout workers to return.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
+
+Algorithm = Literal["rank", "scst", "rloo", "grpo", "ppo", "a2c", "nlpo"]
+ALGORITHMS: tuple[str, ...] = ("rank", "scst", "rloo", "grpo", "ppo", "a2c", "nlpo")
 
 
 @dataclass(frozen=True)
@@ -56,3 +64,87 @@ class ScoredPair:
     """False when a and b are the same string or their scores tie exactly: such a pair teaches nothing."""
     policy_version: int
     """Version of the weights that sampled the pair (lets the learner measure staleness)."""
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What the rollout workers return for an algorithm (docs/design.md, "Policy-gradient algorithms")."""
+
+    kind: Literal["pair", "group"]
+    """`pair`: a :class:`CandidateSet` (rank RL); `group`: a :class:`SampledGroup` of K samples with their
+    per-token log-probs."""
+    greedy_baseline: bool = False
+    """Also decode each source greedily (SCST's baseline)."""
+    reference: bool = False
+    """Also score every sample under the frozen reference policy (the KL to the start)."""
+    mask_top_p: float = 1.0
+    """NLPO: sample only among the top-p tokens of the masking policy (1: no mask)."""
+
+    @classmethod
+    def for_algorithm(cls, algorithm: str, *, kl: bool, mask_top_p: float = 1.0) -> RolloutSpec:
+        """The rollout an algorithm needs; ``kl``: whether its loss or reward uses the KL to the start."""
+        if algorithm == "rank":
+            return cls("pair")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+        return cls("group", greedy_baseline=algorithm == "scst", reference=kl,
+                   mask_top_p=mask_top_p if algorithm == "nlpo" else 1.0)
+
+
+@dataclass(frozen=True)
+class SampledGroup:
+    """K samples of one source with what a policy-gradient learner needs to take their ratio and KL."""
+
+    example_id: str
+    source: str
+    reference: str
+    """Gold target (the reward's reference)."""
+    candidates: tuple[str, ...]
+    """The K decoded samples (special tokens dropped, whitespace normalised), duplicates kept: each is a
+    draw of the policy."""
+    token_ids: tuple[tuple[int, ...], ...]
+    """Per sample, the sampled token ids (no decoder start token; EOS last when produced): the learner's
+    labels, so nothing depends on re-tokenising the decoded text."""
+    sample_logprobs: tuple[tuple[float, ...], ...]
+    """Per sample and token, the log-prob under the distribution actually sampled from (temperature,
+    top-k, top-p, NLPO's mask), as the sampler computed it."""
+    forced_eos: tuple[bool, ...]
+    """Per sample: its last token is the EOS forced at the length limit, not a draw (left out of the loss)."""
+    policy_version: int
+    reference_logprobs: tuple[tuple[float, ...], ...] | None = None
+    """Per sample and token, the raw log-prob under the frozen reference policy (None: not asked for)."""
+    greedy: str | None = None
+    """The source's greedy decode (SCST's baseline; None unless asked for)."""
+
+    def __post_init__(self) -> None:
+        k = len(self.candidates)
+        if not (len(self.token_ids) == len(self.sample_logprobs) == len(self.forced_eos) == k):
+            raise ValueError(f"SampledGroup {self.example_id!r}: {k} candidates but {len(self.token_ids)} token "
+                             f"rows, {len(self.sample_logprobs)} log-prob rows, {len(self.forced_eos)} flags")
+        for j, (ids, lps) in enumerate(zip(self.token_ids, self.sample_logprobs, strict=True)):
+            if len(ids) != len(lps):
+                raise ValueError(f"SampledGroup {self.example_id!r}: sample {j} has {len(ids)} tokens and "
+                                 f"{len(lps)} log-probs")
+        if self.reference_logprobs is not None and [len(x) for x in self.reference_logprobs] != [
+                len(x) for x in self.token_ids]:
+            raise ValueError(f"SampledGroup {self.example_id!r}: reference log-probs do not match the tokens")
+
+
+@dataclass(frozen=True)
+class ScoredGroup:
+    """A sampled group with the reward of each sample (and of the greedy decode, for SCST)."""
+
+    group: SampledGroup
+    rewards: tuple[float, ...]
+    """Reward of each of the K samples against the reference."""
+    greedy_reward: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+    """Per-group reward details for the logs (e.g. each term of a weighted sum, averaged over K)."""
+
+    @property
+    def policy_version(self) -> int:
+        return self.group.policy_version
+
+    @property
+    def example_id(self) -> str:
+        return self.group.example_id

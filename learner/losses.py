@@ -1,14 +1,21 @@
-"""The pairwise rank loss of rlt2t's rank-RL stage (DESIGN.md, "Rank loss").
+"""The RL losses as pure tensor functions, torch only, each tested against a hand computation or a
+Python-loop reference (docs/design.md, "Rank loss" and "Policy-gradient algorithms").
 
-Pure tensor functions, torch only, so they can be tested against hand-computed values.
-`pairwise_rank_loss` compares the token scores (``rlt2t.common.scoring.token_scores``) of a better
-sequence `a` and a worse sequence `b` for the same source, weighting the steps from their first
+Rank RL: `pairwise_rank_loss` compares the token scores (``rlt2t.common.scoring.token_scores``) of a
+better sequence `a` and a worse sequence `b` for the same source, weighting the steps from their first
 divergence with a decaying factor.
 
-Running the model to get the logits lives in `rlt2t.learner.rank_step`.
+Policy gradient: `kl_estimate` (k1, k2, k3), `group_advantages` (SCST, RLOO, GRPO), `gae`,
+`clipped_policy_loss`, `clipped_value_loss`, `masked_mean` / `masked_whiten`, and the
+`AdaptiveKLController`. "Token mean" everywhere is the sum over valid (mask = 1) tokens divided by their
+count, over the whole batch.
+
+Running the model to get the logits lives in `rlt2t.learner.rank_step` and `rlt2t.learner.group_step`.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -115,3 +122,192 @@ def pairwise_rank_loss(
         correct = (sum_a > sum_b) & pair_counted
         accuracy = correct.sum().to(dtype) / pair_counted.sum().clamp(min=1).to(dtype)
     return loss, accuracy
+
+
+# ------------------------------------------------------------------------------------------ policy gradient
+
+KLKind = Literal["k1", "k2", "k3"]
+AdvantageKind = Literal["scst", "rloo", "grpo"]
+# GRPO's std guard (docs/design.md): a group whose rewards all tie gets advantage 0, not 0 / 0.
+GRPO_STD_EPS = 1e-4
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Token mean: sum(values where mask) / count(mask); 0 (with a zero gradient) when nothing is masked in.
+
+    values, mask: the same shape; mask bool or 0/1. ``where`` (not multiply) so that an excluded -inf or NaN
+    cannot leak into the sum.
+    """
+    mask = mask.bool()
+    picked = torch.where(mask, values, torch.zeros_like(values))
+    return picked.sum() / mask.sum().clamp(min=1).to(values.dtype)
+
+
+def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(values - mean) / sqrt(var + eps) over the masked-in entries (population variance); entries outside
+    the mask are returned as 0. ``shift_mean=False`` only rescales."""
+    mask = mask.bool()
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    out = (values - mean) * torch.rsqrt(var + eps) if shift_mean else values * torch.rsqrt(var + eps)
+    return torch.where(mask, out, torch.zeros_like(out))
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k3") -> Tensor:
+    """Per-token estimate of KL(policy || reference) from the log-probs of sampled tokens.
+
+    With d = logp - ref_logp: k1 = d (unbiased, can be negative per token); k2 = d^2 / 2; k3 = exp(-d) + d - 1
+    (unbiased for the KL under the policy's samples, and >= 0 for every token). Shapes: any, equal; returns
+    the same shape.
+    """
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} must have one shape")
+    d = logp - ref_logp
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        return torch.expm1(-d) + d  # exp(-d) - 1 + d, accurate for small d
+    raise ValueError(f"kind must be 'k1', 'k2' or 'k3', got {kind!r}")
+
+
+def group_advantages(rewards: Tensor, kind: AdvantageKind, baseline: Tensor | None = None) -> Tensor:
+    """Sequence advantages of K candidates per source from their rewards: [N, K] -> [N, K].
+
+    scst: A_k = r_k - baseline (baseline [N]: the reward of the source's greedy decode);
+    rloo: A_k = r_k - mean of the other K - 1 rewards (K >= 2);
+    grpo: A_k = (r_k - mean(r)) / (std(r) + 1e-4), std unbiased (ddof 1; K >= 2).
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [N, K], got shape {tuple(rewards.shape)}")
+    k = rewards.shape[1]
+    if kind == "scst":
+        if baseline is None or baseline.shape != rewards.shape[:1]:
+            got = None if baseline is None else tuple(baseline.shape)
+            raise ValueError(f"scst needs a baseline of shape [N] = [{rewards.shape[0]}], got {got}")
+        return rewards - baseline.unsqueeze(1)
+    if kind in ("rloo", "grpo") and k < 2:
+        raise ValueError(f"{kind} needs K >= 2 candidates per source, got {k}")
+    if kind == "rloo":
+        return rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (k - 1)
+    if kind == "grpo":
+        mean = rewards.mean(dim=1, keepdim=True)
+        return (rewards - mean) / (rewards.std(dim=1, keepdim=True, unbiased=True) + GRPO_STD_EPS)
+    raise ValueError(f"kind must be 'scst', 'rloo' or 'grpo', got {kind!r}")
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over right-padded token sequences.
+
+    rewards, values, mask: [B, T]; mask marks valid tokens, a prefix of each row. With V_{T+1} = 0 past a
+    row's last valid token: delta_t = r_t + gamma * V_{t+1} - V_t, A_t = sum_l (gamma * lam)^l delta_{t+l},
+    returns = A + V. Returns (advantages, returns), [B, T], 0 outside the mask; no gradient flows.
+    """
+    if not (rewards.shape == values.shape == mask.shape) or rewards.dim() != 2:
+        raise ValueError(f"rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and mask "
+                         f"{tuple(mask.shape)} must all be [B, T]")
+    mask = mask.bool()
+    rewards, values = rewards.detach(), values.detach()
+    zero = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    running = zero
+    next_value = zero
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        valid = mask[:, t]
+        # Past a row's end (or at padding) the next value and the running sum restart from 0.
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = torch.where(valid, delta + gamma * lam * running, zero)
+        next_value = torch.where(valid, values[:, t], zero)
+        advantages[:, t] = running
+    returns = torch.where(mask, advantages + values, torch.zeros_like(values))
+    return advantages, returns
+
+
+def clipped_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float,
+                        weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped surrogate as a token mean: max(-rho * A, -clip(rho, 1 - eps, 1 + eps) * A),
+    rho = exp(logp - old_logp).
+
+    logp: [B, T] log-probs under the current policy (with gradient); old_logp: [B, T] the same tokens
+    under the policy the ratio is taken against (no gradient); advantages: [B, T] or [B] (a sequence
+    advantage broadcast over its tokens); mask: [B, T]. ``weights`` [B, T] (optional, no gradient)
+    multiplies each token's term: truncated importance weights for a sampler that differs from the
+    learner. ``clip_eps=inf`` gives the unclipped policy gradient (A2C). Returns (loss, stats) with
+    stats ``clip_fraction`` (tokens whose ratio left the clip range), ``approx_kl`` (token mean of
+    k3 between old and current, Schulman's estimator) and ``ratio_mean`` / ``ratio_max``; no gradient.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1).expand_as(logp)
+    if not (logp.shape == old_logp.shape == advantages.shape == mask.shape):
+        raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)}, advantages "
+                         f"{tuple(advantages.shape)} and mask {tuple(mask.shape)} must have one shape")
+    mask = mask.bool()
+    log_ratio = torch.where(mask, logp - old_logp.detach(), torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)
+    advantages = advantages.detach()
+    unclipped = -ratio * advantages
+    clipped = -torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    per_token = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    loss = masked_mean(per_token, mask)
+    with torch.no_grad():
+        outside = (ratio < 1.0 - clip_eps) | (ratio > 1.0 + clip_eps)
+        stats = {"clip_fraction": masked_mean(outside.to(logp.dtype), mask),
+                 "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+                 "ratio_mean": masked_mean(ratio, mask),
+                 "ratio_max": torch.where(mask, ratio, torch.zeros_like(ratio)).max() if mask.any()
+                 else torch.zeros((), dtype=logp.dtype)}
+    return loss, stats
+
+
+def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+                       clip_eps: float) -> tuple[Tensor, Tensor]:
+    """1/2 token mean of max((V - R)^2, (old_V + clip(V - old_V, -eps, eps) - R)^2); [B, T] each.
+    ``clip_eps=inf`` gives the plain squared error. Returns (loss, clip fraction: tokens whose value moved
+    more than eps from old_V)."""
+    if not (values.shape == old_values.shape == returns.shape == mask.shape):
+        raise ValueError(f"values {tuple(values.shape)}, old_values {tuple(old_values.shape)}, returns "
+                         f"{tuple(returns.shape)} and mask {tuple(mask.shape)} must have one shape")
+    old_values, returns = old_values.detach(), returns.detach()
+    clipped = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
+    per_token = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    loss = 0.5 * masked_mean(per_token, mask)
+    with torch.no_grad():
+        clip_fraction = masked_mean(((values - old_values).abs() > clip_eps).to(values.dtype), mask)
+    return loss, clip_fraction
+
+
+class AdaptiveKLController:
+    """The KL coefficient of Ziegler et al. (2019), as RL4LMs and trl use it.
+
+    ``update(kl, n)``: e = clip(kl / target - 1, -0.2, 0.2); coef <- coef * (1 + e * n / horizon), with
+    ``kl`` the batch's mean KL per sequence and ``n`` the sequences in the batch. ``target=None`` keeps the
+    coefficient fixed. Its state is two floats (``state_dict``), saved with the learner's.
+    """
+
+    def __init__(self, init_coef: float, target: float | None, horizon: int) -> None:
+        if init_coef < 0:
+            raise ValueError(f"init_coef must be >= 0, got {init_coef}")
+        if target is not None and not target > 0:
+            raise ValueError(f"target must be > 0 (or None for a fixed coefficient), got {target}")
+        if horizon < 1:
+            raise ValueError(f"horizon must be >= 1, got {horizon}")
+        self.coef = float(init_coef)
+        self.target = target
+        self.horizon = horizon
+
+    def update(self, kl: float, n: int) -> float:
+        """Move the coefficient towards the target KL; returns the new coefficient."""
+        if self.target is not None:
+            error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+            self.coef *= 1.0 + error * n / self.horizon
+        return self.coef
+
+    def state_dict(self) -> dict[str, float | None]:
+        return {"coef": self.coef, "target": self.target}
+
+    def load_state_dict(self, state: dict[str, float | None]) -> None:
+        self.coef = float(state["coef"])  # type: ignore[arg-type]
+        self.target = state["target"]

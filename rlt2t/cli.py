@@ -118,10 +118,10 @@ def cmd_sft(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from rlt2t.jobs import rank_job
+    from rlt2t.jobs import rl_job
 
-    result = rank_job(_cfg(args), resume=args.resume, init=args.init)
-    print(f"rank: {result.steps} steps, {result.pairs_used} pairs, {result.redispatched} chunks re-dispatched "
+    result = rl_job(_cfg(args), resume=args.resume, init=args.init)
+    print(f"rl: {result.steps} steps, {result.items_used} sources, {result.redispatched} chunks re-dispatched "
           f"→ {result.checkpoint}")
 
 
@@ -152,7 +152,7 @@ def cmd_average(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    from rlt2t.jobs import best_or_latest, clean_run, eval_job, export_job, prepare_sft, rank_job
+    from rlt2t.jobs import best_or_latest, clean_run, eval_job, export_job, prepare_sft, rl_job
     from rlt2t.predict import predict
 
     cfg = _cfg(args)
@@ -162,10 +162,10 @@ def cmd_demo(args) -> None:
     prepare_sft(cfg)
     rows = {"sft": eval_job(cfg, label="sft")}
     models = {"sft": best_or_latest(cfg.run_dir / "sft" / "checkpoints")}
-    if cfg.rank.enabled:
-        rank_job(cfg, resume=True)
-        models["rank"] = best_or_latest(cfg.run_dir / "rank" / "checkpoints")
-        rows["rank RL"] = eval_job(cfg, checkpoint=models["rank"], label="rank")
+    if cfg.rl.enabled:
+        rl_job(cfg, resume=True)
+        models["rl"] = best_or_latest(cfg.run_dir / "rl" / "checkpoints")
+        rows[f"RL ({cfg.rl.algorithm})"] = eval_job(cfg, checkpoint=models["rl"], label="rl")
     print_table(f"{cfg.eval.split} split, {'greedy' if cfg.eval.num_beams == 1 else 'beam'} decoding", rows)
     if args.predict:
         # The last stage of the method: CTranslate2 exports of both models, ensemble rerank on the test split.
@@ -232,9 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--init", default=None, help="model directory or checkpoint root to start from")
         p.set_defaults(fn=fn)
 
-    p = sub.add_parser("train", help="rank RL on Ray: rollout + reward actors, DDP learner (CE + λ·rank)")
+    p = sub.add_parser("train", help="RL on Ray (rl.algorithm): rollout + reward actors, DDP learner")
     _config_args(p)
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete rank checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete RL checkpoint")
     p.add_argument("--init", default=None, help="model dir or checkpoint root to start from (default: best SFT)")
     p.set_defaults(fn=cmd_train)
 

@@ -62,7 +62,7 @@ def _document_frequency(cfg, given: str | None) -> str | None:
     """--document-frequency, else the run's own table (written by rank training) when it exists."""
     if given is not None:
         return given
-    default = cfg.run_dir / "rank" / "document_frequency.json"
+    default = cfg.run_dir / "rl" / "document_frequency.json"
     if default.is_file():
         log.info("CIDEr-D document frequencies from %s (the run's training references)", default)
         return str(default)
@@ -108,7 +108,7 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("--host", default=None, help="bind address (default: serve.host, 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default: serve.port; 0: any free port)")
     p.add_argument("--document-frequency", default=None, metavar="FILE",
-                   help="CIDEr-D document frequencies for /v1/pairs (default: {run}/rank/document_frequency.json "
+                   help="CIDEr-D document frequencies for /v1/pairs (default: {run}/rl/document_frequency.json "
                         "when it exists, else each request's references)")
     p.set_defaults(fn=cmd_serve_policy)
 
@@ -117,6 +117,6 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("--host", default=None, help="bind address (default: serve.host, 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default: serve.reward_port; 0: any free port)")
     p.add_argument("--document-frequency", default=None, metavar="FILE",
-                   help="CIDEr-D document frequencies (default: {run}/rank/document_frequency.json when it exists, "
+                   help="CIDEr-D document frequencies (default: {run}/rl/document_frequency.json when it exists, "
                         "else each request's references)")
     p.set_defaults(fn=cmd_serve_reward)

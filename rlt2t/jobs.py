@@ -200,23 +200,29 @@ def clean_run(cfg: Config) -> None:
         shutil.rmtree(cfg.run_dir)
 
 
-def rank_job(cfg: Config, resume: bool = False, init: str | Path | None = None, stop_after_steps: int = 0):
-    """Rank RL on Ray from the run's best SFT checkpoint (or ``init``); ``resume`` continues the newest checkpoint."""
-    from rlt2t.driver import train_rank
+def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, stop_after_steps: int = 0):
+    """RL on Ray (``rl.algorithm``) from the run's best SFT checkpoint (or ``init``); ``resume`` continues the
+    newest checkpoint of the run's RL stage."""
+    from rlt2t.train import STAGE, train
 
-    save_run_config(cfg, "rank")
-    ckpt_root = cfg.run_dir / "rank" / "checkpoints"
+    save_run_config(cfg, STAGE)
+    ckpt_root = cfg.run_dir / STAGE / "checkpoints"
     latest = latest_complete_checkpoint(ckpt_root) if resume else None
     if latest is None and not resume and ckpt_root.exists() and any(ckpt_root.iterdir()):
         raise FileExistsError(f"{ckpt_root} already holds checkpoints; pass --resume to continue or use another run.dir")
-    start = resolve_model_dir(init) if init else best_or_latest(cfg.run_dir / "sft" / "checkpoints")
+    resumed = read_checkpoint(latest) if latest else None
+    if init:
+        start = resolve_model_dir(init)
+    elif resumed is not None and resumed.meta.get("init"):
+        start = Path(resumed.meta["init"])  # the reference policy of the KL stays the run's start
+    else:
+        start = best_or_latest(cfg.run_dir / "sft" / "checkpoints")
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest or start)
     check_lengths(policy, cfg.data)
-    train = load_split(cfg, "train")
+    train_set = load_split(cfg, "train")
     valid = load_split(cfg, "valid")[: cfg.metric.monitor_size] if cfg.path(cfg.data.valid).is_file() else []
-    log.info("rank: starting from %s", latest or start)
-    return train_rank(cfg, train, valid, init=start, resume_from=read_checkpoint(latest) if latest else None,
-                      stop_after_steps=stop_after_steps)
+    log.info("rl: starting from %s", latest or start)
+    return train(cfg, train_set, valid, init=start, resume_from=resumed, stop_after_steps=stop_after_steps)
 
 
 def prepare_sft(cfg: Config) -> Path:

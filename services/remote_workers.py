@@ -4,14 +4,14 @@ With ``rollout.source: http`` the driver runs one light :class:`HttpRolloutWorke
 (Ray actors, so dispatch, re-dispatch and the reorder buffer are the ones the local actors use); each
 asks its server for samples and builds the candidate sets locally with the same rules as
 ``rlt2t.actors.rollout.RolloutWorker`` (``rlt2t.common.sampling.candidate_set``). The servers get the learner's weights from the checkpoints
-the driver publishes under ``{run}/rank/published`` (``rlt2t serve policy --checkpoint-dir`` that
+the driver publishes under ``{run}/rl/published`` (``rlt2t serve policy --checkpoint-dir`` that
 directory; it hot-reloads the newest). A server that has not loaded the version a chunk asks for yet is
 waited for, up to ``rollout.timeout_s``, then its candidates are used anyway and the staleness logged
 says by how much they lag.
 
 With ``reward.source: http`` an :class:`HttpRewardWorker` scores each drawn pair on the reward server
 (its ``task_score``, configured by the server's own ``reward`` section and document frequencies: start
-it with ``--document-frequency {run}/rank/document_frequency.json`` to score as the Ray actors do).
+it with ``--document-frequency {run}/rl/document_frequency.json`` to score as the Ray actors do).
 """
 
 from __future__ import annotations

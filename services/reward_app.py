@@ -1,6 +1,6 @@
 """The reward server: per-sample metric scores of candidates against references over HTTP.
 
-    app = create_app(cfg, document_frequency="runs/exp1/rank/document_frequency.json")
+    app = create_app(cfg, document_frequency="runs/exp1/rl/document_frequency.json")
 
 ``POST /v1/reward`` takes candidates, one reference (or a list of references) per candidate and metric
 names from the registry (``rlt2t.common.metrics.available_metrics()``; default ``task_score``). The task

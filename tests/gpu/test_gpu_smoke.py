@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlt2t.common.config import ModelConfig, RankConfig, RolloutConfig
+from rlt2t.common.config import ModelConfig, RLConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.policy import load_policy
 from rlt2t.common.types import ScoredPair
-from rlt2t.learner.rank_learner import LearnerRank
+from rlt2t.learner.learner import Learner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -41,7 +41,7 @@ def test_learner_steps_on_cuda_with_mixed_precision(init_dir, precision):
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)  # one precision per Accelerator singleton
-    learner = LearnerRank(ModelConfig(dropout=0.0), None, RankConfig(lr=1e-3, warmup_ratio=0.0, learner_gpus=1),
+    learner = Learner(ModelConfig(dropout=0.0), None, RLConfig(lr=1e-3, warmup_ratio=0.0, learner_gpus=1),
                           init_checkpoint=str(init_dir), rank=0, world_size=1, total_steps=4, seed=0,
                           max_source_len=32, max_target_len=16, mixed_precision=precision)
     learner.join("127.0.0.1", 0)
@@ -76,8 +76,8 @@ def test_two_rank_nccl_ddp_keeps_ranks_identical(init_dir):
 
     ray.init(num_gpus=2, include_dashboard=False, configure_logging=False)
     try:
-        cfg = RankConfig(lr=1e-3, warmup_ratio=0.0, batch_size=16, learners=2, learner_gpus=1)
-        actor = ray.remote(LearnerRank).options(num_cpus=1, num_gpus=1)
+        cfg = RLConfig(lr=1e-3, warmup_ratio=0.0, batch_size=16, learners=2, learner_gpus=1)
+        actor = ray.remote(Learner).options(num_cpus=1, num_gpus=1)
         ranks = [actor.remote(ModelConfig(dropout=0.0), None, cfg, init_checkpoint=str(init_dir), rank=i,
                               world_size=2, total_steps=4, seed=0, max_source_len=32, max_target_len=16,
                               mixed_precision="bf16") for i in range(2)]

@@ -107,7 +107,7 @@ def test_deploy_to_two_node_loopback_cluster(tmp_path):
 
     # An SFT checkpoint to serve at once and to start rank RL from; prepared while the cluster starts.
     prep = subprocess.Popen([sys.executable, "-m", "rlt2t.cli", "demo", "--config", "configs/tiny.yaml",
-                             f"run.dir={run_dir}", "rank.enabled=false"], cwd=REPO, env=env,
+                             f"run.dir={run_dir}", "rl.enabled=false"], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     sft_root = run_dir / "sft" / "checkpoints"
     token = run([RAY, "get-auth-token", "--generate"], env)
@@ -129,8 +129,8 @@ def test_deploy_to_two_node_loopback_cluster(tmp_path):
         deploy_env = {**env, "RAY_ADDRESS": dashboard}
         # Half a CPU each for the server and the rollout worker: they fit beside a learner rank if the
         # scheduler puts one on the second node too.
-        args = ("rank.epochs=1 rank.train_subset=32 run.progress=false serve.port=0 serve.device=cpu "
-                "serve.num_cpus=0.5 rank.rollout_cpus=0.5 "
+        args = ("rl.epochs=1 rl.train_subset=32 run.progress=false serve.port=0 serve.device=cpu "
+                "serve.num_cpus=0.5 rl.rollout_cpus=0.5 "
                 "'rank.rollout_resources={\"fake_gpu\": 1}' 'serve.resources={\"fake_gpu\": 1}' "
                 f"serve.checkpoint_dir={sft_root}")
         up = run(["make", "--no-print-directory", "deploy", "DEPLOY_CONFIG=configs/tiny.yaml", f"RUN_DIR={run_dir}",
@@ -158,7 +158,7 @@ def test_deploy_to_two_node_loopback_cluster(tmp_path):
                     str(state)], deploy_env, timeout=420)
         assert wait.returncode == 0, wait.stdout[-3000:] + wait.stderr[-3000:]
         assert f"{job_id}  SUCCEEDED" in wait.stdout and "healthy" in wait.stdout
-        ckpt = latest_complete_checkpoint(run_dir / "rank" / "checkpoints")
+        ckpt = latest_complete_checkpoint(run_dir / "rl" / "checkpoints")
         assert ckpt is not None and ckpt.name == "epoch-0001"
 
         # Placement: everything that asked for fake_gpu ran on the node that has it.

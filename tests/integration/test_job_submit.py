@@ -27,16 +27,16 @@ def make(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 def test_submit_tiny_training_job_to_local_head(tmp_path):
     run = tmp_path / "run"
     subprocess.run([sys.executable, "-m", "rlt2t.cli", "demo", "--config", str(REPO / "configs" / "tiny.yaml"),
-                    f"run.dir={run}", "rank.enabled=false"], check=True, capture_output=True, cwd=REPO, timeout=600)
+                    f"run.dir={run}", "rl.enabled=false"], check=True, capture_output=True, cwd=REPO, timeout=600)
     ray_tmp = f"/tmp/rlt2t-test-{os.getpid()}"
     up = make("ray-up", f"RAY_TMP={ray_tmp}", "RAY_CPUS=4")
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         job = make("train-submit", "TRAIN_CONFIG=configs/tiny.yaml", f"RUN_DIR={run}",
-                   "TRAIN_ARGS=rank.epochs=1 rank.train_subset=32 run.progress=false")
+                   "TRAIN_ARGS=rl.epochs=1 rl.train_subset=32 run.progress=false")
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
         assert "succeeded" in (job.stdout + job.stderr).lower()
-        ckpt = latest_complete_checkpoint(run / "rank" / "checkpoints")
+        ckpt = latest_complete_checkpoint(run / "rl" / "checkpoints")
         assert ckpt is not None and ckpt.name == "epoch-0001"
     finally:
         down = make("ray-down")

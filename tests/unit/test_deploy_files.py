@@ -84,7 +84,7 @@ def test_kuberay_job_runs_rlt2t_train_on_the_cluster():
     assert argv[:4] == ["python", "-m", "rlt2t.cli", "train"]
     overrides = [a for a in argv[4:] if "=" in a]
     cfg = load_config([], overrides)  # every override is a real config key with a valid value
-    assert cfg.run.dir.startswith("/mnt/rlt2t/") and cfg.rank.learner_gpus >= 1
+    assert cfg.run.dir.startswith("/mnt/rlt2t/") and cfg.rl.learner_gpus >= 1
     assert isinstance(yaml.safe_load(job["spec"]["runtimeEnvYAML"]), dict)
 
 

@@ -1,14 +1,14 @@
-"""LearnerRank without Ray (world size 1): steps, state round trip, evaluation."""
+"""Learner without Ray (world size 1): steps, state round trip, evaluation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlt2t.common.config import MetricConfig, ModelConfig, RankConfig
+from rlt2t.common.config import MetricConfig, ModelConfig, RLConfig
 from rlt2t.common.data import Example
 from rlt2t.common.types import ScoredPair
-from rlt2t.learner.rank_learner import BatchTooLarge, LearnerRank
+from rlt2t.learner.learner import BatchTooLarge, Learner
 
 
 def _pairs(n: int) -> list[ScoredPair]:
@@ -16,10 +16,10 @@ def _pairs(n: int) -> list[ScoredPair]:
                        score_a=1.0, score_b=0.2, use_rank=True, policy_version=0) for i in range(n)]
 
 
-def _learner(tmp_path, tiny_policy) -> LearnerRank:
+def _learner(tmp_path, tiny_policy) -> Learner:
     tiny_policy.model.save_pretrained(tmp_path / "init")
     tiny_policy.tokenizer.save_pretrained(tmp_path / "init")
-    return LearnerRank(ModelConfig(dropout=0.1), None, RankConfig(lr=1e-3, warmup_ratio=0.0), init_checkpoint=str(
+    return Learner(ModelConfig(dropout=0.1), None, RLConfig(lr=1e-3, warmup_ratio=0.0), init_checkpoint=str(
         tmp_path / "init"), rank=0, world_size=1, total_steps=20, seed=0, max_source_len=32, max_target_len=16)
 
 
@@ -96,7 +96,7 @@ def test_preflight_runs_the_largest_batch_and_leaves_training_unchanged(tmp_path
     hook.remove()
     # The largest shard: rank.batch_size pairs (one rank) of max_source_len source tokens.
     assert shapes == [(32, 32, checked.policy.model.config.d_model)]
-    assert (stats["pairs"], stats["source_tokens"], stats["target_tokens"]) == (32, 32, 16)
+    assert (stats["sources"], stats["source_tokens"], stats["target_tokens"]) == (32, 32, 16)
     assert stats["seconds"] > 0 and stats["peak_memory_gib"] > 0
     assert torch.equal(torch.get_rng_state(), rng_before)  # dropout's draws were given back
     assert all(p.grad is None for p in checked.policy.model.parameters())
@@ -123,7 +123,7 @@ def test_preflight_out_of_memory_names_the_settings(tmp_path, tiny_policy, monke
     with pytest.raises(BatchTooLarge) as err:
         learner.preflight()
     message = str(err.value)
-    for setting in ("rank.batch_size=32", "rank.learners=1", "data.max_source_len=32", "data.max_target_len=16",
+    for setting in ("rl.batch_size=32", "rl.learners=1", "data.max_source_len=32", "data.max_target_len=16",
                     "Tried to allocate 20.00 GiB"):
         assert setting in message
 

@@ -1,6 +1,7 @@
-"""One rank of the rank-RL learner group: the policy under DDP, stepping on its shard of each batch.
+"""One rank of the RL learner group: the policy under DDP, stepping on its shard of each batch with the
+algorithm's objective (``rlt2t.learner.objectives``: rank RL or a policy gradient).
 
-A plain class: the driver wraps it with ``ray.remote`` and places N of them through a placement group;
+A plain class: the job wraps it with ``ray.remote`` and places N of them through a placement group;
 ``world_size = 1`` runs the same code without a process group. The ranks rendezvous over TCP on an
 address rank 0 picks (no launcher, no shared filesystem), then accelerate takes over device placement,
 DDP wrapping (gloo on CPU, nccl on GPU) and mixed precision (bf16/fp16 autocast and loss scaling, on
@@ -27,13 +28,12 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from rlt2t.common.checkpoint import rng_state, set_rng_state
-from rlt2t.common.config import MetricConfig, ModelConfig, RankConfig
+from rlt2t.common.config import MetricConfig, ModelConfig, RLConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.policy import Policy, load_policy
-from rlt2t.common.types import ScoredPair
-from rlt2t.learner.batch import rank_batch
+from rlt2t.common.types import ScoredGroup, ScoredPair
 from rlt2t.learner.evaluate import generate, metric_table
-from rlt2t.learner.rank_step import RankBatch, SharedEncoderRankLoss
+from rlt2t.learner.objectives import build_objective
 from rlt2t.learner.schedule import linear_warmup_decay
 
 log = logging.getLogger("rlt2t.learner")
@@ -56,33 +56,42 @@ class BatchTooLarge(RuntimeError):
     """The largest batch a learner rank can receive does not fit in its memory (found by the preflight)."""
 
 
-class LearnerRank:
-    def __init__(self, model_cfg: ModelConfig, tokenizer_dir: str | None, rank_cfg: RankConfig, *,
-                 init_checkpoint: str, rank: int, world_size: int, total_steps: int, seed: int,
-                 max_source_len: int, max_target_len: int, threads: int = 0, mixed_precision: str = "no"):
-        self.cfg, self.rank, self.world_size = rank_cfg, rank, world_size
+class Learner:
+    """One learner rank. ``steps`` counts learner steps (batches), the policy version its weights are."""
+
+    def __init__(self, model_cfg: ModelConfig, tokenizer_dir: str | None, rl_cfg: RLConfig,
+                 rollout_cfg: RolloutConfig | None = None, *, init_checkpoint: str, rank: int, world_size: int,
+                 total_steps: int, seed: int, max_source_len: int, max_target_len: int, threads: int = 0,
+                 mixed_precision: str = "no", reference_checkpoint: str | None = None):
+        self.cfg, self.rank, self.world_size = rl_cfg, rank, world_size
+        rollout_cfg = rollout_cfg or RolloutConfig()
         self.max_source_len, self.max_target_len = max_source_len, max_target_len
         if threads:
             torch.set_num_threads(threads)
             # accelerate resets the thread count on multi-CPU runs unless OMP_NUM_THREADS says otherwise.
             os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-        self.use_cuda = bool(rank_cfg.learner_gpus) and torch.cuda.is_available()
-        if rank_cfg.learner_gpus and not self.use_cuda:
-            log.warning("rank.learner_gpus=%s but CUDA is not available here: learner rank %d runs on CPU",
-                        rank_cfg.learner_gpus, rank)
+        self.use_cuda = bool(rl_cfg.learner_gpus) and torch.cuda.is_available()
+        if rl_cfg.learner_gpus and not self.use_cuda:
+            log.warning("rl.learner_gpus=%s but CUDA is not available here: learner rank %d runs on CPU",
+                        rl_cfg.learner_gpus, rank)
         # Mixed precision applies on CUDA only (CPU runs stay float32 and deterministic).
         self.mixed_precision = mixed_precision if self.use_cuda else "no"
         self.policy: Policy = load_policy(model_cfg, tokenizer_dir, checkpoint=init_checkpoint)
-        self.policy.model.train()
-        self.module: torch.nn.Module = SharedEncoderRankLoss(
-            self.policy.model, score_kind=rank_cfg.score, loss_weight=rank_cfg.loss_weight, alpha=rank_cfg.delay_alpha)
-        self.optimizer = torch.optim.AdamW(self.policy.model.parameters(), lr=rank_cfg.lr,
-                                           weight_decay=rank_cfg.weight_decay)
-        # Not handed to accelerate: its wrapper steps a scheduler once per process, ours counts global steps.
-        self.scheduler = linear_warmup_decay(self.optimizer, warmup_steps=round(rank_cfg.warmup_ratio * total_steps),
-                                             total_steps=max(1, total_steps), min_lr_ratio=rank_cfg.min_lr_ratio)
+        # The reference for the KL is scored by the rollout workers; the learner holds a copy only when its
+        # samples come from policy servers, which do not score it (docs/design.md, "Reference policy").
+        reference = None
+        if rl_cfg.uses_kl and rollout_cfg.source == "http":
+            reference = load_policy(model_cfg, tokenizer_dir, checkpoint=reference_checkpoint or init_checkpoint)
+            reference.model.eval().requires_grad_(False)
+        self.objective = build_objective(rl_cfg, rollout_cfg, self.policy, seed=seed,
+                                         reference=reference.model if reference else None)
+        self.module: torch.nn.Module = self.objective.module
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=rl_cfg.lr, weight_decay=rl_cfg.weight_decay)
+        # Not handed to accelerate: its wrapper steps a scheduler once per process, ours counts learner steps.
+        self.scheduler = linear_warmup_decay(self.optimizer, warmup_steps=round(rl_cfg.warmup_ratio * total_steps),
+                                             total_steps=max(1, total_steps), min_lr_ratio=rl_cfg.min_lr_ratio)
         self.accelerator: Accelerator | None = None
-        # Dropout differs per rank but is reproducible: the RNG is part of every checkpoint.
+        # Dropout (rank RL) differs per rank but is reproducible: the RNG is part of every checkpoint.
         torch.manual_seed(seed * 7919 + rank)
         self.steps = 0
 
@@ -124,46 +133,39 @@ class LearnerRank:
 
     # --- preflight ---------------------------------------------------------------------------------------------
     def largest_batch_shape(self) -> tuple[int, int, int]:
-        """(pairs, source tokens, target tokens) of the largest shard this rank can be handed."""
+        """(sources, source tokens, target tokens) of the largest shard this rank can be handed."""
         return math.ceil(self.cfg.batch_size / self.world_size), self.max_source_len, self.max_target_len
 
     def preflight(self) -> dict[str, float]:
         """One forward and backward pass on the largest batch this rank can receive, before any training.
 
-        The learner's memory need is known before the first rollout: ceil(rank.batch_size / rank.learners)
-        pairs, sources of data.max_source_len tokens, gold, a and b of data.max_target_len tokens. Running
-        that batch first makes an out-of-memory error fail the job at setup, with a message naming those
-        settings, instead of after the first rollouts; it also warms what a fresh process pays for on its
-        first step (the allocator's memory, the kernels, the DDP buckets and all-reduce) while the rollout
-        workers start. Training is unchanged: no optimizer step, the gradients are dropped and every RNG
-        is restored.
+        The learner's memory need is known before the first rollout: ceil(rl.batch_size / rl.learners)
+        sources (rank RL: gold, a and b; policy gradients: K samples each), sources of data.max_source_len
+        tokens, labels of data.max_target_len. Running that batch first makes an out-of-memory error fail the
+        job at setup, with a message naming those settings, instead of after the first rollouts; it also warms
+        what a fresh process pays for on its first step (the allocator's memory, the kernels, the DDP buckets
+        and all-reduce) while the rollout workers start. Training is unchanged: no optimizer step, the
+        gradients are dropped and every RNG is restored.
         """
         t0 = time.perf_counter()
         acc = self._prepare()
-        pairs, src_len, tgt_len = self.largest_batch_shape()
-        vocab = self.policy.model.config.vocab_size
+        sources, src_len, tgt_len = self.largest_batch_shape()
         gen = torch.Generator().manual_seed(0)  # the batch's content is irrelevant; the global RNGs stay untouched
-
-        def ids(length: int) -> torch.Tensor:
-            return torch.randint(0, vocab, (pairs, length), generator=gen)
-
-        batch = RankBatch(input_ids=ids(src_len), attention_mask=torch.ones(pairs, src_len, dtype=torch.long),
-                          gold_labels=ids(tgt_len), labels_a=ids(tgt_len), labels_b=ids(tgt_len),
-                          use_rank=torch.ones(pairs, dtype=torch.bool)).to(acc.device)
+        batch = self.objective.preflight_batch(sources, src_len, tgt_len, gen).to(acc.device)
         rng = rng_state()
         if self.use_cuda:
             torch.cuda.reset_peak_memory_stats(acc.device)
         try:
-            out = self.module(batch)
-            out.loss.backward()  # unscaled under fp16: these gradients are dropped, never stepped on
+            self.objective.preflight(self, batch)  # unscaled under fp16: these gradients are dropped
         except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
             if not (isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)):
                 raise
             raise BatchTooLarge(
                 f"learner rank {self.rank}: the largest batch it can receive does not fit in memory on {acc.device}: "
-                f"{pairs} pairs (rank.batch_size={self.cfg.batch_size} over rank.learners={self.world_size}), "
-                f"sources of data.max_source_len={src_len} tokens, targets of data.max_target_len={tgt_len}. "
-                "Lower one of them, or add learner ranks. "
+                f"{sources} sources (rl.batch_size={self.cfg.batch_size} over rl.learners={self.world_size}), "
+                f"sources of data.max_source_len={src_len} tokens, targets of data.max_target_len={tgt_len}"
+                + ("" if self.cfg.algorithm == "rank" else ", rollout.num_samples samples per source")
+                + ". Lower one of them, or add learner ranks. "
                 f"({type(e).__name__}: {e})") from e
         finally:
             self.optimizer.zero_grad(set_to_none=True)
@@ -172,41 +174,55 @@ class LearnerRank:
             peak_gib = torch.cuda.max_memory_allocated(acc.device) / 2**30
         else:  # the process's peak resident set (Linux reports KiB)
             peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        return {"seconds": time.perf_counter() - t0, "pairs": pairs, "source_tokens": src_len,
+        return {"seconds": time.perf_counter() - t0, "sources": sources, "source_tokens": src_len,
                 "target_tokens": tgt_len, "peak_memory_gib": peak_gib}
 
     # --- training ------------------------------------------------------------------------------------------
-    def train_step(self, pairs: Sequence[ScoredPair]) -> dict[str, float]:
-        """One optimizer step on this rank's shard; returns scalars averaged over ranks (``step_s``: the
-        seconds this step computed, excluding the metrics all-reduce and the wait for the call)."""
+    def train_step(self, items: Sequence[ScoredPair] | Sequence[ScoredGroup]) -> dict[str, float]:
+        """One learner step on this rank's shard (the objective may take several optimizer steps); returns
+        scalars averaged over ranks (``step_s``: the seconds this step computed, excluding the metrics
+        all-reduce and the wait for the call)."""
         t0 = time.perf_counter()
         acc = self._prepare()
-        batch = rank_batch(self.policy.tokenizer, pairs, max_source_len=self.max_source_len,
-                           max_target_len=self.max_target_len).to(acc.device)
-        out = self.module(batch)  # prepare() wrapped forward in autocast when mixed precision is on
-        acc.backward(out.loss)  # scales the loss for fp16
-        grad_norm = acc.clip_grad_norm_(self.policy.model.parameters(), self.cfg.grad_clip)  # unscales first
-        self.optimizer.step()  # skipped by accelerate's wrapper on an fp16 overflow
+        batch = self.objective.collate(items, max_source_len=self.max_source_len,
+                                       max_target_len=self.max_target_len).to(acc.device)
+        metrics = self.objective.step(self, batch, items, self.steps)  # type: ignore[arg-type]
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        used = [p for p in pairs if p.use_rank]
-        local = torch.tensor([out.loss.item(), out.ce.item(), out.rank.item(), out.accuracy.item(),
-                              sum(p.score_a for p in pairs) / len(pairs), sum(p.score_b for p in pairs) / len(pairs),
-                              len(used) / len(pairs), float(grad_norm), time.perf_counter() - t0],
+        keys = (*self.objective.metric_keys, "step_s")
+        local = torch.tensor([metrics.get(k, 0.0) for k in keys[:-1]] + [time.perf_counter() - t0],
                              dtype=torch.float64)
-        mean = self._mean(local)
-        keys = ("loss", "ce", "rank_loss", "pair_accuracy", "reward_a", "reward_b", "use_rank_fraction", "grad_norm",
-                "step_s")
+        mean = self.all_sum(local) / self.world_size
         return {k: float(v) for k, v in zip(keys, mean.tolist(), strict=True)} | {
             "lr": self.scheduler.get_last_lr()[0]}
 
-    def _mean(self, t: torch.Tensor) -> torch.Tensor:
+    # --- what an objective's step calls (StepRunner) ------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)  # prepare() wrapped it in DDP and autocast when those are on
+
+    def optimize(self, loss: torch.Tensor) -> float:
+        acc = self._prepare()
+        acc.backward(loss)  # scales the loss for fp16
+        grad_norm = acc.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)  # unscales first
+        self.optimizer.step()  # skipped by accelerate's wrapper on an fp16 overflow
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def all_min(self, value: int) -> int:
+        """The smallest of each rank's ``value`` (itself with one rank)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self._prepare().device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks of a small float64 vector (itself with one rank)."""
         if self.world_size > 1:
-            t = t.to(self.accelerator.device)
-            dist.all_reduce(t)
-            t = t.cpu() / self.world_size
-        return t
+            values = values.to(self._prepare().device)
+            dist.all_reduce(values)
+            values = values.cpu()
+        return values
 
     # --- state --------------------------------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
@@ -217,7 +233,7 @@ class LearnerRank:
         """A snapshot (deep copy: optimizer.state_dict() aliases the live moment tensors)."""
         acc = self._prepare()
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "rng": rng_state(), "steps": self.steps}
+                 "rng": rng_state(), "steps": self.steps, "objective": self.objective.state_dict()}
         if acc.scaler is not None:
             state["scaler"] = acc.scaler.state_dict()
         return copy.deepcopy(state)
@@ -230,6 +246,7 @@ class LearnerRank:
             acc.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"])
         self.steps = state["steps"]
+        self.objective.load_state_dict(state.get("objective", {}))
 
     # --- evaluation -------------------------------------------------------------------------------------------
     @torch.no_grad()

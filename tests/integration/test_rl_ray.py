@@ -18,10 +18,10 @@ import ray
 import torch
 
 from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint
-from rlt2t.common.config import ModelConfig, RankConfig, load_config
+from rlt2t.common.config import ModelConfig, RLConfig, load_config
 from rlt2t.common.policy import load_policy
 from rlt2t.common.types import ScoredPair
-from rlt2t.learner.rank_learner import LearnerRank
+from rlt2t.learner.learner import Learner
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +44,7 @@ def prepared_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("rank")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "rlt2t.cli", "demo", "--config", str(TINY), f"run.dir={run}",
-                    "rank.enabled=false"], check=True, capture_output=True, env=env, cwd=REPO, timeout=600)
+                    "rl.enabled=false"], check=True, capture_output=True, env=env, cwd=REPO, timeout=600)
     return run
 
 
@@ -71,13 +71,13 @@ def test_two_ddp_ranks_stay_identical_and_match_one_rank(ray_session, ids_tokeni
     policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
     policy.model.save_pretrained(tmp_path / "init")
     policy.tokenizer.save_pretrained(tmp_path / "init")
-    cfg = RankConfig(lr=1e-3, warmup_ratio=0.0, batch_size=16, learners=2)
+    cfg = RLConfig(lr=1e-3, warmup_ratio=0.0, batch_size=16, learners=2)
     kwargs = dict(init_checkpoint=str(tmp_path / "init"), total_steps=10, seed=0, max_source_len=32, max_target_len=16)
-    actor = ray.remote(LearnerRank).options(num_cpus=1)
+    actor = ray.remote(Learner).options(num_cpus=1)
     ranks = [actor.remote(ModelConfig(dropout=0.0), None, cfg, rank=i, world_size=2, **kwargs) for i in range(2)]
     addr, port = ray.get(ranks[0].rendezvous_address.remote())
     ray.get([r.join.remote(addr, port) for r in ranks])
-    single = LearnerRank(ModelConfig(dropout=0.0), None, cfg.model_copy(update={"learners": 1}), rank=0, world_size=1,
+    single = Learner(ModelConfig(dropout=0.0), None, cfg.model_copy(update={"learners": 1}), rank=0, world_size=1,
                          **kwargs)
     # Equal token counts per shard make the DDP gradient average equal the single-rank batch gradient.
     batches = [_pairs(16, seed=s) for s in range(4)]
@@ -97,14 +97,14 @@ def test_two_ddp_ranks_stay_identical_and_match_one_rank(ray_session, ids_tokeni
 
 
 def _config(run: Path, *extra: str):
-    return load_config([TINY], [f"run.dir={run}", "rank.epochs=2", "rank.train_subset=96", "rank.batch_size=16",
-                                "rank.chunk_size=8", "run.log_every=1", *extra])
+    return load_config([TINY], [f"run.dir={run}", "rl.epochs=2", "rl.train_subset=96", "rl.batch_size=16",
+                                "rl.chunk_size=8", "run.log_every=1", *extra])
 
 
 def _run_rank(cfg, **kw):
-    from rlt2t.jobs import rank_job
+    from rlt2t.jobs import rl_job
 
-    return rank_job(cfg, **kw)
+    return rl_job(cfg, **kw)
 
 
 def _start_in_thread(cfg) -> tuple[threading.Thread, dict]:
@@ -141,7 +141,7 @@ def _free_port() -> int:
 
 
 def _copy_prepared(prepared_run: Path, dest: Path) -> Path:
-    shutil.copytree(prepared_run, dest, ignore=shutil.ignore_patterns("rank", "eval"))
+    shutil.copytree(prepared_run, dest, ignore=shutil.ignore_patterns("rl", "eval"))
     return dest
 
 
@@ -149,14 +149,14 @@ def _copy_prepared(prepared_run: Path, dest: Path) -> Path:
 def reference_run(ray_session, prepared_run, tmp_path_factory):
     """An uninterrupted run: the weights every other run of the same config must reproduce exactly."""
     run = _copy_prepared(prepared_run, tmp_path_factory.mktemp("ref") / "run")
-    result = _run_rank(_config(run, "rank.save_every_steps=2"))
-    assert result.steps == 12 and result.pairs_used == 2 * 96 and result.redispatched == 0
+    result = _run_rank(_config(run, "rl.save_every_steps=2"))
+    assert result.steps == 12 and result.items_used == 2 * 96 and result.redispatched == 0
     return _weights(result.checkpoint)
 
 
 def test_deterministic_and_worker_kill_loses_no_pair(ray_session, prepared_run, reference_run, tmp_path):
     run = _copy_prepared(prepared_run, tmp_path / "faulty")
-    job, box = _start_in_thread(_config(run, "rank.save_every_steps=2"))
+    job, box = _start_in_thread(_config(run, "rl.save_every_steps=2"))
     killed = None
     deadline = time.time() + 600
     while killed is None and time.time() < deadline and job.is_alive():
@@ -167,7 +167,7 @@ def test_deterministic_and_worker_kill_loses_no_pair(ray_session, prepared_run, 
     assert killed is not None, "never found a rollout worker to kill"
     result = box["result"]
     assert result.redispatched >= 1
-    assert result.pairs_used == 2 * 96 and result.steps == 12  # no pair lost, none used twice
+    assert result.items_used == 2 * 96 and result.steps == 12  # no pair lost, none used twice
     b = _weights(result.checkpoint)
     assert all(torch.equal(reference_run[k], b[k]) for k in b), "a re-dispatched chunk changed the result"
 
@@ -176,13 +176,13 @@ def test_resume_after_real_kill_is_bitwise_identical(ray_session, prepared_run, 
     reference = reference_run
 
     run = _copy_prepared(prepared_run, tmp_path / "killed")
-    args = [sys.executable, "-m", "rlt2t.cli", "train", "--config", str(TINY), f"run.dir={run}", "rank.epochs=2",
-            "rank.train_subset=96", "rank.batch_size=16", "rank.chunk_size=8", "run.log_every=1",
-            "rank.save_every_steps=2"]
+    args = [sys.executable, "-m", "rlt2t.cli", "train", "--config", str(TINY), f"run.dir={run}", "rl.epochs=2",
+            "rl.train_subset=96", "rl.batch_size=16", "rl.chunk_size=8", "run.log_every=1",
+            "rl.save_every_steps=2"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    root = run / "rank" / "checkpoints"
+    root = run / "rl" / "checkpoints"
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
         latest = latest_complete_checkpoint(root)
@@ -195,7 +195,7 @@ def test_resume_after_real_kill_is_bitwise_identical(ray_session, prepared_run, 
     killed_at = read_checkpoint(latest_complete_checkpoint(root)).step
     assert 4 <= killed_at < 12
 
-    result = _run_rank(_config(run, "rank.save_every_steps=2"), resume=True)
+    result = _run_rank(_config(run, "rl.save_every_steps=2"), resume=True)
     assert result.steps == 12
     resumed = _weights(result.checkpoint)
     assert all(torch.equal(reference[k], resumed[k]) for k in reference), "resumed run differs from uninterrupted"
@@ -205,32 +205,32 @@ def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, prepar
     import json
 
     run = _copy_prepared(prepared_run, tmp_path / "refresh")
-    with caplog.at_level("INFO", logger="rlt2t.driver"):
-        result = _run_rank(_config(run, "rank.refresh_every_steps=2", "rank.epochs=1"))
+    with caplog.at_level("INFO", logger="rlt2t.train"):
+        result = _run_rank(_config(run, "rl.refresh_every_steps=2", "rl.epochs=1"))
     # The learner's preflight ran on the largest batch (16 pairs, tiny.yaml's max lengths) before step 1.
     preflight = [r.getMessage() for r in caplog.records if "learner preflight" in r.getMessage()]
-    assert len(preflight) == 1 and "16 pairs per rank" in preflight[0], preflight
+    assert len(preflight) == 1 and "16 sources per rank" in preflight[0], preflight
     assert result.steps == 6
-    rows = [json.loads(x) for x in (run / "logs" / "rank" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (run / "logs" / "rl" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     assert len(train) == 6
     assert max(r["staleness_max"] for r in train) <= 3  # 2N - 1 with N = 2
     assert any(r["staleness_max"] >= 2 for r in train)
-    assert (run / "logs" / "rank" / "curves.png").is_file()
+    assert (run / "logs" / "rl" / "curves.png").is_file()
 
 
 def test_learner_death_fails_clearly_and_leaves_a_resumable_checkpoint(ray_session, prepared_run, tmp_path):
-    from rlt2t.driver import LearnerDied
+    from rlt2t.groups import LearnerDied
 
     run = _copy_prepared(prepared_run, tmp_path / "learner")
-    cfg = _config(run, "rank.save_every_steps=2")
+    cfg = _config(run, "rl.save_every_steps=2")
     job, box = _start_in_thread(cfg)
-    root = run / "rank" / "checkpoints"
+    root = run / "rl" / "checkpoints"
     deadline = time.time() + 600
     killed = None
     while killed is None and time.time() < deadline and job.is_alive():
         if latest_complete_checkpoint(root) is not None:
-            killed = _kill_child("ray::LearnerRank")
+            killed = _kill_child("ray::Learner")
         time.sleep(0.05)
     job.join(timeout=600)
     assert killed, "the job finished before the learner could be killed"
@@ -241,13 +241,13 @@ def test_learner_death_fails_clearly_and_leaves_a_resumable_checkpoint(ray_sessi
 
 
 def test_unordered_mode_with_a_dead_worker_uses_every_pair_once(ray_session, prepared_run, tmp_path):
-    """rank.deterministic=false: chunks go to the learner as they complete, yet none is lost or reused.
+    """rl.deterministic=false: chunks go to the learner as they complete, yet none is lost or reused.
 
     Killing a rollout worker mid-task delays that chunk's re-dispatch while the other worker's chunks
     complete, so the learner receives them out of dataset order.
     """
     run = _copy_prepared(prepared_run, tmp_path / "unordered")
-    cfg = _config(run, "rank.deterministic=false", "rank.rollout_workers=2", "rank.epochs=1", "rank.chunk_size=4")
+    cfg = _config(run, "rl.deterministic=false", "rl.rollout_workers=2", "rl.epochs=1", "rl.chunk_size=4")
     job, box = _start_in_thread(cfg)
     killed = None
     deadline = time.time() + 600
@@ -259,7 +259,7 @@ def test_unordered_mode_with_a_dead_worker_uses_every_pair_once(ray_session, pre
     assert killed is not None, "never found a rollout worker to kill"
     result = box["result"]
     assert result.redispatched >= 1
-    assert result.pairs_used == 96 and result.steps == 6
+    assert result.items_used == 96 and result.steps == 6
     assert result.out_of_order >= 1, "the re-dispatched chunk should have arrived after later ones"
 
 
@@ -276,24 +276,24 @@ def test_http_rollout_and_reward_sources_train_through_live_servers(ray_session,
     # checkpoint, then start the servers it waits for.
     ports = [_free_port(), _free_port()]
     policy_url, reward_url = (f"http://127.0.0.1:{p}" for p in ports)
-    cfg = _config(run, "rank.epochs=2", "rank.train_subset=32", "rollout.source=http",
+    cfg = _config(run, "rl.epochs=2", "rl.train_subset=32", "rollout.source=http",
                   f"rollout.urls=[\"{policy_url}\"]", "reward.source=http", f"reward.url={reward_url}",
                   "serve.reload_interval_s=0.2", "rollout.timeout_s=120")
     job, box = _start_in_thread(cfg)
-    published = run / "rank" / "published"
+    published = run / "rl" / "published"
     deadline = time.time() + 300
     while latest_complete_checkpoint(published) is None and job.is_alive() and time.time() < deadline:
         time.sleep(0.1)
     assert latest_complete_checkpoint(published) is not None, box
-    df = run / "rank" / "document_frequency.json"
+    df = run / "rl" / "document_frequency.json"
     servers = [live_server(policy_app.create_app(cfg, checkpoint_dir=published), ports[0]),
                live_server(reward_app.create_app(cfg, document_frequency=df), ports[1])]
     with servers[0], servers[1]:
         job.join(timeout=600)
     assert "error" not in box, box.get("error")
     result = box["result"]
-    assert result.pairs_used == 2 * 32 and result.steps == 4
-    rows = [json.loads(x) for x in (run / "logs" / "rank" / "metrics.jsonl").read_text().splitlines()]
+    assert result.items_used == 2 * 32 and result.steps == 4
+    rows = [json.loads(x) for x in (run / "logs" / "rl" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     # Epoch 2's pairs come from the version published after epoch 1 (the server reloaded it).
     assert [p.name for p in sorted(published.iterdir()) if not p.name.startswith(".")] == ["step-000000", "step-000002"]
@@ -304,15 +304,15 @@ def test_http_rollout_and_reward_sources_train_through_live_servers(ray_session,
 def test_a_tail_batch_smaller_than_the_learner_group_still_steps_every_rank(ray_session, prepared_run, tmp_path):
     """33 sources, batch 16, 2 ranks: the last batch holds 1 pair; it is repeated so both ranks step."""
     run = _copy_prepared(prepared_run, tmp_path / "tail")
-    result = _run_rank(_config(run, "rank.learners=2", "rank.train_subset=33", "rank.epochs=1",
-                               "rank.rollout_workers=1", "rank.learner_cpus=1"))
-    assert result.steps == 3 and result.pairs_used == 33
+    result = _run_rank(_config(run, "rl.learners=2", "rl.train_subset=33", "rl.epochs=1",
+                               "rl.rollout_workers=1", "rl.learner_cpus=1"))
+    assert result.steps == 3 and result.items_used == 33
 
 
 def test_learner_group_fails_on_the_first_failed_rank_without_waiting_for_the_others(ray_session):
     """Under DDP a rank that raised leaves the others blocked in a collective: the group must not wait
     for them (here: one call fails at once, the other would take 10 minutes)."""
-    from rlt2t.driver import LearnerDied, LearnerGroup
+    from rlt2t.groups import LearnerDied, LearnerGroup
 
     @ray.remote(num_cpus=0)
     def stuck():
@@ -333,17 +333,17 @@ def test_learner_group_fails_on_the_first_failed_rank_without_waiting_for_the_ot
 def test_a_preflight_out_of_memory_is_reported_as_a_setting_to_change(ray_session):
     """BatchTooLarge from a rank's preflight becomes a ValueError naming the settings (the CLI's clear
     error, exit 2), not a learner crash that suggests --resume."""
-    from rlt2t.driver import LearnerGroup
-    from rlt2t.learner.rank_learner import BatchTooLarge
+    from rlt2t.groups import LearnerGroup
+    from rlt2t.learner.learner import BatchTooLarge
 
     @ray.remote(num_cpus=0)
     def preflight():
         raise BatchTooLarge("learner rank 0: the largest batch it can receive does not fit in memory on cuda:0: "
-                            "32 pairs (rank.batch_size=32 over rank.learners=1)")
+                            "32 sources (rl.batch_size=32 over rl.learners=1)")
 
     group = LearnerGroup.__new__(LearnerGroup)  # the group's bookkeeping only: no actors are needed
     group._preflight = [preflight.remote()]
-    with pytest.raises(ValueError, match=r"does not fit in memory.*rank\.batch_size=32") as err:
+    with pytest.raises(ValueError, match=r"does not fit in memory.*rl\.batch_size=32") as err:
         group.check_preflight()
     assert "Traceback" not in str(err.value)
     group.check_preflight()  # checked once: nothing is left to wait for
@@ -352,7 +352,7 @@ def test_a_preflight_out_of_memory_is_reported_as_a_setting_to_change(ray_sessio
 def test_a_resumed_state_that_fails_to_load_stops_the_job_before_the_state_is_used(ray_session):
     """load_training_states does not wait (the load queues behind the preflight), so every later use of
     the learners' state (a step, weights, a checkpoint's training states, evaluation) confirms it first."""
-    from rlt2t.driver import LearnerDied, LearnerGroup
+    from rlt2t.groups import LearnerDied, LearnerGroup
 
     @ray.remote(num_cpus=0)
     def load_training_state():

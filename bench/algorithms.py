@@ -1,0 +1,325 @@
+"""Efficacy: which RL algorithm raises the task score above continued SFT, over seeds and on two tasks.
+
+    python bench/algorithms.py --task synth   [--seeds 1,2,3] [--arms continued_sft,rank,scst,...] [--workdir DIR]
+    python bench/algorithms.py --task wordnet [...]
+
+For each seed the WHOLE pipeline is rerun (run.seed: pretraining and SFT initialisation, order and dropout,
+then RL sampling), so no result hinges on one lucky SFT checkpoint. From that seed's SFT checkpoint every
+arm trains for the same number of learner steps on the same sources, sampling the same number of
+candidates per source (rollout.num_samples):
+
+  continued_sft  rl.algorithm=rank with rl.rank.loss_weight=0: CE on the gold targets only
+  rank           CE + 0.2·pairwise rank loss (rlt2t's original)
+  scst rloo grpo group policy gradients; ppo a2c nlpo: token-level actor-critic (docs/design.md)
+
+Reported per arm, mean ± sample std over seeds: the validation task score after each RL epoch (greedy, the
+first metric.monitor_size validation examples, as the job logs it), the test task score of the last
+checkpoint (greedy, whole test split), the KL to the SFT checkpoint (nats per sequence, from 4 samples per
+test source of the final policy at temperature 1), and the wall time; and, per algorithm, the paired
+difference to continued SFT (seed by seed), its ratio to the std of the differences, and the relative gain.
+On the synthetic task the two oracles of rlt2t.common.synth show how far each arm moves from the
+likelihood-optimal phrasing towards the metric-optimal one.
+
+Tasks: `synth` (the demo's synthetic report task, ids tokenizer) and `wordnet` (WordNet definition
+modelling: human-written English definitions, a byte-level BPE tokenizer; rlt2t data wordnet).
+
+Everything is resumable: a --workdir that holds finished stages or arms reuses them (an arm's result is
+cached in <arm>/result.json). Saves bench/results/algorithms_<task>.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine_info import RESULTS, save  # noqa: E402
+
+from rlt2t.common.batching import collate_seq2seq, encode_texts  # noqa: E402
+from rlt2t.common.config import Config, load_config  # noqa: E402
+from rlt2t.common.io import atomic_open, atomic_write_json  # noqa: E402
+from rlt2t.common.metrics import get_metric  # noqa: E402
+from rlt2t.common.policy import load_policy  # noqa: E402
+from rlt2t.common.sampling import sample_candidates, stable_seed  # noqa: E402
+from rlt2t.common.scoring import sequence_logprobs  # noqa: E402
+from rlt2t.common.tracking import setup_logging  # noqa: E402
+from rlt2t.jobs import eval_job, load_split, make_wordnet_data, prepare_sft, rl_job  # noqa: E402
+
+log = logging.getLogger("bench.algorithms")
+
+ALL_ARMS = ("continued_sft", "rank", "scst", "rloo", "grpo", "ppo", "a2c", "nlpo")
+
+# The tasks' shared stages. The synthetic task is the demo's; WordNet definitions need a subword tokenizer,
+# shorter limits and more SFT (its targets are varied natural language).
+TASK_SETTINGS = {
+    "synth": ["synth.size=4000", "pretrain.max_steps=150", "sft.epochs=4"],
+    "wordnet": ["tokenizer.kind=subword", "tokenizer.vocab_size=4000", "data.max_source_len=48",
+                "data.max_target_len=32", "rollout.max_new_tokens=32", "eval.max_new_tokens=32",
+                "pretrain.max_steps=300", "sft.epochs=8", "sft.lr=1e-3"],
+}
+
+
+def arm_overrides(arm: str) -> list[str]:
+    """What distinguishes an arm; everything else (steps, sources, K, sampling) is shared."""
+    if arm == "continued_sft":
+        return ["rl.algorithm=rank", "rl.rank.loss_weight=0"]
+    return [f"rl.algorithm={arm}"]
+
+
+def base_config(task: str, workdir: Path, seed: int, args: argparse.Namespace) -> Config:
+    """One seed's shared stages (data, tokenizer, pretraining, SFT) under <workdir>/<task>/seed<s>/base."""
+    return load_config(overrides=[
+        f"run.dir={workdir / task / f'seed{seed}' / 'base'}", "run.progress=false", f"run.seed={seed}",
+        *TASK_SETTINGS[task], *args.base_override])
+
+
+def arm_config(base: Config, arm: str, args: argparse.Namespace) -> Config:
+    """An arm's config: its own run dir beside the base, the base's data and tokenizer."""
+    return load_config(overrides=[
+        f"run.dir={base.run_dir.parent / arm}", "run.progress=false", f"run.seed={base.run.seed}",
+        *TASK_SETTINGS[args.task], f"tokenizer.path={base.tokenizer_dir}",
+        f"data.train={base.path(base.data.train)}", f"data.valid={base.path(base.data.valid)}",
+        f"data.test={base.path(base.data.test)}", "eval.split=test",
+        f"rl.epochs={args.rl_epochs}", f"rl.train_subset={args.train_subset}", f"rl.batch_size={args.batch_size}",
+        *arm_overrides(arm), *args.override])
+
+
+def valid_curve(cfg: Config) -> list[dict[str, float]]:
+    """The arm's per-epoch validation rows (kind "valid"; the last row wins for an epoch logged twice)."""
+    by_epoch = {}
+    for line in (cfg.run_dir / "logs" / "rl" / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("kind") == "valid":
+            by_epoch[int(row["epoch"])] = {k: row[k] for k in ("step", "monitor", "task_score")}
+    return [by_epoch[e] for e in sorted(by_epoch)]
+
+
+def train_means(cfg: Config) -> dict[str, float]:
+    """Means over the run's logged training rows of the policy-gradient diagnostics (when logged)."""
+    rows = [json.loads(x) for x in (cfg.run_dir / "logs" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("kind", "train") == "train"]
+    keys = ("kl_seq", "reward_mean", "sampler_ratio_max_dev", "clip_fraction", "entropy", "step_s")
+    return {k: statistics.fmean(r[k] for r in rows if k in r) for k in keys if any(k in r for r in rows)}
+
+
+@torch.no_grad()
+def kl_to_start(cfg: Config, final: Path, start: Path, samples: int = 4) -> float:
+    """KL(final || start) in nats per sequence: the mean of log p_final(y) - log p_start(y) over ``samples``
+    draws y of the final policy (temperature 1, whole vocabulary) per test source."""
+    examples = load_split(cfg, "test", require_target=False)
+    pf = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=final)
+    ps = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=start)
+    pf.model.eval()
+    ps.model.eval()
+    total, n = 0.0, 0
+    for first in range(0, len(examples), 32):
+        chunk = examples[first : first + 32]
+        ids, _ = encode_texts(pf.tokenizer, [e.source for e in chunk], cfg.data.max_source_len)
+        batch = collate_seq2seq(ids, None, pf.tokenizer.pad_token_id)
+        gens = [torch.Generator().manual_seed(stable_seed(cfg.run.seed, "kl", e.id, j)) for e in chunk
+                for j in range(samples)]
+        rows = sample_candidates(pf.model, batch["input_ids"], batch["attention_mask"], samples, 0, 1.0,
+                                 cfg.rollout.max_new_tokens, gens)
+        tokens = [r.token_ids for r in rows]
+        lp_start = sequence_logprobs(ps.model, batch["input_ids"], batch["attention_mask"], tokens, samples)
+        for r, ls in zip(rows, lp_start, strict=True):
+            total += sum(r.logprobs) - sum(ls)
+            n += 1
+    return total / max(n, 1)
+
+
+def run_arm(cfg: Config, sft_ckpt: Path) -> dict[str, Any]:
+    """The RL job from the SFT checkpoint (cached once finished), then test score and KL of its last checkpoint."""
+    cached = cfg.run_dir / "result.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    t0 = time.perf_counter()
+    result = rl_job(cfg, resume=True, init=sft_ckpt)
+    seconds = time.perf_counter() - t0
+    curve = valid_curve(cfg)
+    if len(curve) != cfg.rl.epochs:
+        raise RuntimeError(f"{cfg.run_dir}: {len(curve)} validation rows for {cfg.rl.epochs} epochs")
+    test = eval_job(cfg, checkpoint=result.checkpoint, label="last")
+    out = {"seconds": round(seconds, 1), "steps": result.steps, "checkpoint": str(result.checkpoint),
+           "valid": curve, "test": {k: test[k] for k in ("task_score", "cider_d", "bleu4")},
+           "kl_to_start": kl_to_start(cfg, result.checkpoint, sft_ckpt), "train": train_means(cfg)}
+    atomic_write_json(cached, out)
+    return out
+
+
+def oracle_scores(cfg: Config) -> dict[str, float]:
+    """Test task score of the synthetic task's two oracles (likely phrasing A, metric-preferred B)."""
+    from rlt2t.common.synth import build_spec, oracle_diagnosis
+
+    spec = build_spec(cfg.tokenizer.num_data_tokens)
+    test = load_split(cfg, "test")
+    metric = get_metric("task_score", bleu_weight=cfg.metric.bleu_weight, sigma=cfg.metric.cider_sigma)
+    refs = [[e.target] for e in test]
+    return {name: metric.corpus([oracle_diagnosis(spec, e.source, k) for e in test], refs)
+            for name, k in (("oracle_likely_A", 0), ("oracle_metric_B", 1))}
+
+
+def mean_std(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "n": len(values)}
+
+
+def summarize(sft: dict[int, dict[str, float]], arms: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    seeds = sorted(sft)
+    out: dict[str, Any] = {"sft": {"valid_task_score": mean_std([sft[s]["valid_task_score"] for s in seeds]),
+                                   "test_task_score": mean_std([sft[s]["test_task_score"] for s in seeds])}}
+    for arm, runs in arms.items():
+        out[arm] = {"valid_task_score": mean_std([runs[s]["valid"][-1]["task_score"] for s in seeds]),
+                    "test_task_score": mean_std([runs[s]["test"]["task_score"] for s in seeds]),
+                    "kl_to_start": mean_std([runs[s]["kl_to_start"] for s in seeds]),
+                    "seconds": mean_std([runs[s]["seconds"] for s in seeds])}
+    if "continued_sft" in arms:
+        base = arms["continued_sft"]
+        for arm, runs in arms.items():
+            if arm == "continued_sft":
+                continue
+            for split, get in (("valid", lambda r: r["valid"][-1]["task_score"]),
+                               ("test", lambda r: r["test"]["task_score"])):
+                diffs = [get(runs[s]) - get(base[s]) for s in seeds]
+                d = mean_std(diffs)
+                ref = statistics.fmean(get(base[s]) for s in seeds)
+                d["sigmas"] = d["mean"] / d["std"] if d["std"] > 0 else None
+                d["relative"] = d["mean"] / ref if ref else None
+                d["per_seed"] = diffs
+                out[arm][f"paired_diff_{split}"] = d
+            t = out[arm]["paired_diff_test"]
+            out[arm]["beats_sft_on_test"] = bool(t["sigmas"] is not None and t["sigmas"] > 2 and t["relative"] >= 0.10)
+    return out
+
+
+def plot(path: Path, task: str, sft: dict[int, dict[str, float]], arms: dict[str, dict[int, dict[str, Any]]]) -> None:
+    """Validation task score per RL epoch (0 = the SFT checkpoint), mean ± std over seeds per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (arm, runs) in enumerate(arms.items()):
+        curves = np.array([[sft[s]["valid_task_score"]] + [row["task_score"] for row in runs[s]["valid"]]
+                           for s in sorted(runs)])
+        epochs = np.arange(curves.shape[1])
+        mean = curves.mean(0)
+        std = curves.std(0, ddof=1) if len(curves) > 1 else np.zeros_like(mean)
+        color = plt.cm.tab10(i)
+        ax.plot(epochs, mean, marker="o", color=color, label=f"{arm} ({len(curves)} seeds)",
+                linewidth=2.5 if arm == "continued_sft" else 1.5, linestyle="--" if arm == "continued_sft" else "-")
+        ax.fill_between(epochs, mean - std, mean + std, color=color, alpha=0.12)
+    ax.set_xlabel("RL epoch (0 = the SFT checkpoint)")
+    ax.set_ylabel("validation task score (greedy)")
+    ax.set_title(f"RL algorithms vs continued SFT, {task} task (mean ± std over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=sorted(TASK_SETTINGS), default="synth")
+    ap.add_argument("--workdir", type=Path, default=None, help="where runs go (default: a temp dir, removed)")
+    ap.add_argument("--seeds", default="1,2,3", help="comma-separated seeds; each reruns the whole pipeline")
+    ap.add_argument("--arms", default=",".join(ALL_ARMS), help=f"comma-separated, from {', '.join(ALL_ARMS)}")
+    ap.add_argument("--rl-epochs", type=int, default=3, help="rl.epochs of every arm (one validation point each)")
+    ap.add_argument("--train-subset", type=int, default=512, help="rl.train_subset: sources per RL epoch")
+    ap.add_argument("--batch-size", type=int, default=32, help="rl.batch_size: sources per learner step")
+    ap.add_argument("--override", action="append", default=[], help="key=value for every arm (repeatable)")
+    ap.add_argument("--base-override", action="append", default=[], help="key=value for the shared stages")
+    ap.add_argument("--wordnet-size", type=int, default=8000, help="rows of the WordNet task")
+    ap.add_argument("--no-save", action="store_true", help="print only; leave bench/results/ alone")
+    args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = sorted(set(arms) - set(ALL_ARMS))
+    if unknown or not seeds:
+        ap.error(f"--arms: unknown {unknown} (known: {', '.join(ALL_ARMS)})" if unknown else "--seeds is empty")
+    setup_logging()
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rlt2t-algorithms-") as tmp:
+        workdir = (args.workdir or Path(tmp)).resolve()
+        sft: dict[int, dict[str, float]] = {}
+        results: dict[str, dict[int, dict[str, Any]]] = {arm: {} for arm in arms}
+        oracles: dict[str, float] = {}
+        try:
+            for seed in seeds:
+                base = base_config(args.task, workdir, seed, args)
+                if args.task == "wordnet" and not base.path(base.data.train).is_file():
+                    make_wordnet_data(base, size=args.wordnet_size, seed=7)  # the same rows for every seed
+                t0 = time.perf_counter()
+                sft_ckpt = prepare_sft(base)
+                probe = arm_config(base, "continued_sft", args)
+                sft[seed] = {"valid_task_score": _valid_score(probe, sft_ckpt),
+                             "test_task_score": eval_job(probe, checkpoint=sft_ckpt, label="sft")["task_score"],
+                             "seconds": round(time.perf_counter() - t0, 1)}
+                if args.task == "synth" and not oracles:
+                    oracles = oracle_scores(probe)
+                for arm in arms:
+                    results[arm][seed] = run_arm(arm_config(base, arm, args), sft_ckpt)
+                    r = results[arm][seed]
+                    log.info("%s %s seed %d: valid %.4f test %.4f KL %.3f, %.0f s", args.task, arm, seed,
+                             r["valid"][-1]["task_score"], r["test"]["task_score"], r["kl_to_start"], r["seconds"])
+        finally:
+            import ray
+
+            ray.shutdown()
+    summary = summarize(sft, results)
+    print(f"\n{args.task}: task score, mean ± std over seeds {seeds} ({args.rl_epochs} RL epochs of "
+          f"{args.train_subset} sources)")
+    print(f"  {'SFT checkpoint':>14}: valid {summary['sft']['valid_task_score']['mean']:.4f}  "
+          f"test {summary['sft']['test_task_score']['mean']:.4f}")
+    for arm in arms:
+        s = summary[arm]
+        line = (f"  {arm:>14}: valid {s['valid_task_score']['mean']:.4f} ± {s['valid_task_score']['std']:.4f}  "
+                f"test {s['test_task_score']['mean']:.4f} ± {s['test_task_score']['std']:.4f}  "
+                f"KL {s['kl_to_start']['mean']:.3f}  {s['seconds']['mean']:.0f} s")
+        if "paired_diff_test" in s:
+            d = s["paired_diff_test"]
+            line += (f"  | test vs SFT {d['mean']:+.4f} ± {d['std']:.4f} ({d['relative']:+.1%}, "
+                     f"{d['sigmas'] if d['sigmas'] is None else round(d['sigmas'], 1)} σ)")
+        print(line)
+    for name, value in oracles.items():
+        print(f"  {name:>14}: test {value:.4f}")
+    if args.no_save:
+        return
+    payload = {"benchmark": "algorithms", "task": args.task,
+               "settings": {"seeds": seeds, "arms": arms, "rl_epochs": args.rl_epochs,
+                            "train_subset": args.train_subset, "batch_size": args.batch_size,
+                            "task_settings": TASK_SETTINGS[args.task], "overrides": args.override,
+                            "base_overrides": args.base_override},
+               "sft": {str(s): v for s, v in sft.items()}, "oracles": oracles,
+               "arms": {arm: {str(s): r for s, r in runs.items()} for arm, runs in results.items()},
+               "summary": summary, "total_seconds": round(time.perf_counter() - t_start, 1)}
+    plot(RESULTS / f"algorithms_{args.task}.png", args.task, sft, results)
+    print("saved", save(f"algorithms_{args.task}", payload), "and", RESULTS / f"algorithms_{args.task}.png")
+
+
+def _valid_score(cfg: Config, checkpoint: Path) -> float:
+    """The SFT checkpoint's validation task score, decoded as the RL job's per-epoch validation does."""
+    from rlt2t.learner.evaluate import generate, metric_table
+
+    valid = load_split(cfg, "valid")[: cfg.metric.monitor_size]
+    policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=checkpoint)
+    hyps = generate(policy, [e.source for e in valid], max_new_tokens=cfg.eval.max_new_tokens,
+                    max_source_len=cfg.data.max_source_len)
+    return metric_table(hyps, [[e.target] for e in valid], cfg.metric)["task_score"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,419 @@
+"""What a learner rank optimises, one unit per algorithm family, plugged into the one learner
+(``rlt2t.learner.learner.Learner``): the module DDP wraps, how a batch is collated, and one learner step.
+
+- :class:`RankObjective`: rank RL, CE(gold) + λ·pairwise rank loss (``rlt2t.learner.rank_step``).
+- :class:`PolicyGradientObjective`: SCST, RLOO, GRPO (sequence advantages from each source's K samples)
+  and PPO, A2C, NLPO (token-level advantages from a value head and GAE), all with the clipped ratio
+  against the batch's starting policy, truncated importance weights against the sampler, and a KL to
+  the reference policy (docs/design.md, "Policy-gradient algorithms").
+
+A step is given a :class:`StepRunner`: the learner's forward through the DDP-wrapped module, its
+optimizer step, and its cross-rank reductions, so the objectives hold no distributed code of their own.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from rlt2t.common.config import RLConfig, RolloutConfig
+from rlt2t.common.policy import Policy
+from rlt2t.common.sampling import warp_logits
+from rlt2t.common.scoring import token_scores
+from rlt2t.common.types import ScoredGroup, ScoredPair
+from rlt2t.learner.batch import GroupBatch, group_batch, rank_batch
+from rlt2t.learner.group_step import GroupOutput, GroupPolicy, ValueHead, group_forward
+from rlt2t.learner.losses import (
+    AdaptiveKLController,
+    clipped_policy_loss,
+    clipped_value_loss,
+    gae,
+    group_advantages,
+    kl_estimate,
+    masked_mean,
+)
+from rlt2t.learner.rank_step import IGNORE_INDEX, RankBatch, SharedEncoderRankLoss
+
+log = logging.getLogger("rlt2t.learner")
+
+# How far the learner's and the sampler's log-probs of the same tokens may differ before an on-policy
+# batch is called inconsistent (a float32 torch sampler agrees to ~1e-6; a float32 CTranslate2 one to ~1e-4).
+ON_POLICY_RATIO_TOLERANCE = 1e-3
+
+
+class StepRunner(Protocol):
+    """What an objective needs from the learner rank that runs it."""
+
+    device: torch.device
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The objective's module through the DDP wrapper (and autocast)."""
+        ...
+
+    def optimize(self, loss: Tensor) -> float:
+        """Backward, clip, optimizer step, zero the gradients; returns the gradient norm."""
+        ...
+
+    def all_sum(self, values: Tensor) -> Tensor:
+        """Sum over the learner ranks (a float64 vector; the input on one rank)."""
+        ...
+
+    def all_min(self, value: int) -> int:
+        """The smallest of the ranks' values (so every rank takes the same number of optimizer steps)."""
+        ...
+
+
+class RankObjective:
+    """Rank RL: CE(gold) + λ·rank loss on (better, worse) pairs, one optimizer step per batch."""
+
+    metric_keys = ("loss", "ce", "rank_loss", "pair_accuracy", "reward_a", "reward_b", "use_rank_fraction",
+                   "grad_norm")
+
+    def __init__(self, rl: RLConfig, policy: Policy) -> None:
+        self.policy = policy
+        self.module: nn.Module = SharedEncoderRankLoss(policy.model, score_kind=rl.rank.score,
+                                                       loss_weight=rl.rank.loss_weight, alpha=rl.rank.delay_alpha)
+        policy.model.train()  # rank RL trains with dropout, as SFT does
+
+    def collate(self, items: Sequence[ScoredPair], *, max_source_len: int, max_target_len: int) -> RankBatch:
+        return rank_batch(self.policy.tokenizer, items, max_source_len=max_source_len, max_target_len=max_target_len)
+
+    def preflight_batch(self, sources: int, source_len: int, target_len: int, generator: torch.Generator
+                        ) -> RankBatch:
+        vocab = self.policy.model.config.vocab_size
+
+        def ids(length: int) -> Tensor:
+            return torch.randint(0, vocab, (sources, length), generator=generator)
+
+        return RankBatch(input_ids=ids(source_len), attention_mask=torch.ones(sources, source_len, dtype=torch.long),
+                         gold_labels=ids(target_len), labels_a=ids(target_len), labels_b=ids(target_len),
+                         use_rank=torch.ones(sources, dtype=torch.bool))
+
+    def preflight(self, run: StepRunner, batch: RankBatch) -> None:
+        run.forward(batch).loss.backward()
+
+    def step(self, run: StepRunner, batch: RankBatch, items: Sequence[ScoredPair], step: int) -> dict[str, float]:
+        out = run.forward(batch)
+        grad_norm = run.optimize(out.loss)
+        n = len(items)
+        return {"loss": out.loss.item(), "ce": out.ce.item(), "rank_loss": out.rank.item(),
+                "pair_accuracy": out.accuracy.item(), "reward_a": sum(p.score_a for p in items) / n,
+                "reward_b": sum(p.score_b for p in items) / n,
+                "use_rank_fraction": sum(p.use_rank for p in items) / n, "grad_norm": grad_norm}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+def _token_logprobs(logits: Tensor, labels: Tensor, transform: dict[str, float], action_mask: Tensor | None = None
+                    ) -> tuple[Tensor, Tensor]:
+    """(log-probs under the sampling transform, raw log-probs) of the label tokens: [N, T] each, 0 at padding.
+
+    The transform is the sampler's (``rlt2t.common.sampling.warp_logits``: temperature, top-k, top-p), after
+    NLPO's action mask when given ([N, T, V] bool, True = allowed), so the ratio compares like with like.
+    A token the transform excludes gets -inf (its ratio is 0, its gradient 0).
+    """
+    raw = token_scores(logits, labels, "logprobs", IGNORE_INDEX)
+    scores = logits if action_mask is None else logits.masked_fill(~action_mask, float("-inf"))
+    warped = warp_logits(scores, **transform).log_softmax(dim=-1)
+    valid = labels != IGNORE_INDEX
+    picked = warped.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, picked, torch.zeros_like(picked)), raw
+
+
+def _entropy(logits: Tensor) -> Tensor:
+    """[N, T, V] -> [N, T] entropy of the raw softmax, in float32."""
+    logp = logits.float().log_softmax(dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def top_p_mask(logits: Tensor, top_p: float) -> Tensor:
+    """NLPO's action mask: True for the smallest set of most likely tokens whose mass reaches ``top_p``
+    (the most likely token always). logits [..., V] -> bool [..., V]."""
+    return torch.isfinite(warp_logits(logits, top_p=top_p))
+
+
+class PolicyGradientObjective:
+    """SCST, RLOO, GRPO, PPO, A2C and NLPO on batches of scored groups (K samples per source).
+
+    One learner step on a batch:
+
+    1. A no-grad pass of the current weights gives, per token, the log-prob under the sampling transform
+       (the ratio's denominator), the raw log-prob (for the KL to the reference) and, for PPO, the values.
+       Its ratio to the sampler's own log-probs is the truncated importance weight, capped at rl.pg.is_cap:
+       1 on-policy with the torch sampler; it corrects an int8 or stale sampler (and is logged).
+    2. Advantages. SCST/RLOO: sequence rewards minus β·KL (k1, summed over the sequence), then the group
+       baseline. GRPO: group-normalised rewards, and β·k3 added to the loss instead. PPO/A2C/NLPO: the
+       reward at the last token, −β·k1 at every token, GAE with the value head, whitened.
+    3. rl.pg.epochs × rl.pg.minibatches optimizer steps (minibatches split by source so each keeps its
+       shared encoder pass) of the clipped policy loss (+ value loss, − entropy bonus), stopping early when
+       the approximate KL to the batch's start passes 1.5·rl.pg.target_kl.
+    4. The adaptive KL controller moves β towards rl.kl.target with the batch's mean sequence KL.
+
+    Dropout is off throughout (the module stays in eval mode): under dropout an on-policy ratio is not 1.
+    """
+
+    def __init__(self, rl: RLConfig, rollout: RolloutConfig, policy: Policy, *, seed: int,
+                 reference: nn.Module | None = None) -> None:
+        self.rl, self.policy, self.seed = rl, policy, seed
+        self.algorithm = rl.algorithm
+        self.k = rollout.num_samples
+        head = ValueHead(policy.model.config.d_model) if rl.ppo_like else None
+        self.module: nn.Module = GroupPolicy(policy.model, head)
+        self.module.eval()
+        self.transform = {"temperature": rollout.temperature, "top_k": rollout.top_k, "top_p": rollout.top_p}
+        self.kl = AdaptiveKLController(rl.kl.coef, rl.kl.target, rl.kl.horizon)
+        self.clip_eps = math.inf if rl.algorithm == "a2c" else rl.pg.clip_eps
+        self.value_clip = math.inf if rl.algorithm == "a2c" else rl.pg.value_clip
+        # Used only when a batch arrives without reference log-probs (policy servers do not compute them).
+        self.reference = reference
+        self.mask_model: nn.Module | None = None
+        if rl.algorithm == "nlpo":
+            self.mask_model = copy.deepcopy(policy.model).eval().requires_grad_(False)
+        self._warned: set[str] = set()
+
+    @property
+    def metric_keys(self) -> tuple[str, ...]:
+        keys = ["loss", "policy_loss", "reward_mean", "reward_std", "kl_k1", "kl_k3", "kl_seq", "kl_coef",
+                "clip_fraction", "approx_kl", "entropy", "advantage_mean", "advantage_std", "ratio_mean",
+                "ratio_max", "sampler_ratio_mean", "sampler_ratio_max_dev", "is_weight_mean", "grad_norm",
+                "optimizer_steps", "tokens"]
+        if self.algorithm == "scst":
+            keys.append("greedy_reward")
+        if self.rl.ppo_like:
+            keys += ["value_loss", "value_clip_fraction", "explained_variance"]
+        return tuple(keys)
+
+    # -- batches ---------------------------------------------------------------------------------------------
+
+    def collate(self, items: Sequence[ScoredGroup], *, max_source_len: int, max_target_len: int) -> GroupBatch:
+        del max_target_len  # samples are at most rollout.max_new_tokens <= data.max_target_len (config check)
+        return group_batch(self.policy.tokenizer, items, max_source_len=max_source_len)
+
+    def preflight_batch(self, sources: int, source_len: int, target_len: int, generator: torch.Generator
+                        ) -> GroupBatch:
+        vocab = self.policy.model.config.vocab_size
+        k = self.k
+        rows = k * sources
+        return GroupBatch(
+            input_ids=torch.randint(0, vocab, (sources, source_len), generator=generator),
+            attention_mask=torch.ones(sources, source_len, dtype=torch.long),
+            labels=torch.randint(0, vocab, (rows, target_len), generator=generator),
+            sample_logprobs=torch.zeros(rows, target_len), loss_mask=torch.ones(rows, target_len, dtype=torch.bool),
+            rewards=torch.zeros(sources, k),
+            reference_logprobs=torch.zeros(rows, target_len) if self.rl.uses_kl else None,
+            greedy_rewards=torch.zeros(sources) if self.algorithm == "scst" else None)
+
+    def preflight(self, run: StepRunner, batch: GroupBatch) -> None:
+        out: GroupOutput = run.forward(batch.input_ids, batch.attention_mask, batch.labels, batch.k)
+        logp, raw = _token_logprobs(out.logits, batch.labels, self.transform)
+        loss = -masked_mean(logp + raw, batch.loss_mask)
+        if out.values is not None:
+            loss = loss + masked_mean(out.values**2, batch.loss_mask)
+        loss.backward()
+
+    # -- one learner step ------------------------------------------------------------------------------------
+
+    def _action_mask(self, batch: GroupBatch) -> Tensor | None:
+        if self.mask_model is None:
+            return None
+        with torch.no_grad():
+            logits = group_forward(self.mask_model, batch.input_ids, batch.attention_mask, batch.labels, batch.k).logits
+        return top_p_mask(logits, self.rl.pg.nlpo_top_p)
+
+    def _reference_logprobs(self, batch: GroupBatch) -> Tensor:
+        if batch.reference_logprobs is not None:
+            return batch.reference_logprobs
+        if self.reference is None:
+            raise RuntimeError("the batch carries no reference log-probs and the learner holds no reference "
+                               "policy (rollout workers compute them when rl.kl.coef > 0)")
+        with torch.no_grad():
+            logits = group_forward(self.reference, batch.input_ids, batch.attention_mask, batch.labels, batch.k).logits
+        return token_scores(logits, batch.labels, "logprobs", IGNORE_INDEX)
+
+    def step(self, run: StepRunner, batch: GroupBatch, items: Sequence[ScoredGroup], step: int) -> dict[str, float]:
+        rl, pg = self.rl, self.rl.pg
+        size, k = batch.rewards.shape
+        mask = batch.loss_mask
+        valid = batch.labels != IGNORE_INDEX
+        # 1. the batch's starting policy, without gradient
+        action_mask = self._action_mask(batch)
+        with torch.no_grad():
+            out = run.forward(batch.input_ids, batch.attention_mask, batch.labels, k)
+            old_logp, old_raw = _token_logprobs(out.logits, batch.labels, self.transform, action_mask)
+            entropy = masked_mean(_entropy(out.logits), mask)
+            old_values = out.values
+            sampler_log_ratio = torch.where(mask, old_logp - batch.sample_logprobs, torch.zeros_like(old_logp))
+            is_weights = torch.clamp(torch.exp(sampler_log_ratio), max=pg.is_cap)
+            sampler_ratio = torch.exp(sampler_log_ratio)
+            beta = self.kl.coef
+            if rl.uses_kl:
+                reference = self._reference_logprobs(batch)
+                k1 = torch.where(valid, kl_estimate(old_raw, reference, "k1"), torch.zeros_like(old_raw))
+                k3 = torch.where(valid, kl_estimate(old_raw, reference, "k3"), torch.zeros_like(old_raw))
+            else:
+                reference = None
+                k1 = k3 = torch.zeros_like(old_raw)
+            seq_kl = k1.sum(dim=1)  # [K*B] per sequence
+            # 2. advantages
+            rewards = batch.rewards
+            if rl.ppo_like:
+                lengths = valid.sum(dim=1)
+                token_rewards = torch.where(valid, -beta * k1, torch.zeros_like(k1))
+                last = (lengths - 1).clamp(min=0)
+                seq_rewards = rewards.t().reshape(-1)  # rep-major, as the rows
+                token_rewards[torch.arange(token_rewards.shape[0]), last] += seq_rewards
+                assert old_values is not None
+                values = torch.where(valid, old_values, torch.zeros_like(old_values))
+                advantages, returns = gae(token_rewards, values, valid, pg.gamma, pg.lam)
+                if pg.whiten_advantages:
+                    advantages = self._whiten(run, advantages, mask)
+            else:
+                if self.algorithm == "grpo":
+                    per_source = group_advantages(rewards, "grpo")
+                else:
+                    shaped = rewards - beta * seq_kl.view(k, size).t()
+                    baseline = batch.greedy_rewards if self.algorithm == "scst" else None
+                    per_source = group_advantages(shaped, self.algorithm, baseline=baseline)  # type: ignore[arg-type]
+                advantages = per_source.t().reshape(-1, 1).expand_as(old_logp).contiguous()
+                returns = None
+        # 3. epochs x minibatches of optimizer steps
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        # Every rank must take the same number of optimizer steps (DDP all-reduces each backward).
+        minibatches = min(rl.optimisation_minibatches, run.all_min(size))
+        stats: dict[str, list[float]] = {"loss": [], "policy_loss": [], "clip_fraction": [], "approx_kl": [],
+                                         "ratio_mean": [], "ratio_max": [], "grad_norm": [], "value_loss": [],
+                                         "value_clip_fraction": []}
+        steps = 0
+        stop = False
+        for _ in range(rl.optimisation_epochs):
+            order = torch.randperm(size, generator=generator) if minibatches > 1 else torch.arange(size)
+            for part in order.chunk(minibatches):
+                part = part.to(batch.input_ids.device)
+                mb = batch.select(part)
+                rows = (torch.arange(k, device=part.device).unsqueeze(1) * size + part.unsqueeze(0)).reshape(-1)
+                out = run.forward(mb.input_ids, mb.attention_mask, mb.labels, k)
+                logp, raw = _token_logprobs(out.logits, mb.labels, self.transform,
+                                            None if action_mask is None else action_mask[rows])
+                policy_loss, st = clipped_policy_loss(logp, old_logp[rows], advantages[rows], mb.loss_mask,
+                                                      self.clip_eps, weights=is_weights[rows])
+                loss = policy_loss
+                if self.algorithm == "grpo" and reference is not None:
+                    kl_term = masked_mean(kl_estimate(raw, reference[rows], "k3"), mb.loss_mask)
+                    loss = loss + beta * kl_term
+                if out.values is not None and returns is not None and old_values is not None:
+                    value_loss, value_clip = clipped_value_loss(out.values, old_values[rows], returns[rows],
+                                                                mb.loss_mask, self.value_clip)
+                    loss = loss + pg.vf_coef * value_loss
+                    stats["value_loss"].append(value_loss.item())
+                    stats["value_clip_fraction"].append(value_clip.item())
+                if pg.entropy_coef:
+                    loss = loss - pg.entropy_coef * masked_mean(_entropy(out.logits), mb.loss_mask)
+                stats["grad_norm"].append(run.optimize(loss))
+                steps += 1
+                for key, value in (("loss", loss), ("policy_loss", policy_loss), *st.items()):
+                    stats[key].append(float(value.detach()) if isinstance(value, torch.Tensor) else float(value))
+                if pg.target_kl:
+                    # One decision on every rank: the approximate KL averaged over the ranks.
+                    approx = run.all_sum(torch.tensor([float(st["approx_kl"]), 1.0], dtype=torch.float64))
+                    if float(approx[0] / approx[1]) > 1.5 * pg.target_kl:
+                        stop = True
+                        break
+            if stop:
+                break
+        # 4. the KL coefficient (every rank sees the same global mean, so they stay equal)
+        totals = run.all_sum(torch.tensor([float(seq_kl.sum()), float(seq_kl.numel())], dtype=torch.float64))
+        mean_seq_kl = float(totals[0] / totals[1].clamp(min=1))
+        self.kl.update(mean_seq_kl, int(totals[1]))
+        metrics = {
+            **{key: sum(v) / len(v) for key, v in stats.items() if v},
+            "ratio_max": max(stats["ratio_max"]),
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "kl_k1": float(masked_mean(k1, valid)), "kl_k3": float(masked_mean(k3, valid)), "kl_seq": mean_seq_kl,
+            "kl_coef": beta, "entropy": float(entropy),
+            "advantage_mean": float(masked_mean(advantages, mask)),
+            "advantage_std": float(masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt()),
+            "sampler_ratio_mean": float(masked_mean(sampler_ratio, mask)),
+            "sampler_ratio_max_dev": float(torch.where(mask, (sampler_ratio - 1).abs(), 0).max()) if mask.any() else 0.0,
+            "is_weight_mean": float(masked_mean(is_weights, mask)),
+            "optimizer_steps": float(steps), "tokens": float(mask.sum()),
+        }
+        if self.algorithm == "scst" and batch.greedy_rewards is not None:
+            metrics["greedy_reward"] = float(batch.greedy_rewards.mean())
+        if rl.ppo_like and old_values is not None and returns is not None:
+            metrics["explained_variance"] = _explained_variance(old_values, returns, valid)
+        self._warn(metrics, items, step)
+        if self.mask_model is not None and (step + 1) % rl.pg.nlpo_mask_refresh_steps == 0:
+            self.mask_model.load_state_dict(self.policy.model.state_dict())
+        return metrics
+
+    def _whiten(self, run: StepRunner, values: Tensor, mask: Tensor) -> Tensor:
+        """Whiten over the valid tokens of the whole batch (all ranks)."""
+        picked = torch.where(mask, values, torch.zeros_like(values)).double()
+        n = mask.sum().double()
+        sums = run.all_sum(torch.stack([picked.sum(), (picked**2).sum(), n]).cpu())
+        mean = sums[0] / sums[2].clamp(min=1)
+        var = (sums[1] / sums[2].clamp(min=1) - mean**2).clamp(min=0)
+        out = (values - mean.to(values)) * torch.rsqrt(var.to(values) + 1e-8)
+        return torch.where(mask, out, torch.zeros_like(out))
+
+    def _warn(self, metrics: dict[str, float], items: Sequence[ScoredGroup], step: int) -> None:
+        """The warnings peers' trackers show runs dying without (mismatched generation settings)."""
+        on_policy = all(g.policy_version == step for g in items)
+        if on_policy and metrics["sampler_ratio_max_dev"] > ON_POLICY_RATIO_TOLERANCE and "ratio" not in self._warned:
+            self._warned.add("ratio")
+            log.warning("step %d: on-policy samples, yet the learner's probabilities differ from the sampler's (max "
+                        "|ratio - 1| = %.3g): the generation settings differ between sampler and learner "
+                        "(rollout.temperature / top_k / top_p), dropout is on, or the sampler is quantised "
+                        "(rollout.ct2_compute_type; truncated importance weights correct for it)", step,
+                        metrics["sampler_ratio_max_dev"])
+        if metrics["kl_k1"] < -0.01 and "kl" not in self._warned:
+            self._warned.add("kl")
+            log.warning("step %d: the KL estimate to the reference is negative (k1 token mean %.4f): the samples' "
+                        "log-probs do not come from the policy being trained (generation settings or a "
+                        "reference other than the start)", step, metrics["kl_k1"])
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"kl": self.kl.state_dict()}
+        head = getattr(self.module, "value_head", None)
+        if head is not None:
+            state["value_head"] = {k: v.detach().cpu().clone() for k, v in head.state_dict().items()}
+        if self.mask_model is not None:
+            state["mask_model"] = {k: v.detach().cpu().clone() for k, v in self.mask_model.state_dict().items()}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kl.load_state_dict(state["kl"])
+        head = getattr(self.module, "value_head", None)
+        if head is not None:
+            head.load_state_dict(state["value_head"])
+        if self.mask_model is not None:
+            self.mask_model.load_state_dict(state["mask_model"])
+
+
+def _explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the valid tokens (1: perfect critic, <= 0: useless)."""
+    var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    diff = returns - values
+    var_diff = masked_mean((diff - masked_mean(diff, mask)) ** 2, mask)
+    return float(1 - var_diff / var) if var > 0 else 0.0
+
+
+Objective = RankObjective | PolicyGradientObjective
+
+
+def build_objective(rl: RLConfig, rollout: RolloutConfig, policy: Policy, *, seed: int,
+                    reference: nn.Module | None = None) -> Objective:
+    """The objective of ``rl.algorithm`` for ``policy``."""
+    if rl.algorithm == "rank":
+        return RankObjective(rl, policy)
+    return PolicyGradientObjective(rl, rollout, policy, seed=seed, reference=reference)

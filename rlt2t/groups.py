@@ -1,0 +1,298 @@
+"""The RL job's Ray side: starting Ray, checking that the cluster can hold the job, and the actor groups
+(the learner group in one placement group, the rollout and reward worker pools).
+
+Role classes stay plain Python (``rlt2t.learner.learner.Learner``, ``rlt2t.actors.rollout.RolloutWorker``,
+...); ``ray.remote(...).options(...)`` is applied here, where they are launched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlt2t.common.config import Config
+from rlt2t.common.data import Example
+from rlt2t.common.types import ScoredGroup, ScoredPair
+from rlt2t.learner.learner import BatchTooLarge, Learner
+from rlt2t.scheduler import PoolState
+
+log = logging.getLogger("rlt2t.train")
+
+# Actors log through ours; transformers' progress bars and tokenizers' thread pools only add noise.
+# glibc malloc hands large freed blocks back to the OS and faults them in again on the next step. With
+# fixed thresholds a worker reuses its activation memory instead (bench/pipeline.py measured the
+# difference on a fresh learner actor's first steps). A value set in the driver's environment is passed on
+# instead; other allocators ignore these variables.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+WORKER_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+              "TOKENIZERS_PARALLELISM": "false", **{k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()}}
+
+
+class LearnerDied(RuntimeError):
+    """A learner rank died; the job stops and the newest checkpoint resumes it."""
+
+
+class ClusterTooSmall(ValueError):
+    """The cluster cannot hold what the job asks for (a setting to change, not a failure to retry)."""
+
+
+# --- what the job asks of the cluster ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Demand:
+    """One kind of actor the job starts: how many, and the resources of each."""
+
+    what: str
+    """The settings that size it, for messages (e.g. ``rl.rollout_workers=2 x rl.rollout_cpus=1``)."""
+    count: int
+    resources: dict[str, float]
+
+
+def job_demands(cfg: Config, *, policy_server: bool = False) -> list[Demand]:
+    """Every actor the RL job (and, deployed beside it, the policy server) asks the cluster for."""
+    r = cfg.rl
+
+    def bundle(cpus: float, gpus: float, extra: dict[str, float]) -> dict[str, float]:
+        return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **extra}
+
+    http_rollout, http_reward = cfg.rollout.source == "http", cfg.reward.source == "http"
+    demands = [
+        Demand(f"rl.learners={r.learners} x (rl.learner_cpus={r.learner_cpus:g}, rl.learner_gpus={r.learner_gpus:g}, "
+               f"rl.learner_resources={dict(r.learner_resources)})", r.learners,
+               bundle(r.learner_cpus, r.learner_gpus, dict(r.learner_resources))),
+        Demand(f"{len(cfg.rollout.urls)} HTTP rollout workers x 0.1 CPU" if http_rollout else
+               f"rl.rollout_workers={r.rollout_workers} x (rl.rollout_cpus={r.rollout_cpus:g}, "
+               f"rl.rollout_gpus={r.rollout_gpus:g}, rl.rollout_resources={dict(r.rollout_resources)})",
+               len(cfg.rollout.urls) if http_rollout else r.rollout_workers,
+               {"CPU": 0.1} if http_rollout else bundle(r.rollout_cpus, r.rollout_gpus, dict(r.rollout_resources))),
+        Demand(f"rl.reward_workers={r.reward_workers} x " + ("0.1 CPU (HTTP)" if http_reward else
+               f"rl.reward_cpus={r.reward_cpus:g}"), r.reward_workers, {"CPU": 0.1 if http_reward else r.reward_cpus}),
+    ]
+    if policy_server:
+        s = cfg.serve
+        demands.append(Demand(f"the policy server (serve.num_cpus={s.num_cpus:g}, serve.num_gpus={s.num_gpus:g}, "
+                              f"serve.resources={dict(s.resources)})", 1, bundle(s.num_cpus, s.num_gpus,
+                                                                                 dict(s.resources))))
+    return demands
+
+
+def check_fits(demands: Sequence[Demand], totals: dict[str, float], largest_node: dict[str, float]) -> None:
+    """Fail at once, naming the settings and the cluster's totals, when the cluster can never hold the job:
+    the sum of every resource asked for exceeds the cluster's total, or one actor exceeds every node."""
+    problems = []
+    for name in sorted({k for d in demands for k in d.resources}):
+        need = sum(d.count * d.resources.get(name, 0.0) for d in demands)
+        have = totals.get(name, 0.0)
+        if need > have + 1e-9:
+            parts = " + ".join(d.what for d in demands if d.resources.get(name))
+            problems.append(f"{name}: the job asks for {need:g} ({parts}) but the cluster has {have:g} in all")
+    for d in demands:
+        for name, amount in d.resources.items():
+            if amount > largest_node.get(name, 0.0) + 1e-9:
+                problems.append(f"{name}: one of {d.what} needs {amount:g}, more than any node offers "
+                                f"({largest_node.get(name, 0.0):g})")
+    if problems:
+        raise ClusterTooSmall("the Ray cluster cannot hold this job, it would wait forever:\n  " + "\n  ".join(problems)
+                              + "\n  lower those settings, or start the cluster with more resources "
+                              "(`make ray-up RAY_CPUS=...`)")
+
+
+def check_cluster(cfg: Config, *, policy_server: bool = False) -> None:
+    """:func:`check_fits` against the connected cluster's alive nodes."""
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    totals: dict[str, float] = {}
+    largest: dict[str, float] = {}
+    for res in nodes:
+        for k, v in res.items():
+            totals[k] = totals.get(k, 0.0) + v
+            largest[k] = max(largest.get(k, 0.0), v)
+    check_fits(job_demands(cfg, policy_server=policy_server), totals, largest)
+
+
+def init_ray(cfg: Config) -> None:
+    """Join the cluster at RAY_ADDRESS, or start an embedded local one sized for the job."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, runtime_env={"env_vars": WORKER_ENV})
+        return
+    need = sum(d.count * d.resources.get("CPU", 0.0) for d in job_demands(cfg))
+    # Logical CPUs: the embedded cluster may oversubscribe a small machine rather than refuse to start.
+    ray.init(num_cpus=max(math.ceil(need), os.cpu_count() or 1), include_dashboard=False,
+             log_to_driver=True, configure_logging=False, runtime_env={"env_vars": WORKER_ENV})
+
+
+def _unschedulable(what: str, timeout_s: float) -> str:
+    return (f"{what} could not be scheduled within rl.schedule_timeout_s={timeout_s:g} s: no node offers its "
+            "resources now (cluster totals: " + ", ".join(f"{k} {v:g}" for k, v in sorted(
+                ray.cluster_resources().items()) if not k.startswith("node:")) + ")")
+
+
+# --- the learner group ------------------------------------------------------------------------------------
+
+class LearnerGroup:
+    """N Learner actors in one placement group, forming one DDP world."""
+
+    def __init__(self, cfg: Config, init_checkpoint: Path, total_steps: int, *, reference_checkpoint: Path):
+        r = cfg.rl
+        bundles = [{"CPU": r.learner_cpus, **({"GPU": r.learner_gpus} if r.learner_gpus else {}),
+                    **r.learner_resources} for _ in range(r.learners)]
+        self.pg = placement_group(bundles, strategy="PACK")
+        self.ranks: list[Any] = []
+        self._preflight: list[ray.ObjectRef] = []
+        self._loading: list[ray.ObjectRef] = []  # resumed training states, sent and not yet confirmed
+        try:
+            self._start(cfg, init_checkpoint, total_steps, reference_checkpoint)
+        except BaseException:
+            self.shutdown()  # the placement group and any rank started must not outlive a failed start
+            raise
+
+    def _start(self, cfg: Config, init_checkpoint: Path, total_steps: int, reference_checkpoint: Path) -> None:
+        r = cfg.rl
+        try:
+            ray.get(self.pg.ready(), timeout=r.schedule_timeout_s)
+        except GetTimeoutError:
+            raise ClusterTooSmall(_unschedulable(f"the learner group ({r.learners} bundles of "
+                                                 f"{self.pg.bundle_specs[0]}: rl.learners, rl.learner_cpus / "
+                                                 "learner_gpus / learner_resources)", r.schedule_timeout_s)) from None
+        actor = ray.remote(Learner)
+        self.ranks = [
+            actor.options(
+                num_cpus=r.learner_cpus, num_gpus=r.learner_gpus, resources=dict(r.learner_resources), max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                                     placement_group_bundle_index=i),
+            ).remote(cfg.model, str(cfg.tokenizer_dir), r, cfg.rollout, init_checkpoint=str(init_checkpoint), rank=i,
+                     world_size=r.learners, total_steps=total_steps, seed=cfg.run.seed,
+                     max_source_len=cfg.data.max_source_len, max_target_len=cfg.data.max_target_len,
+                     threads=max(1, int(r.learner_cpus)), mixed_precision=cfg.run.mixed_precision,
+                     reference_checkpoint=str(reference_checkpoint))
+            for i in range(r.learners)
+        ]
+        address, port = self._get(self.ranks[0].rendezvous_address.remote())
+        self._get([rank.join.remote(address, port) for rank in self.ranks])
+        # Not waited for here: it runs while the rollout and reward workers start, and the first
+        # train_step_async checks its outcome (each actor runs its calls in order, so no step overtakes it).
+        self._preflight = [rank.preflight.remote() for rank in self.ranks] if r.preflight else []
+
+    def _get(self, refs):
+        """ray.get, failing on the first rank that fails: under DDP the others may wait on it forever."""
+        try:
+            if not isinstance(refs, list):
+                return ray.get(refs)
+            remaining = list(refs)
+            while remaining:
+                done, remaining = ray.wait(remaining, num_returns=1)
+                ray.get(done)  # raises this rank's error now
+            return ray.get(refs)
+        except (RayActorError, RayTaskError) as e:
+            raise LearnerDied(f"a learner rank failed: {e}") from e
+
+    def check_preflight(self) -> None:
+        """Surface the preflight's outcome (once): an out-of-memory error there fails the job before training."""
+        if not self._preflight:
+            return
+        refs, self._preflight = self._preflight, []
+        try:
+            stats = self._get(refs)
+        except LearnerDied as e:
+            cause = getattr(e.__cause__, "cause", None)  # the rank's own exception, inside Ray's RayTaskError
+            if isinstance(cause, BatchTooLarge):
+                raise ValueError(str(cause)) from None  # a setting to change: resuming would fail the same way
+            raise
+        first = stats[0]
+        log.info("rl: learner preflight on the largest batch (%d sources per rank, %d source / %d target tokens): "
+                 "%.1f s, peak memory %.2f GiB (rank 0)", first["sources"], first["source_tokens"],
+                 first["target_tokens"], first["seconds"], first["peak_memory_gib"])
+
+    def _settle(self) -> None:
+        """Confirm the setup calls not waited for (preflight, resumed states) before anything uses the
+        learners' state: a rank that failed to load its state must not train or be checkpointed."""
+        self.check_preflight()
+        if self._loading:
+            refs, self._loading = self._loading, []
+            self._get(refs)
+
+    def train_step_async(self, items: Sequence[ScoredPair] | Sequence[ScoredGroup]) -> list[ray.ObjectRef]:
+        """Shard a global batch over the ranks (rank i takes items i, i+N, ...)."""
+        self._settle()
+        n = len(self.ranks)
+        return [rank.train_step.remote(list(items[i::n])) for i, rank in enumerate(self.ranks)]
+
+    def result(self, refs: list[ray.ObjectRef]) -> dict[str, float]:
+        return self._get(refs)[0]  # scalars are already averaged over ranks
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        self._settle()
+        return self._get(self.ranks[0].weights.remote())
+
+    def training_states(self) -> list[dict[str, Any]]:
+        self._settle()
+        return self._get([r.training_state.remote() for r in self.ranks])
+
+    def load_training_states(self, states: list[dict[str, Any]]) -> None:
+        if len(states) != len(self.ranks):
+            raise ValueError(f"checkpoint has {len(states)} learner states, the job has {len(self.ranks)} ranks "
+                             "(rl.learners must match to resume exactly)")
+        # Not waited for: queued behind the preflight, so the first rollouts need not wait for either.
+        # Each rank runs its calls in order, and _settle confirms the load before the state is used.
+        self._loading = [r.load_training_state.remote(s) for r, s in zip(self.ranks, states, strict=True)]
+
+    def evaluate(self, examples: Sequence[Example], cfg: Config) -> dict[str, float]:
+        self._settle()
+        return self._get([r.evaluate.remote(list(examples), cfg.metric, cfg.eval.max_new_tokens)
+                          for r in self.ranks])[0]
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(Exception):  # best effort on the way out
+            ray.get([r.shutdown.remote() for r in self.ranks], timeout=30)
+        for r in self.ranks:
+            ray.kill(r)
+        remove_placement_group(self.pg)
+
+
+# --- worker pools -----------------------------------------------------------------------------------------
+
+class WorkerPool:
+    """Rollout or reward actors, restarted by Ray when they die. Which worker gets a task, and the cooldown
+    of a failed one, are the scheduler's (``state``, a :class:`rlt2t.scheduler.PoolState`)."""
+
+    def __init__(self, cls: type, n: int, *, num_cpus: float, num_gpus: float, max_restarts: int, args: tuple,
+                 kwargs: dict, resources: dict[str, float] | None = None,
+                 per_actor_args: Sequence[tuple] | None = None, what: str = ""):
+        remote = ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=dict(resources or {}),
+                                         max_restarts=max_restarts, max_task_retries=0)
+        own = list(per_actor_args) if per_actor_args is not None else [()] * n
+        if len(own) != n:
+            raise ValueError(f"per_actor_args: {len(own)} entries for {n} workers")
+        self.cls = cls
+        self.what = what or cls.__name__
+        self.actors = [remote.remote(*extra, *args, **kwargs) for extra in own]
+        self.state = PoolState(n)
+
+    def wait_started(self, timeout_s: float) -> None:
+        """Fail the job, naming the settings, when a worker cannot be placed (or fails to start) in time."""
+        refs = [a.pid.remote() for a in self.actors]
+        done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            raise ClusterTooSmall(_unschedulable(self.what, timeout_s))
+        ray.get(done)  # a constructor that raised fails the job here, with its own message
+
+    def shutdown(self) -> None:
+        """Let workers release what they hold (``close``, best effort: ``ray.kill`` skips finalizers)."""
+        if hasattr(self.cls, "close"):
+            with contextlib.suppress(Exception):
+                ray.wait([a.close.remote() for a in self.actors], num_returns=len(self.actors), timeout=30)
+        for a in self.actors:
+            ray.kill(a)

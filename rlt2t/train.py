@@ -1,0 +1,483 @@
+"""The RL job (`rlt2t train`): rollout and reward actors feeding a DDP learner group, wired on Ray.
+
+    init → groups → for epoch: sample → score → learn → publish → evaluate → checkpoint → log
+
+One loop for every algorithm (``rl.algorithm``): what the rollouts return, how rewards become advantages
+and the loss are the algorithm's units (``rlt2t.common.types.RolloutSpec``, ``rlt2t.learner.objectives``);
+the decisions of the loop (dispatch, retries, reorder buffer, staleness, queued learner steps) are
+``rlt2t.scheduler``'s, tested without Ray. Rollouts run ahead of the learner (a bounded number of chunks in
+flight) while it trains on what is already scored: the pipeline is asynchronous, the result is not
+timing-dependent.
+
+Weights travel through the object store: one ``ray.put`` per version, one reference shared by every
+rollout worker (no shared filesystem assumed). A worker that does not hold the version a chunk needs
+loads it from that reference, so a worker restarted by Ray needs nothing special. A dead learner fails
+the job; the last checkpoint resumes it, bit for bit on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from tqdm.auto import tqdm
+
+from rlt2t.actors.reward import RewardWorker
+from rlt2t.actors.rollout import RolloutWorker
+from rlt2t.common.batching import encode_texts
+from rlt2t.common.checkpoint import (
+    BestCheckpoint,
+    CheckpointInfo,
+    checkpoint_name,
+    load_training_state,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from rlt2t.common.config import Config
+from rlt2t.common.data import Example
+from rlt2t.common.metrics import DocumentFrequency
+from rlt2t.common.plots import plot_curves
+from rlt2t.common.policy import Policy, load_policy
+from rlt2t.common.tracking import RunLogger
+from rlt2t.common.types import RolloutSpec
+from rlt2t.common.waiting import NotYet, wait_until
+from rlt2t.groups import LearnerGroup, WorkerPool, check_cluster, init_ray
+from rlt2t.learner.trainer import epoch_order
+from rlt2t.scheduler import Chunk, ChunkFailed, EpochScheduler, needed_version
+from rlt2t.services.http import load_token
+from rlt2t.services.remote_workers import HttpRewardWorker, HttpRolloutWorker
+
+log = logging.getLogger("rlt2t.train")
+
+STAGE = "rl"
+
+
+@dataclass
+class TrainResult:
+    checkpoint: Path
+    steps: int
+    history: list[dict[str, float]] = field(default_factory=list)
+    redispatched: int = 0
+    items_used: int = 0
+    """Sources trained on (rank RL: pairs)."""
+    out_of_order: int = 0
+    """Chunks handed to the learner ahead of an earlier one (only when rl.deterministic is off)."""
+
+
+def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *, init: Path,
+          resume_from: CheckpointInfo | None = None, stop_after_steps: int = 0) -> TrainResult:
+    """Run ``rl.algorithm`` from ``init`` (an SFT checkpoint, also the reference policy of the KL) or resume
+    ``resume_from``; returns the last checkpoint."""
+    r = cfg.rl
+    out_dir = cfg.run_dir / STAGE
+    examples = _subset(cfg, train_set)
+    steps_per_epoch = math.ceil(len(examples) / r.batch_size)
+    total_steps = r.epochs * steps_per_epoch if not r.max_steps else min(r.max_steps, r.epochs * steps_per_epoch)
+    spec = RolloutSpec.for_algorithm(r.algorithm, kl=r.uses_kl, mask_top_p=r.pg.nlpo_top_p)
+    init_ray(cfg)
+    check_cluster(cfg)
+    # CIDEr-D document frequencies: once, from the training references, shipped to every reward worker.
+    df = DocumentFrequency.from_references([[e.target] for e in examples])
+    df.save(out_dir / "document_frequency.json")  # for reward / policy servers scoring this task
+    start = Path(resume_from.path) if resume_from else init
+    job = _Job.start(cfg, spec, start=start, init=init, total_steps=total_steps, df=df)
+    try:
+        return job.run(examples, valid, resume_from=resume_from, steps_per_epoch=steps_per_epoch,
+                       total_steps=total_steps, stop_after_steps=stop_after_steps)
+    finally:
+        job.release()
+
+
+def _subset(cfg: Config, train_set: Sequence[Example]) -> list[Example]:
+    r = cfg.rl
+    if r.train_subset and r.train_subset < len(train_set):
+        log.warning("rl: rl.train_subset=%d: training on %d of %d sources (set 0 for all)", r.train_subset,
+                    r.train_subset, len(train_set))
+        train_set = train_set[: r.train_subset]
+    if len(train_set) < r.learners:
+        raise ValueError(f"rl: {len(train_set)} training examples for {r.learners} learner ranks")
+    return list(train_set)
+
+
+def count_truncated(policy: Policy, examples: Sequence[Example], max_source_len: int) -> int:
+    """Sources longer than ``max_source_len`` tokens (EOS included): the rollout workers cut them."""
+    lengths = [len(x) for x in policy.tokenizer([e.source for e in examples], add_special_tokens=True)["input_ids"]]
+    return sum(n > max_source_len for n in lengths)
+
+
+def truncate_sources(examples: list[Example], policy: Policy, max_source_len: int) -> list[Example]:
+    """Examples whose source is longer than ``max_source_len`` tokens (EOS included) get the decoded
+    truncated source (policy servers tokenise on their side); the others are returned as they are."""
+    tok = policy.tokenizer
+    sources = [e.source for e in examples]
+    lengths = [len(x) for x in tok(sources, add_special_tokens=True)["input_ids"]]
+    long = [i for i, n in enumerate(lengths) if n > max_source_len]
+    if not long:
+        return examples
+    ids, _ = encode_texts(tok, [sources[i] for i in long], max_source_len)
+    out = list(examples)
+    for i, x in zip(long, ids, strict=True):
+        out[i] = dataclasses.replace(out[i], source=" ".join(tok.decode(x, skip_special_tokens=True).split()))
+    log.warning("rl: truncated %d of %d sources to data.max_source_len=%d tokens for the policy servers",
+                len(long), len(examples), max_source_len)
+    return out
+
+
+def wait_for_servers(cfg: Config, published_dir: Path, token: str | None) -> None:
+    """Block until every policy / reward server of an http source answers /readyz (rollout.timeout_s)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    servers = [(u, "policy", f"rlt2t serve policy --checkpoint-dir {published_dir}") for u in cfg.rollout.urls
+               if cfg.rollout.source == "http"]
+    if cfg.reward.source == "http":
+        servers.append((cfg.reward.url or "", "reward", "rlt2t serve reward --document-frequency "
+                        f"{published_dir.parent / 'document_frequency.json'}"))
+    for url, kind, how in servers:
+        def ready(url: str = url, kind: str = kind) -> None:
+            try:
+                status = httpx.get(f"{url.rstrip('/')}/readyz", headers=headers, timeout=5).status_code
+            except httpx.HTTPError as e:
+                raise NotYet(type(e).__name__) from None
+            if status in (401, 403):
+                raise RuntimeError(f"rl: the {kind} server at {url} refused our bearer token (HTTP {status}); "
+                                   f"set serve.token_file or ${cfg.serve.token_env} to the server's token")
+            if status != 200:
+                raise NotYet(f"HTTP {status}")
+
+        wait_until(ready, timeout_s=cfg.rollout.timeout_s, interval_s=0.5, error=RuntimeError,
+                   what=f"rl: the {kind} server at {url} was not ready (rollout.timeout_s; start it with: {how})",
+                   on_wait=lambda _, url=url, kind=kind, how=how: log.info(
+                       "rl: waiting for the %s server at %s (start it with: %s)", kind, url, how))
+
+
+class _Publisher:
+    """Published policy versions: object-store references (and, for policy servers, checkpoint dirs)."""
+
+    def __init__(self, learners: LearnerGroup, saver: Policy, published_dir: Path | None,
+                 start_weights: dict[str, torch.Tensor], start_version: int) -> None:
+        self.learners, self.saver, self.dir = learners, saver, published_dir
+        self.refs: dict[int, ray.ObjectRef] = {}
+        # The weights the run starts from are the checkpoint the driver loaded too: the first publish ships
+        # these, so the first rollouts need not wait for the learner (busy with its preflight then).
+        self._start: dict[str, torch.Tensor] | None = start_weights
+        self._start_version = start_version
+
+    def publish(self, version: int, weights: dict[str, torch.Tensor] | None = None) -> None:
+        if version in self.refs:
+            return
+        if weights is None:
+            if version == self._start_version and self._start is not None:
+                weights = self._start
+            else:
+                weights = self.learners.weights()
+        self.refs[version] = ray.put(weights)
+        if self.dir is not None:
+            self._write(version, weights)
+
+    def _write(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Policy servers (rollout.source=http) load the learner's weights from here (hot reload)."""
+        assert self.dir is not None
+        self.saver.model.load_state_dict(weights)
+        save_checkpoint(self.dir, checkpoint_name(step=version), model=self.saver.model, tokenizer=self.saver.tokenizer,
+                        step=version, meta={"stage": f"{STAGE}-published", "policy_version": version})
+        prune_checkpoints(self.dir, keep_last=2)
+        log.info("rl: published version %d to %s", version, self.dir)
+
+    def drop_start_weights(self) -> None:
+        self._start = None
+
+    def kept(self, below: int) -> dict[int, dict[str, torch.Tensor]]:
+        """Weights of the versions a resumed run may still need (for its checkpoint)."""
+        return {v: ray.get(ref) for v, ref in self.refs.items() if v < below}
+
+    def prune(self, below: int) -> None:
+        for v in [v for v in self.refs if v < below]:
+            del self.refs[v]
+
+
+@dataclass
+class _Job:
+    cfg: Config
+    spec: RolloutSpec
+    learners: LearnerGroup
+    rollouts: WorkerPool
+    rewards: WorkerPool
+    saver: Policy
+    """The driver's copy of the policy: writes checkpoints (and published versions for policy servers)."""
+    token: str | None
+    init: Path
+    """The run's start: the reference policy of the KL, kept in every checkpoint's meta for resumes."""
+
+    @classmethod
+    def start(cls, cfg: Config, spec: RolloutSpec, *, start: Path, init: Path, total_steps: int,
+              df: DocumentFrequency) -> _Job:
+        """The learner group, rollout and reward pools, and the driver's checkpoint writer; nothing
+        outlives a failed start (a standing cluster must not keep placement groups or actors)."""
+        r = cfg.rl
+        learners = rollouts = rewards = None
+        try:
+            learners = LearnerGroup(cfg, start, total_steps, reference_checkpoint=init)
+            token = load_token(cfg.serve) if "http" in (cfg.rollout.source, cfg.reward.source) else None
+            if cfg.rollout.source == "http":
+                # One light actor per policy server: they wait on HTTP, so they reserve little CPU.
+                rollouts = WorkerPool(HttpRolloutWorker, len(cfg.rollout.urls), num_cpus=0.1, num_gpus=0,
+                                      max_restarts=r.max_restarts, args=(),
+                                      kwargs=dict(rollout=cfg.rollout, seed=cfg.run.seed, token=token),
+                                      per_actor_args=[(url,) for url in cfg.rollout.urls], what="HTTP rollout workers")
+            else:
+                reference = None
+                if spec.reference:
+                    reference = ray.put(load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=init).model.state_dict())
+                rollouts = WorkerPool(RolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus, num_gpus=r.rollout_gpus,
+                                      max_restarts=r.max_restarts, resources=r.rollout_resources,
+                                      args=(cfg.model, str(cfg.tokenizer_dir), cfg.rollout),
+                                      kwargs=dict(seed=cfg.run.seed, max_source_len=cfg.data.max_source_len, spec=spec,
+                                                  reference_weights=reference),
+                                      what=f"the rollout workers (rl.rollout_workers={r.rollout_workers}, "
+                                           f"rl.rollout_cpus={r.rollout_cpus:g}, rl.rollout_gpus={r.rollout_gpus:g}, "
+                                           f"rl.rollout_resources={dict(r.rollout_resources)})")
+            if cfg.reward.source == "http":
+                rewards = WorkerPool(HttpRewardWorker, r.reward_workers, num_cpus=0.1, num_gpus=0,
+                                     max_restarts=r.max_restarts, args=(cfg.reward.url, cfg.reward),
+                                     kwargs=dict(token=token), what="HTTP reward workers")
+            else:
+                rewards = WorkerPool(RewardWorker, r.reward_workers, num_cpus=r.reward_cpus, num_gpus=0,
+                                     max_restarts=r.max_restarts, args=(cfg.reward, df), kwargs={},
+                                     what=f"the reward workers (rl.reward_workers={r.reward_workers}, "
+                                          f"rl.reward_cpus={r.reward_cpus:g})")
+            saver = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=start)
+            rollouts.wait_started(r.schedule_timeout_s)
+            rewards.wait_started(r.schedule_timeout_s)
+        except BaseException:
+            _release(learners, rollouts, rewards)
+            raise
+        return cls(cfg, spec, learners, rollouts, rewards, saver, token, init)
+
+    def release(self) -> None:
+        _release(self.learners, self.rollouts, self.rewards)
+
+    def run(self, examples: list[Example], valid: Sequence[Example], *, resume_from: CheckpointInfo | None,
+            steps_per_epoch: int, total_steps: int, stop_after_steps: int) -> TrainResult:
+        cfg, r = self.cfg, self.cfg.rl
+        ckpt_root = self.cfg.run_dir / STAGE / "checkpoints"
+        http_rollout = cfg.rollout.source == "http"
+        published_dir = cfg.run_dir / STAGE / "published"
+        if http_rollout:
+            # Versions a crashed or earlier run published are not this run's weights: servers must not see them.
+            shutil.rmtree(published_dir, ignore_errors=True)
+            # Policy servers tokenise on their side: cut sources to data.max_source_len here, as the Ray
+            # rollout workers do, so the servers sample from the context the learner trains on.
+            examples = truncate_sources(examples, self.saver, cfg.data.max_source_len)
+        step, epoch0 = 0, 0
+        start_weights = {k: v.detach().clone() for k, v in self.saver.model.state_dict().items()}
+        publisher = _Publisher(self.learners, self.saver, published_dir if http_rollout else None, start_weights,
+                               resume_from.step if resume_from else 0)
+        best = BestCheckpoint.from_meta(resume_from.meta if resume_from else None)
+        if resume_from is not None:
+            state = load_training_state(resume_from.path)
+            self.learners.load_training_states(state["learners"])
+            for v, w in sorted(state["published"].items()):
+                publisher.publish(int(v), w)
+            step, epoch0 = resume_from.step, resume_from.meta["epoch"]
+            log.info("rl: resuming from %s (step %d, epoch %d)", resume_from.path, step, epoch0)
+        log.info("rl: %s on %d sources, %d steps/epoch, %d steps, batch %d, K %d", r.algorithm, len(examples),
+                 steps_per_epoch, total_steps, r.batch_size, cfg.rollout.num_samples)
+        logger = RunLogger(cfg.run_dir / "logs" / STAGE, STAGE)
+        bar = tqdm(total=total_steps, initial=step, desc=f"rl:{r.algorithm}", disable=True if not cfg.run.progress
+                   else None, dynamic_ncols=True)
+        result = TrainResult(checkpoint=Path(self.saver.origin), steps=step)
+
+        def checkpoint(epoch: int, batch_in_epoch: int, at: int, metrics: dict[str, float]) -> Path:
+            self.saver.model.load_state_dict(self.learners.weights())
+            name = checkpoint_name(epoch=epoch) if batch_in_epoch == 0 else checkpoint_name(step=at)
+            if batch_in_epoch == 0 and "monitor" in metrics:
+                best.offer(metrics["monitor"], ckpt_root / name)
+            path = save_checkpoint(ckpt_root, name, model=self.saver.model, tokenizer=self.saver.tokenizer, step=at,
+                                   meta={"stage": STAGE, "algorithm": r.algorithm, "init": str(self.init), "epoch": epoch,
+                                         "batch_in_epoch": batch_in_epoch, "policy_version": at, "metrics": metrics,
+                                         "best": best.meta(), "total_steps": total_steps},
+                                   training_state={"learners": self.learners.training_states(),
+                                                   "published": publisher.kept(below=at)})
+            prune_checkpoints(ckpt_root, r.keep_last, protect=best.protect())
+            return path
+
+        try:
+            if http_rollout:
+                publisher.publish(step)  # the servers need weights to load before they can answer
+                wait_for_servers(cfg, published_dir, self.token)
+            if r.refresh_every_steps and step % r.refresh_every_steps == 0:
+                publisher.publish(step)  # the learner holds exactly these weights now (start, or a resumed checkpoint)
+            for epoch in range(epoch0, r.epochs):
+                if step >= total_steps:
+                    break
+                epoch_start = epoch * steps_per_epoch
+                chunks = self._plan(examples, epoch, epoch_start, step, steps_per_epoch, total_steps)
+                if r.refresh_every_steps == 0:
+                    publisher.publish(epoch_start)
+                for c in chunks:
+                    if c.mask_version is not None and c.mask_version <= step:
+                        publisher.publish(c.mask_version)
+                publisher.drop_start_weights()  # published by now, or never needed (a run resumed mid-epoch)
+                truncated = count_truncated(self.saver, [e for c in chunks for e in c.examples], cfg.data.max_source_len)
+                if truncated:
+                    log.info("rl epoch %d: %d sources longer than data.max_source_len=%d tokens are cut to it", epoch,
+                             truncated, cfg.data.max_source_len)
+                sched = EpochScheduler(chunks, step=step, batch_size=r.batch_size, learners=r.learners,
+                                       max_inflight_chunks=r.max_inflight_chunks, ordered=self._ordered(),
+                                       rollouts=self.rollouts.state, rewards=self.rewards.state,
+                                       max_attempts=r.max_restarts + 1, refresh_every_steps=r.refresh_every_steps,
+                                       save_every_steps=r.save_every_steps, stop_after_steps=stop_after_steps)
+                last = self._run_epoch(sched, publisher, logger, bar, epoch, epoch_start, checkpoint, truncated)
+                step = sched.step
+                result.redispatched += sched.stats.redispatched
+                result.out_of_order += sched.stats.out_of_order
+                result.items_used += sched.stats.items_used
+                if sched.stopped:
+                    result.steps = step
+                    return result
+                sched.check_complete()
+                scores = self.learners.evaluate(valid, cfg) if valid else {}
+                if scores:
+                    logger.log(step, {**scores, "epoch": epoch}, kind="valid")
+                    log.info("rl epoch %d: %s", epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+                result.checkpoint = checkpoint(epoch + 1, 0, step, {**last, **scores})
+                result.history.append({"epoch": epoch, **scores})
+                publisher.prune(below=step - r.refresh_every_steps)  # no later chunk can need them
+            result.steps = step
+        finally:
+            bar.close()
+            logger.close()
+            plot_curves(logger.dir / "metrics.jsonl", logger.dir / "curves.png",
+                        title=f"RL ({r.algorithm}): {cfg.run_dir}")
+        return result
+
+    def _ordered(self) -> bool:
+        d = self.cfg.rl.deterministic
+        return d if d is not None else not torch.cuda.is_available()
+
+    def _plan(self, examples: list[Example], epoch: int, epoch_start: int, step: int, steps_per_epoch: int,
+              total_steps: int) -> list[Chunk]:
+        """This epoch's chunks from the learner's position on, each with the version that samples it."""
+        r = self.cfg.rl
+        first_batch = step - epoch_start
+        order = epoch_order(len(examples), self.cfg.run.seed, epoch)[first_batch * r.batch_size:]
+        last_batch = min(steps_per_epoch, total_steps - epoch_start)
+        chosen = [examples[i] for i in order][: (last_batch - first_batch) * r.batch_size]
+        chunks = []
+        for i, o in enumerate(range(0, len(chosen), r.chunk_size)):
+            version = needed_version(step + o // r.batch_size, epoch_start, r.refresh_every_steps)
+            mask = None
+            if r.algorithm == "nlpo":
+                n = r.pg.nlpo_mask_refresh_steps
+                mask = (version // n) * n
+            chunks.append(Chunk(i, chosen[o : o + r.chunk_size], version, mask))
+        return chunks
+
+    def _run_epoch(self, sched: EpochScheduler, publisher: _Publisher, logger: RunLogger, bar: Any, epoch: int,
+                   epoch_start: int, checkpoint: Callable[[int, int, int, dict[str, float]], Path],
+                   truncated: int) -> dict[str, float]:
+        """Sample → score → learn over one epoch's chunks, overlapping rollouts with learner steps."""
+        cfg, r = self.cfg, self.cfg.rl
+        http_rollout = cfg.rollout.source == "http"
+        pending: dict[ray.ObjectRef, tuple[str, int, int]] = {}  # ref -> (kind, chunk index, worker)
+        steps: deque[tuple[list[ray.ObjectRef], Any]] = deque()  # queued learner steps, oldest first
+        last: dict[str, float] = {}
+        window_t, window_items = time.perf_counter(), 0
+        busy_since = learner_busy = 0.0
+        epoch_t0 = time.perf_counter()
+        while not sched.finished:
+            for d in sched.rollout_dispatches(publisher.refs):
+                c = d.chunk
+                # Policy servers load published checkpoints themselves: do not ship them the weights.
+                weights = None if http_rollout else publisher.refs[c.version]
+                mask = None if c.mask_version is None else (c.mask_version, publisher.refs[c.mask_version])
+                actor = self.rollouts.actors[d.worker]
+                ref = (actor.sample_version.remote(c.version, weights, c.examples, mask) if mask is not None
+                       else actor.sample_version.remote(c.version, weights, c.examples))
+                pending[ref] = ("rollout", c.index, d.worker)
+            while (batch := sched.next_batch()) is not None:
+                if not steps:
+                    busy_since = time.perf_counter()
+                steps.append((self.learners.train_step_async(batch.items), batch))
+            waitable = list(pending) + (steps[0][0] if steps else [])
+            if not waitable:
+                wait = sched.retry_wait()
+                if wait is not None:
+                    time.sleep(wait)
+                    continue
+                version = sched.blocked_version()
+                raise RuntimeError(f"rl: the next chunk needs policy version {version} but the learner is at step "
+                                   f"{sched.step}; lower rl.refresh_every_steps or rl.max_inflight_chunks")
+            done, _ = ray.wait(waitable, num_returns=1, timeout=sched.retry_wait())
+            if not done:
+                continue  # a re-dispatch is due
+            ref = done[0]
+            if steps and ref in steps[0][0]:
+                learner_refs, batch = steps.popleft()
+                ray.wait(learner_refs, num_returns=len(learner_refs))
+                metrics = self.learners.result(learner_refs)
+                if not steps:
+                    learner_busy += time.perf_counter() - busy_since
+                at = sched.step_done()
+                window_items += batch.size
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+                if r.refresh_every_steps and at % r.refresh_every_steps == 0:
+                    publisher.publish(at)
+                if r.algorithm == "nlpo" and at % r.pg.nlpo_mask_refresh_steps == 0:
+                    publisher.publish(at)  # the masking policy of later chunks
+                if at % cfg.run.log_every == 0 or sched.finished:
+                    now = time.perf_counter()
+                    busy = learner_busy + (now - busy_since if steps else 0.0)
+                    last = {**metrics, "staleness_mean": batch.staleness_mean, "staleness_max": batch.staleness_max,
+                            "sources": batch.size, "epoch": epoch, "truncated_sources": truncated,
+                            "sources_per_s": window_items / max(now - window_t, 1e-9),
+                            "learner_busy": busy / max(now - epoch_t0, 1e-9),
+                            "redispatched": sched.stats.redispatched}
+                    logger.log(at, last)
+                    window_t, window_items = now, 0
+                if not math.isfinite(metrics["loss"]):
+                    raise FloatingPointError(f"rl: loss is {metrics['loss']} at step {at}; lower rl.lr")
+                if r.save_every_steps and at % r.save_every_steps == 0 and not sched.finished:
+                    checkpoint(epoch, at - epoch_start, at, last)
+                continue
+            kind, index, worker = pending.pop(ref)
+            try:
+                if kind == "rollout":
+                    ray.get(ref)  # surfaces a dead worker here, before scoring
+                    d = sched.rollout_done(index, worker)
+                    pending[self.rewards.actors[d.worker].score.remote(ref)] = ("reward", index, d.worker)
+                else:
+                    sched.reward_done(index, worker, ray.get(ref))
+            except (RayActorError, RayTaskError) as e:
+                try:
+                    when = sched.task_failed(kind, index, worker, unavailable=isinstance(e, ActorUnavailableError),  # type: ignore[arg-type]
+                                             error=str(e))
+                except ChunkFailed as failed:
+                    raise RuntimeError(f"rl: {failed}") from e
+                log.warning("rl: %s worker %d failed on chunk %d (%s); re-dispatching%s", kind, worker, index,
+                            type(e).__name__, f" in {when - time.monotonic():.1f} s" if when > time.monotonic() else "")
+        if sched.stats.out_of_order:
+            log.info("rl: %d chunks reached the learner out of dataset order (rl.deterministic off)",
+                     sched.stats.out_of_order)
+        return last
+
+
+def _release(learners: LearnerGroup | None, *pools: WorkerPool | None) -> None:
+    if learners is not None:
+        learners.shutdown()
+    for pool in pools:
+        if pool is not None:
+            pool.shutdown()

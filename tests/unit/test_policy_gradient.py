@@ -1,0 +1,148 @@
+"""Policy-gradient algorithms end to end without Ray: a real RolloutWorker samples groups, a RewardWorker
+scores them, a Learner (world size 1) takes the step. The learner's log-probs must reproduce the sampler's
+on-policy (ratio 1), every algorithm must train, and the learner state must round-trip bitwise."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlt2t.actors.reward import RewardWorker
+from rlt2t.actors.rollout import RolloutWorker
+from rlt2t.common.config import ModelConfig, RewardConfig, RLConfig, RolloutConfig
+from rlt2t.common.data import Example
+from rlt2t.common.metrics import DocumentFrequency
+from rlt2t.common.policy import load_policy
+from rlt2t.common.types import ALGORITHMS, RolloutSpec
+from rlt2t.learner.learner import Learner
+
+MODEL = ModelConfig(preset="tiny", dropout=0.1)  # dropout in the config: the PG learner must turn it off
+EXAMPLES = [Example(id=f"ex{i}", source=" ".join(str(10 + (i * 7 + j) % 50) for j in range(3 + i % 4)),
+                    target=" ".join(str(10 + (i * 3 + j) % 50) for j in range(2 + i % 3))) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def init_dir(ids_tokenizer_dir, tmp_path_factory) -> Path:
+    """A tiny BART with wide weights (its samples depend on the source and vary) saved as a checkpoint."""
+    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in policy.model.parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 2.0 / param.shape[-1] ** 0.5)
+        policy.model.final_logits_bias[0, policy.tokenizer.eos_token_id] = 1.5
+    out = tmp_path_factory.mktemp("init")
+    policy.model.save_pretrained(out)
+    policy.tokenizer.save_pretrained(out)
+    return out
+
+
+def _rollout(init_dir: Path, rollout: RolloutConfig, spec: RolloutSpec) -> RolloutWorker:
+    weights = load_policy(MODEL, checkpoint=init_dir).model.state_dict()
+    worker = RolloutWorker(MODEL, str(init_dir), rollout, seed=3, max_source_len=16, spec=spec,
+                           reference_weights=weights if spec.reference else None)
+    worker.set_weights(0, weights)
+    return worker
+
+
+def _learner(init_dir: Path, rl: RLConfig, rollout: RolloutConfig) -> Learner:
+    return Learner(MODEL, None, rl, rollout, init_checkpoint=str(init_dir), rank=0, world_size=1, total_steps=10,
+                   seed=0, max_source_len=16, max_target_len=16)
+
+
+def _scored(worker: RolloutWorker, examples=EXAMPLES):
+    reward = RewardWorker(RewardConfig(), DocumentFrequency.from_references([[e.target] for e in EXAMPLES]))
+    return reward.score(worker.sample(examples))
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8)])
+def test_on_policy_ratio_is_one_for_the_torch_sampler(init_dir, temperature, top_k, top_p):
+    rollout = RolloutConfig(num_samples=4, top_k=top_k, top_p=top_p, temperature=temperature, max_new_tokens=8)
+    rl = RLConfig(algorithm="grpo", batch_size=8, lr=1e-3)
+    groups = _scored(_rollout(init_dir, rollout, RolloutSpec.for_algorithm("grpo", kl=True)))
+    metrics = _learner(init_dir, rl, rollout).train_step(groups)
+    assert metrics["sampler_ratio_max_dev"] < 1e-4, metrics
+    assert metrics["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    # The sampler's and the learner's (pre-step) raw log-probs agree, so the KL to the unchanged start is ~0.
+    assert abs(metrics["kl_k1"]) < 1e-4 and metrics["kl_k3"] < 1e-6
+
+
+def test_on_policy_ratio_is_one_for_the_ct2_float32_sampler_and_int8_differs(init_dir):
+    rollout = RolloutConfig(num_samples=4, top_k=5, temperature=0.8, max_new_tokens=8, backend="ct2",
+                            ct2_compute_type="float32")
+    rl = RLConfig(algorithm="rloo", batch_size=8, lr=1e-3)
+    spec = RolloutSpec.for_algorithm("rloo", kl=True)
+    metrics = _learner(init_dir, rl, rollout).train_step(_scored(_rollout(init_dir, rollout, spec)))
+    assert metrics["sampler_ratio_max_dev"] < 1e-3, metrics
+    int8 = rollout.model_copy(update={"ct2_compute_type": "int8"})
+    metrics8 = _learner(init_dir, rl, int8).train_step(_scored(_rollout(init_dir, int8, spec)))
+    # int8 weights draw from a slightly different distribution: the truncated importance weights see it
+    assert metrics8["sampler_ratio_max_dev"] > metrics["sampler_ratio_max_dev"]
+
+
+def test_rollout_groups_carry_what_each_algorithm_needs(init_dir):
+    rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=6)
+    groups = _rollout(init_dir, rollout, RolloutSpec.for_algorithm("scst", kl=True)).sample(EXAMPLES[:2])
+    for g in groups:
+        assert len(g.candidates) == 3 and g.greedy is not None and g.reference_logprobs is not None
+        for ids, lps, forced in zip(g.token_ids, g.sample_logprobs, g.forced_eos, strict=True):
+            assert 1 <= len(ids) <= 6 and len(lps) == len(ids)
+            assert forced == (len(ids) == 6)  # BART forces EOS at the limit
+    plain = _rollout(init_dir, rollout, RolloutSpec.for_algorithm("ppo", kl=False)).sample(EXAMPLES[:2])
+    assert all(g.greedy is None and g.reference_logprobs is None for g in plain)
+    # same seed, version and ids: the same samples (rollouts are a function of those alone)
+    assert [g.token_ids for g in plain] == [g.token_ids for g in groups]
+
+
+@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if a != "rank"])
+def test_every_algorithm_trains_and_logs(init_dir, algorithm):
+    rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
+    rl = RLConfig(algorithm=algorithm, batch_size=8, lr=3e-3, kl={"coef": 0.1, "target": 1.0, "horizon": 100},
+                  pg={"nlpo_top_p": 0.95, "nlpo_mask_refresh_steps": 1})
+    spec = RolloutSpec.for_algorithm(algorithm, kl=rl.uses_kl, mask_top_p=rl.pg.nlpo_top_p)
+    worker = _rollout(init_dir, rollout, spec)
+    learner = _learner(init_dir, rl, rollout)
+    before = learner.weights()
+    for step in range(2):
+        if algorithm == "nlpo":
+            worker.mask_model = copy.deepcopy(worker.policy.model)  # the masking policy: the current weights
+            worker.mask_model.load_state_dict(learner.objective.mask_model.state_dict())
+        metrics = learner.train_step(_scored(worker))
+        worker.set_weights(step + 1, learner.weights())
+    for key in ("loss", "reward_mean", "kl_k1", "kl_k3", "kl_coef", "clip_fraction", "approx_kl", "entropy",
+                "advantage_mean", "ratio_mean", "sampler_ratio_max_dev", "grad_norm", "step_s", "lr"):
+        assert key in metrics and torch.isfinite(torch.tensor(metrics[key])), key
+    assert metrics["sampler_ratio_max_dev"] < 1e-4  # every batch was sampled on-policy
+    after = learner.weights()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    epochs = 1 if algorithm in ("scst", "rloo", "grpo", "a2c") else 4
+    minibatches = 1 if algorithm in ("scst", "rloo", "grpo", "a2c") else 2
+    assert metrics["optimizer_steps"] == epochs * minibatches
+    if algorithm in ("ppo", "a2c", "nlpo"):
+        assert {"value_loss", "explained_variance"} <= set(metrics)
+    if algorithm == "scst":
+        assert "greedy_reward" in metrics
+    assert metrics["kl_coef"] != 0.1  # the adaptive controller moved it
+
+
+def test_ppo_state_round_trip_continues_bitwise(init_dir):
+    """Value head, KL controller, optimizer, schedule and RNG all come back: the next step is identical."""
+    rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8)
+    rl = RLConfig(algorithm="ppo", batch_size=8, lr=3e-3, kl={"coef": 0.1, "target": 1.0, "horizon": 50})
+    worker = _rollout(init_dir, rollout, RolloutSpec.for_algorithm("ppo", kl=True))
+    batches = [_scored(worker, EXAMPLES[:4]), _scored(worker, EXAMPLES[4:])]
+    a = _learner(init_dir, rl, rollout)
+    a.train_step(batches[0])
+    state, weights = a.training_state(), a.weights()
+    assert state["objective"]["kl"]["coef"] != 0.1 and "value_head" in state["objective"]
+    ma = a.train_step(batches[1])
+    b = _learner(init_dir, rl, rollout)
+    b.policy.model.load_state_dict(weights)
+    b.load_training_state(state)
+    mb = b.train_step(batches[1])
+    wa, wb = a.weights(), b.weights()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert ma["value_loss"] == mb["value_loss"] and ma["kl_coef"] == mb["kl_coef"]

@@ -1,0 +1,224 @@
+from __future__ import annotations
+
+import pytest
+
+from rlt2t.scheduler import needed_version
+
+
+def test_epoch_refresh_samples_with_the_epoch_start_weights():
+    assert [needed_version(s, 20, 0) for s in (20, 25, 39)] == [20, 20, 20]
+
+
+@pytest.mark.parametrize("refresh", [1, 2, 5])
+def test_step_refresh_bounds_staleness(refresh):
+    for step in range(60):
+        v = needed_version(step, 0, refresh)
+        assert v % refresh == 0 and v <= step
+        if step >= 2 * refresh:  # after the first two intervals: between N and 2N-1 steps stale
+            assert refresh <= step - v <= 2 * refresh - 1
+    # monotone in the step, so chunks dispatched in order never need an older version than earlier ones
+    versions = [needed_version(s, 0, refresh) for s in range(60)]
+    assert versions == sorted(versions)
+
+
+# --------------------------------------------------------------------------------------------------
+# EpochScheduler with fake rollout, reward and learner results (no Ray)
+# --------------------------------------------------------------------------------------------------
+
+from dataclasses import dataclass  # noqa: E402
+
+from rlt2t.common.data import Example  # noqa: E402
+from rlt2t.scheduler import Chunk, ChunkFailed, EpochScheduler, PoolState  # noqa: E402
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(frozen=True)
+class Item:
+    """A scored item as the reward workers return it (only what the scheduler reads)."""
+
+    example_id: str
+    policy_version: int
+
+
+def make(n_chunks=4, chunk=2, batch=4, learners=1, inflight=8, ordered=True, rollouts=2, rewards=1, attempts=2,
+         versions=None, **kw) -> tuple[EpochScheduler, Clock]:
+    clock = Clock()
+    chunks = [Chunk(i, [Example(id=f"{i}-{j}", source="1", target="2") for j in range(chunk)],
+                    (versions or [0] * n_chunks)[i]) for i in range(n_chunks)]
+    sched = EpochScheduler(chunks, step=0, batch_size=batch, learners=learners, max_inflight_chunks=inflight,
+                           ordered=ordered, rollouts=PoolState(rollouts, clock), rewards=PoolState(rewards, clock),
+                           max_attempts=attempts, clock=clock, **kw)
+    return sched, clock
+
+
+def scored(chunk: Chunk) -> list[Item]:
+    return [Item(e.id, chunk.version) for e in chunk.examples]
+
+
+def finish(sched: EpochScheduler, index: int) -> None:
+    """Rollout then reward of chunk ``index`` succeed."""
+    d = sched.rollout_done(index, 0)
+    sched.reward_done(index, d.worker, scored(sched.chunks[index]))
+
+
+def test_dispatch_is_bounded_and_spreads_over_the_least_busy_workers():
+    sched, _ = make(n_chunks=5, inflight=3)
+    sent = sched.rollout_dispatches(published={0})
+    assert [d.chunk.index for d in sent] == [0, 1, 2]  # the in-flight bound
+    assert [d.worker for d in sent] == [0, 1, 0]
+    assert sched.rollouts.busy == [2, 1]
+    assert sched.rollout_dispatches(published={0}) == []
+
+
+def test_a_chunk_waits_for_its_weights_version():
+    sched, _ = make(n_chunks=3, versions=[0, 0, 2])
+    assert [d.chunk.index for d in sched.rollout_dispatches(published={0})] == [0, 1]
+    assert sched.blocked_version() == 2
+    assert [d.chunk.index for d in sched.rollout_dispatches(published={0, 2})] == [2]
+
+
+def test_out_of_order_completions_reach_the_learner_in_dataset_order():
+    sched, _ = make(n_chunks=4, chunk=2, batch=4)
+    sched.rollout_dispatches(published={0})
+    for index in (2, 1, 3):  # chunk 0 is slow
+        finish(sched, index)
+    assert sched.next_batch() is None  # nothing may overtake chunk 0
+    finish(sched, 0)
+    first = sched.next_batch()
+    assert [i.example_id for i in first.items] == ["0-0", "0-1", "1-0", "1-1"]
+    second = sched.next_batch()
+    assert [i.example_id for i in second.items] == ["2-0", "2-1", "3-0", "3-1"]
+    assert sched.stats.out_of_order == 0
+
+
+def test_unordered_mode_takes_chunks_as_they_come_and_counts_it():
+    sched, _ = make(n_chunks=2, chunk=2, batch=2, ordered=False)
+    sched.rollout_dispatches(published={0})
+    finish(sched, 1)
+    batch = sched.next_batch()
+    assert [i.example_id for i in batch.items] == ["1-0", "1-1"]
+    assert sched.stats.out_of_order == 1
+
+
+def test_a_failed_chunk_goes_to_a_healthy_worker_at_once():
+    sched, clock = make(n_chunks=1, rollouts=2)
+    sched.rollout_dispatches(published={0})
+    assert sched.task_failed("rollout", 0, 0, unavailable=False, error="worker died") <= clock.now
+    (retry,) = sched.rollout_dispatches(published={0})
+    assert retry.worker == 1  # worker 0 cools down
+
+
+def test_a_failed_chunk_is_redispatched_after_the_cooldown_and_nothing_is_lost_or_reused():
+    sched, clock = make(n_chunks=2, chunk=2, batch=2, rollouts=1)
+    sched.rollout_dispatches(published={0})
+    when = sched.task_failed("rollout", 0, 0, unavailable=False, error="worker died")
+    assert when == clock.now + 0.5 and sched.rollouts.cooldown_until[0] == when
+    assert sched.retry_wait() == 0.5
+    assert sched.rollout_dispatches(published={0}) == []  # not yet due
+    clock.now = when
+    (retry,) = sched.rollout_dispatches(published={0})
+    assert retry.chunk.index == 0 and retry.chunk.attempts == 1
+    finish(sched, 0)
+    finish(sched, 1)
+    ids = [i.example_id for _ in range(2) for i in sched.next_batch().items]
+    assert ids == ["0-0", "0-1", "1-0", "1-1"]
+    assert sched.stats.redispatched == 1
+    with pytest.raises(RuntimeError, match="delivered twice"):
+        sched.reward_done(1, 0, [])
+
+
+def test_exhausted_retries_fail_the_job_naming_the_chunk():
+    sched, clock = make(n_chunks=1, attempts=2)
+    sched.rollout_dispatches(published={0})
+    sched.task_failed("rollout", 0, 0, unavailable=False, error="boom")
+    clock.now += 100
+    sched.rollout_dispatches(published={0})
+    with pytest.raises(ChunkFailed, match="chunk 0 failed 2 times.*boom"):
+        sched.task_failed("reward", 0, 0, unavailable=False, error="boom")
+
+
+def test_refusals_by_a_restarting_worker_are_bounded_apart_from_failures():
+    sched, clock = make(n_chunks=1, attempts=1, max_unavailable=3)
+    for _ in range(3):
+        sched.rollout_dispatches(published={0})
+        sched.task_failed("rollout", 0, 0, unavailable=True, error="restarting")
+        clock.now += 100
+    assert sched.chunks[0].attempts == 0
+    sched.rollout_dispatches(published={0})
+    with pytest.raises(ChunkFailed, match="refused 4 times"):
+        sched.task_failed("rollout", 0, 0, unavailable=True, error="restarting")
+
+
+def test_cooldown_doubles_per_consecutive_failure_and_resets_on_success():
+    clock = Clock()
+    pool = PoolState(2, clock)
+    for expected in (0.5, 1.0, 2.0):
+        pool.started(0)
+        pool.finished(0, ok=False)
+        assert pool.cooldown_until[0] == clock.now + expected
+    assert pool.pick() == 1  # worker 0 is cooling down
+    pool.started(0)
+    pool.finished(0, ok=True)
+    assert pool.failures[0] == 0
+
+
+def test_the_tail_batch_smaller_than_the_learner_group_gives_every_rank_an_item():
+    sched, _ = make(n_chunks=1, chunk=3, batch=4, learners=4)
+    sched.rollout_dispatches(published={0})
+    finish(sched, 0)
+    batch = sched.next_batch()  # the epoch's tail: 3 items for 4 ranks
+    assert batch.size == 3 and [i.example_id for i in batch.items] == ["0-0", "0-1", "0-2", "0-0"]
+    assert sched.stats.items_used == 3
+
+
+def test_staleness_is_measured_at_the_step_the_batch_trains_at_and_two_steps_queue_at_most():
+    sched, _ = make(n_chunks=6, chunk=2, batch=2, versions=[0] * 6)
+    sched.rollout_dispatches(published={0})
+    for i in range(6):
+        finish(sched, i)
+    a, b = sched.next_batch(), sched.next_batch()
+    assert (a.step, a.staleness_max, b.step, b.staleness_max) == (0, 0, 1, 1)
+    assert sched.next_batch() is None  # two queued: one running, one waiting
+    assert sched.step_done() == 1
+    c = sched.next_batch()
+    assert (c.step, c.staleness_mean) == (2, 2.0)
+
+
+def test_no_step_is_queued_behind_one_the_driver_acts_after():
+    sched, _ = make(n_chunks=4, chunk=2, batch=2, save_every_steps=1)
+    sched.rollout_dispatches(published={0})
+    for i in range(4):
+        finish(sched, i)
+    assert sched.next_batch() is not None
+    assert sched.next_batch() is None  # step 1 is a checkpoint: the driver acts before step 2 is queued
+    sched.step_done()
+    assert sched.next_batch() is not None
+
+
+def test_stop_after_steps_finishes_the_epoch_early():
+    sched, _ = make(n_chunks=4, chunk=2, batch=2, stop_after_steps=1)
+    sched.rollout_dispatches(published={0})
+    for i in range(4):
+        finish(sched, i)
+    sched.next_batch()
+    assert sched.next_batch() is None
+    sched.step_done()
+    assert sched.stopped and sched.finished
+    sched.check_complete()  # a stopped run may leave chunks unused
+
+
+def test_an_epoch_that_ends_with_chunks_unused_is_an_error():
+    sched, _ = make(n_chunks=2, chunk=2, batch=2)
+    sched.rollout_dispatches(published={0})
+    finish(sched, 0)
+    sched.next_batch()
+    sched.step_done()
+    with pytest.raises(RuntimeError, match="1 of 2 chunks unused"):
+        sched.check_complete()
