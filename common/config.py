@@ -250,6 +250,14 @@ class EvalConfig(_Section):
     """Sources per generate call."""
     limit: int = Field(0, ge=0)
     """Evaluate only the first N examples (0: all)."""
+    metrics: list[str] = Field(default_factory=lambda: ["cider_d", "bleu4", "task_score", "rouge_l", "mean_length"])
+    """Columns of the eval table: registered metric names (rouge1, meteor, sacrebleu, distinct_2, ...) and
+    `perplexity` (of the references under the model); `rlt2t eval --metrics` overrides it."""
+    classifier_path: str | None = None
+    """Sequence-classification model directory for the `classifier_accuracy` column (`{run}` expands)."""
+    classifier_label_field: str | None = None
+    """JSONL field holding each example's expected class (e.g. `intent`); None: the classifier's label of the
+    reference is expected."""
 
 
 class MetricConfig(_Section):

@@ -73,7 +73,7 @@ def test_meteor_synonyms_come_from_wordnet_by_hand():
     assert meteor.per_sample(["a dog ran"], [["a hound ran"]])[0] == pytest.approx(1 - 1 / 54, abs=1e-12)
     assert meteor.per_sample(["a cow ran"], [["a hound ran"]])[0] == pytest.approx(1 / 3, abs=1e-12)
     # The same reader object nltk would use (lower-casing, Porter stems, then synonyms).
-    direct = single_meteor_score("the Dogs ran".split(), "the hounds ran".split(), wordnet=nltk_wordnet())
+    direct = single_meteor_score(["the", "Dogs", "ran"], ["the", "hounds", "ran"], wordnet=nltk_wordnet())
     assert meteor.per_sample(["the hounds ran"], [["the Dogs ran"]])[0] == pytest.approx(direct, abs=1e-15)
     assert meteor.corpus(HYPS, REFS) == pytest.approx(float(np.mean(meteor.per_sample(HYPS, REFS))))
 
