@@ -82,6 +82,22 @@ class TokenizerConfig(_Section):
     """`subword` only: BPE vocabulary size."""
 
 
+class LoraConfig(_Section):
+    """LoRA adapters (through peft): only the low-rank adapter weights are trained, checkpointed and published."""
+
+    enabled: bool = False
+    """Train LoRA adapters on a frozen base instead of every weight (needs a pretrained base directory)."""
+    r: int = Field(8, ge=1)
+    """Rank of each adapter's update B·A."""
+    alpha: float = Field(16.0, gt=0.0)
+    """Scale: the update is (alpha / r)·B·A."""
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input."""
+    target_modules: list[str] | None = None
+    """Names of the linear layers to adapt (None: the family's attention query/value projections, by the
+    model's config.model_type: q_proj/v_proj for bart, mbart, marian, pegasus; q/v for t5, mt5)."""
+
+
 class ModelConfig(_Section):
     preset: Literal["tiny", "small", "base"] | None = "small"
     """Build from scratch with this shape: `tiny` (tests), `small` (a few M params), `base` (BART-base)."""
@@ -89,6 +105,8 @@ class ModelConfig(_Section):
     """A local pretrained BART directory (`from_pretrained`); takes precedence over `preset`."""
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
     """Dropout of a model built from a preset (also applied to a loaded model)."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters instead of full fine-tuning (model.lora.enabled, r, alpha, dropout, target_modules)."""
 
 
 class StageConfig(_Section):
