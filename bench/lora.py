@@ -82,8 +82,8 @@ def run_mode(mode: str, args: argparse.Namespace, tok_dir: str) -> dict:
     times = []
     for i in range(args.warmup + args.steps):
         j = (i * args.batch) % len(src)
-        batch = {k: v.to(device) for k, v in
-                 collate_seq2seq(src[j : j + args.batch], tgt[j : j + args.batch], policy.tokenizer.pad_token_id).items()}
+        cpu_batch = collate_seq2seq(src[j : j + args.batch], tgt[j : j + args.batch], policy.tokenizer.pad_token_id)
+        batch = {k: v.to(device) for k, v in cpu_batch.items()}
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -150,7 +150,8 @@ def main() -> None:
                    "step_s_ratio": round(full["step_s_median"] / lora["step_s_median"], 2),
                    "peak_memory_ratio": round(full["peak_memory_mib"] / lora["peak_memory_mib"], 2)}
         print("full / lora:", ", ".join(f"{k} {v}" for k, v in summary.items()))
-    print("saved", save(args.name, {"benchmark": "lora", "args": vars(args), "results": rows, "full_over_lora": summary}))
+    payload = {"benchmark": "lora", "args": vars(args), "results": rows, "full_over_lora": summary}
+    print("saved", save(args.name, payload))
 
 
 if __name__ == "__main__":

@@ -268,7 +268,7 @@ class EvalConfig(_Section):
     """Sources per generate call."""
     limit: int = Field(0, ge=0)
     """Evaluate only the first N examples (0: all)."""
-    metrics: list[str] = Field(default_factory=lambda: ["cider_d", "bleu4", "task_score", "rouge_l", "mean_length"])
+    metrics: list[str] = ["cider_d", "bleu4", "task_score", "rouge_l", "mean_length"]  # pydantic copies the default
     """Columns of the eval table: registered metric names (rouge1, meteor, sacrebleu, distinct_2, ...) and
     `perplexity` (of the references under the model); `rlt2t eval --metrics` overrides it."""
     classifier_path: str | None = None

@@ -31,7 +31,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 import numpy as np
 from nltk.stem.porter import PorterStemmer
 from nltk.translate.meteor_score import meteor_score
-from rouge_score import rouge_scorer
+from rouge_score import rouge_scorer, tokenizers
 from sacrebleu.metrics import BLEU, CHRF
 
 from rlt2t.common.io import atomic_write_text
@@ -566,9 +566,9 @@ class Rouge:
     than a-z and 0-9 is a separator; Porter stemming with ``use_stemmer=True``), which is what HF
     ``evaluate``'s rouge and so RL4LMs and OpenRL report: integer ids and English words come through, but
     text in other scripts is dropped entirely. ``tokenize="whitespace"`` keeps every whitespace token as it
-    is (case-sensitive), for such text. Several references: the best F-measure among them (rouge-score's
-    ``score_multi``). The corpus value is the mean of the per-sample F-measures (HF ``evaluate`` reports a
-    bootstrap estimate of the same mean).
+    is (case-sensitive; ``use_stemmer`` applies to the default tokenizer only), for such text. Several
+    references: the best F-measure among them (rouge-score's ``score_multi``). The corpus value is the mean of
+    the per-sample F-measures (HF ``evaluate`` reports a bootstrap estimate of the same mean).
     """
 
     def __init__(self, rouge_type: str = "rougeL", use_stemmer: bool = False, tokenize: str = "default"):
@@ -577,8 +577,9 @@ class Rouge:
         if tokenize not in ("default", "whitespace"):
             raise ValueError(f"tokenize must be 'default' (rouge-score's) or 'whitespace', got {tokenize!r}")
         self.name, self.rouge_type, self.use_stemmer, self.tokenize = rouge_type, rouge_type, use_stemmer, tokenize
-        self._scorer = rouge_scorer.RougeScorer(
-            [rouge_type], use_stemmer=use_stemmer, tokenizer=_WhitespaceTokenizer() if tokenize == "whitespace" else None)
+        # rouge-score's default tokenizer passed explicitly: the same tokenizer, without its log line per scorer.
+        tokenizer = _WhitespaceTokenizer() if tokenize == "whitespace" else tokenizers.DefaultTokenizer(use_stemmer)
+        self._scorer = rouge_scorer.RougeScorer([rouge_type], use_stemmer=use_stemmer, tokenizer=tokenizer)
 
     def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
         """F-measure per sample against its best reference; float64 [N] in [0, 1]."""

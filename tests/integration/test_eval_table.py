@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlt2t.common.checkpoint import save_checkpoint
-from rlt2t.common.config import load_config
+from rlt2t.common.config import LoraConfig, load_config
+from rlt2t.common.lora import apply_lora, load_merged_policy
 from rlt2t.common.policy import load_policy
 from rlt2t.eval_table import EvalTable, eval_table, resolve_metric_names, resolve_models
 from rlt2t.jobs import build_tokenizer_job, load_split, make_synthetic_data
@@ -93,7 +95,8 @@ def test_table_rows_are_each_models_own_evaluation(run):
 
 def test_formats():
     table = EvalTable(title="valid split, greedy decoding", split="valid", columns=["rouge1", "perplexity"],
-                      rows={"sft": {"rouge1": 0.16412, "perplexity": 40.91}, "rl": {"rouge1": 0.182, "perplexity": 44.03}},
+                      rows={"sft": {"rouge1": 0.16412, "perplexity": 40.91},
+                            "rl": {"rouge1": 0.182, "perplexity": 44.03}},
                       checkpoints={"sft": "/a", "rl": "/b"})
     assert table.to_markdown().splitlines()[2:] == [
         "| model | rouge1 | perplexity |", "| --- | ---: | ---: |",
@@ -121,3 +124,24 @@ def test_cli_prints_one_table_and_saves_it(run):
     bad = subprocess.run([sys.executable, "-m", "rlt2t.cli", "eval", "--config", TINY, f"run.dir={run}",
                           "--metrics", "bleu5"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert bad.returncode == 2 and "unknown metric(s) ['bleu5']" in bad.stderr
+
+
+def test_an_adapter_checkpoint_is_evaluated_merged(run, tmp_path):
+    """A LoRA stage's checkpoint (adapters + the base's path) is evaluated as base + adapters merged."""
+    cfg = _cfg(run, "eval.metrics=[rouge1,perplexity]")
+    base = run / "sft" / "checkpoints" / "epoch-0001"
+    model = apply_lora(load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=base).model, LoraConfig(r=4), seed=0)
+    model.peft_config["default"].base_model_name_or_path = str(base)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a trained-looking adapter: B != 0
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    ckpt = save_checkpoint(tmp_path / "lora" / "checkpoints", "epoch-0001", model=model,
+                           tokenizer=load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=base).tokenizer, step=1,
+                           meta={"best": None})
+    table = eval_table(cfg, {"sft": base, "lora": ckpt})
+    direct = evaluate(load_merged_policy(cfg.model, cfg.tokenizer_dir, ckpt), load_split(cfg, "valid"), cfg.eval,
+                      cfg.metric, cfg.data.max_source_len)
+    assert table.rows["lora"] == direct.metrics
+    assert table.rows["lora"]["perplexity"] != table.rows["sft"]["perplexity"]

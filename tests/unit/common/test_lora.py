@@ -64,7 +64,8 @@ def test_bad_targets_name_the_key():
 @pytest.fixture
 def batch():
     g = torch.Generator().manual_seed(0)
-    return {"input_ids": torch.randint(10, 60, (3, 7), generator=g), "attention_mask": torch.ones(3, 7, dtype=torch.long),
+    return {"input_ids": torch.randint(10, 60, (3, 7), generator=g),
+            "attention_mask": torch.ones(3, 7, dtype=torch.long),
             "labels": torch.randint(10, 60, (3, 5), generator=g)}
 
 
