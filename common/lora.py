@@ -23,8 +23,9 @@ API (``model`` is the ``PeftModel`` that :func:`apply_lora` returns):
   (a copy; the LoRA policy is left as it was): what CTranslate2 export and the torch server take.
 - Checkpoints: ``save_checkpoint(model=peft_model)`` writes peft's adapter directory (adapter_config.json
   naming the base directory, adapter_model.safetensors) instead of full weights; :func:`is_adapter_checkpoint`
-  recognises one, :func:`load_lora_policy` loads base + adapters (trainable, to resume) and
-  :func:`load_merged_policy` a merged plain policy (to evaluate, export or serve).
+  recognises one, :func:`load_lora_policy` loads base + adapters (trainable, to resume),
+  :func:`load_merged_policy` a merged plain policy (to evaluate or serve) and :func:`save_merged_model` writes
+  it as a model directory (to export: CTranslate2's converter reads directories).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ from peft import PeftModel, TaskType, get_peft_model, get_peft_model_state_dict,
 from transformers import PreTrainedModel
 
 from rlt2t.common.config import LoraConfig, ModelConfig
+from rlt2t.common.io import atomic_directory
 from rlt2t.common.policy import Policy, load_policy
+from rlt2t.common.tokenization import save_tokenizer
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -161,3 +164,14 @@ def load_merged_policy(model_cfg: ModelConfig, tokenizer_dir: str | Path | None,
     policy = load_lora_policy(model_cfg, tokenizer_dir, checkpoint)
     merged = policy.model.merge_and_unload()
     return Policy(model=merged, tokenizer=policy.tokenizer, origin=policy.origin)
+
+
+def save_merged_model(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, checkpoint: str | Path,
+                      out_dir: str | Path) -> Path:
+    """Write ``checkpoint``'s base + adapters merged as a plain model directory (weights, config, tokenizer),
+    atomically: what a converter that reads directories (CTranslate2 export) takes."""
+    policy = load_merged_policy(model_cfg, tokenizer_dir, checkpoint)
+    with atomic_directory(out_dir) as tmp:
+        policy.model.save_pretrained(tmp)
+        save_tokenizer(policy.tokenizer, tmp)
+    return Path(out_dir)

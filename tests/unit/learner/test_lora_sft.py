@@ -17,7 +17,13 @@ from rlt2t.common.checkpoint import (
     read_checkpoint,
 )
 from rlt2t.common.config import LoraConfig, ModelConfig, RunConfig, SFTConfig
-from rlt2t.common.lora import adapter_state_dict, is_adapter_checkpoint, load_lora_policy, load_merged_policy
+from rlt2t.common.lora import (
+    adapter_state_dict,
+    is_adapter_checkpoint,
+    load_lora_policy,
+    load_merged_policy,
+    save_merged_model,
+)
 from rlt2t.common.policy import load_policy
 from rlt2t.common.tokenization import save_tokenizer
 from rlt2t.learner.stages import run_sft
@@ -92,10 +98,15 @@ def test_merged_policy_matches_the_adapter_policy(full_run, ids_tokenizer_dir):
     tmp, result, src, tgt = full_run
     lora = load_lora_policy(MC, ids_tokenizer_dir, result.checkpoint)
     merged = load_merged_policy(MC, ids_tokenizer_dir, result.checkpoint)
+    # Written out as a plain model directory (for CTranslate2 export), it loads like any other.
+    saved = load_policy(MC, None, checkpoint=save_merged_model(MC, ids_tokenizer_dir, result.checkpoint,
+                                                               tmp / "merged"))
     batch = collate_seq2seq(src[:8], tgt[:8], lora.tokenizer.pad_token_id)
-    lora.model.eval(), merged.model.eval()
+    lora.model.eval(), merged.model.eval(), saved.model.eval()
     with torch.no_grad():
-        assert torch.allclose(merged.model(**batch).logits, lora.model(**batch).logits, atol=1e-5, rtol=0)
+        expected = lora.model(**batch).logits
+        assert torch.allclose(merged.model(**batch).logits, expected, atol=1e-5, rtol=0)
+        assert torch.equal(saved.model(**batch).logits, merged.model(**batch).logits)
 
 
 @pytest.mark.parametrize("kill_after", ["step-000003", "epoch-0001"])
