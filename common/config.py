@@ -82,6 +82,22 @@ class TokenizerConfig(_Section):
     """`subword` only: BPE vocabulary size."""
 
 
+class LoraConfig(_Section):
+    """LoRA adapters (through peft): only the low-rank adapter weights are trained, checkpointed and published."""
+
+    enabled: bool = False
+    """Train LoRA adapters on a frozen base instead of every weight (needs a pretrained base directory)."""
+    r: int = Field(8, ge=1)
+    """Rank of each adapter's update B·A."""
+    alpha: float = Field(16.0, gt=0.0)
+    """Scale: the update is (alpha / r)·B·A."""
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input."""
+    target_modules: list[str] | None = None
+    """Names of the linear layers to adapt (None: the family's attention query/value projections, by the
+    model's config.model_type: q_proj/v_proj for bart, mbart, marian, pegasus; q/v for t5, mt5)."""
+
+
 class ModelConfig(_Section):
     preset: Literal["tiny", "small", "base"] | None = "small"
     """Build from scratch with this shape: `tiny` (tests), `small` (a few M params), `base` (BART-base)."""
@@ -89,6 +105,8 @@ class ModelConfig(_Section):
     """A local pretrained BART directory (`from_pretrained`); takes precedence over `preset`."""
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
     """Dropout of a model built from a preset (also applied to a loaded model)."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters instead of full fine-tuning (model.lora.enabled, r, alpha, dropout, target_modules)."""
 
 
 class StageConfig(_Section):
@@ -347,6 +365,14 @@ class EvalConfig(_Section):
     """Sources per generate call."""
     limit: int = Field(0, ge=0)
     """Evaluate only the first N examples (0: all)."""
+    metrics: list[str] = ["cider_d", "bleu4", "task_score", "rouge_l", "mean_length"]  # pydantic copies the default
+    """Columns of the eval table: registered metric names (rouge1, meteor, sacrebleu, distinct_2, ...) and
+    `perplexity` (of the references under the model); `rlt2t eval --metrics` overrides it."""
+    classifier_path: str | None = None
+    """Sequence-classification model directory for the `classifier_accuracy` column (`{run}` expands)."""
+    classifier_label_field: str | None = None
+    """JSONL field holding each example's expected class (e.g. `intent`); None: the classifier's label of the
+    reference is expected."""
 
 
 class MetricConfig(_Section):

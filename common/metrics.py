@@ -8,10 +8,18 @@ reported in [0, 1] (sacrebleu's value / 100) so they mix with CIDEr-D without re
 Metrics are looked up by name (``get_metric("cider_d", sigma=15.0)``); ``register_metric`` adds new
 ones. CIDEr-D reproduces the coco-caption evaluator (pycocoevalcap ``cider_scorer.py``) to the last
 bit of its conventions, so numbers compare with published ones; see :class:`CiderD`.
+
+The rest come from the libraries everybody's published numbers come from: ROUGE-1/2/L/Lsum from
+``rouge-score`` (Google's reimplementation of ROUGE-1.5.5), METEOR from nltk (WordNet read from the local
+``wordnet-base`` data), SacreBLEU and chrF from sacrebleu; distinct-n, lengths and a classifier's accuracy
+over the outputs are counted here. Each class's docstring states its tokenisation, casing and whether the
+corpus value is a mean of sentence scores or a statistic over the whole corpus. Perplexity of the
+references needs the model, so it is not a text metric: see ``rlt2t.learner.evaluate``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -21,9 +29,13 @@ from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
 
 import numpy as np
+from nltk.stem.porter import PorterStemmer
+from nltk.translate.meteor_score import meteor_score
+from rouge_score import rouge_scorer, tokenizers
 from sacrebleu.metrics import BLEU, CHRF
 
 from rlt2t.common.io import atomic_write_text
+from rlt2t.common.wordnet import nltk_wordnet
 
 CIDER_MAX_ORDER = 4
 """CIDEr-D uses n-grams of 1..4 tokens."""
@@ -352,7 +364,12 @@ class Bleu4:
 class Chrf:
     """chrF from sacrebleu (character n-grams, best reference per sample), in [0, 1].
 
-    ``word_order=2`` gives chrF++. The corpus value is sacrebleu's corpus chrF.
+    sacrebleu's conventions: case-sensitive; whitespace is removed before character n-grams are counted,
+    so on integer-id texts ("12 7 401") the characters are digits of adjacent ids run together, and chrF
+    measures digit overlap rather than token overlap: use it on natural-language text. ``word_order=2``
+    gives chrF++. Per sample: sacrebleu's sentence chrF against the best-scoring reference. The corpus value
+    is sacrebleu's corpus chrF (character and word n-gram statistics summed over the samples, each with
+    its best reference, then one F-score), not the mean of the sentence scores.
     """
 
     name = "chrf"
@@ -510,6 +527,271 @@ class MeanLength:
         return float(np.mean(self.per_sample(hyps, refs)))
 
 
+class MaxLength(MeanLength):
+    """Hypothesis length in whitespace tokens (per sample) and its maximum (corpus); ignores the references."""
+
+    name = "max_length"
+
+    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
+        """Longest hypothesis, in tokens."""
+        validate_inputs(hyps, refs, allow_empty=False)
+        return float(np.max(self.per_sample(hyps, refs)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Library-backed: ROUGE (rouge-score), METEOR (nltk), SacreBLEU (sacrebleu)
+# --------------------------------------------------------------------------------------------------
+
+
+class _WhitespaceTokenizer:
+    """rouge-score tokenizer interface: the text's whitespace-separated tokens, unchanged."""
+
+    def tokenize(self, text: str) -> list[str]:
+        return text.split()
+
+
+ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+
+
+class Rouge:
+    """ROUGE-N / ROUGE-L / ROUGE-Lsum F-measure from Google's ``rouge-score``, in [0, 1].
+
+    ``rouge_type`` is rouge-score's name: ``rouge1``, ``rouge2`` (n-gram overlap), ``rougeL`` (longest common
+    subsequence over the whole text) or ``rougeLsum`` (union LCS over sentences, which rouge-score takes to be
+    separated by newlines: on one-line texts it equals ``rougeL``, as in the seeds' DailyDialog table).
+    F-measure is the plain F1 (beta = 1). Note ``rouge_l`` is a different metric: coco-caption's ROUGE-L
+    with beta 1.2 (:class:`RougeL`).
+
+    Tokenisation: ``tokenize="default"`` is rouge-score's own (lower-cased, every run of characters other
+    than a-z and 0-9 is a separator; Porter stemming with ``use_stemmer=True``), which is what HF
+    ``evaluate``'s rouge and so RL4LMs and OpenRL report: integer ids and English words come through, but
+    text in other scripts is dropped entirely. ``tokenize="whitespace"`` keeps every whitespace token as it
+    is (case-sensitive; ``use_stemmer`` applies to the default tokenizer only), for such text. Several
+    references: the best F-measure among them (rouge-score's ``score_multi``). The corpus value is the mean of
+    the per-sample F-measures (HF ``evaluate`` reports a bootstrap estimate of the same mean).
+    """
+
+    def __init__(self, rouge_type: str = "rougeL", use_stemmer: bool = False, tokenize: str = "default"):
+        if rouge_type not in ROUGE_TYPES:
+            raise ValueError(f"rouge_type must be one of {ROUGE_TYPES}, got {rouge_type!r}")
+        if tokenize not in ("default", "whitespace"):
+            raise ValueError(f"tokenize must be 'default' (rouge-score's) or 'whitespace', got {tokenize!r}")
+        self.name, self.rouge_type, self.use_stemmer, self.tokenize = rouge_type, rouge_type, use_stemmer, tokenize
+        # rouge-score's default tokenizer passed explicitly: the same tokenizer, without its log line per scorer.
+        tokenizer = _WhitespaceTokenizer() if tokenize == "whitespace" else tokenizers.DefaultTokenizer(use_stemmer)
+        self._scorer = rouge_scorer.RougeScorer([rouge_type], use_stemmer=use_stemmer, tokenizer=tokenizer)
+
+    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
+        """F-measure per sample against its best reference; float64 [N] in [0, 1]."""
+        validate_inputs(hyps, refs)
+        return np.array([self._scorer.score_multi(list(r), h)[self.rouge_type].fmeasure
+                         for h, r in zip(hyps, refs, strict=True)], dtype=np.float64)
+
+    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
+        """Mean of ``per_sample``."""
+        validate_inputs(hyps, refs, allow_empty=False)
+        return float(np.mean(self.per_sample(hyps, refs)))
+
+
+class Meteor:
+    """METEOR from nltk (``nltk.translate.meteor_score``), with WordNet synonyms read from local files.
+
+    Conventions: texts are split on whitespace (our texts are already tokenised; HF ``evaluate`` runs nltk's
+    ``word_tokenize`` first, which differs only where punctuation is glued to a word), tokens lower-cased
+    (nltk's default ``preprocess``), then aligned in nltk's order: exact match, Porter-stem match, WordNet
+    synonym match (of the stems). ``alpha``, ``beta``, ``gamma`` are nltk's defaults (0.9, 3, 0.5): score
+    = (1 - gamma * (chunks / matches) ^ beta) * P R / (alpha P + (1 - alpha) R). Several references: the
+    best score among them. The corpus value is the mean of the sentence scores (what HF ``evaluate``, RL4LMs
+    and OpenRL's DailyDialog table report), not METEOR's original corpus-level statistic.
+
+    WordNet: ``wordnet_dir``, else ``$WNSEARCHDIR`` / ``$WNHOME``, else Debian's ``wordnet-base``
+    (``/usr/share/wordnet``, installed by ``make system-deps``); never downloaded. A missing directory
+    fails at construction with a FileNotFoundError saying what to install.
+    """
+
+    name = "meteor"
+
+    def __init__(self, alpha: float = 0.9, beta: float = 3.0, gamma: float = 0.5,
+                 wordnet_dir: str | os.PathLike | None = None):
+        for arg, value in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
+            if not (isinstance(value, int | float) and value >= 0):
+                raise ValueError(f"{arg} must be a number >= 0, got {value!r}")
+        if not alpha <= 1:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+        self.alpha, self.beta, self.gamma = float(alpha), float(beta), float(gamma)
+        self.wordnet = nltk_wordnet(str(wordnet_dir) if wordnet_dir is not None else None)
+        self._stemmer = PorterStemmer()
+
+    def _score(self, hyp: str, item_refs: Sequence[str]) -> float:
+        return meteor_score([r.split() for r in item_refs], hyp.split(), stemmer=self._stemmer,
+                            wordnet=self.wordnet, alpha=self.alpha, beta=self.beta, gamma=self.gamma)
+
+    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
+        """Sentence METEOR per sample (best reference); float64 [N] in [0, 1]."""
+        validate_inputs(hyps, refs)
+        return np.array([self._score(h, r) for h, r in zip(hyps, refs, strict=True)], dtype=np.float64)
+
+    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
+        """Mean of ``per_sample``."""
+        validate_inputs(hyps, refs, allow_empty=False)
+        return float(np.mean(self.per_sample(hyps, refs)))
+
+
+class SacreBleu:
+    """SacreBLEU as published: sacrebleu's own defaults on detokenised text, in [0, 1].
+
+    Unlike :class:`Bleu4` (plain BLEU-4 on token-id texts, no smoothing), this is the standard signature:
+    give it text as a reader sees it (what ``Policy.decode`` returns with a subword or pretrained tokenizer)
+    and sacrebleu tokenises it itself (``tokenize="13a"``, case-sensitive unless ``lowercase``), with
+    exponential smoothing (``smooth_method="exp"``). The corpus value is sacrebleu's corpus BLEU (n-gram
+    statistics summed over the corpus). Per sample: sacrebleu's ``sentence_score`` (effective order on, as
+    sacrebleu recommends for single sentences). The seeds' DailyDialog table reports this metric / 100.
+    """
+
+    name = "sacrebleu"
+
+    def __init__(self, tokenize: str = "13a", smooth_method: str = "exp", lowercase: bool = False):
+        if smooth_method not in BLEU.SMOOTH_DEFAULTS:
+            raise ValueError(
+                f"smooth_method must be one of {sorted(BLEU.SMOOTH_DEFAULTS)}, got {smooth_method!r}")
+        self.tokenize, self.smooth_method, self.lowercase = tokenize, smooth_method, lowercase
+        try:
+            kwargs = dict(tokenize=tokenize, smooth_method=smooth_method, lowercase=lowercase)
+            self._corpus_bleu = BLEU(**kwargs)
+            self._sentence_bleu = BLEU(**kwargs, effective_order=True)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise ValueError(f"tokenize={tokenize!r} is not a sacrebleu tokenizer: {e}") from e
+
+    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
+        """Sentence SacreBLEU per sample; float64 [N] in [0, 1]."""
+        validate_inputs(hyps, refs)
+        return np.array([self._sentence_bleu.sentence_score(h, list(r)).score / 100.0
+                         for h, r in zip(hyps, refs, strict=True)], dtype=np.float64)
+
+    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
+        """Corpus SacreBLEU in [0, 1]."""
+        validate_inputs(hyps, refs, allow_empty=False)
+        return self._corpus_bleu.corpus_score(list(hyps), _reference_streams(refs)).score / 100.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Diversity, and a classifier's verdict on the outputs
+# --------------------------------------------------------------------------------------------------
+
+
+def _ngrams(tokens: Sequence[str], n: int) -> list[Ngram]:
+    return list(zip(*(tokens[k:] for k in range(n)), strict=False))
+
+
+class Distinct:
+    """distinct-n (Li et al. 2016): distinct n-grams / all n-grams of the hypotheses; ignores the references.
+
+    Tokens are whitespace-separated, case-sensitive. The corpus value pools every hypothesis: distinct
+    n-grams over the whole output set / n-grams in it (RL4LMs' ``diversity`` convention), so repeating one
+    answer for every source lowers it even if each answer is varied. Per sample: the same ratio within one
+    hypothesis (a repetition penalty when used as a reward); 0 for a hypothesis with no n-gram.
+    """
+
+    def __init__(self, n: int = 1):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        self.n, self.name = n, f"distinct_{n}"
+
+    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
+        """Distinct-n within each hypothesis; float64 [N] in [0, 1]."""
+        validate_inputs(hyps, refs)
+        out = np.zeros(len(hyps), dtype=np.float64)
+        for i, h in enumerate(hyps):
+            grams = _ngrams(h.split(), self.n)
+            if grams:
+                out[i] = len(set(grams)) / len(grams)
+        return out
+
+    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
+        """Distinct n-grams over all hypotheses / all their n-grams (0 when there is none)."""
+        validate_inputs(hyps, refs, allow_empty=False)
+        grams = [g for h in hyps for g in _ngrams(h.split(), self.n)]
+        return len(set(grams)) / len(grams) if grams else 0.0
+
+
+class ClassifierAccuracy:
+    """Share of outputs a text classifier puts in the expected class (intent, sentiment), in [0, 1].
+
+    ``path`` is a local Hugging Face sequence-classification directory (``from_pretrained``: model and
+    tokenizer). Each hypothesis is classified alone (truncated to ``max_length`` tokens); its label is the
+    argmax class, named by the model's ``id2label``. The expected label of sample i is, in this order:
+    ``labels[i]`` (from the data, e.g. DailyDialog's intent; names or class ids), else ``target_label``
+    (one class for every output, e.g. "positive" for sentiment steering), else the classifier's label of the
+    sample's first reference (agreement with the reference: needs no labels, so it also works as a reward).
+    Per sample 1.0 / 0.0; the corpus value is their mean.
+    """
+
+    name = "classifier_accuracy"
+
+    def __init__(self, path: str | os.PathLike, labels: Sequence[str | int] | None = None,
+                 target_label: str | int | None = None, batch_size: int = 32, max_length: int = 512,
+                 device: str = "cpu"):
+        # transformers is heavy to import; only this metric needs it, and reward workers import this module.
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"classifier path {path}: not a model directory (no config.json)")
+        if batch_size < 1 or max_length < 1:
+            raise ValueError(f"batch_size and max_length must be >= 1, got {batch_size}, {max_length}")
+        self.path, self.batch_size, self.max_length, self.device = path, batch_size, max_length, device
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.model = AutoModelForSequenceClassification.from_pretrained(str(path)).to(device).eval()
+        self.id2label = {int(k): str(v) for k, v in self.model.config.id2label.items()}
+        self.labels = None if labels is None else [self._label_name(x, f"labels[{i}]") for i, x in enumerate(labels)]
+        self.target_label = None if target_label is None else self._label_name(target_label, "target_label")
+
+    def _label_name(self, label: str | int, what: str) -> str:
+        if isinstance(label, bool) or not isinstance(label, int | str):
+            raise TypeError(f"{what} must be a label name or class id, got {type(label).__name__}")
+        if isinstance(label, int):
+            if label not in self.id2label:
+                raise ValueError(f"{what}={label}: {self.path} has classes 0..{len(self.id2label) - 1}")
+            return self.id2label[label]
+        if label not in self.id2label.values():
+            raise ValueError(f"{what}={label!r} is not a label of {self.path} ({sorted(self.id2label.values())})")
+        return label
+
+    def predict(self, texts: Sequence[str]) -> list[str]:
+        """The classifier's label name for each text."""
+        import torch  # as transformers above: only this metric needs it
+
+        out: list[str] = []
+        with torch.no_grad():
+            for start in range(0, len(texts), self.batch_size):
+                # One segment per text: token type ids are all 0, the default of models that use them at all.
+                enc = self.tokenizer(list(texts[start : start + self.batch_size]), padding=True, truncation=True,
+                                     max_length=self.max_length, return_token_type_ids=False,
+                                     return_tensors="pt").to(self.device)
+                ids = self.model(**enc).logits.argmax(-1).tolist()
+                out += [self.id2label[i] for i in ids]
+        return out
+
+    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
+        """1.0 where the hypothesis gets its expected label, else 0.0; float64 [N]."""
+        validate_inputs(hyps, refs)
+        if self.labels is not None:
+            if len(self.labels) != len(hyps):
+                raise ValueError(f"{len(self.labels)} expected labels for {len(hyps)} hypotheses")
+            expected = self.labels
+        elif self.target_label is not None:
+            expected = [self.target_label] * len(hyps)
+        else:
+            expected = self.predict([r[0] for r in refs])
+        got = self.predict(hyps)
+        return np.array([g == e for g, e in zip(got, expected, strict=True)], dtype=np.float64)
+
+    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
+        """Accuracy: mean of ``per_sample``."""
+        validate_inputs(hyps, refs, allow_empty=False)
+        return float(np.mean(self.per_sample(hyps, refs)))
+
+
 # --------------------------------------------------------------------------------------------------
 # Registry
 # --------------------------------------------------------------------------------------------------
@@ -599,6 +881,11 @@ def compute_metrics(
     }
 
 
-for _cls in (CiderD, Bleu4, RougeL, Chrf, TaskScore, MeanLength):
+for _cls in (CiderD, Bleu4, RougeL, Chrf, TaskScore, MeanLength, MaxLength, Meteor, SacreBleu, ClassifierAccuracy):
     register_metric(_cls.name)(_cls)
 del _cls
+for _type in ROUGE_TYPES:
+    register_metric(_type)(functools.partial(Rouge, _type))
+for _n in (1, 2):
+    register_metric(f"distinct_{_n}")(functools.partial(Distinct, _n))
+del _type, _n

@@ -42,3 +42,40 @@ def plot_curves(metrics_jsonl: str | Path, out_png: str | Path, title: str = "")
     plt.close(fig)
     tmp.replace(out_png)
     return out_png
+
+
+def plot_metric_bars(rows: dict[str, dict[str, float]], columns: list[str], out_png: str | Path,
+                     title: str = "") -> Path:
+    """One small bar panel per metric (their scales differ), one bar per model; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows or not columns:
+        raise ValueError("a bar chart needs at least one model and one metric")
+    per_row = min(4, len(columns))
+    n_rows = -(-len(columns) // per_row)
+    fig, axes = plt.subplots(n_rows, per_row, figsize=(3.2 * per_row, 2.8 * n_rows), squeeze=False)
+    models = list(rows)
+    colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(models))]
+    for ax, column in zip(axes.flat, columns, strict=False):
+        values = [rows[m][column] for m in models]
+        bars = ax.bar(range(len(models)), values, color=colors)
+        ax.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=7)
+        ax.set_title(column, fontsize=9)
+        ax.set_xticks(range(len(models)), models, rotation=20, ha="right", fontsize=8)
+        ax.margins(y=0.15)
+        ax.grid(axis="y", alpha=0.3)
+    for ax in list(axes.flat)[len(columns):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_png.with_name(f".{out_png.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(out_png)
+    return out_png

@@ -6,6 +6,9 @@ its part of speech and one example sentence that uses it, write the definition. 
 human-written English (lexicographers' definitions), which is what a benchmark on natural language
 needs; the source's example sentence gives the context that tells the word's senses apart.
 
+The same directory also feeds METEOR's synonym matching: :func:`nltk_wordnet` opens it with nltk's
+own WordNet reader, offline (nltk's downloader is never used).
+
 The data is Debian's ``wordnet-base`` package (WordNet 3.0, ``/usr/share/wordnet/data.{noun,verb,adj,adv}``;
 ``make system-deps`` installs it). Only synsets with at least one example sentence are used. Texts are
 lower-cased and split into word and punctuation tokens joined by single spaces, as coco-caption's
@@ -15,12 +18,18 @@ Rows are drawn with ``random.Random(seed)``: the same files and arguments give t
 
 from __future__ import annotations
 
+import functools
+import io
 import os
 import random
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import nltk.data
+from nltk.corpus.reader.wordnet import WordNetCorpusReader
 
 from rlt2t.common.io import atomic_write_json, atomic_write_jsonl
 
@@ -120,3 +129,51 @@ def write_wordnet_task(out_dir: str | os.PathLike, size: int, seed: int, valid_f
                                       "seed": seed, "available": len(rows),
                                       **{f"{k}_rows": len(v) for k, v in splits.items()}})
     return paths
+
+
+# WordNet's lexicographer files, numbered as in its lexnames(5WN) manual page: the table has been fixed since
+# WordNet 1.5. nltk's reader needs it as a file named `lexnames`, which Debian ships only as that manual page.
+LEXNAMES = (
+    "adj.all", "adj.pert", "adv.all", "noun.Tops", "noun.act", "noun.animal", "noun.artifact", "noun.attribute",
+    "noun.body", "noun.cognition", "noun.communication", "noun.event", "noun.feeling", "noun.food", "noun.group",
+    "noun.location", "noun.motive", "noun.object", "noun.person", "noun.phenomenon", "noun.plant",
+    "noun.possession", "noun.process", "noun.quantity", "noun.relation", "noun.shape", "noun.state",
+    "noun.substance", "noun.time", "verb.body", "verb.change", "verb.cognition", "verb.communication",
+    "verb.competition", "verb.consumption", "verb.contact", "verb.creation", "verb.emotion", "verb.motion",
+    "verb.perception", "verb.possession", "verb.social", "verb.stative", "verb.weather", "adj.ppl",
+)
+_SYNTACTIC_CATEGORY = {"noun": 1, "verb": 2, "adj": 3, "adv": 4}
+
+
+class _WndbReader(WordNetCorpusReader):
+    """nltk's WordNet reader over a plain ``wndb`` directory (Debian's layout) rather than nltk's corpus.
+
+    Two differences from nltk's corpus, both handled here: the ``lexnames`` table comes from
+    :data:`LEXNAMES` instead of a file, and no mapping to another WordNet version is built (nltk builds one
+    for its multilingual OMW data only, by loading its own downloaded corpus).
+    """
+
+    def open(self, file: str):
+        if file == "lexnames":
+            return io.StringIO("".join(f"{i:02d}\t{name}\t{_SYNTACTIC_CATEGORY[name.split('.')[0]]}\n"
+                                       for i, name in enumerate(LEXNAMES)))
+        return super().open(file)
+
+    def map_wn(self, version: str = "wordnet"):
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def nltk_wordnet(path: str | os.PathLike | None = None) -> WordNetCorpusReader:
+    """nltk's WordNet reader over the local WordNet dict directory (found as :func:`find_wordnet` does).
+
+    Offline: the directory is added to ``nltk.data.path`` (nltk reads only data under the roots listed there)
+    and read in place; nltk's downloader is never called. Loading takes about a second, so readers are
+    cached per directory. Missing data raises FileNotFoundError naming the package that installs it.
+    """
+    root = find_wordnet(path).resolve()
+    if str(root) not in nltk.data.path:
+        nltk.data.path.append(str(root))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "multilingual functions are not available": no OMW data, by design
+        return _WndbReader(str(root), None)

@@ -1,9 +1,15 @@
-"""Decoding a split and scoring it: the metric table of `rlt2t eval` and the per-epoch monitor."""
+"""Decoding a split and scoring it: the metric table of `rlt2t eval` and the per-epoch monitor.
+
+Text metrics come from the registry of ``rlt2t.common.metrics``; the one metric that needs the model itself,
+the perplexity of the references (:func:`reference_perplexity`, teacher forcing), is computed here.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -11,10 +17,13 @@ from tqdm.auto import tqdm
 from rlt2t.common.batching import collate_seq2seq, encode_texts
 from rlt2t.common.config import EvalConfig, MetricConfig
 from rlt2t.common.data import Example
-from rlt2t.common.metrics import get_metric
+from rlt2t.common.metrics import available_metrics, get_metric
 from rlt2t.common.policy import Policy
+from rlt2t.common.scoring import token_scores
 
 TABLE_METRICS = ("cider_d", "bleu4", "task_score", "rouge_l", "mean_length")
+MODEL_METRICS = ("perplexity",)
+"""Eval-table columns computed from the model rather than from the decoded text."""
 
 
 @torch.no_grad()
@@ -46,16 +55,68 @@ def generate(policy: Policy, sources: Sequence[str], *, num_beams: int = 1, max_
     return out
 
 
-def metric_table(hyps: Sequence[str], refs: Sequence[Sequence[str]], metric: MetricConfig) -> dict[str, float]:
-    """CIDEr-D, BLEU-4, task score, ROUGE-L and mean length (corpus values)."""
-    return {
-        "cider_d": get_metric("cider_d", sigma=metric.cider_sigma).corpus(hyps, refs),
-        "bleu4": get_metric("bleu4").corpus(hyps, refs),
-        "task_score": get_metric("task_score", bleu_weight=metric.bleu_weight, sigma=metric.cider_sigma).corpus(
-            hyps, refs),
-        "rouge_l": get_metric("rouge_l").corpus(hyps, refs),
-        "mean_length": get_metric("mean_length").corpus(hyps, refs),
-    }
+def check_metric_names(names: Sequence[str], what: str = "eval.metrics") -> list[str]:
+    """``names`` as a list, or ValueError naming ``what`` and the known names for an unknown or repeated one."""
+    if isinstance(names, str):
+        raise TypeError(f"{what} must be a list of metric names, got one str")
+    known = [*available_metrics(), *MODEL_METRICS]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"{what}: unknown metric(s) {unknown}; known: {', '.join(known)}")
+    if len(set(names)) != len(names) or not names:
+        raise ValueError(f"{what}: give each metric once and at least one, got {list(names)}")
+    return list(names)
+
+
+def metric_params(name: str, metric: MetricConfig) -> dict[str, Any]:
+    """The configured parameters of a registered metric (CIDEr-D's σ, the task score's weight)."""
+    if name == "cider_d":
+        return {"sigma": metric.cider_sigma}
+    if name == "task_score":
+        return {"bleu_weight": metric.bleu_weight, "sigma": metric.cider_sigma}
+    return {}
+
+
+def metric_table(hyps: Sequence[str], refs: Sequence[Sequence[str]], metric: MetricConfig,
+                 names: Sequence[str] = TABLE_METRICS,
+                 params: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, float]:
+    """Corpus values of the text metrics ``names`` (default: CIDEr-D, BLEU-4, task score, ROUGE-L, mean
+    length), in that order; ``params`` adds keyword parameters per metric (e.g. the classifier's path)."""
+    params = params or {}
+    return {name: get_metric(name, **metric_params(name, metric), **params.get(name, {})).corpus(hyps, refs)
+            for name in names}
+
+
+@torch.no_grad()
+def reference_perplexity(policy: Policy, sources: Sequence[str], targets: Sequence[str], *, batch_size: int = 64,
+                         max_source_len: int = 128, max_target_len: int | None = None) -> float:
+    """Perplexity of the references under the model, with teacher forcing: exp(Σ NLL / Σ tokens).
+
+    Corpus-level and token-weighted (every target token counts once, EOS included; sources and targets are
+    tokenised as in training, targets cut at ``max_target_len``, default the model's positions): the
+    exponential of the mean cross-entropy over all reference tokens, not a mean of per-sentence perplexities.
+    Lower is better; it says how likely the model finds the gold outputs, which RL moving away from the
+    reference distribution raises (the seeds' DailyDialog table: 40.91 supervised, 44.03 after PPO).
+    """
+    if len(sources) != len(targets) or not sources:
+        raise ValueError(f"need as many targets as sources and at least one: {len(sources)} vs {len(targets)}")
+    model = policy.model
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    tok = policy.tokenizer
+    src, _ = encode_texts(tok, sources, max_source_len)
+    tgt, _ = encode_texts(tok, targets, max_target_len or model.config.max_position_embeddings)
+    nll, count = 0.0, 0
+    for start in range(0, len(src), batch_size):
+        batch = collate_seq2seq(src[start : start + batch_size], tgt[start : start + batch_size], tok.pad_token_id)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        logits = model(**batch).logits  # [B, T, V]; labels shifted right inside the model
+        scores = token_scores(logits, batch["labels"], "logprobs")  # [B, T], 0 at padding
+        nll -= float(scores.double().sum())
+        count += int((batch["labels"] != -100).sum())
+    model.train(was_training)
+    return math.exp(nll / count)
 
 
 @dataclass
@@ -64,16 +125,40 @@ class EvalResult:
     predictions: list[str]
 
 
+def classifier_params(cfg: EvalConfig, examples: Sequence[Example]) -> dict[str, Any]:
+    """Parameters of the `classifier_accuracy` column: the classifier directory and, with
+    ``eval.classifier_label_field``, each example's expected label (a missing one names the example)."""
+    if cfg.classifier_path is None:
+        raise ValueError("the classifier_accuracy column needs eval.classifier_path (a sequence-classification "
+                         "model directory)")
+    params: dict[str, Any] = {"path": cfg.classifier_path, "batch_size": cfg.batch_size}
+    field = cfg.classifier_label_field
+    if field is not None:
+        missing = [e.id for e in examples if field not in e.extra]
+        if missing:
+            raise ValueError(f"eval.classifier_label_field={field!r}: examples {missing[:5]} have no such field")
+        params["labels"] = [e.extra[field] for e in examples]
+    return params
+
+
 def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metric: MetricConfig,
              max_source_len: int, progress: bool = False) -> EvalResult:
-    """Decode ``examples`` with the policy and score against their targets."""
+    """Decode ``examples`` with the policy and score against their targets: the columns ``cfg.metrics``."""
     if cfg.limit:
         examples = examples[: cfg.limit]
     if any(e.target is None for e in examples):
         raise ValueError("evaluation needs targets; this split has unlabeled examples (use `rlt2t predict`)")
+    names = check_metric_names(cfg.metrics)
     hyps = generate(policy, [e.source for e in examples], num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens,
                     batch_size=cfg.batch_size, max_source_len=max_source_len, progress=progress)
-    return EvalResult(metric_table(hyps, [[e.target] for e in examples], metric), hyps)
+    text_names = [n for n in names if n not in MODEL_METRICS]
+    params = {"classifier_accuracy": classifier_params(cfg, examples)} if "classifier_accuracy" in names else {}
+    values = metric_table(hyps, [[e.target] for e in examples], metric, text_names, params)
+    if "perplexity" in names:
+        values["perplexity"] = reference_perplexity(policy, [e.source for e in examples],
+                                                    [e.target for e in examples], batch_size=cfg.batch_size,
+                                                    max_source_len=max_source_len)
+    return EvalResult({n: values[n] for n in names}, hyps)
 
 
 def monitor_score(policy: Policy, examples: Sequence[Example], metric: MetricConfig, *, max_source_len: int,

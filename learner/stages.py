@@ -12,7 +12,8 @@ from accelerate import Accelerator
 
 from rlt2t.common.batching import collate_seq2seq
 from rlt2t.common.checkpoint import CheckpointInfo
-from rlt2t.common.config import PretrainConfig, RunConfig, SFTConfig
+from rlt2t.common.config import LoraConfig, PretrainConfig, RunConfig, SFTConfig
+from rlt2t.common.lora import apply_lora, is_lora
 from rlt2t.common.policy import Policy
 from rlt2t.common.tokenization import sentinel_ids
 from rlt2t.learner.augment import augment_tokens
@@ -95,9 +96,33 @@ def run_pretrain(policy: Policy, texts: Sequence[list[int]], cfg: PretrainConfig
                        resume_from=resume_from)
 
 
+def with_lora(policy: Policy, lora: LoraConfig, seed: int) -> Policy:
+    """The policy with LoRA adapters on its frozen base (unchanged if it carries them already, as when resumed
+    from an adapter checkpoint). The base must be a model directory: an adapter checkpoint names it."""
+    if is_lora(policy.model):
+        return policy
+    if policy.origin.startswith("preset:"):
+        raise ValueError("model.lora: LoRA adapts a pretrained base, but this model is built from scratch "
+                         f"({policy.origin}); give model.path, --init, or pretrain first")
+    model = apply_lora(policy.model, lora, seed=seed)
+    # peft records the base as it was loaded; an absolute path keeps the checkpoint usable from any directory.
+    model.peft_config["default"].base_model_name_or_path = str(Path(policy.origin).resolve())
+    return Policy(model=model, tokenizer=policy.tokenizer, origin=policy.origin)
+
+
 def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list[int]], cfg: SFTConfig,
-            run: RunConfig, out_dir: Path, resume_from: CheckpointInfo | None = None, evaluate=None) -> StageResult:
-    """Supervised fine-tuning: CE (+ R-drop, augmentation, FGM as configured), best checkpoint by the monitor."""
+            run: RunConfig, out_dir: Path, resume_from: CheckpointInfo | None = None, evaluate=None,
+            lora: LoraConfig | None = None) -> StageResult:
+    """Supervised fine-tuning: CE (+ R-drop, augmentation, FGM as configured), best checkpoint by the monitor.
+
+    With ``lora.enabled`` only LoRA adapters train (``rlt2t.common.lora``) and checkpoints hold the adapters
+    plus the training state; resume from one with ``load_lora_policy``.
+    """
+    if lora is not None and lora.enabled:
+        if cfg.fgm_epsilon > 0:
+            raise ValueError("sft.fgm_epsilon: FGM perturbs the input embedding along its gradient, which LoRA "
+                             "freezes (model.lora.enabled); set sft.fgm_epsilon=0")
+        policy = with_lora(policy, lora, seed=run.seed)
     tok = policy.tokenizer
     dataset = SFTDataset(sources, targets, augment_prob=cfg.augment_prob, protected_ids=set(tok.all_special_ids),
                          seed=run.seed)

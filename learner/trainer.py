@@ -99,7 +99,10 @@ def train_stage(
     total_steps = cfg.epochs * steps_per_epoch
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # Only what trains is optimised: every weight in full fine-tuning, the adapters alone under LoRA (the frozen
+    # base then carries no optimizer state, and its gradients are never computed).
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = linear_warmup_decay(
         optimizer, warmup_steps=round(cfg.warmup_ratio * total_steps), total_steps=total_steps,
         min_lr_ratio=cfg.min_lr_ratio,
@@ -158,7 +161,7 @@ def train_stage(
                 items = [dataset[i] for i in order[b * cfg.batch_size : (b + 1) * cfg.batch_size]]
                 batch = {k: v.to(accelerator.device) for k, v in collate(items).items()}
                 metrics = step_fn(model, batch, accelerator)
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                grad_norm = accelerator.clip_grad_norm_(params, cfg.grad_clip)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -125,15 +125,6 @@ def cmd_train(args) -> None:
           f"→ {result.checkpoint}")
 
 
-def cmd_eval(args) -> None:
-    from rlt2t.jobs import eval_job
-
-    cfg = _cfg(args)
-    metrics = eval_job(cfg, args.checkpoint)
-    print_table(f"{cfg.eval.split} ({'greedy' if cfg.eval.num_beams == 1 else f'beam {cfg.eval.num_beams}'})",
-                {str(args.checkpoint or "sft"): metrics})
-
-
 def cmd_convert_model(args) -> None:
     from rlt2t.common.convert import shrink_vocabulary
 
@@ -238,11 +229,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", default=None, help="model dir or checkpoint root to start from (default: best SFT)")
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("eval", help="decode a split and print the metric table")
-    _config_args(p)
-    p.add_argument("--checkpoint", default=None, help="model dir or checkpoint root (default: the run's best SFT)")
-    p.set_defaults(fn=cmd_eval)
-
     p = sub.add_parser("convert-model", help="shrink a pretrained BART's vocabulary")
     p.add_argument("--input", required=True, help="pretrained BART directory (from_pretrained)")
     p.add_argument("--vocab-size", type=int, required=True, help="rows to keep")
@@ -264,10 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the CTranslate2 export and ensemble prediction at the end")
     p.set_defaults(fn=cmd_demo)
 
-    from rlt2t import cmd_export, cmd_serve
+    from rlt2t import cmd_eval, cmd_export, cmd_serve
 
     cmd_serve.register(sub, _config_args)
     cmd_export.register(sub, _config_args)
+    cmd_eval.register(sub, _config_args)
     return parser
 
 

@@ -22,6 +22,7 @@ from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint,
 from rlt2t.common.config import Config, config_to_yaml
 from rlt2t.common.data import Example, load_examples
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
+from rlt2t.common.lora import is_adapter_checkpoint, load_lora_policy, load_merged_policy
 from rlt2t.common.policy import Policy, check_lengths, load_policy
 from rlt2t.common.synth import write_synthetic
 from rlt2t.common.tokenization import build_tokenizer, load_tokenizer, save_tokenizer, text_checker
@@ -85,6 +86,8 @@ def _stage_start(cfg: Config, stage: str, init: str | Path | None, resume: bool)
     latest = latest_complete_checkpoint(ckpt_root) if resume else None
     if latest is not None:
         info = read_checkpoint(latest)
+        if is_adapter_checkpoint(latest):  # a LoRA stage: its base + the adapters, trainable
+            return load_lora_policy(cfg.model, cfg.tokenizer_dir, latest), info
         return load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest), info
     if not resume and ckpt_root.exists() and any(ckpt_root.iterdir()):
         raise FileExistsError(f"{ckpt_root} already holds checkpoints; pass --resume to continue or use another run.dir")
@@ -140,7 +143,7 @@ def sft_job(cfg: Config, resume: bool = False, init: str | Path | None = None):
                                  max_source_len=cfg.data.max_source_len, max_new_tokens=cfg.eval.max_new_tokens)
 
     return run_sft(policy, enc.sources, enc.targets, cfg.sft, cfg.run, cfg.run_dir / "sft", resume_from=info,
-                   evaluate=evaluate)
+                   evaluate=evaluate, lora=cfg.model.lora)
 
 
 def best_or_latest(ckpt_root: Path) -> Path:
@@ -181,7 +184,8 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
     from rlt2t.learner.evaluate import evaluate
 
     ckpt = resolve_model_dir(checkpoint) if checkpoint else best_or_latest(cfg.run_dir / "sft" / "checkpoints")
-    policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt)
+    load = load_merged_policy if is_adapter_checkpoint(ckpt) else load_policy
+    policy = load(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt)
     examples = load_split(cfg, cfg.eval.split)
     result = evaluate(policy, examples, cfg.eval, cfg.metric, cfg.data.max_source_len, progress=cfg.run.progress)
     label = label or f"{ckpt.parent.parent.name}-{ckpt.name}"

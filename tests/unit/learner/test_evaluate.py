@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from rlt2t.common.config import EvalConfig, MetricConfig
 from rlt2t.common.data import Example
+from rlt2t.common.metrics import get_metric
 from rlt2t.learner.evaluate import TABLE_METRICS, evaluate, generate, metric_table
 
 
@@ -47,3 +50,42 @@ def test_beam_search_runs(tiny_policy):
     torch.manual_seed(0)
     out = generate(tiny_policy, ["1 2 3"], num_beams=3, max_new_tokens=4)
     assert isinstance(out[0], str)
+
+
+def test_reference_perplexity_is_exp_of_token_weighted_cross_entropy(tiny_policy):
+    from rlt2t.common.batching import collate_seq2seq, encode_texts
+    from rlt2t.learner.evaluate import reference_perplexity
+
+    sources, targets = ["1 2 3", "4 5", "6 7 8 9", "10"], ["3 2 1", "5", "9 8 7 6 5", "10 10"]
+    tok = tiny_policy.tokenizer
+    src, tgt = encode_texts(tok, sources, 32)[0], encode_texts(tok, targets, 32)[0]
+    with torch.no_grad():
+        out = tiny_policy.model.eval()(**collate_seq2seq(src, tgt, tok.pad_token_id))
+    # HF's loss is the mean CE over all label tokens of the batch: one batch gives exp(loss) exactly.
+    whole = reference_perplexity(tiny_policy, sources, targets, batch_size=4)
+    assert whole == pytest.approx(math.exp(out.loss.item()), rel=1e-5)
+    # Batches of 1 still weight by tokens (not a mean of per-sentence perplexities).
+    assert reference_perplexity(tiny_policy, sources, targets, batch_size=1) == pytest.approx(whole, rel=1e-5)
+    per_sentence = [reference_perplexity(tiny_policy, [s], [t]) for s, t in zip(sources, targets, strict=True)]
+    assert whole != pytest.approx(sum(per_sentence) / 4, rel=1e-3)
+    with pytest.raises(ValueError, match="as many targets"):
+        reference_perplexity(tiny_policy, sources, targets[:2])
+
+
+def test_evaluate_columns_follow_eval_metrics(tiny_policy):
+    from rlt2t.learner.evaluate import reference_perplexity
+
+    examples = [Example(id=str(i), source=f"{i} {i + 1}", target=f"{i} 3") for i in range(5)]
+    cfg = EvalConfig(max_new_tokens=4, metrics=["perplexity", "rouge1", "distinct_1", "cider_d"])
+    result = evaluate(tiny_policy, examples, cfg, MetricConfig(cider_sigma=15.0), 32)
+    assert list(result.metrics) == ["perplexity", "rouge1", "distinct_1", "cider_d"]
+    refs = [[e.target] for e in examples]
+    text = metric_table(result.predictions, refs, MetricConfig(cider_sigma=15.0), ["rouge1", "distinct_1", "cider_d"])
+    assert {k: result.metrics[k] for k in text} == text
+    assert result.metrics["cider_d"] == get_metric("cider_d", sigma=15.0).corpus(result.predictions, refs)
+    assert result.metrics["perplexity"] == reference_perplexity(
+        tiny_policy, [e.source for e in examples], [e.target for e in examples], max_source_len=32)
+    with pytest.raises(ValueError, match=r"eval.metrics: unknown metric\(s\) \['bleu5'\]"):
+        evaluate(tiny_policy, examples, EvalConfig(metrics=["bleu5"]), MetricConfig(), 32)
+    with pytest.raises(ValueError, match="eval.classifier_path"):
+        evaluate(tiny_policy, examples, EvalConfig(metrics=["classifier_accuracy"]), MetricConfig(), 32)

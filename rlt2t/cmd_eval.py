@@ -1,0 +1,40 @@
+"""`rlt2t eval` (registered by rlt2t.cli): one metric table over several models.
+
+    rlt2t eval [--checkpoint sft|rl|PATH|LABEL=PATH ...] [--metrics m1,m2|all] [--split S] [--name N] [overrides]
+
+Rows are models, columns metrics; the table is printed and saved as ``{run}/eval/<name>.csv``, ``.json``,
+``.md`` and a ``.png`` bar chart, beside each model's ``<label>-<split>.json`` and predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from rlt2t.common.config import load_config
+
+
+def cmd_eval(args) -> None:
+    from rlt2t.eval_table import eval_table, print_eval_table, resolve_models
+
+    cfg = load_config(args.config, args.overrides)
+    table = eval_table(cfg, resolve_models(cfg, args.checkpoint), split=args.split, metrics=args.metrics)
+    print_eval_table(table)
+    paths = table.save(cfg.run_dir / "eval", args.name)
+    print("saved: " + ", ".join(str(p) for p in paths.values()))
+
+
+def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add `eval` to the `rlt2t` parser; `config_args` adds --config and overrides."""
+    p = sub.add_parser("eval", help="decode a split with one or more models and print one metric table")
+    config_args(p)
+    p.add_argument("--checkpoint", action="append", default=[], metavar="MODEL",
+                   help="repeatable: a stage of the run (sft, rl; rank is rl's former name, pretrain), a model "
+                        "directory, a checkpoint, or a checkpoint root (its newest); LABEL=PATH names the row "
+                        "(default: the run's sft and rl stages that have checkpoints)")
+    p.add_argument("--metrics", default=None,
+                   help="comma-separated columns, e.g. rouge1,rouge2,rougeL,rougeLsum,meteor,sacrebleu,perplexity,"
+                        "mean_length; 'all' for every metric (default: eval.metrics)")
+    p.add_argument("--split", default=None, choices=["train", "valid", "test"], help="default: eval.split")
+    p.add_argument("--name", default=None, help="file stem of the saved table (default: table-<split>)")
+    p.set_defaults(fn=cmd_eval)

@@ -1,0 +1,188 @@
+"""One comparison table over several models: rows = models, columns = metrics.
+
+`rlt2t eval` and the demo print their tables through this module. Each model is evaluated by
+``rlt2t.jobs.eval_job`` (decode the split, score it, write ``<label>-<split>.json`` and the predictions under
+``{run}/eval/``); the table gathers the rows and saves ``{run}/eval/<name>.{csv,json,md,png}``.
+
+Models are named by a run's stages or by paths (:func:`resolve_models`): ``sft`` is the run's best SFT
+checkpoint (by the validation monitor, else the newest), ``rl`` the RL stage's (``{run}/rl/checkpoints``, or
+``{run}/rank/checkpoints`` for runs made before the stage was renamed; ``rank`` is accepted for it too),
+``pretrain`` the pretraining stage's; anything else is a model directory, a checkpoint or a checkpoint root
+(its newest complete checkpoint), optionally labelled ``label=path``.
+
+    from rlt2t.eval_table import eval_table, print_eval_table
+    table = eval_table(cfg, {"sft": sft_ckpt, "rank RL": rl_ckpt}, metrics=["rouge1", "meteor", "perplexity"])
+    print_eval_table(table)
+    table.save(cfg.run_dir / "eval")
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from rlt2t.common.checkpoint import resolve_model_dir
+from rlt2t.common.config import Config
+from rlt2t.common.io import atomic_write_text
+from rlt2t.common.metrics import available_metrics
+from rlt2t.common.plots import plot_metric_bars
+from rlt2t.jobs import best_or_latest, eval_job
+from rlt2t.learner.evaluate import MODEL_METRICS, check_metric_names
+
+STAGES = ("sft", "rl", "rank", "pretrain")
+"""Names that stand for a run's stage in ``--checkpoint``; ``rank`` is the RL stage's former name."""
+
+
+@dataclass
+class EvalTable:
+    """Corpus metric values of several models on one split."""
+
+    title: str
+    split: str
+    columns: list[str]
+    rows: dict[str, dict[str, float]]
+    """model label -> metric -> value, in ``columns`` order."""
+    checkpoints: dict[str, str] = field(default_factory=dict)
+    """model label -> the checkpoint directory evaluated."""
+
+    def to_markdown(self, digits: int = 4) -> str:
+        """A GitHub Markdown table (values rounded to ``digits`` decimals) under the title."""
+        lines = [f"**{self.title}**", "", "| model | " + " | ".join(self.columns) + " |",
+                 "| --- |" + " ---: |" * len(self.columns)]
+        for label, values in self.rows.items():
+            lines.append(f"| {label} | " + " | ".join(f"{values[c]:.{digits}f}" for c in self.columns) + " |")
+        return "\n".join(lines) + "\n"
+
+    def to_csv(self) -> str:
+        """``model,checkpoint,<metrics...>`` with full-precision values."""
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(["model", "checkpoint", *self.columns])
+        for label, values in self.rows.items():
+            writer.writerow([label, self.checkpoints.get(label, ""), *(repr(values[c]) for c in self.columns)])
+        return buf.getvalue()
+
+    def save(self, out_dir: str | Path, name: str | None = None) -> dict[str, Path]:
+        """Write ``<name>.csv``, ``.json``, ``.md`` and a ``.png`` bar chart (default name ``table-<split>``)."""
+        out_dir = Path(out_dir)
+        stem = name or f"table-{self.split}"
+        paths = {ext: out_dir / f"{stem}.{ext}" for ext in ("csv", "json", "md", "png")}
+        atomic_write_text(paths["csv"], self.to_csv())
+        # Not atomic_write_json: it sorts keys, and the rows' order is the table's.
+        atomic_write_text(paths["json"], json.dumps(asdict(self), indent=2) + "\n")
+        atomic_write_text(paths["md"], self.to_markdown())
+        plot_metric_bars(self.rows, self.columns, paths["png"], self.title)
+        return paths
+
+
+def print_eval_table(table: EvalTable, file: TextIO | None = None) -> None:
+    """The table in the terminal (rich), one row per model."""
+    print_rows(table.title, table.rows, file=file)
+
+
+def print_rows(title: str, rows: Mapping[str, Mapping[str, float]], file: TextIO | None = None) -> None:
+    """Any metric table: one row per model, one column per metric (the first row's keys)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    columns = list(next(iter(rows.values())).keys()) if rows else []
+    table.add_column("model")
+    for c in columns:
+        table.add_column(c, justify="right")
+    for name, metrics in rows.items():
+        table.add_row(name, *(f"{metrics[c]:.4f}" for c in columns))
+    Console(file=file or sys.stdout, width=max(100, 14 * (len(columns) + 1))).print(table)
+
+
+def stage_root(cfg: Config, stage: str) -> Path:
+    """The checkpoint root of a run's stage; ``rl`` (alias ``rank``) is ``{run}/rl`` if present, else ``{run}/rank``."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    if stage in ("rl", "rank"):
+        rl = cfg.run_dir / "rl" / "checkpoints"
+        return rl if rl.is_dir() else cfg.run_dir / "rank" / "checkpoints"
+    return cfg.run_dir / stage / "checkpoints"
+
+
+def _default_label(path: Path) -> str:
+    # A checkpoint <stage>/checkpoints/<name> reads "<stage>-<name>", as eval_job names it; a model dir its name.
+    return f"{path.parent.parent.name}-{path.name}" if path.parent.name == "checkpoints" else path.name
+
+
+def resolve_models(cfg: Config, specs: Sequence[str]) -> dict[str, Path]:
+    """``--checkpoint`` values -> {label: checkpoint directory}, in order; no specs: the run's sft and rl stages
+    that have checkpoints. A stage without checkpoints, a missing path or a repeated label is a clear error."""
+    if not specs:
+        specs = [s for s in ("sft", "rl") if stage_root(cfg, s).is_dir()]
+        if not specs:
+            raise FileNotFoundError(f"{cfg.run_dir}: no sft or rl checkpoints; pass --checkpoint (a stage name "
+                                    f"or a model directory)")
+    models: dict[str, Path] = {}
+    for spec in specs:
+        label, sep, target = spec.partition("=")
+        if not sep:
+            label, target = "", spec
+        if target in STAGES:
+            root = stage_root(cfg, target)
+            try:
+                path = best_or_latest(root)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"--checkpoint {target}: {root} holds no complete checkpoint") from None
+            label = label or ("rl" if target == "rank" else target)
+        else:
+            if not Path(target).exists():
+                raise FileNotFoundError(f"--checkpoint {target}: no such directory")
+            path = resolve_model_dir(target)
+            label = label or _default_label(path)
+        if label in models:
+            raise ValueError(f"--checkpoint: two models labelled {label!r}; name them with label=path")
+        models[label] = path
+    return models
+
+
+def resolve_metric_names(cfg: Config, names: Sequence[str] | str | None) -> list[str]:
+    """``--metrics``: a list or comma-separated names, ``all`` (every text metric, perplexity, and the
+    classifier's accuracy when eval.classifier_path is set), or None for ``eval.metrics``."""
+    if names is None:
+        return check_metric_names(cfg.eval.metrics)
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    if list(names) == ["all"]:
+        names = [n for n in available_metrics() if n != "classifier_accuracy" or cfg.eval.classifier_path]
+        names += list(MODEL_METRICS)
+    return check_metric_names(names, "--metrics")
+
+
+def _file_label(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-") or "model"
+
+
+def eval_table(cfg: Config, checkpoints: Mapping[str, str | Path], split: str | None = None,
+               metrics: Sequence[str] | str | None = None, title: str | None = None) -> EvalTable:
+    """Evaluate each model of ``checkpoints`` ({label: model dir, checkpoint or checkpoint root}) on ``split``
+    (default eval.split) with columns ``metrics`` (default eval.metrics; see :func:`resolve_metric_names`)."""
+    if not checkpoints:
+        raise ValueError("eval_table needs at least one model")
+    cfg = cfg.model_copy(deep=True)
+    if split is not None:
+        cfg.eval.split = split
+    cfg.eval.metrics = resolve_metric_names(cfg, metrics)
+    if cfg.eval.classifier_path is not None:
+        cfg.eval.classifier_path = str(cfg.path(cfg.eval.classifier_path))
+    decoding = "greedy" if cfg.eval.num_beams == 1 else f"beam {cfg.eval.num_beams}"
+    rows: dict[str, dict[str, float]] = {}
+    paths: dict[str, str] = {}
+    for label, path in checkpoints.items():
+        path = resolve_model_dir(path)
+        rows[label] = eval_job(cfg, checkpoint=path, label=_file_label(label))
+        paths[label] = str(path)
+    return EvalTable(title=title or f"{cfg.eval.split} split, {decoding} decoding", split=cfg.eval.split,
+                     columns=list(cfg.eval.metrics), rows=rows, checkpoints=paths)
