@@ -103,13 +103,13 @@ CLUSTER ?=
 # On a launched cluster: where setup put the repo, and a run dir on the storage every node mounts.
 CLUSTER_REPO ?= ~/rlt2t
 CLUSTER_RUN_DIR ?= /mnt/rlt2t/runs/demo
-DEPLOY_CMD = python -m rlt2t.deploy
+DEPLOY_CMD = rlt2t deploy
 
 deploy: $(STAMP)
 	@if [ -n "$(CLUSTER)" ]; then \
 		RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/ray get-auth-token --generate > /dev/null && \
 		$(BIN)/ray up -y $(CLUSTER) && \
-		$(BIN)/ray exec $(CLUSTER) "cd $(CLUSTER_REPO) && RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(DEPLOY_CMD) up \
+		$(BIN)/ray exec $(CLUSTER) "cd $(CLUSTER_REPO) && RAY_AUTH_MODE=$(RAY_AUTH_MODE) python -m rlt2t.cli deploy up \
 			--address http://127.0.0.1:8265 --python python --state $(DEPLOY_STATE) \
 			$(if $(DEPLOY_CONFIG),--config $(DEPLOY_CONFIG)) run.dir=$(CLUSTER_RUN_DIR) $(DEPLOY_ARGS)"; \
 	else \
@@ -120,7 +120,7 @@ deploy: $(STAMP)
 
 deploy-status: $(STAMP)
 	@if [ -n "$(CLUSTER)" ]; then \
-		$(BIN)/ray exec $(CLUSTER) "cd $(CLUSTER_REPO) && RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(DEPLOY_CMD) status --state $(DEPLOY_STATE)"; \
+		$(BIN)/ray exec $(CLUSTER) "cd $(CLUSTER_REPO) && RAY_AUTH_MODE=$(RAY_AUTH_MODE) python -m rlt2t.cli deploy status --state $(DEPLOY_STATE)"; \
 	else \
 		RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/$(DEPLOY_CMD) status --state $(DEPLOY_STATE) \
 			$${RAY_ADDRESS:+--address $$RAY_ADDRESS}; \
@@ -129,7 +129,7 @@ deploy-status: $(STAMP)
 # Stops the job and the server; the cluster itself stays (`ray down -y $(CLUSTER)` removes it).
 undeploy: $(STAMP)
 	@if [ -n "$(CLUSTER)" ]; then \
-		$(BIN)/ray exec $(CLUSTER) "cd $(CLUSTER_REPO) && RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(DEPLOY_CMD) down --state $(DEPLOY_STATE)"; \
+		$(BIN)/ray exec $(CLUSTER) "cd $(CLUSTER_REPO) && RAY_AUTH_MODE=$(RAY_AUTH_MODE) python -m rlt2t.cli deploy down --state $(DEPLOY_STATE)"; \
 	else \
 		RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/$(DEPLOY_CMD) down --state $(DEPLOY_STATE) --python $(JOB_PYTHON) \
 			$${RAY_ADDRESS:+--address $$RAY_ADDRESS}; \

@@ -167,7 +167,8 @@ class RolloutWorker:
                 own = texts[i * cfg.num_samples : (i + 1) * cfg.num_samples]
                 out.append(self._candidate_set(ex, own))
         if truncated:
-            log.warning("rollout: truncated %d of %d sources to %d tokens", truncated, len(examples),
+            # The driver reports truncation once per epoch; per chunk it would flood the log.
+            log.debug("rollout: truncated %d of %d sources to %d tokens", truncated, len(examples),
                         self.max_source_len)
         return out
 
@@ -213,7 +214,8 @@ class RolloutWorker:
                         tuple(x) for x in reference[i * k : (i + 1) * k]),
                     greedy=None if greedy is None else normalize_text(greedy[i])))
         if truncated:
-            log.warning("rollout: truncated %d of %d sources to %d tokens", truncated, len(examples),
+            # The driver reports truncation once per epoch; per chunk it would flood the log.
+            log.debug("rollout: truncated %d of %d sources to %d tokens", truncated, len(examples),
                         self.max_source_len)
         return out
 

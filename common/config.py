@@ -8,12 +8,14 @@ Unknown keys, wrong types and impossible values fail with a message naming the k
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticUndefined
 
 
 class _Section(BaseModel):
@@ -603,13 +605,17 @@ def config_to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
-def explain(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
-    """One line per key: dotted name, default and the docstring; for `rlt2t config --explain`."""
+def explain(model: type[BaseModel] = Config, prefix: str = "", width: int = 100) -> list[str]:
+    """Every key with its default and its whole description (wrapped), for `rlt2t config --explain`."""
     lines = []
     for name, field in model.model_fields.items():
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            lines.extend(explain(ann, f"{prefix}{name}."))
-        else:
-            lines.append(f"{prefix}{name} = {field.default!r}  # {(field.description or '').splitlines()[0] if field.description else ''}")
+            lines.extend(explain(ann, f"{prefix}{name}.", width))
+            continue
+        default = field.default_factory() if field.default is PydanticUndefined and field.default_factory \
+            else field.default  # type: ignore[call-arg]
+        text = " ".join((field.description or "").split())
+        lines.append(f"{prefix}{name} = {default!r}")
+        lines.extend(textwrap.wrap(text, width=width, initial_indent="    ", subsequent_indent="    "))
     return lines

@@ -23,6 +23,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import os
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -447,3 +448,34 @@ def split_examples(
     held_out = set(order[: n_valid + n_test])
     train = [items[i] for i in range(n) if i not in held_out]
     return train, [items[i] for i in valid_idx], [items[i] for i in test_idx]
+
+
+@dataclass(frozen=True)
+class LengthReport:
+    """Token lengths of one field of a data file under a tokenizer (EOS included, as the limits count them)."""
+
+    field: str
+    limit: int
+    """The config limit (data.max_source_len or data.max_target_len)."""
+    over: int
+    """Texts longer than the limit (truncated in training)."""
+    count: int
+    percentiles: dict[int, int]
+    """50th, 90th, 99th percentile and 100th (the longest), in tokens."""
+
+    def summary(self, key: str) -> str:
+        p = self.percentiles
+        return (f"  {self.field}: {self.over} of {self.count} over {key}={self.limit} tokens; length p50 {p[50]}, "
+                f"p90 {p[90]}, p99 {p[99]}, max {p[100]}")
+
+
+def length_report(tokenizer, texts: Sequence[str], field: str, limit: int) -> LengthReport:
+    """How many of ``texts`` exceed ``limit`` tokens under ``tokenizer`` and their length percentiles
+    (nearest rank), so limits can be chosen before training."""
+    lengths = sorted(len(x) for x in tokenizer(list(texts), add_special_tokens=True)["input_ids"]) if texts else []
+
+    def rank(q: int) -> int:
+        return lengths[min(len(lengths) - 1, max(0, math.ceil(q / 100 * len(lengths)) - 1))] if lengths else 0
+
+    return LengthReport(field, limit, sum(n > limit for n in lengths), len(lengths),
+                        {q: rank(q) for q in (50, 90, 99, 100)})

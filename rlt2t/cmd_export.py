@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from rlt2t.cmd_common import print_table
 from rlt2t.common.config import load_config
 
 RERANK_HELP = (
@@ -31,7 +32,6 @@ def cmd_export(args) -> None:
 
 
 def cmd_predict(args) -> None:
-    from rlt2t.cli import print_table
     from rlt2t.predict import predict
 
     cfg = load_config(args.config, args.overrides)

@@ -1,15 +1,16 @@
-"""Deploy rank-RL training and the policy server to a Ray cluster (`make deploy` / `make undeploy`).
+"""Deploy RL training and the policy server to a Ray cluster (`rlt2t deploy`, `make deploy` / `make undeploy`).
 
-    python -m rlt2t.deploy up     [--address URL] [--config FILE ...] run.dir=/shared/runs/exp1 [key=value ...]
-    python -m rlt2t.deploy status [--wait]
-    python -m rlt2t.deploy down
+    rlt2t deploy up     [--address URL] [--config FILE ...] run.dir=/shared/runs/exp1 [key=value ...]
+    rlt2t deploy status [--wait]
+    rlt2t deploy down
 
 Everything goes through the cluster's job API (the dashboard address, port 8265 by default), so a laptop
 needs nothing but that port (``ray dashboard cluster.yaml`` or ``kubectl port-forward`` forward it):
 
 * ``up`` submits ``rlt2t train`` as one job, and a short *launcher* job that creates the policy server:
   a detached named actor (namespace ``rlt2t``) in a detached placement group sized from ``serve.num_cpus``,
-  ``serve.num_gpus`` and ``serve.resources``, running uvicorn on ``create_app`` in a thread. The launcher
+  ``serve.num_gpus`` and ``serve.resources`` (``rlt2t.services.deploy_actor``), running uvicorn on
+  ``create_app`` in a thread, once the cluster is checked to hold it and the training job. The launcher
   waits, inside the cluster, until the server's ``/healthz`` answers, prints its URL and exits; the actor
   outlives it. ``up`` writes what it started to a state file (``.deploy/state.json``).
 * ``down`` stops the training job, then a teardown job kills the actor and removes its placement group.
@@ -21,23 +22,24 @@ cluster it must be shared storage (EFS, NFS, a ReadWriteMany volume) mounted at 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ipaddress
 import json
 import os
 import shlex
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
-from rlt2t.common.config import ConfigError, load_config
+from rlt2t.common.config import Config, load_config
 from rlt2t.common.io import atomic_write_json
+from rlt2t.common.waiting import NotYet, wait_until
+from rlt2t.groups import ClusterTooSmall, check_cluster
+from rlt2t.services.deploy_actor import PolicyServerActor, url_host, wait_healthy
 
 NAMESPACE = "rlt2t"
 SERVER_NAME = "rlt2t-policy-server"
@@ -50,7 +52,14 @@ UPLOAD_EXCLUDES = [".venv", "runs", ".git", ".deploy", "**/__pycache__", ".pytes
                    "*.egg-info"]
 URL_MARKER = "RLT2T_POLICY_URL="
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
-REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def default_working_dir() -> Path:
+    """What the jobs upload: this source checkout when rlt2t runs from one (the cluster then runs the same
+    code), else the current directory (an installed rlt2t: the cluster runs its own install; the upload
+    carries the user's configs)."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() and (root / "rlt2t" / "cli.py").is_file() else Path.cwd()
 
 
 class DeployError(RuntimeError):
@@ -75,7 +84,7 @@ class ClusterAddress:
     @property
     def dashboard_url(self) -> str | None:
         """The job API URL when it follows from the address alone (None: ask the cluster)."""
-        return f"{self.scheme}://{_host_for_url(self.host)}:{self.port}" if self.kind == "dashboard" else None
+        return f"{self.scheme}://{url_host(self.host)}:{self.port}" if self.kind == "dashboard" else None
 
 
 def is_loopback_host(host: str) -> bool:
@@ -86,10 +95,6 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def _host_for_url(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def parse_address(text: str) -> ClusterAddress:
@@ -145,8 +150,8 @@ def resolve_dashboard_url(address: ClusterAddress) -> str:
         return address.dashboard_url
     from ray.dashboard.utils import ray_address_to_api_server_url, ray_client_address_to_api_server_url
 
-    raw = f"ray://{_host_for_url(address.host)}:{address.port}" if address.kind == "client" \
-        else f"{_host_for_url(address.host)}:{address.port}"
+    raw = f"ray://{url_host(address.host)}:{address.port}" if address.kind == "client" \
+        else f"{url_host(address.host)}:{address.port}"
     try:
         with _api_server_env(None):
             if address.kind == "client":
@@ -227,12 +232,12 @@ def train_entrypoint(python: str, config_paths: Sequence[str | Path], overrides:
 def serve_entrypoint(python: str, config_paths: Sequence[str | Path], overrides: Sequence[str],
                      working_dir: Path, *, name: str, timeout_s: float) -> str:
     """The shell command of the launcher job that starts the detached policy-server actor."""
-    return shlex.join([python, "-m", "rlt2t.deploy", "serve-start", "--name", name, "--timeout", str(timeout_s),
+    return shlex.join([python, "-m", "rlt2t.cli", "deploy", "serve-start", "--name", name, "--timeout", str(timeout_s),
                        *_config_args(config_paths, working_dir), *overrides])
 
 
 def teardown_entrypoint(python: str, *, name: str) -> str:
-    return shlex.join([python, "-m", "rlt2t.deploy", "serve-stop", "--name", name])
+    return shlex.join([python, "-m", "rlt2t.cli", "deploy", "serve-stop", "--name", name])
 
 
 def parse_server_url(logs: str) -> str | None:
@@ -241,84 +246,9 @@ def parse_server_url(logs: str) -> str | None:
     return urls[-1] if urls else None
 
 
-# --- the server actor (runs on the cluster) -------------------------------------------------------------
+# --- the server actor, started and stopped by jobs on the cluster -------------------------------------------
 
-class PolicyServerActor:
-    """uvicorn serving ``create_app(cfg)`` in a background thread of a Ray actor.
-
-    A plain class: ``ray.remote(...).options(...)`` is applied where it is launched.
-    """
-
-    def __init__(self, cfg: Any, *, startup_timeout_s: float = 120.0):
-        import uvicorn
-
-        from rlt2t.services.http import check_exposure, load_token
-        from rlt2t.services.policy_app import create_app
-
-        s = cfg.serve
-        check_exposure(s, s.host, load_token(s))
-        self._checkpoint_dir = str(cfg.path(s.checkpoint_dir))
-        app = create_app(cfg, checkpoint_dir=self._checkpoint_dir)
-        self._server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="info"))
-        self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + startup_timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive():  # uvicorn exits its thread when it cannot bind
-                raise RuntimeError(f"policy server failed to start on {s.host}:{s.port} (see this actor's log)")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"policy server did not start within {startup_timeout_s:.0f}s")
-            time.sleep(0.05)
-        port = self._server.servers[0].sockets[0].getsockname()[1]  # the real one when serve.port=0
-        host = s.host
-        if host in ("0.0.0.0", "::", ""):
-            import ray
-
-            host = ray.util.get_node_ip_address()
-        self._url = f"http://{_host_for_url(host)}:{port}"
-        # Health is checked from this process: the launcher job runs on the head, which cannot reach a
-        # server bound to its own node's loopback (the default serve.host) on another node.
-        local = "127.0.0.1" if s.host in ("0.0.0.0", "::", "", "localhost") or s.host.startswith("127.") else s.host
-        self._local_url = f"http://{_host_for_url(local)}:{port}"
-
-    def url(self) -> str:
-        return self._url
-
-    def serving(self) -> str:
-        """The checkpoint root this server watches (a redeploy must not reuse a server of another run)."""
-        return self._checkpoint_dir
-
-    def healthy_url(self, timeout_s: float) -> str:
-        """The URL, once /healthz answers from this node (DeployError after ``timeout_s``)."""
-        wait_healthy(self._local_url, timeout_s)
-        return self._url
-
-    def stop(self) -> None:
-        """Let uvicorn finish in-flight requests and close its socket."""
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
-
-
-def wait_healthy(url: str, timeout_s: float, *, interval_s: float = 0.5) -> None:
-    """Poll ``url``/healthz until it answers 200; DeployError after ``timeout_s``."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while True:
-        try:
-            r = httpx.get(f"{url}/healthz", timeout=5.0)
-            if r.status_code == 200:
-                return
-            last = f"HTTP {r.status_code}"
-        except httpx.HTTPError as e:
-            last = f"{type(e).__name__}: {e}"
-        if time.monotonic() > deadline:
-            raise DeployError(f"policy server {url} did not become healthy within {timeout_s:.0f}s ({last})")
-        time.sleep(interval_s)
-
-
-def start_policy_server(cfg: Any, *, name: str = SERVER_NAME, namespace: str = NAMESPACE,
+def start_policy_server(cfg: Config, *, name: str = SERVER_NAME, namespace: str = NAMESPACE,
                         timeout_s: float = 300.0) -> str:
     """Create the detached placement group and server actor (inside a job on the cluster); returns its URL.
 
@@ -337,6 +267,11 @@ def start_policy_server(cfg: Any, *, name: str = SERVER_NAME, namespace: str = N
                               "run `make undeploy` first")
         print(f"policy server {name!r} is already running for {serving}; reusing it")
     except ValueError:
+        # The server and the training job beside it must fit in the cluster, or one of them waits forever.
+        try:
+            check_cluster(cfg, policy_server=True)
+        except ClusterTooSmall as e:
+            raise DeployError(str(e)) from None
         s = cfg.serve
         bundle = {"CPU": s.num_cpus, **({"GPU": s.num_gpus} if s.num_gpus else {}), **s.resources}
         pg = placement_group([bundle], strategy="STRICT_PACK", name=f"{name}-pg", lifetime="detached")
@@ -367,13 +302,16 @@ def stop_policy_server(name: str = SERVER_NAME, namespace: str = NAMESPACE, time
         with contextlib.suppress(Exception):  # a graceful close first; the kill below is what counts
             ray.get(actor.stop.remote(), timeout=30)
         ray.kill(actor, no_restart=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:  # the name is released once the actor is dead
+
+        def released() -> None:  # the name is released once the actor is dead
             try:
                 ray.get_actor(name, namespace=namespace)
             except ValueError:
-                break
-            time.sleep(0.2)
+                return
+            raise NotYet("the actor's name is still taken")
+
+        wait_until(released, timeout_s=timeout_s, interval_s=0.2, what=f"policy server {name!r} gone",
+                   error=DeployError)
     except ValueError:
         pass
     try:
@@ -395,14 +333,15 @@ def _tail(client, job_id: str, lines: int = 40) -> str:
 
 def wait_job(client, job_id: str, timeout_s: float, *, interval_s: float = 1.0) -> str:
     """Poll until the job is terminal; returns its status name. DeployError on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def terminal() -> str:
         status = str(client.get_job_status(job_id).value)
-        if status in TERMINAL:
-            return status
-        if time.monotonic() > deadline:
-            raise DeployError(f"job {job_id} still {status} after {timeout_s:.0f}s")
-        time.sleep(interval_s)
+        if status not in TERMINAL:
+            raise NotYet(f"still {status}")
+        return status
+
+    return wait_until(terminal, timeout_s=timeout_s, interval_s=interval_s, what=f"job {job_id} finished",
+                      error=DeployError)
 
 
 def _submit(client, entrypoint: str, *, kind: str, working_dir: Path) -> str:
@@ -411,17 +350,18 @@ def _submit(client, entrypoint: str, *, kind: str, working_dir: Path) -> str:
                              runtime_env={"working_dir": str(working_dir), "excludes": UPLOAD_EXCLUDES})
 
 
-def _check_run_dir(cfg: Any) -> None:
+def _check_run_dir(cfg: Config) -> None:
     if not Path(cfg.run.dir).is_absolute():
         raise DeployError(f"run.dir={cfg.run.dir!r}: must be an absolute path that every node sees (the job runs "
                           "in an uploaded copy of the repo); e.g. run.dir=/shared/runs/exp1")
 
 
 def up(address: str, *, config_paths: Sequence[str | Path] = (), overrides: Sequence[str] = (),
-       python: str = "python", state_path: str | Path = DEFAULT_STATE, working_dir: Path = REPO_ROOT,
+       python: str = "python", state_path: str | Path = DEFAULT_STATE, working_dir: Path | None = None,
        timeout_s: float = 600.0, name: str = SERVER_NAME) -> DeployState:
     """Submit the training job and start the policy server; returns (and saves) what was started."""
     cfg = load_config(config_paths, overrides)  # fail here, not on the cluster, on a bad key
+    working_dir = working_dir or default_working_dir()
     _check_run_dir(cfg)
     addr = parse_address(address)
     if not addr.is_loopback:
@@ -456,7 +396,7 @@ def up(address: str, *, config_paths: Sequence[str | Path] = (), overrides: Sequ
                                  kind="train", working_dir=working_dir)
     write_state(state_path, state)
     try:
-        wait_healthy(url, 30.0 if addr.is_loopback else 5.0)
+        wait_healthy(url, 30.0 if addr.is_loopback else 5.0, error=DeployError)
     except DeployError:
         if addr.is_loopback:
             raise
@@ -502,7 +442,7 @@ def status(address: str | None, *, state_path: str | Path = DEFAULT_STATE, wait:
 
 
 def down(address: str | None, *, state_path: str | Path = DEFAULT_STATE, python: str | None = None,
-         working_dir: Path = REPO_ROOT, timeout_s: float = 120.0) -> None:
+         working_dir: Path | None = None, timeout_s: float = 120.0) -> None:
     """Stop the training job, kill the server actor and its placement group; harmless when nothing runs."""
     state = read_state(state_path)
     if address:
@@ -524,6 +464,7 @@ def down(address: str | None, *, state_path: str | Path = DEFAULT_STATE, python:
             raise
         except RuntimeError as e:  # the job is unknown to this cluster (e.g. the head was restarted)
             print(f"job {job_id}: {e}")
+    working_dir = working_dir or default_working_dir()
     name = state.server_name if state else SERVER_NAME
     py = python or (state.python if state else "python")
     teardown = _submit(client, teardown_entrypoint(py, name=name), kind="teardown", working_dir=working_dir)
@@ -535,79 +476,3 @@ def down(address: str | None, *, state_path: str | Path = DEFAULT_STATE, python:
     print(next((line for line in logs.splitlines() if line.startswith("policy server")), "policy server stopped"))
     with contextlib.suppress(FileNotFoundError):
         Path(state_path).unlink()
-
-
-# --- command line ----------------------------------------------------------------------------------------
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rlt2t.deploy", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-
-    def common(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
-                       help="dashboard address http://HOST:8265 (or ray://HOST:10001, HOST:6379); default RAY_ADDRESS")
-        q.add_argument("--state", default=str(DEFAULT_STATE), help="state file written by up, read by status/down")
-
-    q = sub.add_parser("up", help="submit the training job and start the policy server")
-    common(q)
-    q.add_argument("--config", action="append", default=[], metavar="FILE", help="YAML config (repeatable)")
-    q.add_argument("--python", default="python", help="interpreter of the jobs on the cluster (JOB_PYTHON)")
-    q.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server to be healthy")
-    q.add_argument("overrides", nargs="*", metavar="key.path=value")
-
-    q = sub.add_parser("status", help="job status and server health")
-    common(q)
-    q.add_argument("--wait", action="store_true", help="block until the training job ends; exit 1 if it failed")
-    q.add_argument("--timeout", type=float, default=24 * 3600.0)
-
-    q = sub.add_parser("down", help="stop the job and the server")
-    common(q)
-    q.add_argument("--python", default=None, help="interpreter of the teardown job (default: the one of up)")
-    q.add_argument("--timeout", type=float, default=120.0)
-
-    # Run on the cluster by the launcher and teardown jobs.
-    q = sub.add_parser("serve-start", help="(internal) run by the launcher job on the cluster")
-    q.add_argument("--name", default=SERVER_NAME)
-    q.add_argument("--timeout", type=float, default=300.0)
-    q.add_argument("--config", action="append", default=[])
-    q.add_argument("overrides", nargs="*")
-    q = sub.add_parser("serve-stop", help="(internal) run by the teardown job on the cluster")
-    q.add_argument("--name", default=SERVER_NAME)
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        if args.command == "up":
-            if not args.address:
-                raise DeployError("address: set RAY_ADDRESS or --address (e.g. http://127.0.0.1:8265)")
-            st = up(args.address, config_paths=args.config, overrides=args.overrides, python=args.python,
-                    state_path=args.state, timeout_s=args.timeout)
-            print(f"dashboard:     {st.dashboard_url}")
-            print(f"train job:     {st.train_job_id}   (ray job logs --address {st.dashboard_url} -f {st.train_job_id})")
-            print(f"policy server: {st.server_url}")
-            print(f"state:         {args.state}")
-            return 0
-        if args.command == "status":
-            return status(args.address, state_path=args.state, wait=args.wait, timeout_s=args.timeout)
-        if args.command == "down":
-            down(args.address, state_path=args.state, python=args.python, timeout_s=args.timeout)
-            return 0
-        if args.command == "serve-start":
-            url = start_policy_server(load_config(args.config, args.overrides), name=args.name,
-                                      timeout_s=args.timeout)
-            print(f"{URL_MARKER}{url}", flush=True)
-            return 0
-        if args.command == "serve-stop":
-            found = stop_policy_server(args.name)
-            print(f"policy server {args.name!r} {'stopped' if found else 'was not running'}", flush=True)
-            return 0
-    except (DeployError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

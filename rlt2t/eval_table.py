@@ -22,12 +22,12 @@ import csv
 import io
 import json
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from rlt2t.cmd_common import print_table
 from rlt2t.common.checkpoint import resolve_model_dir
 from rlt2t.common.config import Config
 from rlt2t.common.io import atomic_write_text
@@ -84,22 +84,7 @@ class EvalTable:
 
 def print_eval_table(table: EvalTable, file: TextIO | None = None) -> None:
     """The table in the terminal (rich), one row per model."""
-    print_rows(table.title, table.rows, file=file)
-
-
-def print_rows(title: str, rows: Mapping[str, Mapping[str, float]], file: TextIO | None = None) -> None:
-    """Any metric table: one row per model, one column per metric (the first row's keys)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    columns = list(next(iter(rows.values())).keys()) if rows else []
-    table.add_column("model")
-    for c in columns:
-        table.add_column(c, justify="right")
-    for name, metrics in rows.items():
-        table.add_row(name, *(f"{metrics[c]:.4f}" for c in columns))
-    Console(file=file or sys.stdout, width=max(100, 14 * (len(columns) + 1))).print(table)
+    print_table(table.title, table.rows, file=file)
 
 
 def stage_root(cfg: Config, stage: str) -> Path:

@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlt2t.common.config import Config
 from rlt2t.common.data import Example
+from rlt2t.common.errors import ResumableFailure
 from rlt2t.common.types import ScoredGroup, ScoredPair
 from rlt2t.learner.learner import BatchTooLarge, Learner
 from rlt2t.scheduler import PoolState
@@ -40,7 +41,7 @@ WORKER_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS":
               "TOKENIZERS_PARALLELISM": "false", **{k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()}}
 
 
-class LearnerDied(RuntimeError):
+class LearnerDied(ResumableFailure):
     """A learner rank died; the job stops and the newest checkpoint resumes it."""
 
 

@@ -154,7 +154,7 @@ def test_deploy_to_two_node_loopback_cluster(tmp_path):
         assert len(cands) == 2 and all(len(c) == 3 for c in cands)
         assert all(c["token_ids"] for per_source in cands for c in per_source)
 
-        wait = run([sys.executable, "-m", "rlt2t.deploy", "status", "--wait", "--timeout", "400", "--state",
+        wait = run([sys.executable, "-m", "rlt2t.cli", "deploy", "status", "--wait", "--timeout", "400", "--state",
                     str(state)], deploy_env, timeout=420)
         assert wait.returncode == 0, wait.stdout[-3000:] + wait.stderr[-3000:]
         assert f"{job_id}  SUCCEEDED" in wait.stdout and "healthy" in wait.stdout

@@ -147,12 +147,12 @@ def test_entrypoints_make_repo_configs_relative_and_quote_overrides(tmp_path):
     repo = tmp_path / "repo"
     (repo / "configs").mkdir(parents=True)
     inside, outside = repo / "configs" / "tiny.yaml", tmp_path / "elsewhere.yaml"
-    overrides = ["run.dir=/shared/run", 'rank.rollout_resources={"fake_gpu": 1}']
+    overrides = ["run.dir=/shared/run", 'rl.rollout_resources={"fake_gpu": 1}']
     cmd = train_entrypoint("/opt/py", [inside, outside], overrides, repo)
     assert shlex.split(cmd) == ["/opt/py", "-m", "rlt2t.cli", "train", "--resume", "--config", "configs/tiny.yaml",
                                 "--config", str(outside.resolve()), *overrides]
     serve = shlex.split(serve_entrypoint("python", [inside], overrides, repo, name=SERVER_NAME, timeout_s=30))
-    assert serve[:3] == ["python", "-m", "rlt2t.deploy"] and serve[3] == "serve-start"
+    assert serve[:5] == ["python", "-m", "rlt2t.cli", "deploy", "serve-start"]
     assert serve[-2:] == overrides and serve[serve.index("--name") + 1] == SERVER_NAME
 
 

@@ -66,10 +66,49 @@ def test_run_paths_expand():
 
 def test_explain_documents_every_leaf():
     lines = explain()
-    assert any(line.startswith("sft.rdrop_alpha = 0.0  # R-drop") for line in lines)
-    assert all("#  " not in line and line.split("# ", 1)[1] for line in lines), "every key needs a docstring"
+    at = lines.index("sft.rdrop_alpha = 0.0")
+    assert lines[at + 1].startswith("    R-drop")
+    # every key line is followed by its (indented) description
+    keys = [i for i, line in enumerate(lines) if not line.startswith(" ")]
+    assert all(i + 1 < len(lines) and lines[i + 1].startswith("    ") for i in keys), "every key needs a docstring"
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[3] / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     load_config([path])
+
+
+def test_explain_gives_every_key_its_real_default_and_whole_description():
+    from pydantic import BaseModel
+
+    from rlt2t.common.config import Config, explain
+
+    def keys(model, prefix=""):
+        for name, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                yield from keys(field.annotation, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}", field.description
+
+    lines = explain()
+    text = "\n".join(lines)
+    assert "PydanticUndefined" not in text
+    for key, description in keys(Config):
+        assert description, f"{key} has no description"
+        # A description is a sentence: it ends with a full stop (or a closing parenthesis after one).
+        assert description.rstrip().endswith((".", ")")), f"{key}: {description!r}"
+        assert any(line.startswith(f"{key} = ") for line in lines), key
+    assert "rl.learner_resources = {}" in lines and "rollout.urls = []" in lines
+    # the whole description is printed, wrapped: its last word appears, indented
+    tokenizer_kind = lines[lines.index("tokenizer.kind = 'ids'") + 1 :]
+    assert any("`path`)." in line for line in tokenizer_kind[:4])
+
+
+def test_a_retired_rank_key_names_its_new_home():
+    from rlt2t.common.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["rank.epochs=3", "rank.loss_weight=0.5"])
+    assert "rank.epochs: moved to rl.epochs" in str(err.value)
+    assert "rank.loss_weight: moved to rl.rank.loss_weight" in str(err.value)
+    assert load_config(overrides=["rl.epochs=3", "rl.rank.loss_weight=0.5"]).rl.rank.loss_weight == 0.5

@@ -1,0 +1,119 @@
+"""`rlt2t config`, `rlt2t data ...` and `rlt2t tokenizer build`: the config tree, data sets and tokenizers."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from rlt2t.cmd_common import load_cfg
+from rlt2t.common.config import config_to_yaml, explain
+
+
+def cmd_config(args) -> None:
+    if args.explain:
+        print("\n".join(explain()))
+    else:
+        print(config_to_yaml(load_cfg(args)), end="")
+
+
+def cmd_data_synth(args) -> None:
+    from rlt2t.jobs import make_synthetic_data
+
+    files = make_synthetic_data(load_cfg(args), fmt=args.format)
+    for split, path in files.items():
+        print(f"{split}: {path}")
+
+
+def cmd_data_wordnet(args) -> None:
+    from rlt2t.jobs import make_wordnet_data
+
+    for split, path in make_wordnet_data(load_cfg(args), size=args.size, seed=args.seed,
+                                         wordnet_dir=args.wordnet_dir).items():
+        print(f"{split}: {path}")
+
+
+def cmd_data_import(args) -> None:
+    from rlt2t.common.data import import_competition_csv, split_examples, write_examples
+
+    cfg = load_cfg(args)
+    examples = import_competition_csv(args.input, on_error=cfg.data.on_error)
+    out = Path(args.out)
+    if args.unlabeled:
+        write_examples(out / "test.jsonl", examples)
+        print(f"test: {out / 'test.jsonl'} ({len(examples)} rows)")
+        return
+    parts = split_examples(examples, args.valid_fraction, args.test_fraction, cfg.run.seed)
+    for split, rows in zip(("train", "valid", "test"), parts, strict=True):
+        if rows:
+            write_examples(out / f"{split}.jsonl", rows)
+            print(f"{split}: {out / f'{split}.jsonl'} ({len(rows)} rows)")
+
+
+def cmd_data_validate(args) -> None:
+    from rlt2t.common.data import length_report, load_examples
+    from rlt2t.common.tokenization import load_tokenizer, text_checker
+
+    cfg = load_cfg(args)
+    tokenizer = load_tokenizer(cfg.tokenizer_dir) if cfg.tokenizer_dir.is_dir() else None
+    check = text_checker(tokenizer) if tokenizer is not None else None
+    if tokenizer is None:
+        print(f"(no tokenizer at {cfg.tokenizer_dir}: token checks and lengths skipped; `rlt2t tokenizer build` first)")
+    for path in args.files:
+        loaded = load_examples(path, require_target=not args.unlabeled, on_error=cfg.data.on_error, check_text=check)
+        print(loaded.report.summary())
+        if tokenizer is None:
+            continue
+        examples = list(loaded)
+        print(length_report(tokenizer, [e.source for e in examples], "sources", cfg.data.max_source_len).summary(
+            "data.max_source_len"))
+        targets = [e.target for e in examples if e.target is not None]
+        if targets:
+            print(length_report(tokenizer, targets, "targets", cfg.data.max_target_len).summary("data.max_target_len"))
+
+
+def cmd_tokenizer_build(args) -> None:
+    from rlt2t.jobs import build_tokenizer_job
+
+    print(build_tokenizer_job(load_cfg(args)))
+
+
+def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add this module's commands to the `rlt2t` parser."""
+    p = sub.add_parser("config", help="print the resolved config (or every key with --explain)")
+    config_args(p)
+    p.add_argument("--explain", action="store_true", help="list every key with its default and meaning")
+    p.set_defaults(fn=cmd_config)
+
+    data = sub.add_parser("data", help="make, import and validate data").add_subparsers(
+        dest="data_command", required=True, metavar="subcommand")
+    p = data.add_parser("synth", help="write the synthetic report task (synth.size, synth.seed) to data.train's dir")
+    config_args(p)
+    p.add_argument("--format", choices=["jsonl", "csv"], default="jsonl", help="JSONL, or the competition CSV layout")
+    p.set_defaults(fn=cmd_data_synth)
+    p = data.add_parser("wordnet", help="write the WordNet definition-modelling task (natural language) to "
+                        "data.train's dir")
+    config_args(p)
+    p.add_argument("--size", type=int, default=8000, help="rows in all (train + synth.valid/test_fraction)")
+    p.add_argument("--seed", type=int, default=7, help="which rows are drawn and how they are split")
+    p.add_argument("--wordnet-dir", default=None, help="WordNet dict directory (default: Debian's wordnet-base)")
+    p.set_defaults(fn=cmd_data_wordnet)
+    p = data.add_parser("import-csv", help="convert a competition CSV (report_id,description,diagnosis[,clinical])")
+    config_args(p)
+    p.add_argument("--input", required=True, help="header-less competition CSV")
+    p.add_argument("--out", required=True, help="output directory for train/valid/test JSONL")
+    p.add_argument("--valid-fraction", type=float, default=0.05)
+    p.add_argument("--test-fraction", type=float, default=0.0)
+    p.add_argument("--unlabeled", action="store_true", help="the file is a test set without diagnoses")
+    p.set_defaults(fn=cmd_data_import)
+    p = data.add_parser("validate", help="check JSONL files (and their tokens against the run's tokenizer)")
+    config_args(p)
+    p.add_argument("--files", nargs="+", required=True)
+    p.add_argument("--unlabeled", action="store_true", help="targets are optional")
+    p.set_defaults(fn=cmd_data_validate)
+
+    tok = sub.add_parser("tokenizer", help="build the tokenizer").add_subparsers(
+        dest="tokenizer_command", required=True, metavar="subcommand")
+    p = tok.add_parser("build", help="build (ids), train (subword) or import (pretrained) per tokenizer.kind")
+    config_args(p)
+    p.set_defaults(fn=cmd_tokenizer_build)

@@ -1,0 +1,114 @@
+"""`rlt2t pretrain`, `sft`, `train` (RL on Ray), `average`, `convert-model` and `demo`: the training stages."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+from rlt2t.cmd_common import load_cfg, print_table
+
+
+def cmd_pretrain(args) -> None:
+    from rlt2t.jobs import pretrain_job
+
+    result = pretrain_job(load_cfg(args), resume=args.resume, init=args.init)
+    print(f"pretrain: {result.steps} steps → {result.checkpoint}")
+
+
+def cmd_sft(args) -> None:
+    from rlt2t.jobs import sft_job
+
+    result = sft_job(load_cfg(args), resume=args.resume, init=args.init)
+    print(f"sft: {result.steps} steps → {result.checkpoint}")
+
+
+def cmd_train(args) -> None:
+    from rlt2t.jobs import rl_job
+
+    result = rl_job(load_cfg(args), resume=args.resume, init=args.init)
+    print(f"rl: {result.steps} steps, {result.items_used} sources, {result.redispatched} chunks re-dispatched "
+          f"→ {result.checkpoint}")
+
+
+def cmd_convert_model(args) -> None:
+    from rlt2t.common.convert import shrink_vocabulary
+
+    print(shrink_vocabulary(args.input, args.vocab_size, args.out, tokenizer_dir=args.tokenizer))
+
+
+def cmd_average(args) -> None:
+    from rlt2t.common.checkpoint import complete_checkpoints
+    from rlt2t.common.convert import average_checkpoints
+
+    paths = list(args.checkpoints)
+    if args.dir:
+        infos = complete_checkpoints(args.dir)
+        paths += [i.path for i in infos[-args.last :]]
+    print(average_checkpoints(paths, args.out))
+
+
+def cmd_demo(args) -> None:
+    from rlt2t.jobs import best_or_latest, clean_run, eval_job, export_job, prepare_sft, rl_job
+    from rlt2t.predict import predict
+
+    cfg = load_cfg(args)
+    if args.fresh:
+        clean_run(cfg)
+    t0 = time.perf_counter()
+    prepare_sft(cfg)
+    rows = {"sft": eval_job(cfg, label="sft")}
+    models = {"sft": best_or_latest(cfg.run_dir / "sft" / "checkpoints")}
+    if cfg.rl.enabled:
+        rl_job(cfg, resume=True)
+        models["rl"] = best_or_latest(cfg.run_dir / "rl" / "checkpoints")
+        rows[f"RL ({cfg.rl.algorithm})"] = eval_job(cfg, checkpoint=models["rl"], label="rl")
+    print_table(f"{cfg.eval.split} split, {'greedy' if cfg.eval.num_beams == 1 else 'beam'} decoding", rows)
+    if args.predict:
+        # The last stage of the method: CTranslate2 exports of both models, ensemble rerank on the test split.
+        exports = [export_job(cfg, path, cfg.path(cfg.export.out) / name, force=True) for name, path in models.items()]
+        result = predict(cfg, exports, exports, cfg.path(cfg.data.test), cfg.run_dir / "predict" / "test.csv")
+        if result.metrics:
+            print_table(f"test split, CTranslate2 {cfg.export.quantization}: single models (beam "
+                        f"{cfg.predict.beam_size}) vs ensemble ({result.rerank}) vs oracle", result.metrics)
+        print(f"predictions: {result.csv_path}")
+    print(f"demo finished in {time.perf_counter() - t0:.0f} s; run directory: {cfg.run_dir}")
+    print(f"logs: tensorboard --logdir {cfg.run_dir / 'logs'}")
+
+
+def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add this module's commands to the `rlt2t` parser."""
+    for name, fn, what in (("pretrain", cmd_pretrain, "denoising pretraining (T5-style span corruption)"),
+                           ("sft", cmd_sft, "supervised fine-tuning (CE, R-drop, augmentation, FGM)")):
+        p = sub.add_parser(name, help=what)
+        config_args(p)
+        p.add_argument("--resume", action="store_true", help="continue from the stage's newest complete checkpoint")
+        p.add_argument("--init", default=None, help="model directory or checkpoint root to start from")
+        p.set_defaults(fn=fn)
+
+    p = sub.add_parser("train", help="RL on Ray (rl.algorithm): rollout + reward actors, DDP learner")
+    config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete RL checkpoint")
+    p.add_argument("--init", default=None, help="model dir or checkpoint root to start from (default: best SFT)")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("convert-model", help="shrink a pretrained BART's vocabulary")
+    p.add_argument("--input", required=True, help="pretrained BART directory (from_pretrained)")
+    p.add_argument("--vocab-size", type=int, required=True, help="rows to keep")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory whose special ids the config takes")
+    p.set_defaults(fn=cmd_convert_model)
+
+    p = sub.add_parser("average", help="uniform average of checkpoints")
+    p.add_argument("checkpoints", nargs="*", help="checkpoint directories")
+    p.add_argument("--dir", default=None, help="a checkpoint root: average its newest --last complete ones")
+    p.add_argument("--last", type=int, default=3)
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=cmd_average)
+
+    p = sub.add_parser("demo", help="the whole pipeline on the embedded default (synthetic data, small model)")
+    config_args(p)
+    p.add_argument("--fresh", action="store_true", help="delete run.dir first instead of resuming it")
+    p.add_argument("--no-predict", dest="predict", action="store_false",
+                   help="skip the CTranslate2 export and ensemble prediction at the end")
+    p.set_defaults(fn=cmd_demo)
