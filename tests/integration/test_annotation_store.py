@@ -22,6 +22,7 @@ from sqlalchemy import func, select
 
 from rlt2t.services.annotation import export
 from rlt2t.services.annotation.store import (
+    SCHEMA_HEAD,
     NewItem,
     NotFound,
     Store,
@@ -129,7 +130,7 @@ def test_migrations_build_exactly_the_tables_and_refuse_an_unknown_revision(db_u
 
     store = Store.open(db_url)
     try:
-        assert schema_revision(store) == head_revision() == "0001"
+        assert schema_revision(store) == head_revision() == SCHEMA_HEAD
         with store.read() as conn:
             assert compare_metadata(MigrationContext.configure(conn), metadata) == []
         store.add_annotator("keep")
