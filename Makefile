@@ -65,6 +65,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/quality.py
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/ct2_sampling.py
+	$(BIN)/python bench/annotate_load.py
 
 # A local Ray head on loopback (dashboard and job API on 127.0.0.1:8265).
 RAY_TMP ?= /tmp/rlt2t-ray
