@@ -14,9 +14,11 @@ All of them use ``annotate.database_url`` (SQLite under the run directory unless
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -122,6 +124,10 @@ def cmd_terminal(args) -> None:
     from rlt2t.common.config import load_config
     from rlt2t.services.annotation.store import open_store
     from rlt2t.services.annotation.terminal import run_terminal
+
+    if sys.stdin.isatty():
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401 - line editing for input() on a terminal
 
     cfg = load_config(args.config, args.overrides)
     a = cfg.annotate

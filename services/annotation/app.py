@@ -134,6 +134,15 @@ def _safe_next(target: str | None) -> str:
     return target
 
 
+async def _form(request: Request) -> dict[str, str]:
+    """The fields of a small urlencoded form post (first value of each); a malformed one is a 422."""
+    try:
+        fields = parse_qs((await request.body()).decode("utf-8"), keep_blank_values=True, max_num_fields=8)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise field_error(("body",), f"not a valid login/logout form: {e}") from None
+    return {k: v[0] for k, v in fields.items()}
+
+
 def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
     """The annotation app over ``store`` (default: open ``annotate.database_url``, closed at shutdown)."""
     a = cfg.annotate
@@ -250,8 +259,7 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
     async def login(request: Request) -> Response:
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
             return JSONResponse({"detail": "send the login form (application/x-www-form-urlencoded)"}, 415)
-        form = {k: v[0] for k, v in parse_qs((await request.body()).decode("utf-8", "replace"), max_num_fields=8,
-                                             keep_blank_values=True).items()}
+        form = await _form(request)
         next_path = _safe_next(form.get("next"))
         expected = request.cookies.get(LOGIN_CSRF_COOKIE, "")
         if not expected or not secrets.compare_digest(form.get("csrf", "").encode(), expected.encode()):
@@ -271,8 +279,8 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
         cookie = request.cookies.get(SESSION_COOKIE)
         found = await run_in_threadpool(store.session, cookie) if cookie else None
         if found is not None:
-            form = parse_qs((await request.body()).decode("utf-8", "replace"), max_num_fields=4)
-            if not secrets.compare_digest(form.get("csrf", [""])[0].encode(), found[1].encode()):
+            form = await _form(request)
+            if not secrets.compare_digest(form.get("csrf", "").encode(), found[1].encode()):
                 return JSONResponse({"detail": "missing or wrong csrf form field"}, 403)
             await run_in_threadpool(store.delete_session, cookie)
         response = RedirectResponse("/login", status_code=303)

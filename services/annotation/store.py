@@ -270,7 +270,13 @@ def create_store_engine(url: str) -> Engine:
         return engine
     if parsed.get_backend_name() != "postgresql":
         raise StoreError(f"annotate.database_url: {parsed.get_backend_name()} is not supported (sqlite or postgresql)")
-    return create_engine(parsed, pool_size=10, max_overflow=30, pool_pre_ping=True)
+    if parsed.drivername == "postgresql":  # SQLAlchemy's default driver would be psycopg2; ours is psycopg 3
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    try:
+        return create_engine(parsed, pool_size=10, max_overflow=30, pool_pre_ping=True)
+    except ImportError as e:
+        raise StoreError(f"annotate.database_url: the driver of {parsed.drivername} is missing ({e}); "
+                         f"pip install 'psycopg[binary]'") from None
 
 
 class Store:
