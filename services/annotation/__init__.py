@@ -6,4 +6,5 @@ their database and the exports the reward-model trainer reads.
 - ``app``: the FastAPI app (``create_app(cfg)``), its pages, JSON API and static files; ``schemas``: its bodies.
 - ``terminal``: the seed tutorial's terminal loop (prompt, result, "Reward (-2.0 ~ 2.0):").
 - ``export``: rank-list TSV, pairs JSONL and ratings JSONL; ``agreement``: Kendall's τ between annotators.
+- ``scripted``: an annotator that ranks by a score function (tests and the example loop stand it in for people).
 """

@@ -16,6 +16,7 @@ from rlt2t.services.annotation import export
 from rlt2t.services.annotation.agreement import agreement, kendall_tau_b
 from rlt2t.services.annotation.app import LOGIN_CSRF_COOKIE, SESSION_COOKIE, create_app
 from rlt2t.services.annotation.items import read_candidates
+from rlt2t.services.annotation.scripted import rank_by_score
 from rlt2t.services.annotation.store import NewItem, Store, StoreError, Submission
 from rlt2t.services.annotation.terminal import run_terminal
 
@@ -79,6 +80,21 @@ def test_read_candidates_names_file_line_and_field(tmp_path, line, where):
     with pytest.raises(DataError) as e:
         list(read_candidates(path, max_candidates=4, max_chars=100))
     assert str(e.value).startswith(f"{path}:{where}")
+
+
+def test_a_scripted_annotator_ranks_by_its_score_and_exports_like_people(tmp_path):
+    store = Store.open(f"sqlite:///{tmp_path}/s.db")
+    try:
+        store.add_items([NewItem("s1", ("a b c", "a", "a b"), "t"), NewItem("s2", ("x y", "z"), "t")])
+        store.add_annotator("bot")
+        bot = store.annotator_by_name("bot")
+        assert rank_by_score(store, bot, lambda source, cand: -len(cand.split()), limit=1) == 1
+        assert rank_by_score(store, bot, lambda source, cand: -len(cand.split())) == 1
+        assert store.progress(bot).left == 0
+        lines = "".join(export.rank_tsv_lines(export.rank_lists(store)))
+    finally:
+        store.close()
+    assert lines == "s1\ta\ta b\ta b c\ns2\tz\tx y\n"
 
 
 # --- the terminal loop --------------------------------------------------------------------------------------
