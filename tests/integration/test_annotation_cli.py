@@ -112,7 +112,7 @@ def test_terminal_with_scripted_stdin(run):
         store.close()
 
 
-def _read_until(fd: int, text: str, seen: bytearray, start: int = 0, timeout: float = 60) -> int:
+def _read_until(fd: int, text: str, seen: bytearray, start: int = 0, timeout: float = 120) -> int:
     """Read the terminal into ``seen`` until ``text`` shows after offset ``start``; returns where it ends."""
     deadline = time.monotonic() + timeout
     while text.encode() not in seen[start:]:
@@ -129,6 +129,33 @@ def _read_until(fd: int, text: str, seen: bytearray, start: int = 0, timeout: fl
     return seen.index(text.encode(), start) + len(text)
 
 
+def _wait_for_terminal_read(pid: int, timeout: float = 120) -> None:
+    """Until the process sleeps reading its terminal. Ctrl-C sent earlier, between the prompt and the read, would
+    be taken by Python's handler before readline waits on the terminal, and only acted on at the next key: a
+    person never types that fast, a test does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+        if state == "S" and any(w in wchan for w in ("select", "poll", "tty", "wait_woken")):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} did not wait for the terminal within {timeout} s")
+
+
+def _reap(pid: int, timeout: float = 60) -> int:
+    """The child's exit code; killed (and the test failed by the caller) if it has not exited in time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -signal.SIGKILL
+
+
 def test_terminal_ctrl_c_in_a_real_terminal_keeps_the_answers(run):
     over = f"run.dir={loaded(run)}"
     pid, fd = pty.fork()
@@ -137,18 +164,20 @@ def test_terminal_ctrl_c_in_a_real_terminal_keeps_the_answers(run):
         os.execve(sys.executable, [sys.executable, "-m", "rlt2t.cli", "annotate", "terminal", "--annotator", "kim",
                                    over], ENV)
     seen = bytearray()
+    code = None
     try:
         _read_until(fd, "Reward (-2.0 ~ 2.0): ", seen)
         os.write(fd, b"1.25\r")
         second = _read_until(fd, "result 2 of 3", seen)
         _read_until(fd, "Reward (-2.0 ~ 2.0): ", seen, start=second)
+        _wait_for_terminal_read(pid)
         os.write(fd, b"0.5")  # typed, Enter not pressed ...
         os.write(fd, b"\x03")  # ... then Ctrl-C: the terminal's line discipline sends SIGINT
         _read_until(fd, "ratings stored this run", seen)
     finally:
-        _, status = os.waitpid(pid, 0)
+        code = _reap(pid)
         os.close(fd)
-    assert os.waitstatus_to_exitcode(status) == 0, seen.decode(errors="replace")
+    assert code == 0, seen.decode(errors="replace")
     assert "annotate: 1 ratings stored this run; kim: done 0, left 2" in seen.decode()
     store = Store.open(f"sqlite:///{run}/annotate/annotations.db")
     try:
