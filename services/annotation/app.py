@@ -59,6 +59,7 @@ from rlt2t.services.annotation.store import (
     AnnotationRecord,
     Annotator,
     InvalidSubmission,
+    Item,
     NotFound,
     Store,
     Submission,
@@ -213,9 +214,8 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
         p = store.progress(annotator, a.max_annotators_per_item)
         return Progress(done=p.done, left=p.left, skipped=p.skipped, flagged=p.flagged)
 
-    def item_view(item_id: int, annotator: Annotator) -> ItemView:
-        item = store.item(item_id)
-        mine = store.annotation_of(annotator, item_id)
+    def item_view(item: Item, annotator: Annotator) -> ItemView:
+        mine = store.annotation_of(annotator, item.id)
         return ItemView(item_id=item.id, source=item.source,
                         candidates=[CandidateView(id=c.id, text=c.text)
                                     for c in display_order(item, annotator.id, a.shuffle_candidates)],
@@ -327,14 +327,14 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
     def next_item(who: Principal = Depends(api_user)) -> NextResponse:  # noqa: B008
         """The first item of the caller's queue (partly rated items first come back here too)."""
         item = store.next_item(who.annotator, a.max_annotators_per_item)
-        return NextResponse(item=item_view(item.id, who.annotator) if item else None,
+        return NextResponse(item=item_view(item, who.annotator) if item else None,
                             progress=progress_of(who.annotator))
 
     @app.get("/api/items/{item_id}", response_model=ItemView, tags=["annotation"],
              responses={**ERRORS, 404: {"model": ErrorResponse, "description": "No such item"}})
     def get_item(item_id: int, who: Principal = Depends(api_user)) -> ItemView:  # noqa: B008
         """One item with the caller's own annotation of it."""
-        return item_view(item_id, who.annotator)
+        return item_view(store.item(item_id), who.annotator)
 
     @app.post("/api/submissions", response_model=SubmissionResponse, tags=["annotation"],
               responses={**ERRORS, 404: {"model": ErrorResponse, "description": "No such item"},

@@ -1,4 +1,4 @@
-"""The annotation database: tables, migrations, and every read and write of the app and the terminal loop.
+"""The annotation database: migrations, and every read and write of the app, the terminal loop and the exports.
 
 SQLite in the run directory by default, PostgreSQL by URL (``annotate.database_url``), through SQLAlchemy
 Core. The schema is versioned with alembic (``migrations/``); :meth:`Store.open` upgrades a database to the
