@@ -21,9 +21,10 @@ help:
 	@echo "make gpu-smoke - on a CUDA machine: the learner's nccl + mixed-precision path (tests/gpu)"
 
 # Debian packages some features and their tests need: WordNet data (METEOR, the WordNet task), headless
-# Chromium and its driver (the annotation app's browser tests). Installed when missing and when we may
-# (root); otherwise the command to run is printed. PostgreSQL 15 server binaries are expected from the image.
-DEB_PACKAGES ?= wordnet-base chromium chromium-driver
+# Chromium and its driver (the annotation app's browser tests), the PostgreSQL 15 server (the annotation
+# database tests start one in a temporary directory, as the `postgres` user the package creates). Installed
+# when missing and when we may (root); otherwise the command to run is printed.
+DEB_PACKAGES ?= wordnet-base chromium chromium-driver postgresql-15
 
 system-deps:
 	@missing=$$(for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -65,6 +66,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/quality.py
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/ct2_sampling.py
+	$(BIN)/python bench/annotate_load.py
 
 # A local Ray head on loopback (dashboard and job API on 127.0.0.1:8265).
 RAY_TMP ?= /tmp/rlt2t-ray

@@ -458,6 +458,61 @@ class PredictConfig(_Section):
     """Longest generated candidate."""
 
 
+class AnnotateConfig(_Section):
+    """Human annotation: the web app (`rlt2t annotate serve`) and the terminal loop share one database."""
+
+    database_url: str = "sqlite:///{run}/annotate/annotations.db"
+    """SQLAlchemy URL of the annotation database: SQLite in the run directory by default, or PostgreSQL,
+    e.g. `postgresql+psycopg://user:password@host/dbname` (`{run}` expands to run.dir)."""
+    host: str = "127.0.0.1"
+    """Bind address of the web app; loopback by default (put a TLS proxy in front to expose it)."""
+    port: int = Field(8002, ge=0, le=65535)
+    """Port of the web app (0: any free port)."""
+    mode: Literal["rank", "rate"] = "rank"
+    """What the web app asks for: order the candidates best first (`rank`) or rate each one (`rate`)."""
+    rating_min: float = -2.0
+    """Lowest rating (the seed tutorial's terminal loop used -2.0 ~ 2.0)."""
+    rating_max: float = 2.0
+    """Highest rating."""
+    rating_step: float = Field(0.5, gt=0.0)
+    """Step of the web app's rating sliders (the terminal accepts any number in range)."""
+    num_candidates: int = Field(4, ge=1, le=32)
+    """K: candidates sampled per source when items come from a policy server."""
+    top_k: int = Field(0, ge=0)
+    """Sampling for annotation: the k most likely next tokens (0: the whole vocabulary)."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling for annotation: logits are divided by this."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest sampled candidate in tokens."""
+    policy_url: str = "http://127.0.0.1:8000"
+    """Policy server sampled by `rlt2t annotate load --sources` and `annotate terminal --sources`."""
+    shuffle_candidates: bool = True
+    """Show each annotator the candidates in their own fixed random order (against position bias)."""
+    max_annotators_per_item: int = Field(0, ge=0)
+    """Stop offering an item once this many annotators finished it (0: everyone annotates everything)."""
+    max_candidates_per_item: int = Field(16, ge=1, le=256)
+    """Most candidates one item may hold (a longer list in a candidates file is an error)."""
+    max_text_chars: int = Field(10_000, ge=1)
+    """Most characters of one source or candidate text."""
+    max_body_bytes: int = Field(64 * 1024, ge=1024)
+    """Largest request body the web app accepts (413 beyond it, before parsing or authentication)."""
+    session_hours: float = Field(12.0, gt=0.0)
+    """A browser login lasts this long."""
+    secure_cookies: bool = False
+    """Mark the login cookie Secure (set it when the app is served over HTTPS)."""
+    include_flagged: bool = False
+    """Exports include annotations of items the annotator flagged (they are left out by default)."""
+
+    @model_validator(mode="after")
+    def _rating_range(self) -> AnnotateConfig:
+        if not self.rating_min < self.rating_max:
+            raise ValueError(f"annotate.rating_min={self.rating_min} must be below annotate.rating_max="
+                             f"{self.rating_max}")
+        if self.rating_step > self.rating_max - self.rating_min:
+            raise ValueError(f"annotate.rating_step={self.rating_step} is wider than the rating range")
+        return self
+
+
 # Presets: (d_model, layers, heads, ffn, max positions). `base` is the BART-base shape.
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(d_model=32, layers=1, heads=2, ffn=64, positions=256),
@@ -482,6 +537,7 @@ class Config(_Section):
     serve: ServeConfig = ServeConfig()
     export: ExportConfig = ExportConfig()
     predict: PredictConfig = PredictConfig()
+    annotate: AnnotateConfig = AnnotateConfig()
 
     @model_validator(mode="after")
     def _lengths_fit_positions(self) -> Config:

@@ -122,8 +122,8 @@ class BodyLimit:
     stream in: FastAPI would otherwise read and parse a body before even checking the bearer token. The
     body (at most ``max_bytes``) is read here and replayed to the app."""
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, setting: str = "serve.max_body_bytes") -> None:
+        self.app, self.max_bytes, self.setting = app, max_bytes, setting  # setting: named in the 413
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -161,7 +161,7 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send) -> None:
-        body = json.dumps({"detail": f"request body larger than {self.max_bytes} bytes (serve.max_body_bytes)"})
+        body = json.dumps({"detail": f"request body larger than {self.max_bytes} bytes ({self.setting})"})
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body.encode()})

@@ -68,7 +68,7 @@ class LiveServer:
         self.sock.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a class, not a server: usable from fixtures of any scope
 def live_server() -> type[LiveServer]:
     """The LiveServer class: `with live_server(app) as s: httpx.get(s.url + ...)`."""
     return LiveServer

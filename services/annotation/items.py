@@ -1,0 +1,98 @@
+"""Items to annotate: a source and K candidates, read from a candidates JSONL file or sampled from a policy server.
+
+Candidates JSONL, one item per line::
+
+    {"id": "ex-1", "source": "12 7 33", "candidates": ["4 5", "4 6", "9"]}
+
+``id`` is optional (kept as the item's external id); a candidate is a string or an object with a ``text``
+field, so ``rlt2t predict``'s ``<out>.candidates.jsonl`` loads as it is. Candidates are deduplicated (first
+occurrence kept). A bad line fails with ``file:line: field '…': reason`` (``DataError``, as the data loaders).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+
+from tqdm import tqdm
+
+from rlt2t.common.data import DataError, Example
+from rlt2t.services.annotation.store import NewItem
+from rlt2t.services.client import PolicyClient
+
+
+def distinct(texts: Sequence[str]) -> tuple[str, ...]:
+    """``texts`` without repeats, first occurrences in order."""
+    return tuple(dict.fromkeys(texts))
+
+
+def _candidate_texts(value: object, path: str, lineno: int) -> list[str]:
+    if not isinstance(value, list):
+        raise DataError(path, lineno, "candidates", f"expected a list, got {type(value).__name__}")
+    texts = []
+    for k, c in enumerate(value):
+        if isinstance(c, dict):
+            c = c.get("text")
+        if not isinstance(c, str):
+            raise DataError(path, lineno, "candidates", f"candidate {k}: expected a string or an object with a "
+                                                        f"string 'text', got {type(c).__name__}")
+        texts.append(c)
+    return texts
+
+
+def read_candidates(path: str | os.PathLike, *, max_candidates: int, max_chars: int) -> Iterator[NewItem]:
+    """Items of a candidates JSONL file (see the module docstring); raises DataError on the first bad line."""
+    path = str(path)
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise DataError(path, lineno, None, f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            except json.JSONDecodeError as e:
+                raise DataError(path, lineno, None, f"not valid JSON ({e.msg}, column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(path, lineno, None, f"expected a JSON object, got {type(row).__name__}")
+            source = row.get("source")
+            if not isinstance(source, str) or not source.strip():
+                raise DataError(path, lineno, "source", "missing or empty" if source is None or isinstance(source, str)
+                                else f"expected a string, got {type(source).__name__}")
+            if "candidates" not in row:
+                raise DataError(path, lineno, "candidates", "missing")
+            texts = distinct(_candidate_texts(row["candidates"], path, lineno))
+            if not texts:
+                raise DataError(path, lineno, "candidates", "empty list")
+            if len(texts) > max_candidates:
+                raise DataError(path, lineno, "candidates", f"{len(texts)} distinct candidates; at most "
+                                                            f"{max_candidates} (annotate.max_candidates_per_item)")
+            too_long = [k for k, t in enumerate((source, *texts)) if len(t) > max_chars]
+            if too_long:
+                where = "source" if too_long[0] == 0 else "candidates"
+                raise DataError(path, lineno, where, f"longer than {max_chars} characters (annotate.max_text_chars)")
+            ext_id = row.get("id")
+            yield NewItem(source=source, candidates=texts, origin=os.path.basename(path),
+                          ext_id=None if ext_id is None else str(ext_id)[:200])
+
+
+def sample_items(client: PolicyClient, examples: Sequence[Example], *, num_candidates: int, top_k: int,
+                 temperature: float, max_new_tokens: int, batch_size: int = 16, progress: bool = True
+                 ) -> list[NewItem]:
+    """Sample ``num_candidates`` candidates per source on a policy server; duplicates of a source are merged, so an
+    item may hold fewer (a source whose samples are all alike yields one candidate)."""
+    out: list[NewItem] = []
+    with tqdm(total=len(examples), desc="sampling candidates", unit="source", disable=not progress) as bar:
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start:start + batch_size]
+            answer = client.candidates([e.source for e in chunk], num_candidates=num_candidates, top_k=top_k,
+                                       temperature=temperature, max_new_tokens=max_new_tokens)
+            origin = f"{client.base_url} policy version {answer.policy_version}"
+            for example, cands in zip(chunk, answer.candidates, strict=True):
+                out.append(NewItem(source=example.source, candidates=distinct([c.text for c in cands]), origin=origin,
+                                   ext_id=example.id, policy_version=answer.policy_version))
+            bar.update(len(chunk))
+    return out

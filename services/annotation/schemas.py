@@ -1,0 +1,155 @@
+"""The annotation app's JSON API: request and response models (``rlt2t.services.annotation.app``).
+
+Requests forbid unknown fields and non-finite numbers: a typo or a NaN rating is a 422 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+MAX_CANDIDATES = 256
+"""Hard cap on a list in a submission (annotate.max_candidates_per_item is at most this)."""
+NOTE_MAX_CHARS = 2000
+
+SubmissionId = Annotated[str, StringConstraints(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+
+class Progress(_Response):
+    done: int
+    """Items this annotator ranked, rated or skipped."""
+    left: int
+    """Items still in their queue."""
+    skipped: int
+    """Of the done items, those skipped."""
+    flagged: int
+    """Their annotations carrying a flag."""
+
+
+class CandidateRating(_Request):
+    candidate_id: int
+    """A candidate of the item."""
+    rating: float
+    """Within [annotate.rating_min, annotate.rating_max]."""
+
+
+class AnnotationView(_Response):
+    annotation_id: int
+    item_id: int
+    annotator: str
+    status: Literal["ranked", "rated", "partial", "skipped"]
+    """`partial`: some candidates rated so far."""
+    order: list[int]
+    """Candidate ids best first (`ranked`), else empty."""
+    ratings: list[CandidateRating]
+    """Ratings given (`rated`, `partial`), else empty."""
+    flagged: bool
+    note: str
+    updated_at: float
+    """Unix seconds of the last submission."""
+
+
+class CandidateView(_Response):
+    id: int
+    text: str
+
+
+class ItemView(_Response):
+    item_id: int
+    source: str
+    candidates: list[CandidateView]
+    """In this annotator's display order (annotate.shuffle_candidates)."""
+    annotation: AnnotationView | None
+    """The caller's own annotation of the item (never another annotator's)."""
+
+
+class NextResponse(_Response):
+    item: ItemView | None
+    """The first item of the caller's queue; null when none is left."""
+    progress: Progress
+
+
+class SubmissionRequest(_Request):
+    """One write to one item; resending the same `submission_id` changes nothing and returns the stored result."""
+
+    submission_id: SubmissionId
+    """Client-generated unique id (e.g. a UUID): makes a retried or doubled submission harmless."""
+    item_id: int
+    action: Literal["rank", "rate", "skip"]
+    """`rank`: `order` is every candidate id best first; `rate`: `ratings` of some or all candidates (merged
+    with earlier ones); `skip`: the item leaves the queue unjudged."""
+    order: list[int] = Field(default_factory=list, max_length=MAX_CANDIDATES)
+    ratings: list[CandidateRating] = Field(default_factory=list, max_length=MAX_CANDIDATES)
+    flagged: bool = False
+    """Mark the item as problematic (bad source, broken candidates); flagged items stay out of exports."""
+    note: str = Field("", max_length=NOTE_MAX_CHARS)
+    """Why it was flagged, or any remark."""
+
+
+class SubmissionResponse(_Response):
+    annotation: AnnotationView
+    duplicate: bool
+    """True when this submission id had been applied before (nothing changed now)."""
+    progress: Progress
+
+
+class AnnotationList(_Response):
+    annotations: list[AnnotationView]
+    """Newest first."""
+    total: int
+
+
+class Me(_Response):
+    name: str
+    role: Literal["annotator", "admin"]
+    mode: Literal["rank", "rate"]
+    rating_min: float
+    rating_max: float
+    rating_step: float
+
+
+class AnnotatorStatsView(_Response):
+    name: str
+    role: str
+    ranked: int
+    rated: int
+    partial: int
+    skipped: int
+    flagged: int
+
+
+class PairAgreementView(_Response):
+    annotator_a: str
+    annotator_b: str
+    items: int
+    """Shared items with a defined Kendall τ-b."""
+    mean_tau: float | None
+    undefined: int
+    """Shared items where one judgement was constant (τ undefined)."""
+
+
+class FlaggedView(_Response):
+    annotation_id: int
+    item_id: int
+    annotator: str
+    source: str
+    note: str
+
+
+class AdminSummary(_Response):
+    items: int
+    annotators: list[AnnotatorStatsView]
+    agreement: list[PairAgreementView]
+    mean_tau: float | None
+    """Mean Kendall τ-b over every (annotator pair, shared item)."""
+    comparisons: int
+    flagged: list[FlaggedView]
