@@ -380,6 +380,31 @@ class ClassifierConfig(StageConfig):
     """Peak learning rate (AdamW)."""
 
 
+class FeedbackConfig(_Section):
+    """`rlt2t feedback-loop`: sample → annotate → train the reward model → RL with it → sample again."""
+
+    rounds: int = Field(1, ge=1)
+    """Rounds of the loop; each starts from the policy the previous one trained."""
+    sources: int = Field(200, ge=2)
+    """Training sources whose candidates are annotated per round (a new slice of data.train each round)."""
+    num_candidates: int = Field(6, ge=2)
+    """Candidates sampled per annotated source (K shown to the annotator)."""
+    top_k: int = Field(0, ge=0)
+    """Top-k of the candidates sampled for annotation and of the RL rollouts (0: the whole vocabulary)."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Temperature of the candidates sampled for annotation and of the RL rollouts."""
+    prefer_token: str | None = None
+    """The scripted annotator's hidden preference: more occurrences of this token are better (None: the token
+    found in closest to a quarter of the first round's candidates)."""
+    reward_backbone: str = "policy"
+    """Reward-model backbone: `policy` (the round's starting policy), `minilm` (the packaged all-MiniLM-L6-v2),
+    or a model directory."""
+    eval_sources: int = Field(100, ge=1)
+    """Held-out (data.valid) sources on which the preference score and the KL to the start are measured."""
+    eval_samples: int = Field(4, ge=1)
+    """Samples per held-out source (temperature 1, no top-k: the policy's own distribution)."""
+
+
 class EvalConfig(_Section):
     split: Literal["train", "valid", "test"] = "valid"
     """Split decoded by `rlt2t eval`."""
@@ -495,6 +520,7 @@ class Config(_Section):
     reward: RewardConfig = RewardConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
     classifier: ClassifierConfig = ClassifierConfig()
+    feedback: FeedbackConfig = FeedbackConfig()
     eval: EvalConfig = EvalConfig()
     metric: MetricConfig = MetricConfig()
     serve: ServeConfig = ServeConfig()

@@ -3,7 +3,7 @@
     rlt2t reward-model train [--rank-lists F ...] [--pairs F ...] [--ratings F ...] [--init DIR] [--resume]
     rlt2t reward-model score --model DIR --input JSONL [--out JSONL]
     rlt2t classifier train --train JSONL [--valid JSONL] --init DIR [--resume]
-    rlt2t feedback-loop [--rounds N] [--prefer-token T] ...     (the human-feedback loop, scripted)
+    rlt2t feedback-loop [feedback.rounds=N] [feedback.prefer_token=T] ...   (the loop, scripted)
 """
 
 from __future__ import annotations
@@ -64,6 +64,17 @@ def cmd_classifier_train(args) -> None:
     print(f"classifier: {result.steps} steps → {result.checkpoint}")
 
 
+def cmd_feedback_loop(args) -> None:
+    from rlt2t.cli import print_table
+    from rlt2t.feedback import run_loop, summary_rows
+
+    cfg = load_config(args.config, args.overrides)
+    summaries = run_loop(cfg)
+    print_table(f"feedback loop (scripted annotator prefers token {summaries[0]['token']!r}): held-out sources",
+                summary_rows(summaries))
+    print(f"rounds: {cfg.run_dir / 'feedback'} (candidates, rank lists, reward models, RL runs, eval.json)")
+
+
 def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add this module's subcommands to the `rlt2t` parser; `config_args` adds --config and overrides."""
     rm = sub.add_parser("reward-model", help="learned rewards: train a reward model from preferences, score with it"
@@ -99,3 +110,8 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("--init", default=None, help="encoder or sequence-classification directory (classifier.init)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.set_defaults(fn=cmd_classifier_train)
+
+    p = sub.add_parser("feedback-loop", help="the human-feedback loop with a scripted annotator: sample → rank "
+                                             "→ reward model → RL → sample again (feedback.*)")
+    config_args(p)
+    p.set_defaults(fn=cmd_feedback_loop)
