@@ -40,9 +40,11 @@ from rlt2t.services.http import (
     load_token,
 )
 from rlt2t.services.learned_rewards import NamedRewards
-from rlt2t.services.schemas import RewardRequest, RewardResponse
+from rlt2t.services.schemas import ErrorResponse, RewardRequest, RewardResponse
 
 log = logging.getLogger("rlt2t.services.reward")
+# The BodyLimit middleware's answer, documented so clients (and the schema fuzzer) expect it.
+BODY_TOO_LARGE = {413: {"model": ErrorResponse, "description": "Body over serve.max_body_bytes"}}
 
 
 def metric_params(name: str, cfg: Config, df: DocumentFrequency) -> dict:
@@ -85,7 +87,7 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
             raise field_error(loc, f"{n} tokens; at most {serve.max_tokens_per_source} (serve.max_tokens_per_source)")
 
     @app.post("/v1/reward", response_model=RewardResponse, dependencies=protected, tags=["reward"],
-              responses=UNAUTHORIZED if token else {})
+              responses={**(UNAUTHORIZED if token else {}), **BODY_TOO_LARGE})
     async def reward(req: RewardRequest) -> RewardResponse:
         """Per-sample scores of each candidate for each requested metric."""
         n = len(req.candidates)
