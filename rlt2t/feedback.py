@@ -19,6 +19,7 @@ Every step resumes: an interrupted loop rerun skips what is complete.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -210,6 +211,14 @@ def run_loop(cfg: Config) -> list[dict[str, Any]]:
 
     for r in range(1, fb.rounds + 1):
         round_dir = root / f"round-{r}"
+        if (round_dir / "eval.json").is_file():  # a finished round of an interrupted loop: keep it
+            summary = json.loads((round_dir / "eval.json").read_text())
+            annotator = annotator or ScriptedAnnotator(summary["token"])
+            lists_so_far.append(str(round_dir / "rank_lists.tsv"))
+            policy_dir = Path(summary["policy"])
+            summaries.append(summary)
+            log.info("feedback round %d: done before (%s)", r, round_dir / "eval.json")
+            continue
         # 1. sample: a new slice of training sources, K candidates each, from the current policy.
         first = ((r - 1) * fb.sources) % max(len(train), 1)
         examples = (train[first:] + train[:first])[: fb.sources]
