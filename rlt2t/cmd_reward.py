@@ -30,10 +30,13 @@ def cmd_reward_model_train(args) -> None:
 
     overrides = _with_files(args, "reward_model", {"rank_lists": args.rank_lists, "pairs": args.pairs,
                                                    "ratings": args.ratings, "init": args.init})
+    from rlt2t.common.checkpoint import read_checkpoint
+
     result = reward_model_job(load_config(args.config, overrides), resume=args.resume)
-    accuracy = result.last_metrics.get("pair_accuracy")
+    best = read_checkpoint(result.checkpoint).meta.get("best")
     print(f"reward-model: {result.steps} steps → {result.checkpoint}"
-          + (f" (last train-batch pair accuracy {accuracy:.3f})" if accuracy is not None else ""))
+          + (f"; best held-out pair accuracy {best['score']:.3f} ({best['path']})" if best else
+             "; no held-out sources (reward_model.valid_fraction)"))
 
 
 def cmd_reward_model_score(args) -> None:
