@@ -21,8 +21,8 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = [
-    "synth.size=600", "pretrain.enabled=false", "metric.monitor_size=0",
-    "feedback.sources=500", "feedback.num_candidates=8", "feedback.eval_sources=60",
+    "synth.size=600", "synth.valid_fraction=0.2", "pretrain.enabled=false", "metric.monitor_size=0",
+    "feedback.sources=500", "feedback.num_candidates=8", "feedback.eval_sources=120",
     "reward_model.epochs=8", "reward_model.lr=3e-3", "reward_model.dropout=0",
     "rank.train_subset=256", "rank.loss_weight=1.0", "rank.epochs=2",
 ]
