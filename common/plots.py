@@ -12,8 +12,14 @@ PANELS = (
 )
 
 
-def plot_curves(metrics_jsonl: str | Path, out_png: str | Path, title: str = "") -> Path | None:
-    """Plot loss, reward and validation curves from a stage's metrics.jsonl; None when there is nothing to plot."""
+Panel = tuple[str, tuple[str, ...], str | None]
+"""(title, metric keys, row kind: "train", "valid", or None for both, each curve labelled with its kind)."""
+
+
+def plot_curves(metrics_jsonl: str | Path, out_png: str | Path, title: str = "",
+                panels: tuple[Panel, ...] = PANELS) -> Path | None:
+    """Plot a stage's curves from its metrics.jsonl, one panel each (default: rank RL's loss, reward and
+    validation panels); None when there is nothing to plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -22,12 +28,15 @@ def plot_curves(metrics_jsonl: str | Path, out_png: str | Path, title: str = "")
     rows = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
     if not rows:
         return None
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
-    for ax, (name, keys, kind) in zip(axes, PANELS, strict=True):
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (name, keys, kind) in zip(axes[0], panels, strict=True):
         for key in keys:
-            pts = [(r["step"], r[key]) for r in rows if r.get("kind") == kind and isinstance(r.get(key), int | float)]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o" if kind == "valid" else None, label=key)
+            for row_kind in (kind,) if kind is not None else ("train", "valid"):
+                pts = [(r["step"], r[key]) for r in rows
+                       if r.get("kind") == row_kind and isinstance(r.get(key), int | float)]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o" if row_kind == "valid" else None,
+                            label=key if kind is not None else f"{row_kind} {key}")
         ax.set_title(name)
         ax.set_xlabel("step")
         if ax.get_legend_handles_labels()[0]:

@@ -1,20 +1,78 @@
-"""Sequence rewards: what the reward workers, the policy server's ``/v1/pairs`` and the reward server
-compute for a candidate given its source and reference.
+"""Sequence rewards: the one registry every reward goes through. The reward workers of RL, the policy
+server's ``/v1/pairs`` and the reward server all score a candidate given its source (and, for reference
+metrics, its references) with a :class:`Reward` that :func:`build_reward` makes from ``reward.terms``:
 
-Today the reward of rank RL is the task score ``(1 - w) · CIDEr-D + w · BLEU-4`` (docs/design.md, "Task
-metric") with CIDEr-D document frequencies counted once from the training references: with frequencies
-counted from the batch being scored (the coco default) a candidate's reward would depend on which other
-candidates share its batch, and a batch of one would always score 0.
+    reward = build_reward(cfg.reward, document_frequency=df, device="cuda")
+    scores = reward.score(sources, candidates, references)      # float64 [N], one per candidate
+
+Term kinds (``RewardConfig.terms``, a weighted sum Σ weight·term):
+
+- ``metric``: a registered metric of ``rlt2t.common.metrics`` (needs references);
+- ``reward_model``: a learned r(source, candidate) (``rlt2t.common.reward_model``);
+- ``classifier``: a sequence classifier's probability, log-probability or logit of one label;
+- ``http``: a metric or a named reward of a reward server (``rlt2t serve reward``).
+
+The default is today's rank-RL reward, the task score ``(1 - w) · CIDEr-D + w · BLEU-4`` (docs/design.md,
+"Task metric") with CIDEr-D document frequencies counted once from the training references: with
+frequencies counted from the batch being scored (the coco default) a candidate's reward would depend on
+which other candidates share its batch, and a batch of one would always score 0. Learned terms run in
+batches on the given device.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 import os
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
-from rlt2t.common.config import RewardConfig
-from rlt2t.common.metrics import DocumentFrequency, Metric, get_metric
+import httpx
+import numpy as np
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from rlt2t.common.checkpoint import MARKER, resolve_model_dir
+from rlt2t.common.config import (
+    ClassifierTerm,
+    HttpTerm,
+    MetricTerm,
+    RewardConfig,
+    RewardModelTerm,
+    RewardTerm,
+)
+from rlt2t.common.metrics import DocumentFrequency, Metric, available_metrics, get_metric
+from rlt2t.common.reward_model import RewardModel, load_reward_model
+from rlt2t.common.tokenization import load_tokenizer
 from rlt2t.common.types import CandidateSet, SampledGroup, ScoredGroup, ScoredPair
+
+# Metrics whose params come from the reward section (bleu_weight, cider_sigma) and the shipped df table.
+_CIDER_METRICS = ("task_score", "cider_d")
+
+
+@runtime_checkable
+class Reward(Protocol):
+    """What every reward provides."""
+
+    needs_references: bool
+    """True when ``score`` needs ``references`` (a reference metric is among the terms)."""
+
+    def score(self, sources: Sequence[str], candidates: Sequence[str],
+              references: Sequence[Sequence[str]] | None = None) -> np.ndarray:
+        """One float64 score per candidate [N]; ``sources`` and ``references`` (one list per candidate)
+        align with ``candidates``."""
+        ...
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` → ``cuda`` when present, else ``cpu``; an explicit ``cuda`` without CUDA is an error."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"reward device {device!r} asked for, but no CUDA device is visible")
+    return device
 
 
 def load_document_frequency(document_frequency: DocumentFrequency | str | os.PathLike) -> DocumentFrequency:
@@ -29,27 +87,279 @@ def load_document_frequency(document_frequency: DocumentFrequency | str | os.Pat
     return document_frequency
 
 
-def task_reward(reward: RewardConfig, document_frequency: DocumentFrequency) -> Metric:
+def task_reward(reward: RewardConfig, document_frequency: DocumentFrequency | None) -> Metric:
     """The task score metric of ``reward`` with fixed CIDEr-D document frequencies."""
     return get_metric("task_score", bleu_weight=reward.bleu_weight, sigma=reward.cider_sigma, df=document_frequency)
 
 
-def score_pairs(metric: Metric, sets: Sequence[CandidateSet]) -> list[ScoredPair]:
-    """One scored pair per set, in order; all 2·len(sets) strings are scored in one metric call."""
+def _check_lengths(sources: Sequence[str], candidates: Sequence[str], references) -> None:
+    if len(sources) != len(candidates):
+        raise ValueError(f"{len(sources)} sources for {len(candidates)} candidates")
+    if references is not None and len(references) != len(candidates):
+        raise ValueError(f"{len(references)} reference lists for {len(candidates)} candidates")
+
+
+class MetricReward:
+    """A reference metric as a reward: ``metric.per_sample(candidates, references)``."""
+
+    needs_references = True
+
+    def __init__(self, metric: Metric, name: str | None = None) -> None:
+        self.metric = metric
+        self.name = name or getattr(metric, "name", type(metric).__name__)
+
+    def score(self, sources, candidates, references=None) -> np.ndarray:
+        _check_lengths(sources, candidates, references)
+        if references is None:
+            raise ValueError(f"reward term {self.name!r} is a reference metric: it needs references (reference-free "
+                             "terms: reward_model, classifier, or an http reward that needs none)")
+        if not candidates:
+            return np.zeros(0, dtype=np.float64)
+        return np.asarray(self.metric.per_sample(list(candidates), [list(r) for r in references]), dtype=np.float64)
+
+
+class RewardModelReward:
+    """A learned reward model's score. ``root`` is the checkpoint root the model came from (None for a plain
+    directory): the reward server watches it and :meth:`install` swaps in a retrained model between calls."""
+
+    needs_references = False
+
+    def __init__(self, path: str | os.PathLike, *, batch_size: int = 64, device: str = "cpu") -> None:
+        given = Path(path)
+        self.device = device
+        self.batch_size = batch_size
+        self.root = given if given.is_dir() and not (given / "config.json").is_file() and not (
+            given / MARKER).is_file() else None
+        self.model: RewardModel = load_reward_model(given, device=device)
+
+    def install(self, model: RewardModel) -> None:
+        """Serve ``model`` from the next call on (a call in flight keeps the model it started with)."""
+        self.model = model.to(self.device).eval()
+
+    def load(self, path: str | os.PathLike) -> RewardModel:
+        """Load a reward model the way this term does (for hot reload: load, then :meth:`install`)."""
+        return load_reward_model(path, device=self.device)
+
+    @property
+    def version(self) -> int:
+        return self.model.version
+
+    def score(self, sources, candidates, references=None) -> np.ndarray:
+        _check_lengths(sources, candidates, references)
+        model = self.model  # one model for the whole call, even if a reload lands meanwhile
+        return model.score(list(sources), list(candidates), batch_size=self.batch_size)
+
+
+class ClassifierReward:
+    """A sequence classifier's probability / log-probability / logit of one label, of the candidate alone or
+    of the (source, candidate) pair."""
+
+    needs_references = False
+
+    def __init__(self, term: ClassifierTerm, *, device: str = "cpu") -> None:
+        path = resolve_model_dir(term.path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(str(path)).to(device).eval()
+        self.tokenizer = load_tokenizer(path)
+        self.term = term
+        self.device = device
+        self.label = label_index(self.model.config, term.label, str(path))
+        self._inputs = set(inspect.signature(self.model.forward).parameters)
+
+    @torch.inference_mode()
+    def score(self, sources, candidates, references=None) -> np.ndarray:
+        _check_lengths(sources, candidates, references)
+        t = self.term
+        out = np.zeros(len(candidates), dtype=np.float64)
+        for first in range(0, len(candidates), t.batch_size):
+            cands = list(candidates[first : first + t.batch_size])
+            if t.text == "pair":
+                enc = self.tokenizer(list(sources[first : first + t.batch_size]), cands, truncation="only_first",
+                                     max_length=t.max_length, padding=True, return_tensors="pt")
+            else:
+                enc = self.tokenizer(cands, truncation=True, max_length=t.max_length, padding=True, return_tensors="pt")
+            logits = self.model(**{k: v.to(self.device) for k, v in enc.items() if k in self._inputs}).logits.float()
+            if t.output == "logit":
+                values = logits[:, self.label]
+            else:
+                values = logits.log_softmax(dim=-1)[:, self.label]
+                if t.output == "probability":
+                    values = values.exp()
+            out[first : first + len(cands)] = values.double().cpu().numpy()
+        return out
+
+
+def label_index(config, label: str, where: str) -> int:
+    """The index of ``label`` (a name of ``config.id2label`` or an index) in a classifier's outputs."""
+    names = {str(v): int(k) for k, v in (config.id2label or {}).items()}
+    if label in names:
+        return names[label]
+    if label.isdigit() and int(label) < config.num_labels:
+        return int(label)
+    raise ValueError(f"label {label!r} is not a label of {where} (labels: {', '.join(names) or config.num_labels})")
+
+
+class HttpReward:
+    """A metric or named reward computed by a reward server's ``POST /v1/reward``.
+
+    Retries a refused connection or a 503 (honouring ``Retry-After``) up to 3 times; anything else fails
+    with the server's status and message.
+    """
+
+    def __init__(self, term: HttpTerm, *, transport: httpx.BaseTransport | None = None) -> None:
+        self.term = term
+        # Whether the server's reward needs references is the server's business: send them when given.
+        self.needs_references = term.name in available_metrics()
+        token = os.environ.get(term.token_env)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.client = httpx.Client(base_url=term.url.rstrip("/"), timeout=term.timeout_s, headers=headers,
+                                   transport=transport)
+
+    def _post(self, body: dict) -> list[float]:
+        for attempt in range(4):
+            try:
+                r = self.client.post("/v1/reward", json=body)
+            except httpx.TransportError as e:
+                if attempt == 3:
+                    raise RuntimeError(f"reward server {self.term.url}: {e}") from e
+                time.sleep(0.5 * 2**attempt)
+                continue
+            if r.status_code == 503 and attempt < 3:
+                time.sleep(min(float(r.headers.get("Retry-After", 0.5 * 2**attempt)), 10.0))
+                continue
+            if r.status_code != 200:
+                raise RuntimeError(f"reward server {self.term.url}: HTTP {r.status_code}: {r.text[:500]}")
+            scores = r.json()["scores"][self.term.name]
+            if len(scores) != len(body["candidates"]):
+                raise RuntimeError(f"reward server {self.term.url} returned {len(scores)} scores for "
+                                   f"{len(body['candidates'])} candidates")
+            return scores
+        raise AssertionError("unreachable")
+
+    def score(self, sources, candidates, references=None) -> np.ndarray:
+        _check_lengths(sources, candidates, references)
+        out: list[float] = []
+        step = self.term.batch_size
+        for first in range(0, len(candidates), step):
+            body: dict = {"candidates": list(candidates[first : first + step]),
+                          "sources": list(sources[first : first + step]), "metrics": [self.term.name]}
+            if references is not None:
+                body["references"] = [list(r) for r in references[first : first + step]]
+            out += self._post(body)
+        return np.asarray(out, dtype=np.float64)
+
+
+class WeightedReward:
+    """Σ weight·term: what :func:`build_reward` returns; ``terms`` holds (weight, name, reward) triples."""
+
+    def __init__(self, terms: Sequence[tuple[float, str, Reward]]) -> None:
+        if not terms:
+            raise ValueError("a reward needs at least one term")
+        self.terms = list(terms)
+        self.needs_references = any(r.needs_references for w, _, r in self.terms if w != 0)
+
+    def score(self, sources, candidates, references=None) -> np.ndarray:
+        return sum(self.score_terms(sources, candidates, references).values(), np.zeros(len(candidates)))
+
+    def score_terms(self, sources, candidates, references=None) -> dict[str, np.ndarray]:
+        """Each term's weighted contribution [N], by term name (``metric:task_score``, ``reward_model``, ...)."""
+        _check_lengths(sources, candidates, references)
+        return {name: weight * reward.score(sources, candidates, references)
+                for weight, name, reward in self.terms if weight != 0}
+
+
+def _metric_params(term: MetricTerm, cfg: RewardConfig, df: DocumentFrequency | None) -> dict:
+    params = dict(term.params)
+    if term.name == "task_score":
+        params.setdefault("bleu_weight", cfg.bleu_weight)
+    if term.name in _CIDER_METRICS:
+        params.setdefault("sigma", cfg.cider_sigma)
+        params.setdefault("df", df)
+    return params
+
+
+def build_term(term: RewardTerm, cfg: RewardConfig, *, document_frequency: DocumentFrequency | None = None,
+               device: str = "cpu", where: str = "reward.terms") -> Reward:
+    """The reward of one configured term (unweighted)."""
+    if isinstance(term, MetricTerm):
+        if term.name not in available_metrics():
+            raise ValueError(f"{where}: unknown metric {term.name!r}; known: {', '.join(available_metrics())}")
+        return MetricReward(get_metric(term.name, **_metric_params(term, cfg, document_frequency)), term.name)
+    if isinstance(term, RewardModelTerm):
+        return RewardModelReward(term.path, batch_size=term.batch_size, device=device)
+    if isinstance(term, ClassifierTerm):
+        return ClassifierReward(term, device=device)
+    if isinstance(term, HttpTerm):
+        return HttpReward(term)
+    raise TypeError(f"{where}: unknown reward term {type(term).__name__}")
+
+
+def term_name(term: RewardTerm) -> str:
+    if isinstance(term, MetricTerm | HttpTerm):
+        return f"{term.kind}:{term.name}"
+    if isinstance(term, ClassifierTerm):
+        return f"classifier:{term.label}"
+    return term.kind
+
+
+def build_reward(cfg: RewardConfig, *, document_frequency: DocumentFrequency | None = None, device: str = "cpu",
+                 terms: Sequence[RewardTerm] | None = None) -> WeightedReward:
+    """The reward ``cfg.terms`` (or ``terms``, e.g. one of ``cfg.named``) describe: Σ weight·term.
+
+    ``document_frequency`` is the CIDEr-D table of task_score / cider_d terms (None: counted from each
+    call's references); learned terms are loaded once and run on ``device`` (``auto`` resolves).
+    """
+    device = resolve_device(device)
+    terms = cfg.terms if terms is None else terms
+    built, names = [], {}
+    for i, term in enumerate(terms):
+        name = term_name(term)
+        names[name] = names.get(name, 0) + 1
+        if names[name] > 1:
+            name = f"{name}#{names[name]}"
+        built.append((term.weight, name, build_term(term, cfg, document_frequency=document_frequency, device=device,
+                                                    where=f"reward.terms[{i}]")))
+    return WeightedReward(built)
+
+
+def needs_document_frequency(cfg: RewardConfig) -> bool:
+    """True when a term of ``cfg.terms`` is task_score or CIDEr-D without its own ``df`` param."""
+    return any(isinstance(t, MetricTerm) and t.name in _CIDER_METRICS and "df" not in t.params for t in cfg.terms)
+
+
+def score_pairs(reward: Reward | Metric, sets: Sequence[CandidateSet]) -> list[ScoredPair]:
+    """One scored pair per set, in order; all 2·len(sets) candidates are scored in one reward call.
+
+    A bare ``Metric`` is scored as a :class:`MetricReward` (the policy server's ``/v1/pairs`` passes one).
+    """
+    if not isinstance(reward, Reward):
+        reward = MetricReward(reward)
     hyps = [text for s in sets for text in s.pair]
+    sources = [s.source for s in sets for _ in range(2)]
     refs = [[s.reference] for s in sets for _ in range(2)]
-    scores = metric.per_sample(hyps, refs).tolist() if hyps else []
+    scores = reward.score(sources, hyps, refs).tolist() if hyps else []
+    for i, value in enumerate(scores):
+        if not math.isfinite(value):
+            raise FloatingPointError(f"reward of candidate {hyps[i]!r} (example {sets[i // 2].example_id!r}) is "
+                                     f"{value}")
     return [order_pair(s, scores[2 * i], scores[2 * i + 1]) for i, s in enumerate(sets)]
 
 
-def score_groups(metric: Metric, groups: Sequence[SampledGroup]) -> list[ScoredGroup]:
-    """The reward of every sample (and greedy decode) of each group, in one metric call."""
+def score_groups(reward: Reward | Metric, groups: Sequence[SampledGroup]) -> list[ScoredGroup]:
+    """The reward of every sample (and greedy decode) of each group, all in one reward call."""
+    if not isinstance(reward, Reward):
+        reward = MetricReward(reward)
     hyps: list[str] = []
+    sources: list[str] = []
     refs: list[list[str]] = []
     for g in groups:
-        hyps += list(g.candidates) + ([g.greedy] if g.greedy is not None else [])
-        refs += [[g.reference]] * (len(g.candidates) + (g.greedy is not None))
-    scores = metric.per_sample(hyps, refs).tolist() if hyps else []
+        texts = list(g.candidates) + ([g.greedy] if g.greedy is not None else [])
+        hyps += texts
+        sources += [g.source] * len(texts)
+        refs += [[g.reference]] * len(texts)
+    scores = reward.score(sources, hyps, refs).tolist() if hyps else []
+    for i, value in enumerate(scores):
+        if not math.isfinite(value):
+            raise FloatingPointError(f"reward of candidate {hyps[i]!r} is {value}")
     out, pos = [], 0
     for g in groups:
         k = len(g.candidates)

