@@ -788,13 +788,34 @@ def _format_validation_error(err: ValidationError, origin: str) -> str:
     return f"invalid config ({origin}):\n  " + "\n  ".join(lines)
 
 
+def shipped_configs() -> dict[str, Path]:
+    """The example configs that ship with rlt2t (``configs/*.yaml`` of the source tree), by name."""
+    from importlib.resources import files
+
+    try:
+        folder = files("rlt2t.configs")
+    except ModuleNotFoundError:
+        return {}
+    return {Path(str(p)).stem: Path(str(p)) for p in folder.iterdir() if str(p).endswith(".yaml")}
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A config file path, or the name of a shipped config (``tiny``, ``feedback``, ...)."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    shipped = shipped_configs()
+    if p.suffix in ("", ".yaml") and p.parent == Path(".") and p.stem in shipped:
+        return shipped[p.stem]
+    raise ConfigError(f"config file not found: {p} (shipped configs: {', '.join(sorted(shipped)) or 'none'})")
+
+
 def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ()) -> Config:
-    """Merge YAML files (later wins) and ``a.b=value`` overrides onto the defaults, then validate."""
+    """Merge YAML files (later wins; a shipped config may be named: ``tiny``) and ``a.b=value`` overrides onto
+    the defaults, then validate."""
     tree: dict[str, Any] = {}
     for path in paths:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
+        path = resolve_config_path(path)
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:

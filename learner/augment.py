@@ -1,4 +1,4 @@
-"""Source-side token augmentation for SFT (DESIGN.md, step 4).
+"""Source-side token augmentation for SFT (docs/design.md, "The method", step 4).
 
 Each source token is independently selected with probability `prob` (0.15); a selected token is either
 deleted or repeated 1..`max_repeat` extra times. It makes the model robust to the dropped and stuttered

@@ -1,4 +1,4 @@
-"""Fast Gradient Method (FGM) adversarial training on the shared input embedding (DESIGN.md, step 4).
+"""Fast Gradient Method (FGM) adversarial training on the shared input embedding (docs/design.md, "The method", step 4).
 
 The original targeted its embedding by a parameter-name string that did not exist in the model, so its
 FGM silently did nothing. Here the parameter is found by identity: `model.get_input_embeddings().weight`,

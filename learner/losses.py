@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Weights at or below this are treated as zero (DESIGN.md); it also keeps far-away steps of long
+# Weights at or below this are treated as zero (docs/design.md, "Rank loss"); it also keeps far-away steps of long
 # sequences from contributing denormal noise when alpha < 1.
 MIN_WEIGHT = 1e-8
 # Added to the weight sum so that a batch where nothing counts gives 0 / eps = 0, not 0 / 0.

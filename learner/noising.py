@@ -1,4 +1,4 @@
-"""T5-style span corruption for denoising pretraining (DESIGN.md, step 3).
+"""T5-style span corruption for denoising pretraining (docs/design.md, "The method", step 3).
 
 A fraction of the tokens (noise density, 0.15) is masked in contiguous spans (mean length 3). Each span
 is replaced in the input by one sentinel id; the label lists, span by span, the sentinel followed by the

@@ -1,4 +1,4 @@
-"""R-drop regularisation for SFT (DESIGN.md, step 4).
+"""R-drop regularisation for SFT (docs/design.md, "The method", step 4).
 
 The same batch goes through the model twice with dropout active; the two predictive distributions are
 pulled together by a symmetric KL term:

@@ -1,4 +1,4 @@
-"""Ensemble prediction (DESIGN.md step 7): generators propose, scorers score, a reranker picks.
+"""Ensemble prediction (docs/design.md, "The method", step 7): generators propose, scorers score, a reranker picks.
 
     rlt2t predict --generators G1,G2 --scorers S1,S2 --input test.jsonl --out pred.csv [--rerank idf]
 

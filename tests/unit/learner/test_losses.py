@@ -1,7 +1,7 @@
 """Tests for rlt2t.learner.losses: token scores and the delay-weighted pairwise rank loss.
 
 Expected values are written as arithmetic on the hand-chosen inputs (softplus(-d) = -log sigmoid(d)),
-or come from the plain Python-loop reference below, which follows DESIGN.md's definition step by step.
+or come from the plain Python-loop reference below, which follows docs/design.md's definition step by step.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def reference_rank_loss(
     use_rank: torch.Tensor,
     alpha: float,
 ) -> tuple[float, float]:
-    """DESIGN.md's rank loss written as plain Python loops over pairs and steps."""
+    """docs/design.md's rank loss written as plain Python loops over pairs and steps."""
     za, zb, la, lb = scores_a.tolist(), scores_b.tolist(), labels_a.tolist(), labels_b.tolist()
     numerator = denominator = 0.0
     correct = pairs = 0
