@@ -25,6 +25,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from rlt2t.common.checkpoint import (
+    BestCheckpoint,
     CheckpointInfo,
     checkpoint_name,
     load_training_state,
@@ -110,7 +111,7 @@ def train_stage(
     model, optimizer = accelerator.prepare(model, optimizer)
 
     step, start_epoch, skip_batches = 0, 0, 0
-    best: tuple[float, Path] | None = None
+    best = BestCheckpoint.from_meta(resume_from.meta if resume_from is not None else None)
     if resume_from is not None:
         state = load_training_state(resume_from.path)
         optimizer.load_state_dict(state["optimizer"])
@@ -118,8 +119,6 @@ def train_stage(
         set_rng_state(state["rng"])
         step = resume_from.step
         start_epoch, skip_batches = resume_from.meta["epoch"], resume_from.meta["batch_in_epoch"]
-        if resume_from.meta.get("best") is not None:
-            best = (resume_from.meta["best"]["score"], Path(resume_from.meta["best"]["path"]))
         log.info("%s: resuming from %s (step %d, epoch %d, batch %d)", stage, resume_from.path, step,
                  start_epoch, skip_batches)
     else:
@@ -130,15 +129,14 @@ def train_stage(
              steps_per_epoch, total_steps, cfg.batch_size, cfg.lr, accelerator.device)
 
     def checkpoint(name: str, epoch: int, batch_in_epoch: int, metrics: dict[str, float]) -> Path:
-        nonlocal best
         meta = {"stage": stage, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "metrics": metrics,
-                "total_steps": total_steps, "best": {"score": best[0], "path": str(best[1])} if best else None}
+                "total_steps": total_steps, "best": best.meta()}
         path = save_checkpoint(
             ckpt_root, name, model=accelerator.unwrap_model(model), tokenizer=policy.tokenizer, step=step, meta=meta,
             training_state={"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                             "rng": rng_state()},
         )
-        protect = {best[1]} if best else set()
+        protect = best.protect()
         prune_checkpoints(ckpt_root, cfg.keep_last, protect=protect | {path})
         return path
 
@@ -189,14 +187,14 @@ def train_stage(
                 logger.log(step, {**scores, "epoch": epoch}, kind="valid")
                 log.info("%s epoch %d: %s", stage, epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
             name = checkpoint_name(epoch=epoch + 1)
-            if monitor and monitor in scores and (best is None or scores[monitor] > best[0]):
-                best = (scores[monitor], ckpt_root / name)
+            if monitor and monitor in scores:
+                best.offer(scores[monitor], ckpt_root / name)
             last_path = checkpoint(name, epoch + 1, 0, {**last, **scores})
         if last_path is None:  # resumed at the very end: nothing left to do
             last_path = resume_from.path if resume_from is not None else checkpoint(checkpoint_name(step=step), 0, 0, last)
     finally:
         bar.close()
         logger.close()
-    if best is not None:
-        log.info("%s: best %s=%.4f at %s", stage, monitor, best[0], best[1])
+    if best.path is not None:
+        log.info("%s: best %s=%.4f at %s", stage, monitor, best.score, best.path)
     return StageResult(checkpoint=last_path, steps=step, last_metrics=last)

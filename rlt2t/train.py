@@ -165,9 +165,9 @@ def wait_for_servers(cfg: Config, published_dir: Path, token: str | None) -> Non
 class _Publisher:
     """Published policy versions: object-store references (and, for policy servers, checkpoint dirs)."""
 
-    def __init__(self, learners: LearnerGroup, saver: Policy, published_dir: Path | None,
+    def __init__(self, learners: LearnerGroup, writer_policy: Policy, published_dir: Path | None,
                  start_weights: dict[str, torch.Tensor], start_version: int) -> None:
-        self.learners, self.saver, self.dir = learners, saver, published_dir
+        self.learners, self.writer_policy, self.dir = learners, writer_policy, published_dir
         self.refs: dict[int, ray.ObjectRef] = {}
         # The weights the run starts from are the checkpoint the driver loaded too: the first publish ships
         # these, so the first rollouts need not wait for the learner (busy with its preflight then).
@@ -189,8 +189,8 @@ class _Publisher:
     def _write(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         """Policy servers (rollout.source=http) load the learner's weights from here (hot reload)."""
         assert self.dir is not None
-        self.saver.model.load_state_dict(weights)
-        save_checkpoint(self.dir, checkpoint_name(step=version), model=self.saver.model, tokenizer=self.saver.tokenizer,
+        self.writer_policy.model.load_state_dict(weights)
+        save_checkpoint(self.dir, checkpoint_name(step=version), model=self.writer_policy.model, tokenizer=self.writer_policy.tokenizer,
                         step=version, meta={"stage": f"{STAGE}-published", "policy_version": version})
         prune_checkpoints(self.dir, keep_last=2)
         log.info("rl: published version %d to %s", version, self.dir)
@@ -214,7 +214,7 @@ class _Job:
     learners: LearnerGroup
     rollouts: WorkerPool
     rewards: WorkerPool
-    saver: Policy
+    writer_policy: Policy
     """The driver's copy of the policy: writes checkpoints (and published versions for policy servers)."""
     token: str | None
     init: Path
@@ -257,13 +257,13 @@ class _Job:
                                      max_restarts=r.max_restarts, args=(cfg.reward, df), kwargs={},
                                      what=f"the reward workers (rl.reward_workers={r.reward_workers}, "
                                           f"rl.reward_cpus={r.reward_cpus:g})")
-            saver = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=start)
+            writer_policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=start)
             rollouts.wait_started(r.schedule_timeout_s)
             rewards.wait_started(r.schedule_timeout_s)
         except BaseException:
             _release(learners, rollouts, rewards)
             raise
-        return cls(cfg, spec, learners, rollouts, rewards, saver, token, init)
+        return cls(cfg, spec, learners, rollouts, rewards, writer_policy, token, init)
 
     def release(self) -> None:
         _release(self.learners, self.rollouts, self.rewards)
@@ -279,10 +279,10 @@ class _Job:
             shutil.rmtree(published_dir, ignore_errors=True)
             # Policy servers tokenise on their side: cut sources to data.max_source_len here, as the Ray
             # rollout workers do, so the servers sample from the context the learner trains on.
-            examples = truncate_sources(examples, self.saver, cfg.data.max_source_len)
+            examples = truncate_sources(examples, self.writer_policy, cfg.data.max_source_len)
         step, epoch0 = 0, 0
-        start_weights = {k: v.detach().clone() for k, v in self.saver.model.state_dict().items()}
-        publisher = _Publisher(self.learners, self.saver, published_dir if http_rollout else None, start_weights,
+        start_weights = {k: v.detach().clone() for k, v in self.writer_policy.model.state_dict().items()}
+        publisher = _Publisher(self.learners, self.writer_policy, published_dir if http_rollout else None, start_weights,
                                resume_from.step if resume_from else 0)
         best = BestCheckpoint.from_meta(resume_from.meta if resume_from else None)
         if resume_from is not None:
@@ -297,14 +297,14 @@ class _Job:
         logger = RunLogger(cfg.run_dir / "logs" / STAGE, STAGE)
         bar = tqdm(total=total_steps, initial=step, desc=f"rl:{r.algorithm}", disable=True if not cfg.run.progress
                    else None, dynamic_ncols=True)
-        result = TrainResult(checkpoint=Path(self.saver.origin), steps=step)
+        result = TrainResult(checkpoint=Path(self.writer_policy.origin), steps=step)
 
         def checkpoint(epoch: int, batch_in_epoch: int, at: int, metrics: dict[str, float]) -> Path:
-            self.saver.model.load_state_dict(self.learners.weights())
+            self.writer_policy.model.load_state_dict(self.learners.weights())
             name = checkpoint_name(epoch=epoch) if batch_in_epoch == 0 else checkpoint_name(step=at)
             if batch_in_epoch == 0 and "monitor" in metrics:
                 best.offer(metrics["monitor"], ckpt_root / name)
-            path = save_checkpoint(ckpt_root, name, model=self.saver.model, tokenizer=self.saver.tokenizer, step=at,
+            path = save_checkpoint(ckpt_root, name, model=self.writer_policy.model, tokenizer=self.writer_policy.tokenizer, step=at,
                                    meta={"stage": STAGE, "algorithm": r.algorithm, "init": str(self.init), "epoch": epoch,
                                          "batch_in_epoch": batch_in_epoch, "policy_version": at, "metrics": metrics,
                                          "best": best.meta(), "total_steps": total_steps},
@@ -330,7 +330,7 @@ class _Job:
                     if c.mask_version is not None and c.mask_version <= step:
                         publisher.publish(c.mask_version)
                 publisher.drop_start_weights()  # published by now, or never needed (a run resumed mid-epoch)
-                truncated = count_truncated(self.saver, [e for c in chunks for e in c.examples], cfg.data.max_source_len)
+                truncated = count_truncated(self.writer_policy, [e for c in chunks for e in c.examples], cfg.data.max_source_len)
                 if truncated:
                     log.info("rl epoch %d: %d sources longer than data.max_source_len=%d tokens are cut to it", epoch,
                              truncated, cfg.data.max_source_len)

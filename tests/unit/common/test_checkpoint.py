@@ -90,3 +90,17 @@ def test_rng_state_roundtrip():
     a = torch.rand(3)
     set_rng_state(state)
     assert torch.equal(torch.rand(3), a)
+
+
+def test_best_checkpoint_keeps_the_highest_score_across_a_resume(tmp_path):
+    from rlt2t.common.checkpoint import BestCheckpoint
+
+    best = BestCheckpoint()
+    assert best.meta() is None and best.protect() == set()
+    assert best.offer(0.5, tmp_path / "epoch-0001")
+    assert not best.offer(0.4, tmp_path / "epoch-0002")
+    assert best.offer(0.6, tmp_path / "epoch-0003")
+    resumed = BestCheckpoint.from_meta({"best": best.meta()})
+    assert (resumed.score, resumed.path) == (0.6, tmp_path / "epoch-0003")
+    assert resumed.protect() == {tmp_path / "epoch-0003"}
+    assert not resumed.offer(0.6, tmp_path / "epoch-0004")  # a tie keeps the earlier one
