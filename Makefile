@@ -75,7 +75,9 @@ bench: $(STAMP)
 
 # A local Ray head on loopback (dashboard and job API on 127.0.0.1:8265).
 RAY_TMP ?= /tmp/rlt2t-ray
-RAY_CPUS ?= $(shell nproc)
+# Logical CPUs of the head: at least 3, the default job's demand (learner 1 + rollout worker 1 + reward
+# worker 0.5 = 2.5, see rl.*_cpus), so `make ray-up && make train-submit` works on a 2-core machine too.
+RAY_CPUS ?= $(shell n=$$(nproc); echo $$(( n < 3 ? 3 : n )))
 RAY_ADDRESS_LOCAL := http://127.0.0.1:8265
 TRAIN_CONFIG ?=
 TRAIN_ARGS ?=

@@ -29,7 +29,20 @@ def test_submit_tiny_training_job_to_local_head(tmp_path):
     subprocess.run([sys.executable, "-m", "rlt2t.cli", "demo", "--config", str(REPO / "configs" / "tiny.yaml"),
                     f"run.dir={run}", "rl.enabled=false"], check=True, capture_output=True, cwd=REPO, timeout=600)
     ray_tmp = f"/tmp/rlt2t-test-{os.getpid()}"
-    up = make("ray-up", f"RAY_TMP={ray_tmp}", "RAY_CPUS=4")
+    # A head too small for the job (2 CPUs; the default job asks for 2.5): it fails at once, naming the
+    # settings and the cluster's totals, instead of waiting forever for a worker that never starts.
+    up = make("ray-up", f"RAY_TMP={ray_tmp}", "RAY_CPUS=2")
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        job = make("train-submit", "TRAIN_CONFIG=configs/tiny.yaml", f"RUN_DIR={run}",
+                   "TRAIN_ARGS=rl.epochs=1 rl.train_subset=32 run.progress=false", timeout=300)
+        out = job.stdout + job.stderr
+        assert job.returncode != 0 and "cannot hold this job" in out, out[-3000:]
+        assert "rl.rollout_cpus=1" in out and "but the cluster has 2 in all" in out, out[-3000:]
+    finally:
+        assert make("ray-down").returncode == 0
+    # `make ray-up` as a user runs it on this machine: a head the default job fits on.
+    up = make("ray-up", f"RAY_TMP={ray_tmp}")
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         job = make("train-submit", "TRAIN_CONFIG=configs/tiny.yaml", f"RUN_DIR={run}",
