@@ -168,15 +168,20 @@ def vocab_size(config: PretrainedConfig) -> int:
     return int(config.vocab_size)
 
 
+def shift_labels(labels: Tensor, decoder_start_token_id: int, pad_token_id: int) -> Tensor:
+    """Teacher-forcing decoder inputs from labels: [B, T] -> [B, T], start token first, -100 -> pad."""
+    shifted = torch.empty_like(labels)
+    shifted[:, 0] = decoder_start_token_id
+    shifted[:, 1:] = labels[:, :-1]
+    return shifted.masked_fill(shifted == IGNORE_INDEX, pad_token_id)
+
+
 def decoder_input_ids(labels: Tensor, config: PretrainedConfig) -> Tensor:
-    """Teacher-forcing decoder inputs from labels: [B, T] -> [B, T], decoder start first, -100 -> pad."""
+    """:func:`shift_labels` with the model's decoder start and pad ids: the decoder inputs of every training step."""
     start, pad = config.decoder_start_token_id, config.pad_token_id
     if start is None or pad is None:
         raise ValueError(f"model.config needs decoder_start_token_id and pad_token_id, got {start!r} and {pad!r}")
-    shifted = torch.empty_like(labels)
-    shifted[:, 0] = start
-    shifted[:, 1:] = labels[:, :-1]
-    return shifted.masked_fill(shifted == IGNORE_INDEX, pad)
+    return shift_labels(labels, start, pad)
 
 
 def check_mixed_precision(config: PretrainedConfig | dict[str, Any] | str, mixed_precision: str) -> None:

@@ -108,6 +108,17 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
+def template_affixes(tok: PreTrainedTokenizerBase) -> tuple[int, int]:
+    """How many special tokens ``tok(text)`` puts before and after every text: (0, 1) for ``text </s>`` (ours,
+    BART, T5, Marian, Pegasus), (0, 2) for mBART-25's ``text </s> en_XX``, (1, 1) for BERT's ``[CLS] text [SEP]``."""
+    empty = tok("", add_special_tokens=True)["input_ids"]
+    one = tok("a", add_special_tokens=True)["input_ids"]
+    prefix = 0
+    while prefix < len(empty) and prefix < len(one) and empty[prefix] == one[prefix]:
+        prefix += 1
+    return prefix, len(empty) - prefix
+
+
 def tokenizer_kind(tok: PreTrainedTokenizerBase) -> str:
     return (tok.init_kwargs.get("rlt2t") or {}).get("kind", "pretrained")
 

@@ -29,6 +29,7 @@ from accelerate.utils import DistributedType
 from rlt2t.common.checkpoint import rng_state, set_rng_state
 from rlt2t.common.config import MetricConfig, ModelConfig, RankConfig
 from rlt2t.common.data import Example
+from rlt2t.common.families import check_mixed_precision
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.types import ScoredPair
 from rlt2t.learner.batch import rank_batch
@@ -73,6 +74,7 @@ class LearnerRank:
         # Mixed precision applies on CUDA only (CPU runs stay float32 and deterministic).
         self.mixed_precision = mixed_precision if self.use_cuda else "no"
         self.policy: Policy = load_policy(model_cfg, tokenizer_dir, checkpoint=init_checkpoint)
+        check_mixed_precision(self.policy.model.config, mixed_precision)  # T5 in fp16 overflows: refused at start
         self.policy.model.train()
         self.module: torch.nn.Module = SharedEncoderRankLoss(
             self.policy.model, score_kind=rank_cfg.score, loss_weight=rank_cfg.loss_weight, alpha=rank_cfg.delay_alpha)

@@ -34,6 +34,7 @@ from rlt2t.common.checkpoint import (
     set_rng_state,
 )
 from rlt2t.common.config import RunConfig, StageConfig
+from rlt2t.common.families import check_mixed_precision
 from rlt2t.common.policy import Policy
 from rlt2t.common.tracking import RunLogger
 from rlt2t.learner.schedule import linear_warmup_decay
@@ -93,6 +94,7 @@ def train_stage(
         raise ValueError(f"{stage}: the training set is empty")
     out_dir = Path(out_dir)
     ckpt_root = out_dir / "checkpoints"
+    check_mixed_precision(policy.model.config, run.mixed_precision)  # T5 in fp16 overflows: refused at start
     accelerator = make_accelerator(run)
     model = policy.model
     steps_per_epoch = math.ceil(len(dataset) / cfg.batch_size)

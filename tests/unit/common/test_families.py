@@ -185,3 +185,30 @@ def test_unused_weights_are_refused(family_dirs, tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="unexpected keys: .*layer_norm"):
         load_policy(ModelConfig(), checkpoint=tmp_path / "m")
+
+
+def test_truncation_keeps_each_familys_special_tokens(policies):
+    from rlt2t.common.batching import encode_texts
+    from rlt2t.common.tokenization import template_affixes
+
+    long = " ".join(["alpha beta gamma"] * 20)
+    expected_affixes = {"bart": (0, 1), "t5": (0, 1), "marian": (0, 1), "pegasus": (0, 1), "mbart": (0, 2),
+                        "encoder-decoder": (1, 1)}
+    for name, (prefix, suffix) in expected_affixes.items():
+        tok = policies[name].tokenizer
+        assert template_affixes(tok) == (prefix, suffix), name
+        full = tok(long)["input_ids"]
+        (ids,), truncated = encode_texts(tok, [long], 8)
+        assert truncated == 1 and len(ids) == 8
+        assert ids == full[: 8 - suffix] + full[len(full) - suffix :], name
+
+
+def test_sft_batches_carry_the_familys_decoder_inputs(policies):
+    from rlt2t.learner.stages import make_collate
+
+    policy = policies["mbart"]  # its decoder starts from the target language code
+    tok = policy.tokenizer
+    collate = make_collate(tok.pad_token_id, policy.model.config)
+    batch = collate([{"input_ids": tok("alpha")["input_ids"], "labels": tok("beta gamma")["input_ids"]}])
+    labels = batch["labels"][0].tolist()
+    assert batch["decoder_input_ids"][0].tolist() == [tok.convert_tokens_to_ids("en_XX"), *labels[:-1]]
