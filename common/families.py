@@ -18,11 +18,13 @@ mbart           mbart              pre-norm; language codes: ``model.src_lang`` 
                                    encodes), ``model.tgt_lang`` becomes the decoder start token (mBART-25's
                                    convention); without codes (a from-scratch preset) it starts from
                                    ``</s>`` like BART
-marian          marian             decoding starts from ``<pad>`` (whose embedding row Marian keeps at
-                                   zero); static sinusoidal positions (``max_position_embeddings`` is
-                                   still the limit); tokenizer is the slow sentencepiece one
-pegasus         pegasus            decoding starts from ``<pad>``; static sinusoidal positions; no
-                                   sentinels (span corruption marks every span with ``<mask_2>``)
+marian          marian             decoding starts from ``<pad>`` (the last row in opus-mt checkpoints);
+                                   static sinusoidal positions (``max_position_embeddings`` is still the
+                                   limit; the table is frozen: from_pretrained makes it trainable and
+                                   Marian does not save it); the tokenizer is the slow sentencepiece one,
+                                   and it has neither sentinels nor a mask token (no span corruption)
+pegasus         pegasus            decoding starts from ``<pad>``; static sinusoidal positions (frozen);
+                                   no sentinels (span corruption marks every span with ``<mask_2>``)
 t5              t5, mt5, umt5      decoding starts from ``<pad>``, no BOS; relative position buckets, so
                                    no position limit (:func:`max_positions` is None); ``<extra_id_N>``
                                    sentinels are the tokenizer's own; v1.0 checkpoints tie ``lm_head`` and
@@ -199,6 +201,17 @@ def check_mixed_precision(config: PretrainedConfig | dict[str, Any] | str, mixed
 # --------------------------------------------------------------------------------------------------
 
 
+def default_special_ids(family: str, tokenizer: PreTrainedTokenizerBase) -> dict[str, int | None]:
+    """The family's special ids for ``tokenizer`` without language codes: pad, BOS, EOS, the decoder start
+    (BART and mBART: EOS; T5, Marian and Pegasus: pad) and the forced last token of a row at the length limit
+    (EOS, as the pretrained checkpoints' generation configs set; T5's has none)."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    start = eos if family in ("bart", "mbart") else pad
+    return {"pad_token_id": pad, "bos_token_id": None if family == "t5" else tokenizer.bos_token_id,
+            "eos_token_id": eos, "decoder_start_token_id": start,
+            "forced_eos_token_id": None if family == "t5" else eos}
+
+
 def preset_config(family: str, preset: str, tokenizer: PreTrainedTokenizerBase, dropout: float = 0.1
                   ) -> PretrainedConfig:
     """A from-scratch config of ``family`` with a preset shape whose vocabulary and special ids match ``tokenizer``.
@@ -211,8 +224,8 @@ def preset_config(family: str, preset: str, tokenizer: PreTrainedTokenizerBase, 
     if family not in PRESET_FAMILIES:
         raise ValueError(f"model.family: unknown family {family!r} (known: {', '.join(PRESET_FAMILIES)})")
     p = PRESETS[preset]
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    if pad is None or eos is None:
+    ids = default_special_ids(family, tokenizer)
+    if ids["pad_token_id"] is None or ids["eos_token_id"] is None:
         raise ValueError(f"a from-scratch {family} needs a tokenizer with pad and EOS tokens")
     vocab = len(tokenizer)
     if family == "t5":
@@ -221,26 +234,23 @@ def preset_config(family: str, preset: str, tokenizer: PreTrainedTokenizerBase, 
             vocab_size=vocab, d_model=p["d_model"], d_kv=p["d_model"] // p["heads"], d_ff=p["ffn"],
             num_layers=p["layers"], num_decoder_layers=p["layers"], num_heads=p["heads"],
             feed_forward_proj="gated-gelu", dropout_rate=dropout, tie_word_embeddings=False,
-            pad_token_id=pad, eos_token_id=eos, decoder_start_token_id=pad,
+            **{k: v for k, v in ids.items() if k != "forced_eos_token_id"},
         )
     shape = dict(
         vocab_size=vocab, d_model=p["d_model"], encoder_layers=p["layers"], decoder_layers=p["layers"],
         encoder_attention_heads=p["heads"], decoder_attention_heads=p["heads"], encoder_ffn_dim=p["ffn"],
         decoder_ffn_dim=p["ffn"], max_position_embeddings=p["positions"], dropout=dropout,
-        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=pad, eos_token_id=eos,
-        forced_eos_token_id=eos,
+        attention_dropout=0.0, activation_dropout=0.0, forced_bos_token_id=None, **ids,
     )
     if family == "bart":
         # CTranslate2's BART converter reads normalize_before; HF's BART is post-norm.
-        return BartConfig(**shape, normalize_before=False, bos_token_id=tokenizer.bos_token_id,
-                          decoder_start_token_id=eos, forced_bos_token_id=None, tie_word_embeddings=True)
+        return BartConfig(**shape, normalize_before=False, tie_word_embeddings=True)
     if family == "mbart":
-        return MBartConfig(**shape, bos_token_id=tokenizer.bos_token_id, decoder_start_token_id=eos,
-                           forced_bos_token_id=None, scale_embedding=True)
+        return MBartConfig(**shape, scale_embedding=True)
     if family == "marian":
-        return MarianConfig(**shape, decoder_vocab_size=vocab, decoder_start_token_id=pad, scale_embedding=True,
+        return MarianConfig(**shape, decoder_vocab_size=vocab, scale_embedding=True,
                             share_encoder_decoder_embeddings=True)
-    return PegasusConfig(**shape, decoder_start_token_id=pad, scale_embedding=True)
+    return PegasusConfig(**shape, scale_embedding=True)
 
 
 def build_model(config: PretrainedConfig) -> PreTrainedModel:
@@ -349,6 +359,11 @@ def prepare_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
     for key in ("decoder_start_token_id", "eos_token_id", "pad_token_id"):
         if getattr(config, key, None) is None:
             raise ValueError(f"{family.name} model: config.{key} is not set")
+    if family.name in ("marian", "pegasus"):
+        # Sinusoidal position tables are constants, but from_pretrained hands them back trainable; Marian does not
+        # even save them (rebuilt at load), so a trained table would silently revert in every checkpoint.
+        for stack in (model.get_encoder(), model.get_decoder()):
+            stack.embed_positions.weight.requires_grad_(False)
     gen = model.generation_config
     if gen is not None:
         for key in ("decoder_start_token_id", "eos_token_id", "pad_token_id"):

@@ -124,7 +124,10 @@ def tokenizer_kind(tok: PreTrainedTokenizerBase) -> str:
 
 
 def sentinel_ids(tok: PreTrainedTokenizerBase) -> list[int]:
-    """Span-corruption sentinels; a tokenizer without them (pretrained BART) uses its mask for every span."""
+    """Span-corruption sentinels, in span order: the tokenizer's own ``<extra_id_0>``, ``<extra_id_1>``, ...
+    where it has them (T5, Flan-T5 and mT5 tokenizers, whose ``<extra_id_0>`` is the highest id and the rest count
+    down; the project's ``ids`` and ``subword`` tokenizers, which put them after the specials), else the mask
+    token for every span (pretrained BART, mBART; Pegasus's ``<mask_2>``)."""
     ids = []
     unk = tok.unk_token_id
     while True:
@@ -135,7 +138,8 @@ def sentinel_ids(tok: PreTrainedTokenizerBase) -> list[int]:
     if ids:
         return ids
     if tok.mask_token_id is None:
-        raise ValueError("tokenizer has neither <extra_id_*> sentinels nor a mask token for span corruption")
+        raise ValueError(f"{type(tok).__name__} has neither <extra_id_*> sentinels nor a mask token for span "
+                         "corruption (Marian's have none): skip denoising pretraining (pretrain.enabled=false)")
     return [tok.mask_token_id]
 
 

@@ -130,7 +130,8 @@ def build_family_dir(family: str, out: Path, texts: list[str]) -> Path:
         model = tf.BartForConditionalGeneration(cfg)
     elif family in ("t5", "t5-v1.0"):
         # pad 0, eos 1, unk 2, pieces, then <extra_id_N> counting down from the top (google/t5 layout).
-        tok = tf.T5Tokenizer(vocab=_pieces(_spm(texts, pad_id=0, eos_id=1, unk_id=2, bos_id=-1)), extra_ids=8)
+        pieces = _pieces(_spm(texts, pad_id=0, eos_id=1, unk_id=2, bos_id=-1))
+        tok = tf.T5Tokenizer(vocab=pieces + [(f"<extra_id_{i}>", 0.0) for i in range(7, -1, -1)], extra_ids=8)
         cfg = tf.T5Config(vocab_size=len(tok), d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2,
                           num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=16,
                           dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,

@@ -212,3 +212,32 @@ def test_sft_batches_carry_the_familys_decoder_inputs(policies):
     batch = collate([{"input_ids": tok("alpha")["input_ids"], "labels": tok("beta gamma")["input_ids"]}])
     labels = batch["labels"][0].tolist()
     assert batch["decoder_input_ids"][0].tolist() == [tok.convert_tokens_to_ids("en_XX"), *labels[:-1]]
+
+
+def test_sinusoidal_positions_are_frozen(policies):
+    for name in ("marian", "pegasus"):
+        model = policies[name].model
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert not any("embed_positions" in n for n in trainable), name
+
+
+def test_span_corruption_uses_the_familys_sentinels(policies):
+    import random
+
+    from rlt2t.common.tokenization import sentinel_ids
+    from rlt2t.learner.noising import span_corruption
+
+    tok = policies["t5"].tokenizer
+    sentinels = sentinel_ids(tok)
+    top = len(tok) - 1
+    assert sentinels == list(range(top, top - 8, -1))  # T5's own <extra_id_0..7>, counting down
+    assert tok.convert_ids_to_tokens(sentinels[:2]) == ["<extra_id_0>", "<extra_id_1>"]
+    tokens = tok("alpha beta gamma delta epsilon zeta eta theta iota kappa", add_special_tokens=False)["input_ids"]
+    inputs, labels = span_corruption(tokens, random.Random(0), noise_density=0.3, mean_span_length=2,
+                                     sentinel_ids=sentinels, eos_id=tok.eos_token_id)
+    assert labels[0] == inputs[inputs.index(sentinels[0])] == top  # <extra_id_0> opens the first span
+    assert "<extra_id_0>" in tok.decode(inputs) and labels[-1] == tok.eos_token_id
+    assert sentinel_ids(policies["pegasus"].tokenizer) == [policies["pegasus"].tokenizer.mask_token_id]
+    assert sentinel_ids(policies["mbart"].tokenizer) == [policies["mbart"].tokenizer.mask_token_id]
+    with pytest.raises(ValueError, match="pretrain.enabled=false"):
+        sentinel_ids(policies["marian"].tokenizer)
