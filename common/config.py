@@ -327,6 +327,9 @@ class ExportConfig(_Section):
 
 
 class PredictConfig(_Section):
+    backend: Literal["auto", "ct2", "torch"] = "auto"
+    """Runtime of generators and scorers: `ct2` (exports, or model directories exported on the fly), `torch`
+    (model directories on Hugging Face), `auto` (CTranslate2 where the model's family converts, else torch)."""
     beam_size: int = Field(10, ge=1)
     """Beam size of each generator."""
     num_hypotheses: int = Field(4, ge=1)

@@ -59,7 +59,14 @@ from transformers import PreTrainedTokenizerBase
 from rlt2t.common.batching import encode_texts
 from rlt2t.common.checkpoint import MARKER, STATE_FILE
 from rlt2t.common.config import ModelConfig
-from rlt2t.common.families import UnsupportedModelError, family_of, family_of_dir, max_positions, vocab_size
+from rlt2t.common.families import (
+    NO_POSITION_LIMIT,
+    UnsupportedModelError,
+    family_of,
+    family_of_dir,
+    max_positions,
+    vocab_size,
+)
 from rlt2t.common.io import atomic_directory, atomic_write_json
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.sampling import check_sampling
@@ -328,7 +335,7 @@ class Ct2Policy:
                                      intra_threads=intra_threads)
         self.max_batch_size = max_batch_size
         self.batch_type = batch_type
-        positions = self.info.get("max_position_embeddings") or 1024
+        positions = self.info.get("max_position_embeddings") or NO_POSITION_LIMIT  # T5: no limit
         self.max_source_len = max_source_len or positions
         special = self.info["special_ids"]
         self.eos_id: int = special["eos"]

@@ -157,7 +157,11 @@ def max_positions(config: PretrainedConfig) -> int | None:
     return int(config.max_position_embeddings)
 
 
-def positions_or(config: PretrainedConfig, default: int) -> int:
+NO_POSITION_LIMIT = 1 << 20
+"""What :func:`positions_or` gives for a model without a position limit (T5): no truncation in practice."""
+
+
+def positions_or(config: PretrainedConfig, default: int = NO_POSITION_LIMIT) -> int:
     """:func:`max_positions`, or ``default`` for a model without a limit (where a number is needed)."""
     limit = max_positions(config)
     return default if limit is None else limit
