@@ -264,10 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the CTranslate2 export and ensemble prediction at the end")
     p.set_defaults(fn=cmd_demo)
 
-    from rlt2t import cmd_export, cmd_serve
+    from rlt2t import cmd_export, cmd_serve, cmd_warm_start
 
     cmd_serve.register(sub, _config_args)
     cmd_export.register(sub, _config_args)
+    cmd_warm_start.register(sub, _config_args)
     return parser
 
 

