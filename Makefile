@@ -63,10 +63,13 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/sft_step.py
 	$(BIN)/python bench/learner_step.py
+	$(BIN)/python bench/learner_step.py --family t5
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/quality.py
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/ct2_sampling.py
+	$(BIN)/python bench/ct2_sampling.py --family t5
+	$(BIN)/python bench/warm_start.py
 
 # A local Ray head on loopback (dashboard and job API on 127.0.0.1:8265).
 RAY_TMP ?= /tmp/rlt2t-ray
