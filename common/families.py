@@ -390,6 +390,9 @@ def warm_start(encoder_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> E
     """
     model = EncoderDecoderModel.from_encoder_decoder_pretrained(str(encoder_dir), str(encoder_dir))
     prepare_model(model, prepare_tokenizer(tokenizer, FAMILIES["encoder-decoder"]))
+    # transformers prints the decoder's load report: the cross-attention layers are new, and so is the LM head's
+    # transform when the checkpoint is an encoder without its MLM head (a sentence-embedding model such as MiniLM).
+    log.info("warm start from %s: encoder and decoder initialised from it; cross-attention starts random", encoder_dir)
     return model
 
 
