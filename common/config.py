@@ -8,6 +8,7 @@ Unknown keys, wrong types and impossible values fail with a message naming the k
 
 from __future__ import annotations
 
+import json
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlt2t.common.families import FAMILIES, PRESETS, check_mixed_precision, family_of
 
 
 class _Section(BaseModel):
@@ -102,12 +105,19 @@ class LoraConfig(_Section):
 class ModelConfig(_Section):
     preset: Literal["tiny", "small", "base"] | None = "small"
     """Build from scratch with this shape: `tiny` (tests), `small` (a few M params), `base` (BART-base)."""
+    family: Literal["bart", "t5", "marian", "mbart", "pegasus"] = "bart"
+    """Architecture of a from-scratch preset (a loaded directory's family comes from its config.json)."""
     path: str | None = None
-    """A local pretrained BART directory (`from_pretrained`); takes precedence over `preset`."""
+    """A local pretrained encoder-decoder directory (BART, T5/Flan-T5/mT5, Marian, mBART, Pegasus, or a
+    warm-started EncoderDecoderModel); takes precedence over `preset`."""
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
     """Dropout of a model built from a preset (also applied to a loaded model)."""
     lora: LoraConfig = LoraConfig()
     """LoRA adapters instead of full fine-tuning (model.lora.enabled, r, alpha, dropout, target_modules)."""
+    src_lang: str | None = None
+    """mBART: source language code (e.g. en_XX); the tokenizer adds it to every text it encodes."""
+    tgt_lang: str | None = None
+    """mBART: target language code (e.g. ro_RO); decoding starts from it (None: the model's own start)."""
 
 
 class StageConfig(_Section):
@@ -607,6 +617,9 @@ class ExportConfig(_Section):
 
 
 class PredictConfig(_Section):
+    backend: Literal["auto", "ct2", "torch"] = "auto"
+    """Runtime of generators and scorers: `ct2` (exports, or model directories exported on the fly), `torch`
+    (model directories on Hugging Face), `auto` (CTranslate2 where the model's family converts, else torch)."""
     beam_size: int = Field(10, ge=1)
     """Beam size of each generator."""
     num_hypotheses: int = Field(4, ge=1)
@@ -678,14 +691,6 @@ class AnnotateConfig(_Section):
         return self
 
 
-# Presets: (d_model, layers, heads, ffn, max positions). `base` is the BART-base shape.
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(d_model=32, layers=1, heads=2, ffn=64, positions=256),
-    "small": dict(d_model=256, layers=3, heads=4, ffn=1024, positions=256),
-    "base": dict(d_model=768, layers=6, heads=12, ffn=3072, positions=1024),
-}
-
-
 class Config(_Section):
     run: RunConfig = RunConfig()
     synth: SynthConfig = SynthConfig()
@@ -710,8 +715,8 @@ class Config(_Section):
     @model_validator(mode="after")
     def _lengths_fit_positions(self) -> Config:
         # A pretrained directory is checked when it is loaded (its positions are in its config.json).
-        if self.model.path is None and self.model.preset is not None:
-            positions = PRESETS[self.model.preset]["positions"]
+        if self.model.path is None and self.model.preset is not None and FAMILIES[self.model.family].learned_positions:
+            positions = PRESETS[self.model.preset]["positions"]  # T5's relative positions have no limit
             for key in ("max_source_len", "max_target_len"):
                 if getattr(self.data, key) > positions:
                     raise ValueError(
@@ -731,6 +736,7 @@ class Config(_Section):
                 raise ValueError("rl.algorithm=nlpo samples with a masking policy: use rollout.backend=torch")
         if self.rollout.backend == "ct2" and self.rollout.top_p < 1.0:
             raise ValueError("rollout.top_p: the ct2 rollout backend has no nucleus sampling (leave it at 1)")
+        _check_precision(self.model, self.run.mixed_precision)
         if self.rollout.source == "http" and not self.rollout.urls:
             raise ValueError("rollout.source=http needs rollout.urls (policy server base URLs)")
         if self.reward.source == "http" and not self.reward.url:
@@ -753,6 +759,22 @@ class Config(_Section):
     @property
     def tokenizer_dir(self) -> Path:
         return self.path(self.tokenizer.path) if self.tokenizer.path else self.run_dir / "tokenizer"
+
+
+def _check_precision(model: ModelConfig, mixed_precision: str) -> None:
+    """fp16 refused for families that overflow in it, before anything runs (the family of model.path is read
+    from its config.json when readable; load_policy's callers check again on what they actually load)."""
+    if mixed_precision != "fp16":
+        return
+    if model.path is None:
+        check_mixed_precision(model.family, mixed_precision)
+        return
+    try:
+        found = json.loads((Path(model.path) / "config.json").read_text())
+        family_of(found)
+    except (OSError, ValueError):
+        return  # not readable or not a known family: load_policy says so with the full story
+    check_mixed_precision(found, mixed_precision)
 
 
 def _parse_value(text: str) -> Any:

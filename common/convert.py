@@ -1,4 +1,4 @@
-"""Model surgery on pretrained BART directories: vocabulary shrinking and checkpoint averaging."""
+"""Model surgery on pretrained directories of any family: vocabulary shrinking and checkpoint averaging."""
 
 from __future__ import annotations
 
@@ -7,59 +7,78 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import BartForConditionalGeneration
 
+from rlt2t.common.families import default_special_ids, family_of_dir, load_model
 from rlt2t.common.io import atomic_directory
 from rlt2t.common.tokenization import load_tokenizer, save_tokenizer
 
 log = logging.getLogger("rlt2t.convert")
 
+# Families whose first rows can be kept: their special tokens sit at the start of the vocabulary. Marian keeps
+# <pad> (its decoder start) in the last row, and a warm start's BERT vocabulary is not the model's own to cut.
+SHRINKABLE = ("bart", "mbart", "pegasus", "t5")
+
 
 def shrink_vocabulary(input_dir: str | Path, vocab_size: int, out_dir: str | Path,
                       tokenizer_dir: str | Path | None = None) -> Path:
-    """Keep the first ``vocab_size`` embedding rows of a pretrained BART and write it to ``out_dir``.
+    """Keep the first ``vocab_size`` embedding rows of a pretrained BART-family (BART, mBART, Pegasus) or T5-family
+    (T5, Flan-T5, mT5) model and write it to ``out_dir``.
 
-    The shared embedding, the tied lm_head and ``final_logits_bias`` are cut to ``vocab_size``; the
-    config's vocab size and special ids follow the tokenizer when one is given (which is then saved
-    beside the model), else the original special ids must fit in the new vocabulary.
+    The shared embedding and the lm_head (tied or, for T5 v1.1 / Flan-T5, its own) are cut to ``vocab_size``, as is
+    BART's ``final_logits_bias``; the config's vocab size and special ids follow the tokenizer when one is given
+    (which is then saved beside the model; the decoder start is the family's: EOS for BART and mBART, pad for T5
+    and Pegasus), else the original special ids must fit in the new vocabulary.
     """
-    model = BartForConditionalGeneration.from_pretrained(str(input_dir))
+    family = family_of_dir(input_dir)
+    if family.name not in SHRINKABLE:
+        raise ValueError(f"{input_dir}: convert-model shrinks {', '.join(SHRINKABLE)} models, not {family.name} "
+                         "(Marian keeps its decoder-start <pad> in the last row)")
+    model = load_model(input_dir)
     old = model.config.vocab_size
     if not 8 <= vocab_size <= old:
         raise ValueError(f"--vocab-size must be in [8, {old}] (the model has {old} rows), got {vocab_size}")
     tok = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
     if tok is not None and len(tok) > vocab_size:
         raise ValueError(f"tokenizer {tokenizer_dir} has {len(tok)} tokens, more than --vocab-size {vocab_size}")
-    model.resize_token_embeddings(vocab_size)  # BART also cuts final_logits_bias; lm_head stays tied
+    output = model.get_output_embeddings().weight
+    untied = output.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+    kept_output = output.detach()[:vocab_size].clone()
+    model.resize_token_embeddings(vocab_size)  # cuts the shared embedding (and BART's final_logits_bias)
+    if untied:
+        # transformers re-ties T5's lm_head when resizing; a T5 v1.1 / Flan-T5 keeps its own, cut the same way.
+        model.get_output_embeddings().weight = torch.nn.Parameter(kept_output)
     cfg = model.config
     if tok is not None:
-        cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id = tok.pad_token_id, tok.bos_token_id, tok.eos_token_id
-        cfg.decoder_start_token_id = cfg.forced_eos_token_id = tok.eos_token_id
+        for key, value in default_special_ids(family.name, tok).items():
+            setattr(cfg, key, value)
     cfg.forced_bos_token_id = None
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
-        value = getattr(cfg, key)
+        value = getattr(cfg, key, None)
         if value is not None and value >= vocab_size:
             raise ValueError(f"config.{key}={value} does not fit in {vocab_size} rows; pass --tokenizer")
     gen = model.generation_config
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "forced_eos_token_id"):
-        setattr(gen, key, getattr(cfg, key))
+        setattr(gen, key, getattr(cfg, key, None))
     gen.forced_bos_token_id = None
     with atomic_directory(out_dir) as tmp:
         model.save_pretrained(tmp)
         if tok is not None:
             save_tokenizer(tok, tmp)
-    log.info("shrunk %s from %d to %d rows → %s", input_dir, old, vocab_size, out_dir)
+    log.info("shrunk %s (%s) from %d to %d rows → %s", input_dir, family.name, old, vocab_size, out_dir)
     return Path(out_dir)
 
 
 def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path) -> Path:
-    """Uniform average of the weights of several checkpoints of one model (floating tensors only)."""
+    """Uniform average of the weights of several checkpoints of one model, any family (floating tensors only)."""
     if len(paths) < 2:
         raise ValueError(f"averaging needs at least 2 checkpoints, got {len(paths)}")
-    base = BartForConditionalGeneration.from_pretrained(str(paths[0]))
+    family = family_of_dir(paths[0])
+    base = load_model(paths[0])
     total = {k: v.detach().clone().double() for k, v in base.state_dict().items() if v.is_floating_point()}
     for p in paths[1:]:
-        sd = BartForConditionalGeneration.from_pretrained(str(p)).state_dict()
+        if family_of_dir(p) != family:
+            raise ValueError(f"{p} is a {family_of_dir(p).name} model, {paths[0]} a {family.name} one")
+        sd = load_model(p).state_dict()
         if set(sd) != set(base.state_dict()):
             raise ValueError(f"{p} does not have the same parameters as {paths[0]}")
         for k in total:
@@ -73,7 +92,7 @@ def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path) -> Pat
     tok_dir = Path(paths[0])
     with atomic_directory(out_dir) as tmp:
         base.save_pretrained(tmp)
-        if (tok_dir / "tokenizer_config.json").is_file() or (tok_dir / "tokenizer.json").is_file():
+        if any((tok_dir / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json", "vocab.json")):
             save_tokenizer(load_tokenizer(tok_dir), tmp)
-    log.info("averaged %d checkpoints → %s", len(paths), out_dir)
+    log.info("averaged %d %s checkpoints → %s", len(paths), family.name, out_dir)
     return Path(out_dir)

@@ -9,11 +9,20 @@ quantization, checksum of the source weights, vocabulary size, special ids)::
     ct2.generate(["12 7 <sep> 5 6"], beam_size=4, num_hypotheses=2)   # -> [[Hypothesis, Hypothesis]]
     ct2.score(["12 7 <sep> 5 6"], ["40 41"])                           # -> [[lp("40"), lp("41"), lp(</s>)]]
 
-Conventions that make CT2 agree with Hugging Face token for token (checked by tests/unit/common/test_ct2.py):
+Every family CTranslate2's converter accepts is exported: BART, mBART, Marian, Pegasus, T5 / mT5 / UMT5
+(rlt2t.common.families); a warm-started EncoderDecoderModel is refused with UnsupportedModelError (the torch
+backend serves it). The stock loaders are used with three adjustments so that CT2 decodes what the Hugging
+Face model decodes: the decoder starts from ``config.decoder_start_token_id`` for every family (mBART's
+loader would expect a language-code prefix, Marian's a zero vector instead of the ``<pad>`` row); every
+embedding row gets a token name (placeholders for rows the tokenizer does not name, where the stock loaders
+cut, duplicate or drop rows); T5's output scaling follows ``config.scale_decoder_outputs``.
 
-- sources are our tokenizer's tokens *including* the trailing ``</s>`` (the converter sets
-  ``add_source_eos: false``, so CT2 adds nothing); decoding starts from ``decoder_start_token``, which the
-  converter takes from ``config.decoder_start_token_id`` (``</s>`` for BART), as ``generate`` does;
+Conventions that make CT2 agree with Hugging Face token for token (checked per family by
+tests/unit/common/test_ct2.py and test_ct2_families.py):
+
+- sources are our tokenizer's tokens *including* its special tokens (the trailing ``</s>``, mBART's language
+  code; the converter sets ``add_source_eos: false``, so CT2 adds nothing); decoding starts from
+  ``decoder_start_token``, as ``generate`` does;
 - ``score_batch`` gets the target without EOS and returns one log-prob per target token *plus* the EOS,
   which is what HF teacher forcing gives over labels = tokenizer(target) (EOS included);
 - HF ends a row that reaches ``max_new_tokens`` with ``forced_eos_token_id`` (BART's generation config
@@ -35,23 +44,32 @@ import copy
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import ctranslate2
+import ctranslate2.converters.transformers as ct2_transformers
 import numpy as np
 import torch
 from ctranslate2.converters import TransformersConverter
+from ctranslate2.specs import model_spec
 from transformers import PreTrainedTokenizerBase
 
 from rlt2t.common.batching import encode_texts
 from rlt2t.common.checkpoint import MARKER, STATE_FILE
+from rlt2t.common.config import ModelConfig
+from rlt2t.common.families import (
+    NO_POSITION_LIMIT,
+    UnsupportedModelError,
+    family_of,
+    family_of_dir,
+    max_positions,
+    vocab_size,
+)
 from rlt2t.common.io import atomic_directory, atomic_write_json
-from rlt2t.common.policy import Policy
+from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.sampling import SampledSequence, check_sampling, warp_logits
 from rlt2t.common.tokenization import load_tokenizer, save_tokenizer
 
@@ -70,23 +88,109 @@ _SKIP_FILES = {STATE_FILE, MARKER}
 # --------------------------------------------------------------------------------------------------
 
 
+def _exact_vocabulary(model, tokenizer) -> list[str]:
+    """One token name per output-embedding row, in id order: the tokenizer's tokens, then unique placeholders
+    for rows it has no name for (T5 checkpoints pad their vocabulary to a multiple of 128). The stock loaders
+    instead cut BART's list, pad T5's with duplicate names and drop Marian's last row."""
+    rows = vocab_size(model.config)
+    by_id = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    if [i for _, i in by_id] != list(range(len(by_id))):
+        raise ValueError("the tokenizer's ids are not contiguous from 0; CTranslate2 names rows by position")
+    tokens = [t for t, _ in by_id]
+    if len(tokens) > rows:
+        raise ValueError(f"the tokenizer has {len(tokens)} tokens but the model only {rows} embedding rows "
+                         "(resize the model with `rlt2t convert-model --vocab-size`)")
+    return tokens + [f"<rlt2t_unused_{i}>" for i in range(rows - len(tokens))]
+
+
+class _ExactStart:
+    """Mixin for CTranslate2's loaders: decode from the model's own decoder start token and name every row."""
+
+    def get_vocabulary(self, model, tokenizer):
+        return _exact_vocabulary(model, tokenizer)
+
+    def set_config(self, config, model, tokenizer):
+        super().set_config(config, model, tokenizer)
+        # mBART's loader leaves it unset (it expects a language-code target prefix), Marian's uses </s> with a zero
+        # embedding: both differ from what the Hugging Face model starts from after rlt2t's load.
+        config.decoder_start_token = tokenizer.convert_ids_to_tokens(model.config.decoder_start_token_id)
+
+
+class _MarianLoader(_ExactStart, ct2_transformers.MarianMTLoader):
+    """Marian exactly as Hugging Face runs it: the decoder starts from the ``<pad>`` row itself (the stock loader
+    starts from a zero vector and removes that row, which equals HF only while the row is still zero, i.e.
+    never after fine-tuning with tied embeddings), and no vocabulary row is dropped."""
+
+    def get_model_spec(self, model):
+        model.config.normalize_before = False
+        model.config.normalize_embedding = False
+        return ct2_transformers.BartLoader.get_model_spec(self, model)
+
+    def set_decoder(self, spec, decoder):
+        ct2_transformers.BartLoader.set_decoder(self, spec, decoder)
+
+
+class _T5Output:
+    """Mixin: CT2's T5 loader scales the decoder output when ``tie_word_embeddings`` is set, which transformers 5
+    sets for every T5; whether HF scales is ``config.scale_decoder_outputs`` (v1.0 yes, v1.1 / Flan-T5 no)."""
+
+    def get_model_spec(self, model):
+        spec = super().get_model_spec(model)
+        scale = getattr(model.config, "scale_decoder_outputs", model.config.tie_word_embeddings)
+        spec.decoder.scale_outputs = model.config.d_model**-0.5 if scale else model_spec.OPTIONAL
+        return spec
+
+
+def _loader(model):
+    """The CTranslate2 loader for ``model``'s family, adjusted so that the conversion decodes exactly as HF."""
+    family = family_of(model.config)
+    if not family.ct2:
+        raise UnsupportedModelError(
+            f"CTranslate2 cannot convert {family.name} models ({type(model).__name__}); use the torch backend: "
+            "serve.backend=torch, rollout.backend=torch, predict.backend=torch"
+        )
+    if family.name == "marian":
+        return _MarianLoader()
+    base = type(ct2_transformers._MODEL_LOADERS[type(model.config).__name__])
+    if family.name == "t5":
+        return type(f"_Exact{base.__name__}", (_T5Output, _ExactStart, base), {})()
+    # CT2's BART spec reads normalize_before (HF's BART is post-norm, mBART and Pegasus are pre-norm) and
+    # normalize_embedding (Pegasus has no layer norm after its embeddings); transformers' configs carry neither.
+    model.config.normalize_before = family.name != "bart"
+    model.config.normalize_embedding = family.name != "pegasus"
+    return type(f"_Exact{base.__name__}", (_ExactStart, base), {})()
+
+
 class _InMemoryConverter(TransformersConverter):
-    """The stock converter, fed a model and tokenizer already in memory instead of reloading them.
+    """The stock converter, fed a model and tokenizer already in memory and the loader of :func:`_loader`."""
 
-    ``TransformersConverter._load`` still reads ``config.json`` from ``config_dir`` (to pick the loader),
-    then asks ``load_model`` / ``load_tokenizer`` for the objects: overriding those two is all it takes.
-    """
-
-    def __init__(self, config_dir: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase):
-        super().__init__(str(config_dir))
+    def __init__(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase):
+        super().__init__("in-memory")
         self._model = model
         self._tokenizer = tokenizer
 
-    def load_model(self, model_class, model_name_or_path, **kwargs):
-        return self._model
+    def _load(self):
+        with torch.no_grad():
+            return _loader(self._model)(self._model, self._tokenizer)
 
-    def load_tokenizer(self, tokenizer_class, model_name_or_path, **kwargs):
-        return self._tokenizer
+
+def _convert(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path, quantization: str) -> None:
+    # A copy: the loader sets config fields, and CT2's int8 quantisation scales the float32 arrays it is given in
+    # place, which for float32 parameters share memory with the live model.
+    _InMemoryConverter(copy.deepcopy(model), tokenizer).convert(str(out), quantization=quantization, force=True)
+
+
+def _export_info(source: str, source_sha256: str | None, quantization: str, model, tokenizer) -> dict:
+    generation = getattr(model, "generation_config", None)
+    return {
+        "source": source, "source_sha256": source_sha256, "quantization": quantization,
+        "family": family_of(model.config).name,
+        "vocab_size": vocab_size(model.config),
+        "max_position_embeddings": max_positions(model.config),
+        "special_ids": _special_ids(model.config.to_dict(), tokenizer,
+                                    generation.to_dict() if generation is not None else {}),
+        "ctranslate2": ctranslate2.__version__, "created": time.time(),
+    }
 
 
 def _check_quantization(quantization: str) -> None:
@@ -115,15 +219,6 @@ def _special_ids(config: Mapping, tokenizer: PreTrainedTokenizerBase, generation
     }
 
 
-def _check_vocabulary(vocab_size: int, tokenizer: PreTrainedTokenizerBase, where: str) -> None:
-    # CT2 takes its vocabulary from the tokenizer; fewer tokens than embedding rows leaves rows without a name.
-    if len(tokenizer) != vocab_size:
-        raise ValueError(
-            f"{where}: the model has {vocab_size} embedding rows but the tokenizer {len(tokenizer)} tokens; "
-            "CTranslate2 needs one token per row (resize the model with `rlt2t convert-model --vocab-size`)"
-        )
-
-
 def export_ct2(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -132,96 +227,52 @@ def export_ct2(
     force: bool = False,
     tokenizer_dir: str | Path | None = None,
 ) -> Path:
-    """Convert a BART model directory (or rlt2t checkpoint) into a CTranslate2 export directory.
+    """Convert a model directory (or rlt2t checkpoint) of any CTranslate2-convertible family into an export.
 
-    The tokenizer comes from ``model_dir`` when it holds one, else from ``tokenizer_dir``. A config
-    without ``normalize_before`` (what transformers 5 writes for a BartConfig that did not set it) is
-    patched to ``False`` in a staging copy: Hugging Face's BART is always post-norm, so that is the
-    faithful value (a ``True`` there is ignored by HF and would build the wrong CT2 graph, so it is
-    overridden too, with a warning). The export is written to a temporary sibling and renamed into
-    place. Raises FileNotFoundError (not a model directory), FileExistsError (``out_dir`` exists and not
-    ``force``), ValueError (unknown quantization, not a BART, vocabulary mismatch).
+    The model is loaded with ``load_policy`` (the tokenizer from ``model_dir`` when it holds one, else from
+    ``tokenizer_dir``) and converted in memory by :func:`export_policy`; the source directory is never modified.
+    Raises FileNotFoundError (not a model directory), FileExistsError (``out_dir`` exists and not ``force``),
+    UnsupportedModelError (a family CTranslate2 cannot convert: the warm-started EncoderDecoderModel),
+    ValueError (unknown quantization, vocabulary mismatch).
     """
     _check_quantization(quantization)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
+    if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"--checkpoint {model_dir}: not a model directory (no config.json)")
     if out_dir.exists() and not force:
         raise FileExistsError(f"--out {out_dir} already exists (pass force=True / --force to replace it)")
-    config = json.loads(config_path.read_text())
-    if config.get("model_type") != "bart":
-        raise ValueError(f"{model_dir}: model_type {config.get('model_type')!r} is not 'bart'")
+    family = family_of_dir(model_dir)
+    if not family.ct2:
+        raise UnsupportedModelError(
+            f"{model_dir}: CTranslate2 cannot convert {family.name} models; use the torch backend: "
+            "serve.backend=torch, rollout.backend=torch, predict.backend=torch"
+        )
     has_tokenizer = any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
     if not has_tokenizer and tokenizer_dir is None:
         raise ValueError(f"{model_dir} holds no tokenizer; pass tokenizer_dir (the run's tokenizer directory)")
-    tokenizer = load_tokenizer(model_dir if has_tokenizer else tokenizer_dir)
-    _check_vocabulary(int(config["vocab_size"]), tokenizer, str(model_dir))
-    if config.get("normalize_before") is True:
-        log.warning("%s: config.normalize_before=true is ignored by HF BART (post-norm); exporting as false",
-                    model_dir)
-    generation_path = model_dir / "generation_config.json"
-    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
-
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="rlt2t-ct2-stage-") as stage_name:
-        # Staging directory: symlinks to the weights, a patched config, the tokenizer. Nothing is copied.
-        stage = Path(stage_name)
-        for path in model_dir.iterdir():
-            if path.is_file() and path.name not in _SKIP_FILES and path.name != "config.json":
-                os.symlink(path.resolve(), stage / path.name)
-        (stage / "config.json").write_text(json.dumps({**config, "normalize_before": False}, indent=2))
-        if not has_tokenizer:
-            save_tokenizer(tokenizer, stage)
-        converter = TransformersConverter(str(stage))
-        with atomic_directory(out_dir) as tmp:
-            # tmp is our own fresh directory: the converter may replace it (force=True).
-            converter.convert(str(tmp), quantization=quantization, force=True)
-            save_tokenizer(tokenizer, tmp)
-            atomic_write_json(tmp / EXPORT_INFO, {
-                "source": str(model_dir.resolve()),
-                "source_sha256": _weights_checksum(model_dir),
-                "quantization": quantization,
-                "vocab_size": int(config["vocab_size"]),
-                "max_position_embeddings": config.get("max_position_embeddings"),
-                "special_ids": _special_ids(config, tokenizer, generation),
-                "ctranslate2": ctranslate2.__version__,
-                "created": time.time(),
-            })
+    policy = load_policy(ModelConfig(preset=None, dropout=0.0), tokenizer_dir, checkpoint=model_dir)
+    export_policy(policy, out_dir, quantization, source=str(model_dir.resolve()),
+                  source_sha256=_weights_checksum(model_dir))
     log.info("exported %s → %s (%s) in %.2f s", model_dir, out_dir, quantization, time.perf_counter() - t0)
     return out_dir
 
 
 def export_policy(policy: Policy, out_dir: str | Path, quantization: str = "int8", *,
-                  source: str = "memory") -> Path:
+                  source: str = "memory", source_sha256: str | None = None) -> Path:
     """Convert an in-memory policy (no save/reload of the weights) into an export directory at ``out_dir``.
 
-    Used by the rollout backend after each published version; ``source`` is recorded in the export info.
+    Used by ``rlt2t export`` and by the rollout backend after each published version; ``source`` is recorded in
+    the export info. Written to a temporary sibling and renamed into place.
     """
     _check_quantization(quantization)
     model, tokenizer = policy.model, policy.tokenizer
-    _check_vocabulary(model.config.vocab_size, tokenizer, policy.origin)
-    # BartLoader reads model.config.normalize_before; HF BART is post-norm, so False is the faithful value.
-    model.config.normalize_before = False
-    out_dir = Path(out_dir)
-    with tempfile.TemporaryDirectory(prefix="rlt2t-ct2-config-") as config_dir:
-        model.config.save_pretrained(config_dir)
-        # A copy: CT2's int8 quantisation scales the float32 arrays it is given in place, and for float32
-        # parameters those arrays share memory with the live model.
-        converter = _InMemoryConverter(Path(config_dir), copy.deepcopy(model), tokenizer)
-        with atomic_directory(out_dir) as tmp:
-            converter.convert(str(tmp), quantization=quantization, force=True)
-            save_tokenizer(tokenizer, tmp)
-            generation = getattr(model, "generation_config", None)
-            atomic_write_json(tmp / EXPORT_INFO, {
-                "source": source, "source_sha256": None, "quantization": quantization,
-                "vocab_size": model.config.vocab_size,
-                "max_position_embeddings": model.config.max_position_embeddings,
-                "special_ids": _special_ids(model.config.to_dict(), tokenizer,
-                                            generation.to_dict() if generation is not None else {}),
-                "ctranslate2": ctranslate2.__version__, "created": time.time(),
-            })
-    return out_dir
+    with atomic_directory(Path(out_dir)) as tmp:
+        # tmp is our own fresh directory: the converter may replace it (force=True).
+        _convert(model, tokenizer, tmp, quantization)
+        save_tokenizer(tokenizer, tmp)
+        atomic_write_json(tmp / EXPORT_INFO, _export_info(source, source_sha256, quantization, model, tokenizer))
+    return Path(out_dir)
 
 
 def read_export_info(export_dir: str | Path) -> dict:
@@ -285,7 +336,7 @@ class Ct2Policy:
                                      intra_threads=intra_threads)
         self.max_batch_size = max_batch_size
         self.batch_type = batch_type
-        positions = self.info.get("max_position_embeddings") or 1024
+        positions = self.info.get("max_position_embeddings") or NO_POSITION_LIMIT  # T5: no limit
         self.max_source_len = max_source_len or positions
         special = self.info["special_ids"]
         self.eos_id: int = special["eos"]

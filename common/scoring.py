@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 from transformers.modeling_outputs import BaseModelOutput
 
+from rlt2t.common.families import decoder_input_ids
+
 ScoreKind = Literal["logits", "logprobs"]
 SCORE_KINDS: tuple[str, ...] = ("logits", "logprobs")
 
@@ -73,9 +75,7 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, rows: li
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     for r, ids in enumerate(rows):
         labels[r, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-    decoder_input = torch.full_like(labels, config.pad_token_id)
-    decoder_input[:, 0] = config.decoder_start_token_id
-    decoder_input[:, 1:] = labels[:, :-1].masked_fill(labels[:, :-1] < 0, config.pad_token_id)
+    decoder_input = decoder_input_ids(labels, config)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     hidden = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     logits = model(encoder_outputs=BaseModelOutput(last_hidden_state=hidden.repeat_interleave(k, dim=0)),

@@ -108,12 +108,26 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
+def template_affixes(tok: PreTrainedTokenizerBase) -> tuple[int, int]:
+    """How many special tokens ``tok(text)`` puts before and after every text: (0, 1) for ``text </s>`` (ours,
+    BART, T5, Marian, Pegasus), (0, 2) for mBART-25's ``text </s> en_XX``, (1, 1) for BERT's ``[CLS] text [SEP]``."""
+    empty = tok("", add_special_tokens=True)["input_ids"]
+    one = tok("a", add_special_tokens=True)["input_ids"]
+    prefix = 0
+    while prefix < len(empty) and prefix < len(one) and empty[prefix] == one[prefix]:
+        prefix += 1
+    return prefix, len(empty) - prefix
+
+
 def tokenizer_kind(tok: PreTrainedTokenizerBase) -> str:
     return (tok.init_kwargs.get("rlt2t") or {}).get("kind", "pretrained")
 
 
 def sentinel_ids(tok: PreTrainedTokenizerBase) -> list[int]:
-    """Span-corruption sentinels; a tokenizer without them (pretrained BART) uses its mask for every span."""
+    """Span-corruption sentinels, in span order: the tokenizer's own ``<extra_id_0>``, ``<extra_id_1>``, ...
+    where it has them (T5, Flan-T5 and mT5 tokenizers, whose ``<extra_id_0>`` is the highest id and the rest count
+    down; the project's ``ids`` and ``subword`` tokenizers, which put them after the specials), else the mask
+    token for every span (pretrained BART, mBART; Pegasus's ``<mask_2>``)."""
     ids = []
     unk = tok.unk_token_id
     while True:
@@ -124,7 +138,8 @@ def sentinel_ids(tok: PreTrainedTokenizerBase) -> list[int]:
     if ids:
         return ids
     if tok.mask_token_id is None:
-        raise ValueError("tokenizer has neither <extra_id_*> sentinels nor a mask token for span corruption")
+        raise ValueError(f"{type(tok).__name__} has neither <extra_id_*> sentinels nor a mask token for span "
+                         "corruption (Marian's have none): skip denoising pretraining (pretrain.enabled=false)")
     return [tok.mask_token_id]
 
 

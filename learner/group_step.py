@@ -20,7 +20,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from rlt2t.learner.rank_step import (
     IGNORE_INDEX,
     _decoder_special_ids,
-    _shared_cross_attention_cache,
+    shared_cross_attention_cache,
     shift_right,
 )
 
@@ -70,14 +70,14 @@ def group_forward(model: Any, input_ids: Tensor, attention_mask: Tensor, labels:
     _check(input_ids, labels, k)
     start_id, pad_id = _decoder_special_ids(model)
     hidden = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask)[0]
-    cache = _shared_cross_attention_cache(model, hidden, k)
+    cache = shared_cross_attention_cache(model, hidden, k)
     outputs = model(
         # With the cache the decoder reads only the shape of these states (its keys/values are cached).
-        encoder_outputs=BaseModelOutput(last_hidden_state=(hidden.detach() if cache else hidden).repeat(k, 1, 1)),
+        encoder_outputs=BaseModelOutput(last_hidden_state=hidden.detach().repeat(k, 1, 1)),
         attention_mask=attention_mask.repeat(k, 1),
         decoder_input_ids=shift_right(labels, start_id, pad_id),
         past_key_values=cache,
-        use_cache=cache is not None,
+        use_cache=True,
         output_hidden_states=value_head is not None,
     )
     values = value_head(outputs.decoder_hidden_states[-1]) if value_head is not None else None
@@ -88,11 +88,12 @@ def naive_group_forward(model: Any, input_ids: Tensor, attention_mask: Tensor, l
                         value_head: ValueHead | None = None) -> GroupOutput:
     """K full forward passes (each re-encoding the sources): the reference of :func:`group_forward`."""
     size = _check(input_ids, labels, k)
+    start_id, pad_id = _decoder_special_ids(model)
     logits, values = [], []
     for j in range(k):
         rows = labels[j * size : (j + 1) * size]
-        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=rows, use_cache=False,
-                    output_hidden_states=value_head is not None)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                    decoder_input_ids=shift_right(rows, start_id, pad_id), output_hidden_states=value_head is not None)
         logits.append(out.logits)
         if value_head is not None:
             values.append(value_head(out.decoder_hidden_states[-1]))

@@ -30,6 +30,7 @@ from accelerate.utils import DistributedType
 from rlt2t.common.checkpoint import rng_state, set_rng_state
 from rlt2t.common.config import MetricConfig, ModelConfig, RLConfig, RolloutConfig
 from rlt2t.common.data import Example
+from rlt2t.common.families import check_mixed_precision
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.types import ScoredGroup, ScoredPair
 from rlt2t.learner.evaluate import generate, metric_table
@@ -83,6 +84,7 @@ class Learner:
         if rl_cfg.uses_kl and rollout_cfg.source == "http":
             reference = load_policy(model_cfg, tokenizer_dir, checkpoint=reference_checkpoint or init_checkpoint)
             reference.model.eval().requires_grad_(False)
+        check_mixed_precision(self.policy.model.config, mixed_precision)  # T5 in fp16 overflows: refused at start
         self.objective = build_objective(rl_cfg, rollout_cfg, self.policy, seed=seed,
                                          reference=reference.model if reference else None)
         self.module: torch.nn.Module = self.objective.module

@@ -9,7 +9,9 @@ tokens it hides, then EOS:
     labels  = <s0> b c <s1> f g </s>
 
 `DenoisingDataset` wraps pre-tokenized texts and draws fresh noise on every access, reproducibly from a
-base seed.
+base seed. The sentinel ids come from `rlt2t.common.tokenization.sentinel_ids`: the tokenizer's own
+``<extra_id_N>`` where the family has them (T5's, counting down from the top of its vocabulary), the
+project's ``<extra_id_N>`` for its own tokenizers, a single mask token otherwise (BART, mBART, Pegasus).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The learner's rank-RL objective on a BART model: CE(gold) + loss_weight * rank_loss.
+"""The learner's rank-RL objective on any encoder-decoder: CE(gold) + loss_weight * rank_loss.
 
 `shared_encoder_rank_loss` is the one the learner uses: it encodes each source once and runs a single
 batched decoder pass over the three label sets (gold, a, b). `naive_rank_loss` is the original rlt2t
@@ -15,8 +15,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
+from rlt2t.common.families import cross_attention_states, cross_attentions, shift_labels
 from rlt2t.common.scoring import SCORE_KINDS, ScoreKind, token_scores
 from rlt2t.learner.losses import pairwise_rank_loss
 
@@ -92,12 +94,8 @@ class RankLossOutput(NamedTuple):
     """Fraction of counted pairs where a outscores b (no gradient)."""
 
 
-def shift_right(labels: Tensor, decoder_start_token_id: int, pad_token_id: int) -> Tensor:
-    """Teacher-forcing decoder inputs from labels: [B, T] -> [B, T], start token first, -100 -> pad."""
-    shifted = torch.empty_like(labels)
-    shifted[:, 0] = decoder_start_token_id
-    shifted[:, 1:] = labels[:, :-1]
-    return shifted.masked_fill(shifted == IGNORE_INDEX, pad_token_id)
+# Decoder inputs from labels ([B, T] -> [B, T], start first, -100 -> pad): the families module's one definition.
+shift_right = shift_labels
 
 
 def pad_labels(labels: Tensor, length: int) -> Tensor:
@@ -125,30 +123,30 @@ def _check_options(score_kind: str, alpha: float) -> None:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
 
 
-def _shared_cross_attention_cache(model: Any, hidden: Tensor, repeats: int) -> Any | None:
+def shared_cross_attention_cache(model: Any, hidden: Tensor, repeats: int) -> EncoderDecoderCache:
     """Cross-attention keys/values of each source computed once and tiled ``repeats`` times.
 
-    Every decoder layer projects the encoder states to keys and values; repeating the states for the
-    gold, a and b rows would triple that work (about a quarter of the decoder's). Hugging Face's
-    encoder-decoder cache lets the decoder take them precomputed. Returns None for a model without
-    BART-style ``encoder_attn`` layers (the caller then falls back to repeating the states).
+    hidden: [B, S, H] encoder states. Returns an encoder-decoder cache whose cross-attention part holds, for
+    every decoder layer, keys and values [repeats·B, heads, S, head_dim] (row r·B + i is source i) and whose
+    self-attention part is empty, so a decoder pass over repeats·B label rows reads them instead of projecting
+    the repeated states again (about a quarter of the decoder's work for three label sets). Works for every
+    family (rlt2t.common.families.cross_attentions finds the projections: BART-style ``encoder_attn``, T5's
+    ``EncDecAttention``, a BERT decoder's ``crossattention``); the values equal what each layer would compute.
     """
-    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
-
-    try:
-        layers = model.get_decoder().layers
-        attns = [layer.encoder_attn for layer in layers]
-        head_dims = [a.head_dim for a in attns]
-    except AttributeError:
-        return None
     cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-    size, length = hidden.shape[:2]
-    for i, (attn, head_dim) in enumerate(zip(attns, head_dims, strict=True)):
-        key = attn.k_proj(hidden).view(size, length, -1, head_dim).transpose(1, 2)
-        value = attn.v_proj(hidden).view(size, length, -1, head_dim).transpose(1, 2)
-        cache.cross_attention_cache.update(key.repeat(repeats, 1, 1, 1), value.repeat(repeats, 1, 1, 1), i)
-        cache.is_updated[i] = True
+    states = cross_attention_states(model, hidden)
+    size, length = states.shape[:2]
+    for attn in cross_attentions(model):
+        key = attn.key(states).view(size, length, -1, attn.head_dim).transpose(1, 2)
+        value = attn.value(states).view(size, length, -1, attn.head_dim).transpose(1, 2)
+        cache.cross_attention_cache.update(key.repeat(repeats, 1, 1, 1), value.repeat(repeats, 1, 1, 1),
+                                           attn.layer_idx)
+        cache.is_updated[attn.layer_idx] = True
     return cache
+
+
+# The name the policy-gradient group step was written against.
+_shared_cross_attention_cache = shared_cross_attention_cache
 
 
 def shared_encoder_rank_loss(
@@ -183,14 +181,14 @@ def shared_encoder_rank_loss(
             pad_labels(batch.labels_b, common),
         ]
     )
-    cache = _shared_cross_attention_cache(model, hidden, 3)
+    cache = shared_cross_attention_cache(model, hidden, 3)
     outputs = model(
         # With the cache the decoder reads only the shape of these states (its keys/values are cached).
-        encoder_outputs=BaseModelOutput(last_hidden_state=(hidden.detach() if cache else hidden).repeat(3, 1, 1)),
+        encoder_outputs=BaseModelOutput(last_hidden_state=hidden.detach().repeat(3, 1, 1)),
         attention_mask=batch.attention_mask.repeat(3, 1),
         decoder_input_ids=shift_right(labels, start_id, pad_id),
         past_key_values=cache,
-        use_cache=cache is not None,
+        use_cache=True,
     )
     logits_gold, logits_a, logits_b = outputs.logits.split(size)  # each [B, L, V]
     labels_gold = labels[:size]
@@ -215,13 +213,21 @@ def naive_rank_loss(
 ) -> RankLossOutput:
     """The original formulation: three full forward passes (gold, a, b), each re-encoding the source.
 
-    Same arguments and result as `shared_encoder_rank_loss`; kept as its reference in tests and benchmarks.
+    Same arguments and result as `shared_encoder_rank_loss`; kept as its reference in tests and benchmarks. The
+    decoder inputs are the labels shifted right behind the decoder start (rlt2t's one convention for every
+    family), and CE is the mean over non-padding gold tokens, as Hugging Face's own loss.
     """
     _check_options(score_kind, alpha)
+    start_id, pad_id = _decoder_special_ids(model)
     source = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
-    ce = model(**source, labels=batch.gold_labels).loss
-    logits_a = model(**source, labels=batch.labels_a).logits
-    logits_b = model(**source, labels=batch.labels_b).logits
+
+    def logits(labels: Tensor) -> Tensor:
+        return model(**source, decoder_input_ids=shift_right(labels, start_id, pad_id)).logits
+
+    logits_gold = logits(batch.gold_labels)
+    ce = F.cross_entropy(logits_gold.flatten(0, 1).float(), batch.gold_labels.flatten(), ignore_index=IGNORE_INDEX)
+    logits_a = logits(batch.labels_a)
+    logits_b = logits(batch.labels_b)
     scores_a = token_scores(logits_a, batch.labels_a, score_kind, IGNORE_INDEX)
     scores_b = token_scores(logits_b, batch.labels_b, score_kind, IGNORE_INDEX)
     rank, accuracy = pairwise_rank_loss(

@@ -9,10 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator
+from transformers import PretrainedConfig
 
 from rlt2t.common.batching import collate_seq2seq
 from rlt2t.common.checkpoint import CheckpointInfo
 from rlt2t.common.config import LoraConfig, PretrainConfig, RunConfig, SFTConfig
+from rlt2t.common.families import decoder_input_ids
 from rlt2t.common.lora import apply_lora, is_lora
 from rlt2t.common.policy import Policy
 from rlt2t.common.tokenization import sentinel_ids
@@ -48,9 +50,14 @@ class SFTDataset:
         return {"input_ids": src, "labels": self.targets[i]}
 
 
-def make_collate(pad_id: int):
+def make_collate(pad_id: int, model_config: PretrainedConfig):
+    """Padded batches with explicit decoder inputs ([decoder start] + labels[:-1]): one convention for every
+    family, whatever shifting a Hugging Face model would do with labels alone (mBART's differs)."""
+
     def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return collate_seq2seq([it["input_ids"] for it in items], [it["labels"] for it in items], pad_id)
+        batch = collate_seq2seq([it["input_ids"] for it in items], [it["labels"] for it in items], pad_id)
+        batch["decoder_input_ids"] = decoder_input_ids(batch["labels"], model_config)
+        return batch
 
     return collate
 
@@ -92,7 +99,7 @@ def run_pretrain(policy: Policy, texts: Sequence[list[int]], cfg: PretrainConfig
     dataset = DenoisingDataset(texts, sentinel_ids=sentinel_ids(tok), eos_id=tok.eos_token_id, seed=run.seed,
                                     noise_density=cfg.noise_density, mean_span_length=cfg.mean_span_length)
     return train_stage(stage="pretrain", cfg=cfg, run=run, policy=policy, dataset=dataset,
-                       collate=make_collate(tok.pad_token_id), step_fn=ce_step, out_dir=out_dir,
+                       collate=make_collate(tok.pad_token_id, policy.model.config), step_fn=ce_step, out_dir=out_dir,
                        resume_from=resume_from)
 
 
@@ -127,6 +134,6 @@ def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list
     dataset = SFTDataset(sources, targets, augment_prob=cfg.augment_prob, protected_ids=set(tok.all_special_ids),
                          seed=run.seed)
     return train_stage(stage="sft", cfg=cfg, run=run, policy=policy, dataset=dataset,
-                       collate=make_collate(tok.pad_token_id), step_fn=make_sft_step(cfg, policy.model),
+                       collate=make_collate(tok.pad_token_id, policy.model.config), step_fn=make_sft_step(cfg, policy.model),
                        out_dir=out_dir, resume_from=resume_from, evaluate=evaluate,
                        monitor="monitor" if evaluate is not None else None)

@@ -35,6 +35,7 @@ from rlt2t.common.checkpoint import (
     set_rng_state,
 )
 from rlt2t.common.config import RunConfig, StageConfig
+from rlt2t.common.families import check_mixed_precision
 from rlt2t.common.policy import Policy
 from rlt2t.common.tracking import RunLogger
 from rlt2t.learner.schedule import linear_warmup_decay
@@ -94,6 +95,8 @@ def train_stage(
         raise ValueError(f"{stage}: the training set is empty")
     out_dir = Path(out_dir)
     ckpt_root = out_dir / "checkpoints"
+    if hasattr(policy.model, "config"):  # a policy; reward models and classifiers wrap their own encoders
+        check_mixed_precision(policy.model.config, run.mixed_precision)  # T5 in fp16 overflows: refused at start
     accelerator = make_accelerator(run)
     model = policy.model
     steps_per_epoch = math.ceil(len(dataset) / cfg.batch_size)

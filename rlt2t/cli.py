@@ -14,7 +14,17 @@ import os
 import sys
 from collections.abc import Sequence
 
-from rlt2t import cmd_annotate, cmd_data, cmd_deploy, cmd_eval, cmd_export, cmd_reward, cmd_serve, cmd_train
+from rlt2t import (
+    cmd_annotate,
+    cmd_data,
+    cmd_deploy,
+    cmd_eval,
+    cmd_export,
+    cmd_reward,
+    cmd_serve,
+    cmd_train,
+    cmd_warm_start,
+)
 from rlt2t.cmd_common import config_args
 from rlt2t.common.config import ConfigError
 from rlt2t.common.errors import ResumableFailure
@@ -22,7 +32,8 @@ from rlt2t.common.tracking import setup_logging
 
 log = logging.getLogger("rlt2t.cli")
 
-COMMAND_MODULES = (cmd_data, cmd_train, cmd_eval, cmd_export, cmd_serve, cmd_deploy, cmd_annotate, cmd_reward)
+COMMAND_MODULES = (cmd_data, cmd_train, cmd_warm_start, cmd_eval, cmd_export, cmd_serve, cmd_deploy, cmd_annotate,
+                   cmd_reward)
 
 
 def build_parser() -> argparse.ArgumentParser:

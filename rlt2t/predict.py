@@ -10,6 +10,10 @@ log-probs of every candidate (teacher forcing, EOS included); the rerank mode (`
 too: it is exported on the fly (``export.quantization``) into ``{export.out}/cache/`` and reused while
 its weights do not change.
 
+Models CTranslate2 cannot convert (a warm-started EncoderDecoderModel) run on the torch backend instead
+(``predict.backend``: ``auto`` picks per model, ``torch`` runs every model directory on Hugging Face): the same
+beam search and teacher-forced scores as the policy server's torch backend.
+
 Outputs: the submission CSV ``report_id,prediction`` (header-less) at ``out`` and
 ``<out stem>.candidates.jsonl`` beside it with each input's candidates, which generators proposed them,
 per-scorer mean log-probs, rerank scores and the chosen one. When every input has a target, the result
@@ -28,13 +32,17 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from rlt2t.common.batching import encode_texts
 from rlt2t.common.checkpoint import resolve_model_dir
 from rlt2t.common.config import Config
-from rlt2t.common.ct2 import Ct2Policy, export_ct2, is_export_dir
+from rlt2t.common.ct2 import Ct2Policy, Hypothesis, export_ct2, is_export_dir
 from rlt2t.common.data import Example, export_competition_csv, import_competition_csv, load_examples
+from rlt2t.common.families import family_of_dir
 from rlt2t.common.io import atomic_write_jsonl
 from rlt2t.common.metrics import CiderD, DocumentFrequency, get_metric
 from rlt2t.common.rerank import RERANK_MODES, IdfTable, consensus_scores, idf_scores, mean_logprobs
+from rlt2t.services.backends import TorchBackend
+from rlt2t.services.schemas import SamplingParams
 
 log = logging.getLogger("rlt2t.predict")
 
@@ -93,6 +101,51 @@ def resolve_export(cfg: Config, path: str | Path, role: str) -> Path:
         log.info("--%s %s is a model directory: exporting it (%s) to %s", role, model_dir, quant, cache)
         export_ct2(model_dir, cache, quant, force=True, tokenizer_dir=cfg.tokenizer_dir)
     return cache
+
+
+class TorchRunner:
+    """A model directory on the torch backend, with Ct2Policy's ``generate`` / ``score`` (what predict calls)."""
+
+    def __init__(self, cfg: Config, model_dir: Path) -> None:
+        self.backend = TorchBackend.from_checkpoint(cfg, model_dir)
+        self.max_source_len = cfg.data.max_source_len
+
+    def generate(self, sources: Sequence[str], *, beam_size: int, num_hypotheses: int, max_new_tokens: int
+                 ) -> list[list[Hypothesis]]:
+        params = SamplingParams(mode="beam", beam_size=beam_size, num_candidates=num_hypotheses,
+                                max_new_tokens=max_new_tokens)
+        per_source = self.backend.candidates(sources, params, [])
+        return [[Hypothesis(g.text, tuple(g.token_ids), float(sum(g.logprobs))) for g in gens] for gens in per_source]
+
+    def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[list[float]]:
+        """Per-token log-probs of each target (its tokens + EOS) given its source, teacher-forced in batches."""
+        tok = self.backend.tokenizer
+        src, _ = encode_texts(tok, sources, self.max_source_len)
+        labels = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in targets]
+        return self.backend.teacher_forced(src, labels)
+
+
+def resolve_model(cfg: Config, path: str | Path, role: str) -> tuple[str, Path]:
+    """("ct2", export dir) or ("torch", model dir) for a ``--generators`` / ``--scorers`` entry, by predict.backend."""
+    path = Path(path)
+    backend = cfg.predict.backend
+    if is_export_dir(path):
+        if backend == "torch":
+            raise ValueError(f"--{role} {path}: a CTranslate2 export cannot run with predict.backend=torch; "
+                             "pass its model directory")
+        return "ct2", path
+    if backend == "torch" or (backend == "auto" and path.exists() and not _convertible(path)):
+        if not path.exists():
+            raise FileNotFoundError(f"--{role} {path}: no such directory")
+        return "torch", resolve_model_dir(path)
+    return "ct2", resolve_export(cfg, path, role)
+
+
+def _convertible(path: Path) -> bool:
+    try:
+        return family_of_dir(resolve_model_dir(path)).ct2
+    except (FileNotFoundError, ValueError):
+        return True  # let resolve_export say what is wrong with it
 
 
 def load_idf_table(cfg: Config, exports: Sequence[Path]) -> IdfTable:
@@ -163,15 +216,18 @@ def predict(
     examples = read_inputs(input_path, cfg.data.on_error)
     if not examples:
         raise ValueError(f"--input {input_path}: no inputs")
-    gen_dirs = [resolve_export(cfg, g, "generators") for g in generators]
-    score_dirs = [resolve_export(cfg, s, "scorers") for s in scorers]
+    gen_models = [resolve_model(cfg, g, "generators") for g in generators]
+    score_models = [resolve_model(cfg, s, "scorers") for s in scorers]
+    gen_dirs, score_dirs = [d for _, d in gen_models], [d for _, d in score_models]
+    kinds = {path: kind for kind, path in gen_models + score_models}
     p = cfg.predict
     progress = cfg.run.progress
-    loaded: dict[Path, Ct2Policy] = {}
+    loaded: dict[Path, Ct2Policy | TorchRunner] = {}
 
-    def policy(path: Path) -> Ct2Policy:
-        if path not in loaded:  # one translator per directory, even when it both generates and scores
-            loaded[path] = Ct2Policy(path, intra_threads=cfg.export.threads, max_source_len=cfg.data.max_source_len)
+    def policy(path: Path) -> Ct2Policy | TorchRunner:
+        if path not in loaded:  # one model per directory, even when it both generates and scores
+            loaded[path] = (TorchRunner(cfg, path) if kinds[path] == "torch" else
+                            Ct2Policy(path, intra_threads=cfg.export.threads, max_source_len=cfg.data.max_source_len))
         return loaded[path]
 
     table = load_idf_table(cfg, [*score_dirs, *gen_dirs]) if mode == "idf" else None

@@ -25,6 +25,7 @@ import torch
 from rlt2t.common.batching import collate_seq2seq, encode_texts
 from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir
 from rlt2t.common.config import Config
+from rlt2t.common.families import positions_or
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.sampling import sample_candidates
 from rlt2t.common.scoring import token_scores
@@ -160,7 +161,7 @@ class TorchBackend:
         self.checkpoint = checkpoint or policy.origin
         self.checksum = checksum
         self.loaded_at = time.time()
-        self.max_positions = int(self.model.config.max_position_embeddings)
+        self.max_positions = positions_or(self.model.config)  # T5: relative positions, no limit
         self.max_batch_rows = max_batch_rows
 
     @classmethod

@@ -72,3 +72,131 @@ class LiveServer:
 def live_server() -> type[LiveServer]:
     """The LiveServer class: `with live_server(app) as s: httpx.get(s.url + ...)`."""
     return LiveServer
+
+
+# --- Tiny models of every encoder-decoder family, with their real tokenizer classes ----------------------
+# Built once per session and saved with save_pretrained, as a downloaded directory would be; tests load them
+# back through load_policy (model.path / --checkpoint), the path users take.
+
+FAMILY_WORDS = (
+    "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu", "xi",
+    "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi", "psi", "omega", "red", "green", "blue", "small",
+    "large", "quick", "slow", "river", "stone",
+)
+
+
+def family_texts(n: int = 300, seed: int = 0) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(FAMILY_WORDS) for _ in range(rng.randint(3, 10))) for _ in range(n)]
+
+
+def _spm(texts: list[str], **ids) -> bytes:
+    import io
+
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=buf, vocab_size=80, model_type="unigram",
+                                   minloglevel=2, character_coverage=1.0, hard_vocab_limit=False, **ids)
+    return buf.getvalue()
+
+
+def _pieces(model: bytes) -> list[tuple[str, float]]:
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    return [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+
+
+def build_family_dir(family: str, out: Path, texts: list[str]) -> Path:
+    """A tiny random model of ``family`` and its own tokenizer class, laid out as the hub's checkpoints are."""
+    import json
+
+    import transformers as tf
+
+    bart_shape = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                      decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128,
+                      dropout=0.0, init_std=0.3)  # large random weights: outputs that depend on the input
+    torch.manual_seed(0)
+    if family == "bart":
+        from rlt2t.common.tokenization import train_subword_tokenizer
+
+        tok = train_subword_tokenizer(texts, vocab_size=400, num_sentinels=8)
+        cfg = tf.BartConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                            eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.eos_token_id,
+                            forced_eos_token_id=tok.eos_token_id, **bart_shape)
+        model = tf.BartForConditionalGeneration(cfg)
+    elif family in ("t5", "t5-v1.0"):
+        # pad 0, eos 1, unk 2, pieces, then <extra_id_N> counting down from the top (google/t5 layout).
+        pieces = _pieces(_spm(texts, pad_id=0, eos_id=1, unk_id=2, bos_id=-1))
+        tok = tf.T5Tokenizer(vocab=pieces + [(f"<extra_id_{i}>", 0.0) for i in range(7, -1, -1)], extra_ids=8)
+        cfg = tf.T5Config(vocab_size=len(tok), d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2,
+                          num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                          dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+                          feed_forward_proj="relu" if family == "t5-v1.0" else "gated-gelu",
+                          tie_word_embeddings=family == "t5-v1.0")
+        model = tf.T5ForConditionalGeneration(cfg)
+        if family == "t5":  # Flan-T5: its own lm_head
+            model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.shared.weight) * 0.5)
+    elif family == "pegasus":
+        tok = tf.PegasusTokenizer(vocab=_pieces(_spm(texts, pad_id=0, eos_id=1, unk_id=2, bos_id=-1)), offset=4)
+        cfg = tf.PegasusConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                               decoder_start_token_id=tok.pad_token_id, forced_eos_token_id=tok.eos_token_id,
+                               scale_embedding=True, **bart_shape)
+        model = tf.PegasusForConditionalGeneration(cfg)
+    elif family == "mbart":
+        tok = tf.MBartTokenizer(vocab=_pieces(_spm(texts, bos_id=0, pad_id=1, eos_id=2, unk_id=3)), src_lang="en_XX",
+                                tgt_lang="en_XX")
+        cfg = tf.MBartConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                             eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.convert_tokens_to_ids("en_XX"),
+                             forced_eos_token_id=tok.eos_token_id, scale_embedding=True, **bart_shape)
+        model = tf.MBartForConditionalGeneration(cfg)
+    elif family == "marian":
+        # opus-mt layout: </s> 0, <unk> 1, pieces, <pad> last; source and target sentencepiece models.
+        spm_model = _spm(texts, eos_id=0, unk_id=1, bos_id=-1, pad_id=-1)
+        src = out.parent / f"{out.name}-spm"
+        src.mkdir(parents=True, exist_ok=True)
+        (src / "source.spm").write_bytes(spm_model)
+        (src / "target.spm").write_bytes(spm_model)
+        vocab = {piece: i for i, (piece, _) in enumerate(_pieces(spm_model))}
+        vocab["<pad>"] = len(vocab)
+        (src / "vocab.json").write_text(json.dumps(vocab))
+        tok = tf.MarianTokenizer(str(src / "source.spm"), str(src / "target.spm"), str(src / "vocab.json"))
+        cfg = tf.MarianConfig(vocab_size=len(tok), decoder_vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                              eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id,
+                              forced_eos_token_id=tok.eos_token_id, scale_embedding=True, **bart_shape)
+        model = tf.MarianMTModel(cfg)
+    elif family == "encoder-decoder":
+        # A tiny BERT (WordPiece vocabulary over the words) warm-started into an EncoderDecoderModel.
+        bert_dir = out.parent / f"{out.name}-bert"
+        bert_dir.mkdir(parents=True, exist_ok=True)
+        words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(set(FAMILY_WORDS))]
+        (bert_dir / "vocab.txt").write_text("\n".join(words) + "\n")
+        tok = tf.BertTokenizer(str(bert_dir / "vocab.txt"))
+        bert = tf.BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                             attention_probs_dropout_prob=0.0, pad_token_id=0)
+        tf.BertModel(bert).save_pretrained(bert_dir)
+        tok.save_pretrained(bert_dir)
+        from rlt2t.common.families import warm_start
+        from rlt2t.common.tokenization import load_tokenizer
+
+        model = warm_start(bert_dir, load_tokenizer(bert_dir))
+        tok = load_tokenizer(bert_dir)
+    else:
+        raise ValueError(family)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory) -> dict[str, Path]:
+    """family -> a saved tiny model directory with its tokenizer (bart, t5, marian, mbart, pegasus,
+    encoder-decoder; t5-v1.0 is the tied, output-scaled T5 layout)."""
+    root = tmp_path_factory.mktemp("families")
+    texts = family_texts()
+    families = ("bart", "t5", "t5-v1.0", "marian", "mbart", "pegasus", "encoder-decoder")
+    return {f: build_family_dir(f, root / f, texts) for f in families}

@@ -65,3 +65,51 @@ def test_average_is_uniform_mean(tmp_path, tiny_policy):
     assert all(torch.allclose(p, torch.ones_like(p)) for p in avg.parameters())  # mean of 0, 1, 2
     with pytest.raises(ValueError, match="at least 2"):
         average_checkpoints(paths[:1], tmp_path / "x")
+
+
+def test_shrink_t5_cuts_its_own_lm_head_and_uses_pad_as_decoder_start(family_dirs, tmp_path):
+    from rlt2t.common.config import ModelConfig
+    from rlt2t.common.families import load_model
+    from rlt2t.common.policy import load_policy
+
+    orig = load_model(family_dirs["t5"])  # Flan-T5 layout: lm_head is not the shared embedding
+    save_tokenizer(build_ids_tokenizer(50, 4), tmp_path / "tok")  # 60 tokens < the model's 68 rows
+    out = shrink_vocabulary(family_dirs["t5"], 60, tmp_path / "t5-60", tokenizer_dir=tmp_path / "tok")
+    small = load_policy(ModelConfig(preset=None, dropout=0.0), checkpoint=out).model
+    assert small.config.vocab_size == 60 and small.lm_head.weight.shape[0] == 60
+    assert torch.equal(small.shared.weight, orig.shared.weight[:60])
+    assert torch.equal(small.lm_head.weight, orig.lm_head.weight[:60])
+    assert small.lm_head.weight.data_ptr() != small.shared.weight.data_ptr()
+    # The project tokenizer's pad (1) starts T5 decoding; no forced EOS, no BOS.
+    assert (small.config.pad_token_id, small.config.eos_token_id, small.config.decoder_start_token_id) == (1, 2, 1)
+    assert small.generation_config.forced_eos_token_id is None
+
+
+def test_shrink_refuses_marian(family_dirs, tmp_path):
+    with pytest.raises(ValueError, match="not marian"):
+        shrink_vocabulary(family_dirs["marian"], 20, tmp_path / "o")
+
+
+@pytest.mark.parametrize("name", ["t5", "marian", "encoder-decoder"])
+def test_average_any_family(name, family_dirs, tmp_path):
+    from rlt2t.common.families import load_model
+
+    base = load_model(family_dirs[name])
+    paths = []
+    for i in range(2):
+        model = load_model(family_dirs[name])
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(float(i))
+        model.save_pretrained(tmp_path / f"c{i}")
+        paths.append(tmp_path / f"c{i}")
+    out = average_checkpoints(paths, tmp_path / "avg")
+    avg = dict(load_model(out).named_parameters())
+    for key, b in base.named_parameters():
+        if "embed_positions" not in key:  # Marian's sinusoidal positions are rebuilt at load, not averaged
+            torch.testing.assert_close(avg[key], b + 0.5, msg=key)
+
+
+def test_average_refuses_mixed_families(family_dirs, tmp_path):
+    with pytest.raises(ValueError, match="is a bart model"):
+        average_checkpoints([family_dirs["t5"], family_dirs["bart"]], tmp_path / "avg")

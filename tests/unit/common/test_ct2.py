@@ -140,8 +140,8 @@ def test_export_errors(model_dir, tmp_path, export_f32):
     with pytest.raises(ValueError, match="holds no tokenizer"):
         export_ct2(bare, tmp_path / "out")
     config = json.loads((bare / "config.json").read_text())
-    (bare / "config.json").write_text(json.dumps({**config, "model_type": "t5"}))
-    with pytest.raises(ValueError, match="is not 'bart'"):
+    (bare / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not an encoder-decoder"):
         export_ct2(bare, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
