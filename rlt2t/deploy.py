@@ -252,14 +252,14 @@ class PolicyServerActor:
     def __init__(self, cfg: Any, *, startup_timeout_s: float = 120.0):
         import uvicorn
 
-        from rlt2t.services.http import check_exposure, load_token
+        from rlt2t.services.http import check_exposure, load_token, uvicorn_config
         from rlt2t.services.policy_app import create_app
 
         s = cfg.serve
         check_exposure(s, s.host, load_token(s))
         self._checkpoint_dir = str(cfg.path(s.checkpoint_dir))
         app = create_app(cfg, checkpoint_dir=self._checkpoint_dir)
-        self._server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="info"))
+        self._server = uvicorn.Server(uvicorn_config(app, s, host=s.host, port=s.port, log_level="info"))
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + startup_timeout_s
