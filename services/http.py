@@ -64,6 +64,12 @@ OVERLOADED = {503: {"model": ErrorResponse, "description": "Queue full, deadline
                     "or shutting down; retry after the Retry-After header's seconds",
                     "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}}}
 NOT_READY = {503: {"model": ErrorResponse, "description": "Not ready"}}
+BODY_REFUSED = {
+    408: {"model": ErrorResponse, "description": "Body not received within serve.body_timeout_s"},
+    413: {"model": ErrorResponse, "description": "Body larger than serve.max_body_bytes"},
+    415: {"model": ErrorResponse, "description": "Body not sent as application/json"},
+}
+"""What the gate may answer to any request with a body, before the route sees it."""
 
 
 def load_token(serve: ServeConfig, base_dir: str | Path | None = None) -> str | None:

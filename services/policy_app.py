@@ -52,6 +52,7 @@ from rlt2t.common.sampling import candidate_set, stable_seed
 from rlt2t.services.backends import Generation, PolicyBackend, Sampling, Scored, StepControl, load_backend
 from rlt2t.services.batching import Batcher, Overloaded
 from rlt2t.services.http import (
+    BODY_REFUSED,
     OVERLOADED,
     UNAUTHORIZED,
     ServiceMetrics,
@@ -259,7 +260,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     # -- routes --------------------------------------------------------------------------------------
 
     @app.post("/v1/candidates", response_model=CandidatesResponse, dependencies=protected, tags=["policy"],
-              responses={**auth_responses, **OVERLOADED})
+              responses={**auth_responses, **OVERLOADED, **BODY_REFUSED})
     async def candidates(req: CandidatesRequest, request: Request) -> CandidatesResponse:
         """Sample or beam-search candidates for each source."""
         check_count("sources", len(req.sources), serve.max_sources_per_call, "sources")
@@ -290,7 +291,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         )
 
     @app.post("/v1/pairs", response_model=PairsResponse, dependencies=protected, tags=["policy"],
-              responses={**auth_responses, **OVERLOADED})
+              responses={**auth_responses, **OVERLOADED, **BODY_REFUSED})
     async def pairs(req: PairsRequest, request: Request) -> PairsResponse:
         """Scored (better, worse) pairs for rank training, one per source."""
         r = cfg.rollout
@@ -329,7 +330,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         return PairsResponse(pairs=[ScoredPair(**vars(p)) for p in scored], policy_version=used.version)
 
     @app.post("/v1/score", response_model=ScoreResponse, dependencies=protected, tags=["policy"],
-              responses={**auth_responses, **OVERLOADED})
+              responses={**auth_responses, **OVERLOADED, **BODY_REFUSED})
     async def score(req: ScoreRequest, request: Request) -> ScoreResponse:
         """Teacher-forced log-probs of each target given the source."""
         check_count("targets", len(req.targets), serve.max_candidates_per_source, "targets")
@@ -362,7 +363,8 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
                          note=watcher.note if watcher is not None else None)
 
     @app.post("/v1/reload", response_model=ModelInfo, dependencies=protected, tags=["policy"],
-              responses={**auth_responses, 409: {"model": ErrorResponse, "description": "Nothing to reload"}})
+              responses={**auth_responses, **BODY_REFUSED,
+                         409: {"model": ErrorResponse, "description": "Nothing to reload"}})
     async def reload() -> ModelInfo:
         """Serve the newest complete checkpoint of the watched directory, even one older than the checkpoint
         being served (hot reload never goes back on its own): an operator's action after the served one

@@ -37,6 +37,7 @@ from rlt2t.common.metrics import DocumentFrequency, available_metrics, get_metri
 from rlt2t.common.tokenization import load_tokenizer, text_checker
 from rlt2t.services.batching import Batcher, CallControl
 from rlt2t.services.http import (
+    BODY_REFUSED,
     OVERLOADED,
     UNAUTHORIZED,
     ServiceMetrics,
@@ -134,7 +135,7 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
             raise field_error(loc, f"{n} tokens; at most {serve.max_tokens_per_source} (serve.max_tokens_per_source)")
 
     @app.post("/v1/reward", response_model=RewardResponse, dependencies=protected, tags=["reward"],
-              responses={**(UNAUTHORIZED if token else {}), **OVERLOADED})
+              responses={**(UNAUTHORIZED if token else {}), **OVERLOADED, **BODY_REFUSED})
     async def reward(req: RewardRequest, request: Request) -> RewardResponse:
         """Per-sample scores of each candidate for each requested metric."""
         n = len(req.candidates)
