@@ -14,9 +14,10 @@ worker
 
 - drops the rows of jobs that are gone: the client disconnected (the route cancels the job) or the
   request's deadline passed. Their rows leave the decoder batch and its cache at once;
-- runs one waiting call *inside* the running one when work outside it has waited ``max_wait_ms`` (a
-  nested call makes no room itself). A long call then delays a small request by about one decoding step
-  and the small request's own call, not by its whole length.
+- runs one waiting call *inside* the running one when work outside it has waited ``max_wait_ms`` and is
+  small next to it (at most ``1 / NESTED_SHARE`` of the running call's work; a nested call makes no room
+  itself). A long call then delays a small request by about one decoding step and the small request's
+  own call, not by its whole length; requests of similar size take turns call by call instead.
 
 The queue is bounded in work, not requests: a job that would take the queued work past ``max_queue_cost``
 is refused at once with :class:`Overloaded` (the routes answer 503 + Retry-After, estimated from the
@@ -40,6 +41,9 @@ from typing import Any, Generic, TypeVar
 log = logging.getLogger("rlt2t.services.batching")
 
 B = TypeVar("B")
+
+NESTED_SHARE = 4
+"""Work run inside a running call is at most 1/NESTED_SHARE of that call's work."""
 
 # run(backend, key, items, control) -> one result per item; the same callable for every job of a key.
 Runner = Callable[[Any, Any, list[Any], "CallControl"], list[Any]]
@@ -318,17 +322,18 @@ class Batcher(Generic[B]):
             if not job.cancelled:
                 _post(job, None, Overloaded("not answered within serve.request_timeout_s; dropped", 1))
 
-    def _next_call(self, *, wait: bool, exclude: Collection[_Job] = ()) -> _Call | None:
+    def _next_call(self, *, wait: bool, exclude: Collection[_Job] = (), max_cost: int | None = None) -> _Call | None:
         """The next call to run. ``wait``: block for work, and let a fresh first job wait ``max_wait_ms``
-        for company. Otherwise (inside a running call) only work that has already waited that long, and
-        nothing of ``exclude`` (the running call's jobs)."""
+        for company. Otherwise (inside a running call) only work that has already waited that long, none of
+        ``exclude`` (the running call's jobs), and at most ``max_cost`` of it."""
         with self._cond:
             while True:
                 if self._stopping:
                     return None
                 now = time.monotonic()
                 self._expire_locked(now)
-                waiting = [j for j in self._queue if j not in exclude]
+                waiting = [j for j in self._queue if j not in exclude
+                           and (max_cost is None or min(j.left_cost(), self.max_call_cost) <= max_cost)]
                 if not waiting:
                     if not wait:
                         return None
@@ -338,7 +343,7 @@ class Batcher(Generic[B]):
                 if not wait:
                     if now - first.ready_since < self.max_wait_s:
                         return None
-                    return self._build_call_locked(first, exclude)
+                    return self._build_call_locked(first, exclude, max_cost)
                 remaining = first.enqueued + self.max_wait_s - now
                 if first.next == 0 and remaining > 0 and self._compatible_items(first) < self.max_batch_size:
                     self._cond.wait(remaining)
@@ -348,7 +353,8 @@ class Batcher(Generic[B]):
     def _compatible_items(self, first: _Job) -> int:
         return sum(len(j.items) - j.next for j in self._queue if j.key == first.key)
 
-    def _build_call_locked(self, first: _Job, exclude: Collection[_Job]) -> _Call:
+    def _build_call_locked(self, first: _Job, exclude: Collection[_Job], max_cost: int | None = None) -> _Call:
+        call_cost = self.max_call_cost if max_cost is None else min(max_cost, self.max_call_cost)
         if first.backend is not None:
             backend = first.backend
         else:
@@ -360,20 +366,20 @@ class Batcher(Generic[B]):
         keep: deque[_Job] = deque()
         again: list[_Job] = []
         for job in self._queue:
-            full = count >= self.max_batch_size or cost >= self.max_call_cost
+            full = count >= self.max_batch_size or cost >= call_cost
             if (full or job in exclude or job.key != first.key
                     or (job.backend is not None and job.backend is not backend)):
                 keep.append(job)
                 continue
             left_items, left_cost = len(job.items) - job.next, job.left_cost()
-            oversized = left_items > self.max_batch_size or left_cost > self.max_call_cost
-            fits = count + left_items <= self.max_batch_size and cost + left_cost <= self.max_call_cost
+            oversized = left_items > self.max_batch_size or left_cost > call_cost
+            fits = count + left_items <= self.max_batch_size and cost + left_cost <= call_cost
             if not fits and not oversized:
                 keep.append(job)  # it waits for a call it fits in whole, rather than being split
                 continue
             start = end = job.next
             while (end < len(job.items) and count < self.max_batch_size
-                   and (count == 0 or cost + job.costs[end] <= self.max_call_cost)):
+                   and (count == 0 or cost + job.costs[end] <= call_cost)):
                 cost += job.costs[end]
                 count += 1
                 end += 1
@@ -403,7 +409,7 @@ class Batcher(Generic[B]):
 
         def between() -> None:
             nonlocal nested_seconds
-            inner = self._next_call(wait=False, exclude=call.jobs)
+            inner = self._next_call(wait=False, exclude=call.jobs, max_cost=call.cost // NESTED_SHARE)
             if inner is not None:
                 t0 = time.perf_counter()
                 self._run(inner, nested=True)

@@ -175,10 +175,10 @@ def test_waiting_work_runs_between_the_steps_of_a_long_call():
     batcher = batcher_of(backend, max_call_cost=100)
 
     async def run():
-        long = asyncio.ensure_future(batcher.submit("long", ["L"], echo))
+        long = asyncio.ensure_future(batcher.submit("long", ["L"], echo, costs=[100]))
         await asyncio.to_thread(backend.started.wait, 5)
         t0 = time.monotonic()
-        await batcher.submit("small", ["s"], echo)
+        await batcher.submit("small", ["s"], echo, costs=[25])
         small_s = time.monotonic() - t0
         await long
         return small_s
@@ -188,6 +188,21 @@ def test_waiting_work_runs_between_the_steps_of_a_long_call():
     assert backend.calls == [["L"], ["s"]]
     assert backend.finished[0] < backend.finished[1]  # the small call finished inside the long one
     assert small_s < 0.3  # not the long call's 0.4 s: about one of its steps, then its own two
+
+
+def test_requests_of_similar_size_take_turns_instead():
+    """Only work much smaller than the running call (1/4 of it at most) runs inside it."""
+    backend = FakeBackend(steps=2, long_steps=20, step_s=0.005)
+    batcher = batcher_of(backend, max_call_cost=100)
+
+    async def run():
+        first = asyncio.ensure_future(batcher.submit("a", ["L1"], echo, costs=[100]))
+        await asyncio.to_thread(backend.started.wait, 5)
+        await asyncio.gather(first, batcher.submit("b", ["L2"], echo, costs=[26]))
+
+    asyncio.run(run())
+    batcher.stop()
+    assert backend.calls == [["L1"], ["L2"]] and backend.finished[0] < backend.finished[1]  # one after the other
 
 
 def test_a_split_job_lets_other_requests_in_between_its_calls():
