@@ -151,6 +151,10 @@ class ServiceMetrics:
         self.rejected = Counter(f"{prefix}_rejected", "Requests refused with 503 (queue full, deadline, stopping)",
                                 registry=self.registry)
 
+    def install(self, app: FastAPI) -> None:
+        """Count and time every request, labelled by its route template (never the raw path)."""
+        app.add_middleware(_ObserveRequests, metrics=self)
+
     def observe(self, scope: dict, status: int, seconds: float) -> None:
         route = scope.get("route")
         label = getattr(route, "path", None)
@@ -171,7 +175,7 @@ class ServiceMetrics:
 def install_middleware(app: FastAPI, metrics: ServiceMetrics, serve: ServeConfig, token: str | None) -> None:
     """The gate, then (outermost) the request metrics, so refusals are counted too."""
     app.add_middleware(RequestGate, token=token, max_bytes=serve.max_body_bytes, body_timeout_s=serve.body_timeout_s)
-    app.add_middleware(_ObserveRequests, metrics=metrics)
+    metrics.install(app)
 
 
 async def _answer(send, status: int, detail: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
@@ -187,9 +191,11 @@ class RequestGate:
     content type 415, declared size 413), then the body read within ``max_bytes`` (413) and
     ``body_timeout_s`` (408 + close) and replayed to the app. See the module docstring."""
 
-    def __init__(self, app, *, token: str | None, max_bytes: int, body_timeout_s: float) -> None:
-        self.app, self.max_bytes, self.body_timeout_s = app, max_bytes, body_timeout_s
+    def __init__(self, app, *, token: str | None, max_bytes: int, body_timeout_s: float, json_only: bool = True,
+                 setting: str = "serve.max_body_bytes") -> None:
+        self.app, self.max_bytes, self.body_timeout_s, self.json_only = app, max_bytes, body_timeout_s, json_only
         self.expected = token.encode("utf-8") if token is not None else None
+        self.setting = setting  # named in the 413
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -205,7 +211,7 @@ class RequestGate:
             if not bearer_ok(authorization, self.expected):
                 await _answer(send, 401, "missing or invalid bearer token", [(b"www-authenticate", b"Bearer")])
                 return
-        if method in ("POST", "PUT", "PATCH") and (problem := _content_type_problem(headers)):
+        if self.json_only and method in ("POST", "PUT", "PATCH") and (problem := _content_type_problem(headers)):
             await _answer(send, 415, problem)
             return
         declared = headers.get(b"content-length")
@@ -242,8 +248,18 @@ class RequestGate:
         await self.app(scope, replay, send)
 
     async def _too_large(self, send) -> None:
-        await _answer(send, 413, f"request body larger than {self.max_bytes} bytes (serve.max_body_bytes)",
+        await _answer(send, 413, f"request body larger than {self.max_bytes} bytes ({self.setting})",
                       [(b"connection", b"close")])
+
+
+class BodyLimit(RequestGate):
+    """The gate's body handling alone (413, 408), for apps with their own auth and content types (the
+    annotation app's cookie sessions and forms)."""
+
+    def __init__(self, app, max_bytes: int, setting: str = "serve.max_body_bytes", body_timeout_s: float = 30.0
+                 ) -> None:
+        super().__init__(app, token=None, max_bytes=max_bytes, body_timeout_s=body_timeout_s, json_only=False,
+                         setting=setting)
 
 
 def _content_type_problem(headers: dict[bytes, bytes]) -> str | None:

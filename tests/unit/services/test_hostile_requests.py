@@ -289,3 +289,23 @@ def test_a_body_that_is_not_declared_json_is_a_415(policy, reward, headers):
         assert "application/json" in r.json()["detail"]
     r = policy.post("/v1/candidates", content=body, headers={"content-type": "Application/JSON; charset=UTF-8"})
     assert r.status_code == 200
+
+
+def test_body_limit_alone_takes_any_content_type():
+    """BodyLimit: the gate's body handling without auth or the JSON rule (apps with forms and cookies)."""
+    from fastapi import FastAPI, Request
+
+    from rlt2t.services.http import BodyLimit
+
+    app = FastAPI()
+
+    @app.post("/form")
+    async def form(request: Request) -> dict:
+        return {"size": len(await request.body())}
+
+    app.add_middleware(BodyLimit, max_bytes=10, setting="annotate.max_body_bytes")
+    with TestClient(app) as c:
+        ok = c.post("/form", content=b"a=1&b=2", headers={"content-type": "application/x-www-form-urlencoded"})
+        assert ok.status_code == 200 and ok.json() == {"size": 7}
+        big = c.post("/form", content=b"a=" + b"x" * 20, headers={"content-type": "application/x-www-form-urlencoded"})
+        assert big.status_code == 413 and "annotate.max_body_bytes" in big.json()["detail"]
