@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,6 +18,7 @@ from rlt2t.common.checkpoint import save_checkpoint
 from rlt2t.common.config import Config
 from rlt2t.services import policy_app, reward_app
 from rlt2t.services.backends import Sampling
+from rlt2t.services.http import BodyLimit
 
 JSON = {"content-type": "application/json"}
 
@@ -293,10 +295,6 @@ def test_a_body_that_is_not_declared_json_is_a_415(policy, reward, headers):
 
 def test_body_limit_alone_takes_any_content_type():
     """BodyLimit: the gate's body handling without auth or the JSON rule (apps with forms and cookies)."""
-    from fastapi import FastAPI, Request
-
-    from rlt2t.services.http import BodyLimit
-
     app = FastAPI()
 
     @app.post("/form")
