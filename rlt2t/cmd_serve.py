@@ -34,11 +34,12 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(app, host: str, port: int, name: str, serve) -> None:
+def run_server(app, host: str, port: int, name: str, serve=None) -> None:
     """Serve ``app`` with uvicorn until SIGTERM / Ctrl-C; prints ``serving NAME on URL`` once listening.
-    ``serve`` (a ServeConfig) gives the connection timeouts."""
+    ``serve`` (a ServeConfig; default: the defaults) gives the connection timeouts."""
     import uvicorn
 
+    from rlt2t.common.config import ServeConfig
     from rlt2t.services.http import uvicorn_config
 
     class _Server(uvicorn.Server):
@@ -52,7 +53,7 @@ def run_server(app, host: str, port: int, name: str, serve) -> None:
     sock = _listening_socket(host, port)
     actual_host, actual_port = sock.getsockname()[:2]
     shown = f"[{actual_host}]" if ":" in actual_host else actual_host
-    config = uvicorn_config(app, serve, log_level="info", access_log=False, timeout_graceful_shutdown=30,
+    config = uvicorn_config(app, serve or ServeConfig(), log_level="info", access_log=False, timeout_graceful_shutdown=30,
                             lifespan="on")
     server = _Server(config)
     print(f"serving {name} on http://{shown}:{actual_port}", flush=True)
