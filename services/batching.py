@@ -14,10 +14,11 @@ worker
 
 - drops the rows of jobs that are gone: the client disconnected (the route cancels the job) or the
   request's deadline passed. Their rows leave the decoder batch and its cache at once;
-- runs one waiting call *inside* the running one when work outside it has waited ``max_wait_ms`` and is
-  small next to it (at most ``1 / NESTED_SHARE`` of the running call's work; a nested call makes no room
-  itself). A long call then delays a small request by about one decoding step and the small request's
-  own call, not by its whole length; requests of similar size take turns call by call instead.
+- runs one waiting call *inside* the running one when requests outside it have waited ``max_wait_ms``
+  and are small next to the largest request in it (at most ``1 / NESTED_SHARE`` of its work; the nested
+  call is at most that share of the running call's work, and makes no room itself). A long request then
+  delays a small one by about one decoding step and the small one's own call, not by its whole length;
+  requests of similar size are batched and take turns call by call as usual.
 
 The queue is bounded in work, not requests: a job that would take the queued work past ``max_queue_cost``
 is refused at once with :class:`Overloaded` (the routes answer 503 + Retry-After, estimated from the
@@ -43,7 +44,8 @@ log = logging.getLogger("rlt2t.services.batching")
 B = TypeVar("B")
 
 NESTED_SHARE = 4
-"""Work run inside a running call is at most 1/NESTED_SHARE of that call's work."""
+"""Requests run inside a running call are at most 1/NESTED_SHARE of the largest request in it (and the
+nested call at most that share of the running call's work)."""
 
 # run(backend, key, items, control) -> one result per item; the same callable for every job of a key.
 Runner = Callable[[Any, Any, list[Any], "CallControl"], list[Any]]
@@ -322,10 +324,12 @@ class Batcher(Generic[B]):
             if not job.cancelled:
                 _post(job, None, Overloaded("not answered within serve.request_timeout_s; dropped", 1))
 
-    def _next_call(self, *, wait: bool, exclude: Collection[_Job] = (), max_cost: int | None = None) -> _Call | None:
+    def _next_call(self, *, wait: bool, exclude: Collection[_Job] = (), max_job_cost: int | None = None,
+                   max_cost: int | None = None) -> _Call | None:
         """The next call to run. ``wait``: block for work, and let a fresh first job wait ``max_wait_ms``
-        for company. Otherwise (inside a running call) only work that has already waited that long, none of
-        ``exclude`` (the running call's jobs), and at most ``max_cost`` of it."""
+        for company. Otherwise (inside a running call) only jobs that have already waited that long, none of
+        ``exclude`` (the running call's jobs), none costing more than ``max_job_cost``, at most
+        ``max_cost`` in all."""
         with self._cond:
             while True:
                 if self._stopping:
@@ -333,7 +337,7 @@ class Batcher(Generic[B]):
                 now = time.monotonic()
                 self._expire_locked(now)
                 waiting = [j for j in self._queue if j not in exclude
-                           and (max_cost is None or min(j.left_cost(), self.max_call_cost) <= max_cost)]
+                           and (max_job_cost is None or sum(j.costs) <= max_job_cost)]
                 if not waiting:
                     if not wait:
                         return None
@@ -343,7 +347,8 @@ class Batcher(Generic[B]):
                 if not wait:
                     if now - first.ready_since < self.max_wait_s:
                         return None
-                    return self._build_call_locked(first, exclude, max_cost)
+                    chosen = set(waiting)  # too large to run inside the running call: left out of this one too
+                    return self._build_call_locked(first, {j for j in self._queue if j not in chosen}, max_cost)
                 remaining = first.enqueued + self.max_wait_s - now
                 if first.next == 0 and remaining > 0 and self._compatible_items(first) < self.max_batch_size:
                     self._cond.wait(remaining)
@@ -409,7 +414,9 @@ class Batcher(Generic[B]):
 
         def between() -> None:
             nonlocal nested_seconds
-            inner = self._next_call(wait=False, exclude=call.jobs, max_cost=call.cost // NESTED_SHARE)
+            largest = max(sum(job.costs) for job in call.jobs)
+            inner = self._next_call(wait=False, exclude=call.jobs, max_job_cost=largest // NESTED_SHARE,
+                                    max_cost=max(1, call.cost // NESTED_SHARE))
             if inner is not None:
                 t0 = time.perf_counter()
                 self._run(inner, nested=True)

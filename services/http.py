@@ -218,24 +218,25 @@ class RequestGate:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._too_large(send)
             return
-        chunks, size = [], 0
-        while True:
-            remaining = started + self.body_timeout_s - time.monotonic()
-            try:
-                message = await asyncio.wait_for(receive(), max(remaining, 0.0))
-            except TimeoutError:
-                await _answer(send, 408, f"request body not received within {self.body_timeout_s:g}s "
-                              "(serve.body_timeout_s)", [(b"connection", b"close")])
-                return
-            if message["type"] != "http.request":  # the client went away mid-body: nobody to answer
-                return
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                await self._too_large(send)
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
+        chunks: list[bytes] = []
+        try:
+            async with asyncio.timeout_at(asyncio.get_running_loop().time() + self.body_timeout_s):
+                size = 0
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client went away mid-body: nobody to answer
+                        return
+                    size += len(message.get("body", b""))
+                    if size > self.max_bytes:
+                        await self._too_large(send)
+                        return
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await _answer(send, 408, f"request body not received within {self.body_timeout_s:g}s "
+                          "(serve.body_timeout_s)", [(b"connection", b"close")])
+            return
         body, replayed = b"".join(chunks), False
 
         async def replay():

@@ -207,7 +207,7 @@ def test_requests_of_similar_size_take_turns_instead():
 
 def test_a_split_job_lets_other_requests_in_between_its_calls():
     gate = threading.Event()
-    backend = FakeBackend(gate=gate)
+    backend = FakeBackend(gate=gate, steps=0, long_steps=0)  # no decoding steps: nothing runs inside a call
     batcher = batcher_of(backend, max_call_cost=2)
 
     async def run():
