@@ -413,25 +413,34 @@ def _head_timeout_protocol(seconds: float) -> type:
             self._arm()
 
         def data_received(self, data: bytes) -> None:
-            if self._head_timer is None and self._between_requests():
-                self._arm()  # the first bytes of the next request head
             super().data_received(data)
+            if self._in_request():  # a head arrived: the request is uvicorn's and the app's now
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next head has `seconds` from here (idle time included)
 
         def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _in_request(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
-            super().connection_lost(exc)
-
-        def _between_requests(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
-
-        def _arm(self) -> None:
-            self._head_timer = self.loop.call_later(seconds, self._expired)
 
         def _expired(self) -> None:
             self._head_timer = None
-            if self._between_requests() and not self.transport.is_closing():
+            if not self._in_request() and not self.transport.is_closing():
                 self.transport.close()
 
     return HeadTimeoutProtocol
