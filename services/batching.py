@@ -18,7 +18,9 @@ worker
   and are small next to the largest request in it (at most ``1 / NESTED_SHARE`` of its work; the nested
   call is at most that share of the running call's work, and makes no room itself). A long request then
   delays a small one by about one decoding step and the small one's own call, not by its whole length;
-  requests of similar size are batched and take turns call by call as usual.
+  requests of similar size are batched and take turns call by call as usual. The running call keeps
+  at least ``1 / (1 + NESTED_TIME_SHARE)`` of the worker's time, so a stream of small requests slows a
+  long one down but cannot stall it.
 
 The queue is bounded in work, not requests: a job that would take the queued work past ``max_queue_cost``
 is refused at once with :class:`Overloaded` (the routes answer 503 + Retry-After, estimated from the
@@ -44,6 +46,8 @@ log = logging.getLogger("rlt2t.services.batching")
 B = TypeVar("B")
 
 NESTED_SHARE = 4
+NESTED_TIME_SHARE = 3
+"""While a call runs, the calls run inside it take at most this many times its own time."""
 """Requests run inside a running call are at most 1/NESTED_SHARE of the largest request in it (and the
 nested call at most that share of the running call's work)."""
 
@@ -414,6 +418,8 @@ class Batcher(Generic[B]):
 
         def between() -> None:
             nonlocal nested_seconds
+            if nested_seconds > NESTED_TIME_SHARE * (time.perf_counter() - start - nested_seconds):
+                return  # the running call's turn
             largest = max(sum(job.costs) for job in call.jobs)
             inner = self._next_call(wait=False, exclude=call.jobs, max_job_cost=largest // NESTED_SHARE,
                                     max_cost=max(1, call.cost // NESTED_SHARE))

@@ -336,3 +336,29 @@ def test_route_answers_503_with_retry_after_over_capacity(serve_cfg):
         assert results["one"].status_code == results["two"].status_code == 200
         assert results["two"].json()["candidates"][0][0]["text"] == "two@v1"
         assert 'rlt2t_policy_rejected_total 1.0' in c.get("/metrics").text
+
+
+def test_a_stream_of_small_requests_slows_a_long_call_but_cannot_stall_it():
+    """The running call keeps a quarter of the worker's time: 40 steps of 5 ms (0.2 s) next to small calls of
+    50 ms each would take 40 x 55 ms = 2.2 s if every step made room; with the share, well under 1.5 s."""
+    backend = FakeBackend(steps=10, long_steps=40, step_s=0.005)
+    batcher = batcher_of(backend, max_call_cost=100)
+
+    async def run():
+        long = asyncio.ensure_future(batcher.submit("long", ["L"], echo, costs=[100]))
+        await asyncio.to_thread(backend.started.wait, 5)
+        t0 = time.monotonic()
+
+        async def stream(i: int) -> int:
+            done = 0
+            while not long.done():
+                await batcher.submit("small", [f"s{i}"], echo, costs=[1])
+                done += 1
+            return done
+
+        smalls = await asyncio.gather(long, *(stream(i) for i in range(3)))
+        return time.monotonic() - t0, smalls[1:]
+
+    long_s, smalls = asyncio.run(run())
+    batcher.stop()
+    assert long_s < 1.5 and all(n >= 1 for n in smalls), (long_s, smalls)
