@@ -295,7 +295,7 @@ class ServeConfig(_Section):
     max_call_cost: int = Field(32_768, ge=1)
     """Most work in one model call; larger requests run as several calls, other requests' calls between them."""
     max_reward_cost: int = Field(16_777_216, ge=1)
-    """Most work one /v1/reward request may ask for: sum of (candidate + 1) x (reference + 1) tokens, x metrics."""
+    """Most work one /v1/reward request may ask for: per reference, token pairs + characters; x metrics."""
     max_reward_queue_cost: int = Field(67_108_864, ge=1)
     """Queued reward work (as max_reward_cost) beyond which requests are refused with 503 + Retry-After."""
     max_reward_call_cost: int = Field(2_097_152, ge=1)

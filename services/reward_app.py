@@ -15,8 +15,8 @@ as the data loader: an ``ids`` vocabulary takes data tokens and <sep> only; no k
 tokens). Unknown metric names are 422s naming ``metrics[i]``.
 
 Work is bounded like the policy server's (``rlt2t.services.batching``): a request's cost is
-Σ over its candidates and their references of (candidate tokens + 1) × (reference tokens + 1), times the
-number of metrics (ROUGE-L's table is that product); above ``serve.max_reward_cost`` it is a 422
+Σ over its candidates and their references of (candidate tokens + 1) × (reference tokens + 1) plus their
+characters, times the number of metrics (ROUGE-L's table; chrF's character n-grams); above ``serve.max_reward_cost`` it is a 422
 naming the product, queued work above ``serve.max_reward_queue_cost`` a 503 + Retry-After. Scoring runs
 on one worker thread, off the event loop, in parts of at most ``serve.max_reward_call_cost``; a request
 whose client disconnected or whose ``serve.request_timeout_s`` passed is dropped between parts.
@@ -95,9 +95,10 @@ def _run_reward(scorer: _Scorer, key, items: list, control: CallControl) -> list
 
 
 def reward_cost(candidate: str, references: Sequence[str], num_metrics: int) -> int:
-    """Work estimate of one item: Σ_refs (candidate tokens + 1) × (reference tokens + 1), × metrics."""
+    """Work estimate of one item: Σ_refs ((candidate tokens + 1) × (reference tokens + 1) + their characters),
+    × metrics: ROUGE-L's table, and the character n-grams of chrF."""
     n = len(candidate.split()) + 1
-    return num_metrics * sum(n * (len(r.split()) + 1) for r in references)
+    return num_metrics * sum(n * (len(r.split()) + 1) + len(candidate) + len(r) for r in references)
 
 
 def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> FastAPI:
@@ -164,7 +165,8 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
         costs = [reward_cost(c, r, len(req.metrics)) for c, r in zip(req.candidates, refs, strict=True)]
         if (total := sum(costs)) > serve.max_reward_cost:
             raise field_error(("body",), f"work {n} candidates x {sum(map(len, refs)) / n:.1f} references on average "
-                              f"x (candidate tokens + 1) x (reference tokens + 1) x {len(req.metrics)} metrics = "
+                              f"x ((candidate tokens + 1) x (reference tokens + 1) + characters) x {len(req.metrics)} "
+                              "metrics = "
                               f"{total}; at most {serve.max_reward_cost} per request (serve.max_reward_cost)")
         own = None
         if fixed_df is None:  # counted over the request's references, off the event loop

@@ -193,11 +193,12 @@ def test_a_request_past_its_deadline_is_dropped_from_its_running_call(serve_cfg,
 def test_reward_work_is_bounded_split_and_off_the_event_loop(serve_cfg):
     """The issue's ROUGE-L reproducer scaled down: refused over serve.max_reward_cost, and within it scored
     on the worker in parts of at most serve.max_reward_call_cost while the event loop keeps answering."""
-    cfg = with_serve(serve_cfg, max_tokens_per_source=200, max_reward_cost=40 * 201 * 201 * 2,
-                     max_reward_call_cost=201 * 201 * 4)
+    long_text = " ".join(str(i % 50) for i in range(200))
+    item = reward_app.reward_cost(long_text, [long_text], 2)  # 201 x 201 token pairs + characters, 2 metrics
+    assert item == 2 * (201 * 201 + 2 * len(long_text))
+    cfg = with_serve(serve_cfg, max_tokens_per_source=200, max_reward_cost=40 * item, max_reward_call_cost=2 * item)
     app = reward_app.create_app(cfg)
     with TestClient(app) as c:
-        long_text = " ".join(str(i % 50) for i in range(200))
         too_much = c.post("/v1/reward", json={"candidates": [long_text] * 48, "references": [long_text] * 48,
                                                "metrics": ["rouge_l", "bleu4"]})
         assert too_much.status_code == 422
@@ -215,7 +216,7 @@ def test_reward_work_is_bounded_split_and_off_the_event_loop(serve_cfg):
         ok = c.post("/v1/reward", json={"candidates": [long_text] * 20, "references": [long_text] * 20,
                                         "metrics": ["rouge_l", "bleu4"]})
         assert ok.status_code == 200 and ok.json()["scores"]["rouge_l"] == [pytest.approx(1.0)] * 20
-        assert parts == [2] * 10  # 2 metrics x 201 x 201 per item: two items per part
+        assert parts == [2] * 10  # two items per part
 
 
 def test_unknown_tokens_are_refused_by_the_reward_server_of_an_ids_run(serve_cfg, ids_tokenizer_dir):
