@@ -105,6 +105,8 @@ class CallControl:
     def __init__(self, parts: list[tuple[_Job, int, int]], between: Callable[[], None] | None = None) -> None:
         self._parts = parts
         self._between = between
+        self.dropped: set[_Job] = set()
+        """Jobs reported stopped to the backend: their results of this call are cut short, never delivered."""
 
     def stopped(self) -> list[int]:
         """Positions (in the call's item list) of the items whose request is gone."""
@@ -112,6 +114,7 @@ class CallControl:
         for job, first, end in self._parts:
             if job.gone(now):
                 out.extend(range(pos, pos + end - first))
+                self.dropped.add(job)
             pos += end - first
         return out
 
@@ -456,6 +459,9 @@ class Batcher(Generic[B]):
         for job, first, end in call.parts:
             own = results[offset : offset + end - first]
             offset += end - first
+            if job in control.dropped and not job.cancelled:  # its deadline passed in the call: cut short
+                self._cancel(job)
+                _post(job, None, Overloaded("not answered within serve.request_timeout_s; dropped", 1))
             with self._cond:
                 if job.cancelled:
                     continue

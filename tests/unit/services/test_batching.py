@@ -362,3 +362,21 @@ def test_a_stream_of_small_requests_slows_a_long_call_but_cannot_stall_it():
     long_s, smalls = asyncio.run(run())
     batcher.stop()
     assert long_s < 1.5 and all(n >= 1 for n in smalls), (long_s, smalls)
+
+
+def test_a_call_cut_short_by_a_deadline_never_answers_with_its_partial_results():
+    """The worker stops a request's rows at its deadline; even when the event loop notices the deadline only
+    after the worker has finished the call, the request gets the 503, not the cut-short results."""
+    backend = FakeBackend(steps=300, step_s=0.001)
+    batcher = batcher_of(backend)
+
+    async def run():
+        task = asyncio.ensure_future(batcher.submit("k", ["slow"], echo, deadline=time.monotonic() + 0.05))
+        await asyncio.sleep(0)
+        time.sleep(0.5)  # a busy event loop: the call is stopped and finished before the wait can time out
+        with pytest.raises(Overloaded, match="request_timeout_s"):
+            await task
+
+    asyncio.run(run())
+    batcher.stop()
+    assert backend.stopped_at["slow"] < 150 and len(backend.finished) == 1

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from rlt2t.common.checkpoint import save_checkpoint
 from rlt2t.common.config import Config
 from rlt2t.services import policy_app, reward_app
-from rlt2t.services.backends import Sampling
+from rlt2t.services.backends import Sampling, TorchBackend
 from rlt2t.services.http import BodyLimit
 
 JSON = {"content-type": "application/json"}
@@ -165,19 +165,20 @@ def test_score_work_is_bounded_too(serve_cfg, checkpoint_root):
 def test_a_request_past_its_deadline_is_dropped_from_its_running_call(serve_cfg, long_root):
     """The issue's reproducer (a long decode whose client stops waiting), scaled down: the answer is a 503 at
     the deadline, and the model call stops at its next decoding step instead of running to the end."""
-    cfg = with_serve(serve_cfg, request_timeout_s=0.1, max_call_cost=10**6)
     body = {"sources": ["1 2 3"] * 8, "num_candidates": 6, "max_new_tokens": 255, "temperature": 100.0}
-    app = policy_app.create_app(cfg, checkpoint_dir=long_root)
-    with TestClient(app) as c:
-        backend = app.state.batcher.backend
-        t0 = time.perf_counter()
-        backend.candidates(body["sources"], Sampling(num_candidates=6, temperature=100.0, max_new_tokens=255),
-                           list(range(48)))
-        full_s = time.perf_counter() - t0
+    backend = TorchBackend.from_checkpoint(serve_cfg, long_root)
+    sampling = Sampling(num_candidates=6, temperature=100.0, max_new_tokens=255)
+    backend.candidates(body["sources"][:1], sampling, list(range(6)))  # warm-up
+    t0 = time.perf_counter()
+    backend.candidates(body["sources"], sampling, list(range(48)))
+    full_s = time.perf_counter() - t0  # the whole decode on this machine, now
+    deadline_s = full_s / 4
+    cfg = with_serve(serve_cfg, request_timeout_s=deadline_s, max_call_cost=10**6)
+    with TestClient(policy_app.create_app(cfg, backend=backend)) as c:
         t0 = time.perf_counter()
         r = c.post("/v1/candidates", json=body)
         answered_s = time.perf_counter() - t0
-        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, r.text
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, r.text[:300]
         assert "serve.request_timeout_s" in r.json()["detail"]
         deadline = time.monotonic() + 10  # wait for the worker to record the stopped call
         while "rlt2t_policy_batch_seconds_count 1.0" not in (text := c.get("/metrics").text):
@@ -185,9 +186,8 @@ def test_a_request_past_its_deadline_is_dropped_from_its_running_call(serve_cfg,
             time.sleep(0.02)
     call_s = float(next(line.split()[-1] for line in text.splitlines()
                         if line.startswith("rlt2t_policy_batch_seconds_sum")))
-    assert full_s > 0.3, full_s  # enough work for the difference to show
-    assert answered_s < 0.1 + 0.4 * full_s  # answered at the deadline, not after the whole decode
-    assert call_s < 0.5 * full_s, (full_s, call_s)  # the call stopped at a step soon after it
+    assert answered_s < deadline_s + 0.4 * full_s, (full_s, answered_s)  # at the deadline, not at the end
+    assert call_s < 0.6 * full_s, (full_s, call_s)  # the call stopped at a step soon after it
 
 
 def test_reward_work_is_bounded_split_and_off_the_event_loop(serve_cfg):
