@@ -99,7 +99,7 @@ def test_a_client_that_disconnects_is_dropped_from_its_running_call(cfg, tmp_pat
             assert time.monotonic() < deadline, "the disconnect was never noticed"
             time.sleep(0.02)
     dropped_call_s = call_seconds(text) - first_call_s
-    assert full_s > 0.3 and dropped_call_s < 0.5 * first_call_s, (first_call_s, dropped_call_s)
+    assert dropped_call_s < 0.5 * first_call_s, (first_call_s, dropped_call_s)
 
 
 def call_seconds(metrics_text: str) -> float:
