@@ -308,3 +308,18 @@ def test_body_limit_alone_takes_any_content_type():
         assert ok.status_code == 200 and ok.json() == {"size": 7}
         big = c.post("/form", content=b"a=" + b"x" * 20, headers={"content-type": "application/x-www-form-urlencoded"})
         assert big.status_code == 413 and "annotate.max_body_bytes" in big.json()["detail"]
+
+
+def test_beam_search_stops_once_every_source_of_its_call_is_gone(serve_cfg, long_root):
+    class AllGone:
+        def stopped(self):
+            return [0, 1]
+
+        between_steps = stopped
+
+    backend = TorchBackend.from_checkpoint(serve_cfg, long_root)
+    beam = Sampling(mode="beam", num_candidates=1, beam_size=2, max_new_tokens=50)
+    full = backend.candidates(["1 2", "3"], beam, [], None)
+    cut = backend.candidates(["1 2", "3"], beam, [], AllGone())
+    assert min(len(g[0].token_ids) for g in full) >= 49  # no EOS: beams run to the limit
+    assert max(len(g[0].token_ids) for g in cut) <= 2
