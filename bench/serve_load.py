@@ -1,6 +1,7 @@
-"""Policy server under load, on loopback: does request batching pay, and does overload stay graceful?
+"""Policy server under load, on loopback: does request batching pay, does overload stay graceful, and do
+small requests keep their latency next to a client sending maximum-cost requests?
 
-    python bench/serve_load.py [--seconds 15] [--clients 32] [--checkpoint DIR]
+    python bench/serve_load.py [--seconds 15] [--clients 32] [--checkpoint DIR] [--phases batching,mixed]
 
 Starts `rlt2t serve policy` in a subprocess on 127.0.0.1 (port 0; the URL is read from its
 `serving policy on ...` line) serving a `small`-preset policy (weights from scratch, seed 0, saved as
@@ -16,21 +17,33 @@ The phases:
 
   batched   --clients clients for --seconds, serve.max_batch_size=32, serve.max_wait_ms=5;
   batch 1   the same load on a server with serve.max_batch_size=1 (every request its own model call);
-  overload  2 x --clients clients against the batched server, whose serve.max_queue is --clients
-            sources: only 200 and 503 (+ Retry-After) may come back; a client that gets a 503 waits
-            50 ms and tries again. The server's RSS is sampled (psutil) throughout.
+  overload  2 x --clients clients against the batched server, whose serve.max_queue_cost is --clients
+            small requests' work: only 200 and 503 (+ Retry-After) may come back; a client that gets a
+            503 waits 50 ms and tries again. The server's RSS is sampled (psutil) throughout.
+
+and the mixed load (#18), on a server with the default work limits (serve.max_request_cost,
+serve.max_call_cost) and room in its queue for a maximum-cost request:
+
+  small     --clients - 1 clients of the small request above, alone;
+  mixed     the same clients plus one client posting maximum-cost requests back to back: as many
+            sources x candidates as serve.max_request_cost allows at --big-new-tokens new tokens
+            (64 sources x 9 candidates x (24 + 200) by default), within the per-request limits.
 
 Reported: requests/s and p50/p99 latency of each phase, the batched/batch-1 throughput ratio (target
 >= 4x), the model-only ceiling of that ratio (the server's backend called in this process with no HTTP:
 sources/s at 1 source per call vs --clients sources per call, same decoding settings), the overload status counts (target: nothing but 200 and 503) and the server RSS before, max and
-after (target: bounded). The servers are stopped with SIGTERM (killed if they do not exit in 30 s) and
-everything ends by itself. Saves bench/results/serve_load.json with the machine description.
+after (target: bounded); for the mixed load, the small requests' p50 / p99 alone and next to the
+maximum-cost client (target: mixed p99 within 2x of alone) and what the big client got. The servers are
+stopped with SIGTERM (killed if they do not exit in 30 s) and everything ends by itself. Saves
+bench/results/serve_load.json with the machine description (serve_load_mixed.json when only the mixed
+phases run).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -51,14 +64,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_info import save  # noqa: E402
 
-from rlt2t.common.config import ModelConfig  # noqa: E402
+from rlt2t.common.config import ModelConfig, ServeConfig  # noqa: E402
 from rlt2t.common.io import atomic_directory  # noqa: E402
 from rlt2t.common.policy import load_policy  # noqa: E402
 from rlt2t.common.tokenization import build_ids_tokenizer, save_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SPEEDUP_TARGET = 4.0
+MIXED_TARGET = 2.0
+SOURCE_TOKENS = 24
 REQUEST = {"num_candidates": 1, "top_k": 3, "temperature": 0.8, "max_new_tokens": 16}
+SMALL_COST = REQUEST["num_candidates"] * (SOURCE_TOKENS + REQUEST["max_new_tokens"])  # the server's estimate
+
+
+def big_request(texts: list[str], new_tokens: int, serve: ServeConfig) -> dict[str, Any]:
+    """The most work one request may ask for at ``new_tokens`` new tokens: as many rows (sources x
+    candidates, within the per-request limits) as serve.max_request_cost allows."""
+    rows = serve.max_request_cost // (SOURCE_TOKENS + new_tokens)
+    n = min(serve.max_sources_per_call, rows)
+    k = min(serve.max_candidates_per_source, rows // n)
+    return {"sources": texts[:n], "num_candidates": k, "top_k": 3, "temperature": 0.8, "max_new_tokens": new_tokens}
 
 
 def prepare(workdir: Path, *, natural_eos: bool = False) -> Path:
@@ -133,15 +158,39 @@ def model_ceiling(model_dir: Path, workdir: Path, batch: int, texts: list[str], 
 
 def sources(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    return [" ".join(str(rng.randrange(1894)) for _ in range(24)) for _ in range(n)]
+    return [" ".join(str(rng.randrange(1894)) for _ in range(SOURCE_TOKENS)) for _ in range(n)]
 
 
-async def load(url: str, clients: int, seconds: float, texts: list[str]) -> dict[str, Any]:
-    """``clients`` loops posting one request after another for ``seconds``; status counts and latencies."""
+async def big_client(url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
+    """Posts ``body`` back to back until cancelled (then its connection closes: the server drops the job)."""
+    out.update(statuses=Counter(), latencies_s=[])
+    async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=httpx.Limits(max_connections=1)) as http:
+        while True:
+            start = time.perf_counter()
+            try:
+                r = await http.post("/v1/candidates", json=body)
+            except httpx.HTTPError as e:
+                out["statuses"][type(e).__name__] += 1
+                continue
+            out["statuses"][str(r.status_code)] += 1
+            if r.status_code == 200:
+                out["latencies_s"].append(time.perf_counter() - start)
+            else:
+                await asyncio.sleep(0.05)
+
+
+async def load(url: str, clients: int, seconds: float, texts: list[str],
+               big: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``clients`` loops posting one request after another for ``seconds``; status counts and latencies.
+    With ``big``, one more client posts that body back to back meanwhile (reported under "big")."""
     statuses: Counter[str] = Counter()
     latencies: list[float] = []
     retry_after_missing = 0
     deadline = time.monotonic() + seconds
+    big_out: dict[str, Any] = {}
+    big_task = asyncio.ensure_future(big_client(url, big, big_out)) if big is not None else None
+    if big_task is not None:
+        await asyncio.sleep(0.5)  # the big request is in the model before the measured load starts
 
     async def client(i: int) -> None:
         nonlocal retry_after_missing
@@ -165,10 +214,18 @@ async def load(url: str, clients: int, seconds: float, texts: list[str]) -> dict
     t0 = time.perf_counter()
     await asyncio.gather(*(client(i) for i in range(clients)))
     wall = time.perf_counter() - t0
+    if big_task is not None:
+        big_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await big_task
     lat = np.array(latencies) if latencies else np.array([float("nan")])
-    return {"clients": clients, "wall_s": wall, "ok": len(latencies), "requests_per_s": len(latencies) / wall,
-            "p50_ms": float(np.percentile(lat, 50) * 1000), "p99_ms": float(np.percentile(lat, 99) * 1000),
-            "statuses": dict(statuses), "retry_after_missing": retry_after_missing}
+    result = {"clients": clients, "wall_s": wall, "ok": len(latencies), "requests_per_s": len(latencies) / wall,
+              "p50_ms": float(np.percentile(lat, 50) * 1000), "p99_ms": float(np.percentile(lat, 99) * 1000),
+              "statuses": dict(statuses), "retry_after_missing": retry_after_missing}
+    if big is not None:
+        result["big"] = {"requests_ok": len(big_out["latencies_s"]), "statuses": dict(big_out["statuses"]),
+                         "latencies_s": big_out["latencies_s"]}
+    return result
 
 
 def sampled_rss(server: Server, stop: threading.Event, out: list[float]) -> None:
@@ -179,85 +236,146 @@ def sampled_rss(server: Server, stop: threading.Event, out: list[float]) -> None
             return
 
 
-def run_phase(server: Server, clients: int, seconds: float, texts: list[str], rss: list[float]) -> dict[str, Any]:
+def run_phase(server: Server, clients: int, seconds: float, texts: list[str], rss: list[float],
+              big: dict[str, Any] | None = None) -> dict[str, Any]:
     stop = threading.Event()
     sampler = threading.Thread(target=sampled_rss, args=(server, stop, rss), daemon=True)
     sampler.start()
     try:
-        return asyncio.run(load(server.url, clients, seconds, texts))
+        return asyncio.run(load(server.url, clients, seconds, texts, big))
     finally:
         stop.set()
         sampler.join()
 
 
+def batching_phases(model_dir: Path, work: Path, args, texts: list[str]) -> dict[str, Any]:
+    """batched, overload and batch 1, the model-only ceiling; the RSS of the batched server."""
+    phases: dict[str, Any] = {}
+    rss: dict[str, list[float]] = {}
+    batched = Server(model_dir, work, ["serve.max_batch_size=32", "serve.max_wait_ms=5",
+                                       f"serve.max_queue_cost={args.clients * SMALL_COST}"])
+    try:
+        warm = asyncio.run(load(batched.url, 4, 2.0, texts))  # first calls allocate; not measured
+        rss_before = batched.rss_mib()
+        rss["batched"] = []
+        phases["batched"] = run_phase(batched, args.clients, args.seconds, texts, rss["batched"])
+        print(f"batched: {phases['batched']['requests_per_s']:.1f} req/s", flush=True)
+        rss["overload"] = []
+        phases["overload"] = run_phase(batched, 2 * args.clients, args.seconds, texts, rss["overload"])
+        print(f"overload: {phases['overload']['statuses']}", flush=True)
+        rss_after = batched.rss_mib()
+    finally:
+        batched.stop()
+
+    single = Server(model_dir, work, ["serve.max_batch_size=1", "serve.max_wait_ms=0",
+                                      f"serve.max_queue_cost={1024 * SMALL_COST}"])
+    try:
+        asyncio.run(load(single.url, 4, 2.0, texts))
+        rss["batch1"] = []
+        phases["batch1"] = run_phase(single, args.clients, args.seconds, texts, rss["batch1"])
+        print(f"batch 1: {phases['batch1']['requests_per_s']:.1f} req/s", flush=True)
+    finally:
+        single.stop()
+
+    ceiling = model_ceiling(model_dir, work, args.clients, texts)
+    print(f"model only: {ceiling['sources_per_s_1']:.1f} sources/s one at a time, "
+          f"{ceiling[f'sources_per_s_{args.clients}']:.1f} in calls of {args.clients}: "
+          f"ceiling {ceiling['ratio']:.2f}x ({ceiling['mean_tokens_per_source']:.1f} tokens per source)", flush=True)
+    speedup = phases["batched"]["requests_per_s"] / max(phases["batch1"]["requests_per_s"], 1e-9)
+    over = phases["overload"]["statuses"]
+    return {"warmup": warm["statuses"], "phases": phases, "speedup": speedup, "speedup_target": SPEEDUP_TARGET,
+            "model_only": ceiling, "overload_only_200_503": set(over) <= {"200", "503"},
+            "rss_mib": {"before": rss_before, "max": max(rss["batched"] + rss["overload"], default=float("nan")),
+                        "after": rss_after}}
+
+
+def mixed_phases(model_dir: Path, work: Path, args, texts: list[str]) -> dict[str, Any]:
+    """Small requests alone, then next to one client of maximum-cost requests (default work limits)."""
+    serve = ServeConfig()
+    big = big_request(texts, args.big_new_tokens, serve)
+    small_clients = args.clients - 1
+    server = Server(model_dir, work, ["serve.max_batch_size=32", "serve.max_wait_ms=5",
+                                      f"serve.max_queue_cost={2 * serve.max_request_cost}"])
+    rss: list[float] = []
+    try:
+        asyncio.run(load(server.url, 4, 2.0, texts))  # warm-up
+        alone = run_phase(server, small_clients, args.seconds, texts, rss)
+        print(f"small alone: p50 {alone['p50_ms']:.0f} ms, p99 {alone['p99_ms']:.0f} ms", flush=True)
+        mixed = run_phase(server, small_clients, args.seconds, texts, rss, big=big)
+        print(f"small + max-cost client: p50 {mixed['p50_ms']:.0f} ms, p99 {mixed['p99_ms']:.0f} ms; big client "
+              f"{mixed['big']['statuses']}", flush=True)
+    finally:
+        server.stop()
+    ratio = mixed["p99_ms"] / alone["p99_ms"]
+    cost = len(big["sources"]) * big["num_candidates"] * (SOURCE_TOKENS + big["max_new_tokens"])
+    return {"big_request": {k: v for k, v in big.items() if k != "sources"} | {"num_sources": len(big["sources"]),
+                                                                              "cost": cost},
+            "limits": {"max_request_cost": serve.max_request_cost, "max_call_cost": serve.max_call_cost},
+            "small_alone": alone, "mixed": mixed, "p99_ratio": ratio, "p99_ratio_target": MIXED_TARGET,
+            "rss_mib_max": max(rss, default=float("nan"))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=15.0, help="duration of each load phase")
-    ap.add_argument("--clients", type=int, default=32, help="concurrent clients (overload uses twice as many)")
+    ap.add_argument("--clients", type=int, default=32,
+                    help="concurrent clients (overload uses twice as many; the mixed load this many minus one "
+                         "small clients plus the maximum-cost one)")
     ap.add_argument("--checkpoint", default=None, help="model/checkpoint directory (default: small preset, seed 0)")
     ap.add_argument("--natural-eos", action="store_true",
                     help="let the from-scratch model stop at its own EOS (about 3 tokens) instead of 16 tokens")
+    ap.add_argument("--phases", default="batching,mixed",
+                    help="comma-separated: batching (batched, overload, batch 1), mixed (small alone, with a "
+                         "maximum-cost client)")
+    ap.add_argument("--big-new-tokens", type=int, default=200, help="max_new_tokens of the maximum-cost requests")
     ap.add_argument("--no-save", action="store_true", help="print only; leave bench/results/ alone")
     args = ap.parse_args()
+    wanted = set(args.phases.split(","))
+    if not wanted or not wanted <= {"batching", "mixed"}:
+        ap.error(f"--phases: choose from batching, mixed (got {args.phases!r})")
     texts = sources(512)
+    payload: dict[str, Any] = {"request": REQUEST, "seconds": args.seconds,
+                               "model": str(args.checkpoint or "preset:small, seed 0"),
+                               "eos": "natural" if args.natural_eos or args.checkpoint else
+                               "suppressed (16 tokens per request)"}
     with tempfile.TemporaryDirectory(prefix="rlt2t-serve-load-") as tmp:
         work = Path(tmp)
         model_dir = Path(args.checkpoint) if args.checkpoint else prepare(work, natural_eos=args.natural_eos)
-        phases: dict[str, Any] = {}
-        rss: dict[str, list[float]] = {}
+        if "batching" in wanted:
+            payload.update(batching_phases(model_dir, work, args, texts))
+        if "mixed" in wanted:
+            payload["mixed_load"] = mixed_phases(model_dir, work, args, texts)
 
-        batched = Server(model_dir, work, ["serve.max_batch_size=32", "serve.max_wait_ms=5",
-                                           f"serve.max_queue={args.clients}"])
-        try:
-            warm = asyncio.run(load(batched.url, 4, 2.0, texts))  # first calls allocate; not measured
-            rss_before = batched.rss_mib()
-            rss["batched"] = []
-            phases["batched"] = run_phase(batched, args.clients, args.seconds, texts, rss["batched"])
-            print(f"batched: {phases['batched']['requests_per_s']:.1f} req/s", flush=True)
-            rss["overload"] = []
-            phases["overload"] = run_phase(batched, 2 * args.clients, args.seconds, texts, rss["overload"])
-            print(f"overload: {phases['overload']['statuses']}", flush=True)
-            rss_after = batched.rss_mib()
-        finally:
-            batched.stop()
-
-        single = Server(model_dir, work, ["serve.max_batch_size=1", "serve.max_wait_ms=0", "serve.max_queue=1024"])
-        try:
-            asyncio.run(load(single.url, 4, 2.0, texts))
-            rss["batch1"] = []
-            phases["batch1"] = run_phase(single, args.clients, args.seconds, texts, rss["batch1"])
-            print(f"batch 1: {phases['batch1']['requests_per_s']:.1f} req/s", flush=True)
-        finally:
-            single.stop()
-
-        ceiling = model_ceiling(model_dir, work, args.clients, texts)
-        print(f"model only: {ceiling['sources_per_s_1']:.1f} sources/s one at a time, "
-              f"{ceiling[f'sources_per_s_{args.clients}']:.1f} in calls of {args.clients}: "
-              f"ceiling {ceiling['ratio']:.2f}x ({ceiling['mean_tokens_per_source']:.1f} tokens per source)", flush=True)
-
-    speedup = phases["batched"]["requests_per_s"] / max(phases["batch1"]["requests_per_s"], 1e-9)
-    over = phases["overload"]["statuses"]
-    only_200_503 = set(over) <= {"200", "503"}
-    rss_max = max(rss["batched"] + rss["overload"], default=float("nan"))
-    print(f"\n{'phase':<10} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}  statuses")
-    for name in ("batched", "batch1", "overload"):
-        p = phases[name]
-        print(f"{name:<10} {p['clients']:>7} {p['requests_per_s']:>8.1f} {p['p50_ms']:>8.0f} {p['p99_ms']:>8.0f}  "
-              f"{p['statuses']}")
-    print(f"\nbatching speedup: {speedup:.2f}x (target >= {SPEEDUP_TARGET:.0f}x; the model alone batches "
-          f"{ceiling['ratio']:.2f}x on this machine)")
-    print(f"overload: only 200/503: {only_200_503}; 503s without Retry-After: {phases['overload']['retry_after_missing']}")
-    print(f"server RSS MiB: before {rss_before:.0f}, max {rss_max:.0f}, after {rss_after:.0f}")
-    payload = {
-        "request": REQUEST, "seconds": args.seconds, "warmup": warm["statuses"],
-        "phases": phases, "speedup": speedup, "speedup_target": SPEEDUP_TARGET, "model_only": ceiling,
-        "overload_only_200_503": only_200_503,
-        "rss_mib": {"before": rss_before, "max": rss_max, "after": rss_after},
-        "model": str(args.checkpoint or "preset:small, seed 0"),
-        "eos": "natural" if args.natural_eos or args.checkpoint else "suppressed (16 tokens per request)",
-    }
+    if "batching" in wanted:
+        phases, ceiling = payload["phases"], payload["model_only"]
+        print(f"\n{'phase':<10} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}  statuses")
+        for name in ("batched", "batch1", "overload"):
+            p = phases[name]
+            print(f"{name:<10} {p['clients']:>7} {p['requests_per_s']:>8.1f} {p['p50_ms']:>8.0f} {p['p99_ms']:>8.0f}  "
+                  f"{p['statuses']}")
+        print(f"\nbatching speedup: {payload['speedup']:.2f}x (target >= {SPEEDUP_TARGET:.0f}x; the model alone "
+              f"batches {ceiling['ratio']:.2f}x on this machine)")
+        print(f"overload: only 200/503: {payload['overload_only_200_503']}; 503s without Retry-After: "
+              f"{phases['overload']['retry_after_missing']}")
+        rss = payload["rss_mib"]
+        print(f"server RSS MiB: before {rss['before']:.0f}, max {rss['max']:.0f}, after {rss['after']:.0f}")
+    if "mixed" in wanted:
+        m = payload["mixed_load"]
+        b = m["big_request"]
+        print(f"\nmixed load: {m['small_alone']['clients']} small clients + 1 client of {b['num_sources']} sources "
+              f"x {b['num_candidates']} candidates x {b['max_new_tokens']} new tokens (work {b['cost']}, "
+              f"serve.max_request_cost {m['limits']['max_request_cost']})")
+        for name in ("small_alone", "mixed"):
+            p = m[name]
+            print(f"  {name:<12} {p['requests_per_s']:>8.1f} req/s  p50 {p['p50_ms']:>6.0f} ms  p99 {p['p99_ms']:>6.0f} ms"
+                  f"  {p['statuses']}")
+        print(f"  small p99 mixed / alone: {m['p99_ratio']:.2f}x (target <= {MIXED_TARGET:.0f}x); max-cost client: "
+              f"{m['mixed']['big']['statuses']}")
     if not args.no_save:
-        print("saved", save("serve_load_natural_eos" if args.natural_eos else "serve_load", payload))
+        name = "serve_load_natural_eos" if args.natural_eos else "serve_load"
+        if wanted == {"mixed"}:
+            name += "_mixed"
+        print("saved", save(name, payload))
 
 
 if __name__ == "__main__":

@@ -581,15 +581,33 @@ class ServeConfig(_Section):
     max_batch_size: int = Field(32, ge=1)
     """Sources batched into one model call across concurrent requests."""
     max_wait_ms: float = Field(5.0, ge=0.0)
-    """How long the first request of a batch waits for others to join."""
-    max_queue: int = Field(256, ge=1)
-    """Sources waiting beyond which requests are refused with 503 + Retry-After."""
+    """How long the first request of a batch waits for others to join (and waiting work for a running call)."""
     max_sources_per_call: int = Field(64, ge=1)
     """Most sources in one request."""
     max_tokens_per_source: int = Field(512, ge=1)
     """Most tokens in one source (or reference/candidate) text."""
     max_candidates_per_source: int = Field(32, ge=1)
     """Most candidates (samples, beams, hypotheses or scored targets) per source."""
+    max_request_cost: int = Field(131_072, ge=1)
+    """Most work one policy request may ask for, in token positions: rows x (source + new tokens) (422 beyond)."""
+    max_queue_cost: int = Field(524_288, ge=1)
+    """Queued policy work (token positions) beyond which requests are refused with 503 + Retry-After."""
+    max_call_cost: int = Field(32_768, ge=1)
+    """Most work in one model call; larger requests run as several calls, other requests' calls between them."""
+    max_reward_cost: int = Field(16_777_216, ge=1)
+    """Most work one /v1/reward request may ask for: per reference, token pairs + characters; x metrics."""
+    max_reward_queue_cost: int = Field(67_108_864, ge=1)
+    """Queued reward work (as max_reward_cost) beyond which requests are refused with 503 + Retry-After."""
+    max_reward_call_cost: int = Field(2_097_152, ge=1)
+    """Most reward work scored in one go; larger requests run in parts, other requests' parts between them."""
+    request_timeout_s: float = Field(120.0, gt=0.0)
+    """A request not answered this long after it arrived is dropped (503 + Retry-After), queued or running."""
+    header_timeout_s: float = Field(10.0, gt=0.0)
+    """A connection must send a complete request head within this many seconds (else it is closed)."""
+    body_timeout_s: float = Field(30.0, gt=0.0)
+    """A request body must arrive in full within this many seconds of its head (408 and close beyond)."""
+    keepalive_timeout_s: float = Field(5.0, gt=0.0)
+    """Idle keep-alive connections are closed after this many seconds."""
     token_env: str = "RLT2T_API_TOKEN"
     """Environment variable holding the bearer token (unset: no auth)."""
     token_file: str | None = None

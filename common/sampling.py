@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +111,7 @@ def sample_candidates(
     top_p: float = 1.0,
     mask_model=None,
     mask_top_p: float = 1.0,
+    between_steps: Callable[[], Collection[int]] | None = None,
 ) -> list[SampledSequence]:
     """Sample ``k`` continuations of each source (temperature, top-k, top-p), one KV-cached decoder pass.
 
@@ -129,6 +130,10 @@ def sample_candidates(
 
     The source is encoded once and its states repeated k times; rows that have emitted EOS leave the
     batch (and the cache), so long-tailed lengths cost only what the long rows need.
+
+    ``between_steps``, when given, is called after every decoding step; the rows it returns (indices into
+    the B·k rows) leave the batch and its cache at once, keeping the tokens drawn so far. The policy
+    server drops requests that are gone this way (and runs waiting work inside the call).
     """
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(
@@ -198,6 +203,8 @@ def sample_candidates(
             sample_out[row].append(drawn_chosen[pos])
             if token == eos_id:
                 finished.append(pos)
+        if between_steps is not None and not last and (stopped := set(between_steps())):
+            finished += [pos for pos, row in enumerate(rows) if row in stopped and tokens_out[row][-1] != eos_id]
         if len(finished) == len(rows) or last:
             break
         if finished:

@@ -14,6 +14,7 @@ With the default 100 sentinels the offset is 106, as in the original competition
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>", "<sep>"]
 SEP = "<sep>"
 INFO_FILE = "rlt2t_tokenizer.json"  # our own facts about a tokenizer, saved beside it
+# A string holding one of these is not Unicode text (JSON "\ud800" escapes produce them).
+LONE_SURROGATE = re.compile("[\\ud800-\\udfff]")
 
 
 def sentinel_token(i: int) -> str:
@@ -143,25 +146,48 @@ def sentinel_ids(tok: PreTrainedTokenizerBase) -> list[int]:
     return [tok.mask_token_id]
 
 
-def text_checker(tok: PreTrainedTokenizerBase) -> Callable[[str], str | None] | None:
-    """For an integer-id vocabulary, a check that every token of a text is in it (None for other kinds).
+def text_checker(tok: PreTrainedTokenizerBase) -> Callable[[str], str | None]:
+    """The token rule every text obeys (data files, every server route): a function giving the first
+    problem of a text as a message, or None when the text is fine.
 
-    Returns a function giving an error message for the first bad token, or None when the text is fine.
+    - No lone surrogate (U+D800..U+DFFF): such a string is not Unicode text.
+    - No special token but the field separator ``<sep>``: ``</s>``, ``<pad>``, ``<s>``, ``<unk>``,
+      ``<mask>`` and the sentinels are control tokens; a tokenizer would read them as such (a target
+      ``"</s>"`` would become ids [2, 2]), so they are refused, in every tokenizer kind.
+    - ``ids`` vocabularies only: every token is a data token, written exactly as "0".."N-1". Subword and
+      pretrained tokenizers read any other text (byte-level BPE has no unknown token; others map what
+      they do not know to ``<unk>``).
+
+    The tokenizer itself finds the tokens (its own splitting and special-token matching), so the rule
+    cannot drift from what the model is fed.
     """
-    info = tok.init_kwargs.get("rlt2t") or {}
-    if info.get("kind") != "ids":
-        return None
-    n = int(info["num_data_tokens"])
-    specials = set(tok.all_special_tokens)
+    kind = tokenizer_kind(tok)
+    n = int((tok.init_kwargs.get("rlt2t") or {}).get("num_data_tokens", 0))
+    unk = tok.unk_token_id
+    # The separator is allowed only as our own `<sep>` (pretrained BART calls `</s>` its sep_token).
+    sep_id = tok.convert_tokens_to_ids(SEP) if SEP in tok.get_vocab() else None
+    control = set(tok.all_special_ids) - {sep_id}
+    backend = getattr(tok, "backend_tokenizer", None)
 
     def check(text: str) -> str | None:
-        for token in text.split():
-            if token in specials:
-                continue
-            if not token.isdigit():
-                return f"token {token!r} is not a non-negative integer"
-            if int(token) >= n:
-                return f"token {token!r} is outside the vocabulary (0..{n - 1})"
+        if (bad := LONE_SURROGATE.search(text)) is not None:
+            return f"lone surrogate U+{ord(bad.group()):04X} at character {bad.start()}: not Unicode text"
+        if backend is None:  # a slow pretrained tokenizer: special tokens by their text
+            found = [t for t in tok.all_special_tokens if t != SEP and t in text]
+            return f"special token {found[0]!r} is not allowed in a text (only {SEP!r} is)" if found else None
+        encoding = backend.encode(text, add_special_tokens=False)
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            piece = text[start:end]
+            if token_id == unk and piece != tok.unk_token:
+                if kind != "ids":
+                    continue
+                if not (piece.isascii() and piece.isdigit()):
+                    return f"token {piece!r} is not a non-negative integer"
+                if str(int(piece)) != piece:
+                    return f"token {piece!r} is not in the vocabulary (data tokens have no leading zeros)"
+                return f"token {piece!r} is outside the vocabulary (0..{n - 1})"
+            if token_id in control:
+                return f"special token {piece!r} is not allowed in a text (only {SEP!r} is)"
         return None
 
     return check

@@ -5,7 +5,8 @@
 
 Once the model is loaded and the socket listens, one line ``serving policy on http://HOST:PORT`` (the
 real port when 0 was asked for) goes to stdout, flushed: scripts wait for it and parse the URL.
-SIGTERM and Ctrl-C stop the server gracefully (in-flight requests finish) and exit 0.
+SIGTERM and Ctrl-C stop the server gracefully (in-flight requests finish) and exit 0. Connection
+timeouts (request head, body, idle keep-alive) come from ``serve.*_timeout_s`` (``rlt2t.services.http``).
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(app, host: str, port: int, name: str) -> None:
-    """Serve ``app`` with uvicorn until SIGTERM / Ctrl-C; prints ``serving NAME on URL`` once listening."""
+def run_server(app, host: str, port: int, name: str, serve=None) -> None:
+    """Serve ``app`` with uvicorn until SIGTERM / Ctrl-C; prints ``serving NAME on URL`` once listening.
+    ``serve`` (a ServeConfig; default: the defaults) gives the connection timeouts."""
     import uvicorn
+
+    from rlt2t.common.config import ServeConfig
+    from rlt2t.services.http import uvicorn_config
 
     class _Server(uvicorn.Server):
         # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown, which would kill the
@@ -48,7 +53,8 @@ def run_server(app, host: str, port: int, name: str) -> None:
     sock = _listening_socket(host, port)
     actual_host, actual_port = sock.getsockname()[:2]
     shown = f"[{actual_host}]" if ":" in actual_host else actual_host
-    config = uvicorn.Config(app, log_level="info", access_log=False, timeout_graceful_shutdown=30, lifespan="on")
+    config = uvicorn_config(app, serve or ServeConfig(), log_level="info", access_log=False, timeout_graceful_shutdown=30,
+                            lifespan="on")
     server = _Server(config)
     print(f"serving {name} on http://{shown}:{actual_port}", flush=True)
     try:
@@ -81,7 +87,7 @@ def cmd_serve_policy(args) -> None:
     check_exposure(cfg.serve, host, load_token(cfg.serve))
     app = create_app(cfg, checkpoint_dir=args.checkpoint_dir,
                      document_frequency=_document_frequency(cfg, args.document_frequency))
-    run_server(app, host, cfg.serve.port if args.port is None else args.port, "policy")
+    run_server(app, host, cfg.serve.port if args.port is None else args.port, "policy", cfg.serve)
 
 
 def cmd_serve_reward(args) -> None:
@@ -93,7 +99,7 @@ def cmd_serve_reward(args) -> None:
     host = args.host or cfg.serve.host
     check_exposure(cfg.serve, host, load_token(cfg.serve))
     app = create_app(cfg, document_frequency=_document_frequency(cfg, args.document_frequency))
-    run_server(app, host, cfg.serve.reward_port if args.port is None else args.port, "reward")
+    run_server(app, host, cfg.serve.reward_port if args.port is None else args.port, "reward", cfg.serve)
 
 
 def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:

@@ -2,7 +2,13 @@
 
 A backend holds one set of weights (one checkpoint) and is never mutated: hot reload builds a new
 backend and the batcher swaps the reference between batches. Backend methods are called from the
-batcher's single worker thread only (torch is not re-entrant-friendly, and the machines are small).
+batcher's single worker thread only (torch is not re-entrant-friendly, and the machines are small),
+except ``count_tokens`` and ``check_text``, which the routes call on the event loop (they use a private
+copy of the tokenizer).
+
+A model call takes a :class:`StepControl`: the torch backend's sampler asks it between decoding steps
+which sources are gone (their rows leave the batch) and lets it run waiting work; its beam search stops
+when every source is gone. CTranslate2 runs a call to the end (its bound is the call's size).
 
 Log-probs everywhere are of the *raw* model, log-softmax of the logits at temperature 1 without top-k /
 top-p filtering: the quantity reranking and the rank loss use, comparable between sampled, beamed and
@@ -15,12 +21,13 @@ import copy
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from rlt2t.common.batching import collate_seq2seq, encode_texts
 from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir
@@ -29,6 +36,7 @@ from rlt2t.common.families import positions_or
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.sampling import sample_candidates
 from rlt2t.common.scoring import token_scores
+from rlt2t.common.tokenization import text_checker
 
 log = logging.getLogger("rlt2t.services.backends")
 
@@ -64,6 +72,18 @@ class Scored:
     logprobs: list[float]
 
 
+class StepControl(Protocol):
+    """What the server hands to one model call (``rlt2t.services.batching`` implements it)."""
+
+    def stopped(self) -> Collection[int]:
+        """Indices of the call's sources whose request is gone."""
+        ...
+
+    def between_steps(self) -> Collection[int]:
+        """Called between decoding steps: may run other work, then returns :meth:`stopped`."""
+        ...
+
+
 @runtime_checkable
 class PolicyBackend(Protocol):
     """What the policy server needs from an inference engine."""
@@ -85,11 +105,16 @@ class PolicyBackend(Protocol):
         """Tokens of each text without special tokens (what the tokens-per-source limit counts)."""
         ...
 
-    def candidates(self, sources: Sequence[str], sampling: Sampling,
-                   row_seeds: Sequence[int]) -> list[list[Generation]]:
+    def check_text(self, text: str) -> str | None:
+        """The first problem of ``text`` under the tokenizer's token rule (``text_checker``), or None."""
+        ...
+
+    def candidates(self, sources: Sequence[str], sampling: Sampling, row_seeds: Sequence[int],
+                   control: StepControl | None = None) -> list[list[Generation]]:
         """``sampling.num_candidates`` generations per source. In `sample` mode ``row_seeds`` holds one
         seed per row (row ``i * k + j`` = sample j of source i), each row's randomness coming from its
-        seed alone; `beam` mode is deterministic and ignores them."""
+        seed alone; `beam` mode is deterministic and ignores them. The generations of sources that
+        ``control`` reports stopped are cut short (their requests discard them)."""
         ...
 
     def score(self, sources: Sequence[str], targets: Sequence[Sequence[str]]) -> list[list[Scored]]:
@@ -157,6 +182,7 @@ class TorchBackend:
         # The request handlers count tokens on the event loop while the worker encodes: a private copy
         # keeps the Rust tokenizer from being borrowed by two threads at once.
         self._counting_tokenizer = copy.deepcopy(policy.tokenizer)
+        self._check_text = text_checker(self._counting_tokenizer)
         self.version = version
         self.checkpoint = checkpoint or policy.origin
         self.checksum = checksum
@@ -181,13 +207,16 @@ class TorchBackend:
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return _count_tokens(self._counting_tokenizer, texts)
 
+    def check_text(self, text: str) -> str | None:
+        return self._check_text(text)
+
     def close(self) -> None:
         """Nothing on disk to release."""
 
-    def candidates(self, sources: Sequence[str], sampling: Sampling,
-                   row_seeds: Sequence[int]) -> list[list[Generation]]:
+    def candidates(self, sources: Sequence[str], sampling: Sampling, row_seeds: Sequence[int],
+                   control: StepControl | None = None) -> list[list[Generation]]:
         if sampling.mode == "beam":
-            return self._beam(sources, sampling)
+            return self._beam(sources, sampling, control)
         if sampling.mode != "sample":
             raise ValueError(f"sampling.mode must be 'sample' or 'beam', got {sampling.mode!r}")
         k = sampling.num_candidates
@@ -196,8 +225,13 @@ class TorchBackend:
         generators = [torch.Generator(device=self.device).manual_seed(s) for s in row_seeds]
         ids, _ = encode_texts(self.tokenizer, sources, self.max_positions)
         batch = collate_seq2seq(ids, None, self.tokenizer.pad_token_id)
+        between = None
+        if control is not None:
+            def between() -> set[int]:  # sources gone -> their k rows
+                return {i * k + j for i in control.between_steps() for j in range(k)}
         rows = sample_candidates(self.model, batch["input_ids"], batch["attention_mask"], k, sampling.top_k,
-                                 sampling.temperature, sampling.max_new_tokens, generators, top_p=sampling.top_p)
+                                 sampling.temperature, sampling.max_new_tokens, generators, top_p=sampling.top_p,
+                                 between_steps=between)
         texts = self.policy.decode([r.token_ids for r in rows]) if rows else []
         flat = [Generation(text, r.token_ids, r.logprobs) for text, r in zip(texts, rows, strict=True)]
         return [flat[i * k : (i + 1) * k] for i in range(len(sources))]
@@ -235,8 +269,10 @@ class TorchBackend:
             out += [scores[r, : len(lab[r])].tolist() for r in range(len(lab))]
         return out
 
-    def _beam(self, sources: Sequence[str], sampling: Sampling) -> list[list[Generation]]:
-        """Beam search via ``generate``; per-token log-probs recomputed by teacher forcing (exact, raw)."""
+    def _beam(self, sources: Sequence[str], sampling: Sampling, control: StepControl | None = None
+              ) -> list[list[Generation]]:
+        """Beam search via ``generate``; per-token log-probs recomputed by teacher forcing (exact, raw).
+        Stops early when ``control`` reports every source stopped."""
         if sampling.num_candidates > sampling.beam_size:
             raise ValueError(f"num_candidates={sampling.num_candidates} exceeds beam_size={sampling.beam_size}")
         ids, _ = encode_texts(self.tokenizer, sources, self.max_positions)
@@ -247,6 +283,7 @@ class TorchBackend:
                 input_ids=batch["input_ids"].to(self.device), attention_mask=batch["attention_mask"].to(self.device),
                 num_beams=sampling.beam_size, num_return_sequences=h, max_new_tokens=sampling.max_new_tokens,
                 do_sample=False, early_stopping=True,
+                stopping_criteria=StoppingCriteriaList([_AllStopped(control, len(sources))] if control else []),
             ).cpu()
         pad_id, eos_id = self.tokenizer.pad_token_id, self.model.config.eos_token_id
         rows: list[list[int]] = []
@@ -262,6 +299,17 @@ class TorchBackend:
         texts = self.policy.decode(rows)
         flat = [Generation(t, r, lp) for t, r, lp in zip(texts, rows, lps, strict=True)]
         return [flat[i * h : (i + 1) * h] for i in range(len(sources))]
+
+
+class _AllStopped(StoppingCriteria):
+    """``generate`` stops once every source of the call is stopped (beams of one source cannot leave alone)."""
+
+    def __init__(self, control: StepControl, num_sources: int) -> None:
+        self.control, self.num_sources = control, num_sources
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        done = len(set(self.control.stopped())) >= self.num_sources
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
 
 class Ct2Backend:
@@ -282,6 +330,7 @@ class Ct2Backend:
         self.ct2 = ct2
         self.tokenizer = ct2.tokenizer
         self._counting_tokenizer = copy.deepcopy(ct2.tokenizer)  # see TorchBackend
+        self._check_text = text_checker(self._counting_tokenizer)
         self.version = version
         self.checkpoint = checkpoint or str(ct2.export_dir)
         self.checksum = checksum
@@ -310,6 +359,9 @@ class Ct2Backend:
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return _count_tokens(self._counting_tokenizer, texts)
 
+    def check_text(self, text: str) -> str | None:
+        return self._check_text(text)
+
     def close(self) -> None:
         """Remove the export this backend made (the translator already holds the model in memory). Also
         done when the backend is garbage-collected; this makes it happen before a process is killed."""
@@ -317,9 +369,9 @@ class Ct2Backend:
             self._workdir.cleanup()
             self._workdir = None
 
-    def candidates(self, sources: Sequence[str], sampling: Sampling,
-                   row_seeds: Sequence[int]) -> list[list[Generation]]:
-        k = sampling.num_candidates
+    def candidates(self, sources: Sequence[str], sampling: Sampling, row_seeds: Sequence[int],
+                   control: StepControl | None = None) -> list[list[Generation]]:
+        k = sampling.num_candidates  # `control` unused: a CTranslate2 call runs to its end
         if sampling.mode == "beam":
             hyps = self.ct2.generate(sources, beam_size=sampling.beam_size, num_hypotheses=k,
                                      max_new_tokens=sampling.max_new_tokens)

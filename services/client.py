@@ -283,6 +283,10 @@ class PolicyClient(_SyncBase):
         """GET /v1/model."""
         return self._request("GET", "/v1/model", ModelInfo)
 
+    def reload(self) -> ModelInfo:
+        """POST /v1/reload: serve the newest checkpoint on disk, even one older than the served one."""
+        return self._request("POST", "/v1/reload", ModelInfo)
+
 
 class AsyncPolicyClient(_AsyncBase):
     """Asynchronous client of the policy server (same methods as :class:`PolicyClient`, awaited)."""
@@ -301,6 +305,9 @@ class AsyncPolicyClient(_AsyncBase):
 
     async def model(self) -> ModelInfo:
         return await self._request("GET", "/v1/model", ModelInfo)
+
+    async def reload(self) -> ModelInfo:
+        return await self._request("POST", "/v1/reload", ModelInfo)
 
 
 class RewardClient(_SyncBase):

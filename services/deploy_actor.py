@@ -11,7 +11,7 @@ import uvicorn
 
 from rlt2t.common.config import Config
 from rlt2t.common.waiting import NotYet, wait_until
-from rlt2t.services.http import check_exposure, load_token
+from rlt2t.services.http import check_exposure, load_token, uvicorn_config
 from rlt2t.services.policy_app import create_app
 
 
@@ -42,7 +42,7 @@ class PolicyServerActor:
         check_exposure(s, s.host, load_token(s))
         self._checkpoint_dir = str(cfg.path(s.checkpoint_dir))
         app = create_app(cfg, checkpoint_dir=self._checkpoint_dir)
-        self._server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="info"))
+        self._server = uvicorn.Server(uvicorn_config(app, s, host=s.host, port=s.port, log_level="info"))
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
         self._thread.start()
 

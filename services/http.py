@@ -1,9 +1,22 @@
-"""What the policy and reward apps share: bearer-token auth, Prometheus metrics, error answers.
+"""What the policy and reward apps share: the request gate, bearer-token auth, error answers, Prometheus
+metrics, uvicorn's settings.
+
+The gate (:class:`RequestGate`, pure ASGI, in front of everything but the metrics) decides from the
+request head alone, before a byte of the body is read: the bearer token (401), the content type of a
+body (415 unless ``application/json``), the declared size (413). It then reads the body within
+``serve.max_body_bytes`` (413) and ``serve.body_timeout_s`` (408, connection closed) and replays it.
 
 Auth: a token from ``serve.token_file`` (preferred) or the environment variable ``serve.token_env``;
-when one is set every route but ``/healthz`` needs ``Authorization: Bearer <token>`` (compared in
-constant time) and answers 401 otherwise. No token configured: no auth (the servers bind 127.0.0.1 by
-default; bind elsewhere only with a token).
+when one is set every route but ``GET``/``HEAD /healthz`` needs ``Authorization: Bearer <token>``
+(compared in constant time) and answers 401 otherwise: the OpenAPI document and the docs pages too.
+No token configured: no auth (the servers bind 127.0.0.1 by default; bind elsewhere only with a token).
+
+Errors: every error body is JSON that can be encoded whatever the input was (a lone surrogate in a
+rejected string is echoed as ``\\udXXX`` text); an unexpected exception is a logged 500 and a bug.
+
+Connections (:func:`uvicorn_config`): a request head must arrive within ``serve.header_timeout_s`` of
+the connection (or of its previous response), else the connection is closed (uvicorn itself has no
+such timeout); idle keep-alive connections close after ``serve.keepalive_timeout_s``.
 
 Metrics: each app owns a ``CollectorRegistry`` (tests create many apps in one process; the global
 registry would refuse the second one's metric names).
@@ -11,16 +24,18 @@ registry would refuse the second one's metric names).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -28,19 +43,33 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from rlt2t.common.config import ServeConfig
+from rlt2t.common.tokenization import LONE_SURROGATE
+from rlt2t.services.batching import ClientGone, Overloaded
 from rlt2t.services.schemas import ErrorResponse, Health
 
 log = logging.getLogger("rlt2t.services.http")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+OPEN_PATHS = ("/healthz",)
+"""Paths answered without a token (GET and HEAD only)."""
+CLIENT_CLOSED = 499
+"""Status recorded (in metrics) for a request whose client disconnected before its answer."""
 
 UNAUTHORIZED = {401: {"model": ErrorResponse, "description": "Missing or wrong bearer token"}}
-OVERLOADED = {503: {"model": ErrorResponse, "description": "Queue full or shutting down; retry after the "
-                    "Retry-After header's seconds", "headers": {"Retry-After": {"schema": {"type": "integer"},
-                                                                                "description": "seconds"}}}}
+OVERLOADED = {503: {"model": ErrorResponse, "description": "Queue full, deadline passed (serve.request_timeout_s) "
+                    "or shutting down; retry after the Retry-After header's seconds",
+                    "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}}}
 NOT_READY = {503: {"model": ErrorResponse, "description": "Not ready"}}
+BODY_REFUSED = {
+    408: {"model": ErrorResponse, "description": "Body not received within serve.body_timeout_s"},
+    413: {"model": ErrorResponse, "description": "Body larger than serve.max_body_bytes"},
+    415: {"model": ErrorResponse, "description": "Body not sent as application/json"},
+}
+"""What the gate may answer to any request with a body, before the route sees it."""
 
 
 def load_token(serve: ServeConfig, base_dir: str | Path | None = None) -> str | None:
@@ -71,17 +100,24 @@ def check_exposure(serve: ServeConfig, host: str, token: str | None) -> None:
                          f"set serve.token_file or ${serve.token_env} (or serve.allow_unauthenticated=true)")
 
 
+def bearer_ok(authorization: str | None, expected: bytes) -> bool:
+    """Whether an ``Authorization`` header value carries the bearer token (constant-time compare)."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode("utf-8", "replace"), expected)
+
+
 def auth_dependencies(token: str | None) -> list[Any]:
-    """FastAPI dependencies for protected routes (none when no token is configured)."""
+    """FastAPI dependencies of protected routes (none when no token is configured): they put the bearer
+    scheme into the OpenAPI document and check it again (the gate has checked it before the body)."""
     if token is None:
         return []
     expected = token.encode("utf-8")
     scheme = HTTPBearer(auto_error=False, description="the server's bearer token")
 
     # A default, not Annotated[...]: with postponed annotations FastAPI could not see the local `scheme`.
-    async def require_token(credentials: HTTPAuthorizationCredentials | None = Depends(scheme)) -> None:  # noqa: B008
-        given = credentials.credentials.encode("utf-8") if credentials is not None else b""
-        if credentials is None or not secrets.compare_digest(given, expected):
+    async def require_token(request: Request,
+                            credentials: HTTPAuthorizationCredentials | None = Depends(scheme)) -> None:  # noqa: B008
+        if not bearer_ok(request.headers.get("authorization"), expected):
             raise HTTPException(401, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     return [Depends(require_token)]
@@ -90,6 +126,17 @@ def auth_dependencies(token: str | None) -> list[Any]:
 def field_error(loc: Sequence[str | int], msg: str, input_value: Any = None) -> RequestValidationError:
     """A 422 naming ``loc`` (e.g. ``("body", "sources", 3)``), in FastAPI's own validation-error shape."""
     return RequestValidationError([{"type": "value_error", "loc": tuple(loc), "msg": msg, "input": input_value}])
+
+
+def disconnected(request: Request) -> Callable[[], Awaitable[None]]:
+    """An awaitable factory completing when the client of ``request`` disconnects (after the body has been
+    read, the server's next ``receive()`` message is the disconnect)."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
 
 
 class ServiceMetrics:
@@ -101,6 +148,8 @@ class ServiceMetrics:
                                 registry=self.registry)
         self.latency = Histogram(f"{prefix}_request_seconds", "Request latency by route", ["route"],
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.rejected = Counter(f"{prefix}_rejected", "Requests refused with 503 (queue full, deadline, stopping)",
+                                registry=self.registry)
 
     def install(self, app: FastAPI) -> None:
         """Count and time every request, labelled by its route template (never the raw path)."""
@@ -108,46 +157,85 @@ class ServiceMetrics:
 
     def observe(self, scope: dict, status: int, seconds: float) -> None:
         route = scope.get("route")
+        label = getattr(route, "path", None)
+        if label is None:  # refused by the gate before routing: find the route it was meant for
+            app = scope.get("app")
+            for candidate in getattr(getattr(app, "router", None), "routes", ()):
+                if candidate.matches(scope)[0] != Match.NONE:
+                    label = candidate.path
+                    break
         # Unknown paths share one label: a scanner must not create one series per path it tries.
-        label = getattr(route, "path", None) or "unmatched"
-        self.requests.labels(label, str(status)).inc()
-        self.latency.labels(label).observe(seconds)
+        self.requests.labels(label or "unmatched", str(status)).inc()
+        self.latency.labels(label or "unmatched").observe(seconds)
 
     def render(self) -> Response:
         return PlainTextResponse(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-class BodyLimit:
-    """Pure ASGI middleware refusing bodies over ``max_bytes`` with 413, by Content-Length or while they
-    stream in: FastAPI would otherwise read and parse a body before even checking the bearer token. The
-    body (at most ``max_bytes``) is read here and replayed to the app."""
+def install_middleware(app: FastAPI, metrics: ServiceMetrics, serve: ServeConfig, token: str | None) -> None:
+    """The gate, then (outermost) the request metrics, so refusals are counted too."""
+    app.add_middleware(RequestGate, token=token, max_bytes=serve.max_body_bytes, body_timeout_s=serve.body_timeout_s)
+    metrics.install(app)
 
-    def __init__(self, app, max_bytes: int, setting: str = "serve.max_body_bytes") -> None:
-        self.app, self.max_bytes, self.setting = app, max_bytes, setting  # setting: named in the 413
+
+async def _answer(send, status: int, detail: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    body = json.dumps({"detail": detail}).encode()  # ASCII: whatever the detail holds, it encodes
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequestGate:
+    """Pure ASGI middleware: everything decided from the request head before the body is read (auth 401,
+    content type 415, declared size 413), then the body read within ``max_bytes`` (413) and
+    ``body_timeout_s`` (408 + close) and replayed to the app. See the module docstring."""
+
+    def __init__(self, app, *, token: str | None, max_bytes: int, body_timeout_s: float, json_only: bool = True,
+                 setting: str = "serve.max_body_bytes") -> None:
+        self.app, self.max_bytes, self.body_timeout_s, self.json_only = app, max_bytes, body_timeout_s, json_only
+        self.expected = token.encode("utf-8") if token is not None else None
+        self.setting = setting  # named in the 413
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
-            return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away: let the app see it
-                chunks = None
-                break
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                await self._refuse(send)
+        started = time.monotonic()
+        scope.setdefault("state", {})["arrived"] = started  # request.state.arrived: deadlines count from here
+        headers = dict(scope.get("headers") or [])
+        method = scope["method"]
+        open_route = scope["path"] in OPEN_PATHS and method in ("GET", "HEAD")
+        if self.expected is not None and not open_route:
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            if not bearer_ok(authorization, self.expected):
+                await _answer(send, 401, "missing or invalid bearer token", [(b"www-authenticate", b"Bearer")])
                 return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        if chunks is None:
-            await self.app(scope, receive, send)
+        if self.json_only and method in ("POST", "PUT", "PATCH") and (problem := _content_type_problem(headers)):
+            await _answer(send, 415, problem)
+            return
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(send)
+            return
+        chunks: list[bytes] = []
+        try:
+            async with asyncio.timeout_at(asyncio.get_running_loop().time() + self.body_timeout_s):
+                size = 0
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client went away mid-body: nobody to answer
+                        return
+                    size += len(message.get("body", b""))
+                    if size > self.max_bytes:
+                        await self._too_large(send)
+                        return
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await _answer(send, 408, f"request body not received within {self.body_timeout_s:g}s "
+                          "(serve.body_timeout_s)", [(b"connection", b"close")])
             return
         body, replayed = b"".join(chunks), False
 
@@ -156,15 +244,37 @@ class BodyLimit:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: disconnect notifications
+            return await receive()  # after the body: the disconnect notification
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send) -> None:
-        body = json.dumps({"detail": f"request body larger than {self.max_bytes} bytes ({self.setting})"})
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body.encode()})
+    async def _too_large(self, send) -> None:
+        await _answer(send, 413, f"request body larger than {self.max_bytes} bytes ({self.setting})",
+                      [(b"connection", b"close")])
+
+
+class BodyLimit(RequestGate):
+    """The gate's body handling alone (413, 408), for apps with their own auth and content types (the
+    annotation app's cookie sessions and forms)."""
+
+    def __init__(self, app, max_bytes: int, setting: str = "serve.max_body_bytes", body_timeout_s: float = 30.0
+                 ) -> None:
+        super().__init__(app, token=None, max_bytes=max_bytes, body_timeout_s=body_timeout_s, json_only=False,
+                         setting=setting)
+
+
+def _content_type_problem(headers: dict[bytes, bytes]) -> str | None:
+    """Why a request's body cannot be read as JSON from its headers alone, or None (no body is fine)."""
+    given = headers.get(b"content-type")
+    if given is None:
+        has_body = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+        return "request body without a content type: send it as application/json" if has_body else None
+    text = given.decode("latin-1")
+    media, *params = (part.strip().lower() for part in text.split(";"))
+    charset = next((p.split("=", 1)[1].strip('"') for p in params if p.startswith("charset=")), "utf-8")
+    if media != "application/json" or charset not in ("utf-8", "utf8"):
+        return f"content type {text[:100]!r} is not supported: send the body as application/json (UTF-8)"
+    return None
 
 
 class _ObserveRequests:
@@ -193,12 +303,16 @@ class _ObserveRequests:
 
 
 def add_common_routes(app: FastAPI, metrics: ServiceMetrics, ready, protected: list[Any]) -> None:
-    """``/healthz`` (no auth), ``/readyz`` and ``/metrics``; ``ready()`` says whether the app can serve."""
+    """``/healthz`` (GET and HEAD, no auth), ``/readyz`` and ``/metrics``; ``ready()`` says whether the app
+    can serve."""
 
-    @app.get("/healthz", response_model=Health, tags=["ops"])
     async def healthz() -> Health:
         """Liveness: the process answers."""
         return Health(status="ok")
+
+    app.add_api_route("/healthz", healthz, methods=["GET"], response_model=Health, tags=["ops"])
+    app.add_api_route("/healthz", healthz, methods=["HEAD"], response_model=Health, tags=["ops"],
+                      operation_id="healthz_head")
 
     @app.get("/readyz", response_model=Health, dependencies=protected, tags=["ops"],
              responses={**NOT_READY, **(UNAUTHORIZED if protected else {})})
@@ -213,6 +327,17 @@ def add_common_routes(app: FastAPI, metrics: ServiceMetrics, ready, protected: l
     async def prometheus_metrics() -> Response:
         """Prometheus text exposition of this app's metrics."""
         return metrics.render()
+
+
+def _printable(value: Any) -> Any:
+    """``value`` with every string encodable as UTF-8: lone surrogates become ``\\udXXX`` text."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8") if LONE_SURROGATE.search(value) else value
+    if isinstance(value, list | tuple):
+        return [_printable(v) for v in value]
+    if isinstance(value, dict):
+        return {_printable(str(k)): _printable(v) for k, v in value.items()}
+    return value
 
 
 def _echo_safe(value: Any, depth: int = 0) -> Any:
@@ -230,28 +355,99 @@ def _echo_safe(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """422s in FastAPI's shape but safe to serialise; unexpected exceptions become a logged 500 with a JSON
-    body (they are bugs: no input should reach one)."""
+class ErrorJSONResponse(JSONResponse):
+    """JSON error body that always encodes (see :func:`_printable`)."""
+
+    def render(self, content: Any) -> bytes:
+        return super().render(_printable(content))
+
+
+def install_error_handlers(app: FastAPI, metrics: ServiceMetrics | None = None) -> None:
+    """422s in FastAPI's shape but safe to serialise; 503 + Retry-After for :class:`Overloaded`; nothing for
+    a client that is gone; unexpected exceptions become a logged 500 with a JSON body (they are bugs: no
+    input should reach one)."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI's default handler echoes each bad input verbatim: a NaN there cannot be serialised (a 500
-        # for a bad request), and a 100k-character source would come straight back.
+        # FastAPI's default handler echoes each bad input verbatim: a NaN or a lone surrogate there cannot be
+        # serialised (a 500 for a bad request), and a 100k-character source would come straight back.
         errors = [{**e, "input": _echo_safe(jsonable_encoder(e.get("input"), custom_encoder={float: _echo_safe})),
                    **({"ctx": _echo_safe(jsonable_encoder(e["ctx"], custom_encoder={float: _echo_safe}))}
                       if "ctx" in e else {})} for e in exc.errors()]
-        return JSONResponse({"detail": errors}, status_code=422)
+        return ErrorJSONResponse({"detail": errors}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:
             # FastAPI's 400 for an unparseable body (not UTF-8, ...): a field error on `body` like any other.
-            return JSONResponse({"detail": [{"type": "body_parse_error", "loc": ["body"], "msg": str(exc.detail)}]},
-                                status_code=422)
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+            return ErrorJSONResponse({"detail": [{"type": "body_parse_error", "loc": ["body"],
+                                                  "msg": str(exc.detail)}]}, status_code=422)
+        return ErrorJSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Overloaded)
+    async def overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        if metrics is not None:
+            metrics.rejected.inc()
+        return ErrorJSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=CLIENT_CLOSED)  # never read: the metrics record it
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return JSONResponse({"detail": f"internal error: {type(exc).__name__}"}, status_code=500)
+        return ErrorJSONResponse({"detail": f"internal error: {type(exc).__name__}"}, status_code=500)
+
+
+def _head_timeout_protocol(seconds: float) -> type:
+    """uvicorn's HTTP protocol closing a connection whose request head has not arrived within ``seconds``
+    of the connection or of its previous response (uvicorn waits for a head forever: a client that sends
+    half of one, or nothing, would hold its connection open)."""
+
+    class HeadTimeoutProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._in_request():  # a head arrived: the request is uvicorn's and the app's now
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next head has `seconds` from here (idle time included)
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _in_request(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _expired(self) -> None:
+            self._head_timer = None
+            if not self._in_request() and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeadTimeoutProtocol
+
+
+def uvicorn_config(app, serve: ServeConfig, **kwargs: Any) -> uvicorn.Config:
+    """uvicorn settings of both servers (``rlt2t serve`` and the deployed actor): the request-head timeout
+    and the keep-alive timeout from ``serve``; ``kwargs`` go to ``uvicorn.Config`` as they are."""
+    return uvicorn.Config(app, http=_head_timeout_protocol(serve.header_timeout_s),
+                          timeout_keep_alive=serve.keepalive_timeout_s, **kwargs)

@@ -13,12 +13,22 @@ Routes (see ``rlt2t.services.schemas`` for the bodies):
   when given, else from the request's own references, in which case a pair's scores depend on the other
   references in the request.
 - ``POST /v1/score``: teacher-forced per-token log-probs of targets given a source (the rerank primitive).
-- ``GET /v1/model``, ``/healthz`` (no auth), ``/readyz``, ``/metrics``.
+- ``GET /v1/model``, ``POST /v1/reload`` (serve the newest checkpoint on disk even when older: an
+  operator's action), ``/healthz`` (GET/HEAD, no auth), ``/readyz``, ``/metrics``.
 
 Limits: ``serve.max_sources_per_call`` sources (or items) per request; ``serve.max_tokens_per_source``
 tokens per text *as the model's tokenizer counts them* (special tokens excluded), further capped by the
 model's positions less one (room for EOS); ``serve.max_candidates_per_source`` samples, beam width,
-hypotheses or scored targets per source. Violations are 422s naming the field.
+hypotheses or scored targets per source; every text under the tokenizer's token rule
+(``text_checker``: an ``ids`` vocabulary takes data tokens and <sep> only; no kind takes other special
+tokens). Violations are 422s naming the field (and the item, and the first bad token).
+
+Work: each request's cost is estimated before it is queued, in token positions: rows × (source tokens +
+max_new_tokens) for /v1/candidates (rows = sources × candidates, × beam width in beam mode) and
+/v1/pairs, Σ (source + target tokens + 1) for /v1/score. Above ``serve.max_request_cost`` it is a 422
+naming the product; queued work is bounded by ``serve.max_queue_cost`` (503 + Retry-After), each model call
+by ``serve.max_call_cost`` (see ``rlt2t.services.batching``). A request is dropped, queued or running,
+when its client disconnects or ``serve.request_timeout_s`` passes (503 + Retry-After).
 """
 
 from __future__ import annotations
@@ -30,8 +40,7 @@ from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, HTTPException, Request
 from prometheus_client import Counter, Gauge, Histogram
 from starlette.concurrency import run_in_threadpool
 
@@ -40,17 +49,19 @@ from rlt2t.common.config import Config
 from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.rewards import score_pairs, task_reward
 from rlt2t.common.sampling import candidate_set, stable_seed
-from rlt2t.services.backends import Generation, PolicyBackend, Sampling, Scored, load_backend
+from rlt2t.services.backends import Generation, PolicyBackend, Sampling, Scored, StepControl, load_backend
 from rlt2t.services.batching import Batcher, Overloaded
 from rlt2t.services.http import (
+    BODY_REFUSED,
     OVERLOADED,
     UNAUTHORIZED,
-    BodyLimit,
     ServiceMetrics,
     add_common_routes,
     auth_dependencies,
+    disconnected,
     field_error,
     install_error_handlers,
+    install_middleware,
     load_token,
 )
 from rlt2t.services.reload import CheckpointWatcher, is_checkpoint_root
@@ -58,6 +69,7 @@ from rlt2t.services.schemas import (
     Candidate,
     CandidatesRequest,
     CandidatesResponse,
+    ErrorResponse,
     ModelInfo,
     PairsRequest,
     PairsResponse,
@@ -74,22 +86,24 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # -- runners: executed on the batcher's worker thread, one merged call per batch ----------------------
 
-def _run_candidates(backend: PolicyBackend, key: tuple[str, Sampling], items: list[tuple[str, list[int]]]
-                    ) -> list[list[Generation]]:
+def _run_candidates(backend: PolicyBackend, key: tuple[str, Sampling], items: list[tuple[str, list[int]]],
+                    control: StepControl) -> list[list[Generation]]:
     sampling = key[1]
-    return backend.candidates([s for s, _ in items], sampling, [seed for _, seeds in items for seed in seeds])
+    return backend.candidates([s for s, _ in items], sampling, [seed for _, seeds in items for seed in seeds],
+                              control)
 
 
-def _run_pair_samples(backend: PolicyBackend, key: tuple[str, Sampling], items: list[tuple[str, str, int]]
-                      ) -> list[list[Generation]]:
+def _run_pair_samples(backend: PolicyBackend, key: tuple[str, Sampling], items: list[tuple[str, str, int]],
+                      control: StepControl) -> list[list[Generation]]:
     # Row seeds as RolloutWorker keys them, with the version of the weights that actually sample.
     sampling = key[1]
     seeds = [stable_seed(seed, backend.version, ex_id, j) for _, ex_id, seed in items
              for j in range(sampling.num_candidates)]
-    return backend.candidates([s for s, _, _ in items], sampling, seeds)
+    return backend.candidates([s for s, _, _ in items], sampling, seeds, control)
 
 
-def _run_score(backend: PolicyBackend, key: str, items: list[tuple[str, list[str]]]) -> list[list[Scored]]:
+def _run_score(backend: PolicyBackend, key: str, items: list[tuple[str, list[str]]],
+               control: StepControl) -> list[list[Scored]]:
     return backend.score([s for s, _ in items], [t for _, t in items])
 
 
@@ -102,11 +116,11 @@ class _PolicyMetrics(ServiceMetrics):
                                        buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry)
         self.queue_depth = Gauge("rlt2t_policy_queue_sources", "Sources waiting for a model call",
                                  registry=self.registry)
+        self.queue_cost = Gauge("rlt2t_policy_queue_cost", "Work (token positions) waiting for a model call",
+                                registry=self.registry)
         self.model_version = Gauge("rlt2t_policy_model_version", "Policy version being served",
                                    registry=self.registry)
         self.reloads = Counter("rlt2t_policy_reloads", "Checkpoints hot-reloaded", registry=self.registry)
-        self.rejected = Counter("rlt2t_policy_rejected", "Requests refused with 503 (queue full)",
-                                registry=self.registry)
 
     def on_batch(self, sources: int, seconds: float) -> None:
         self.batch_sources.observe(sources)
@@ -145,8 +159,9 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
 
     metrics = _PolicyMetrics()
     batcher = Batcher(backend, max_batch_size=serve.max_batch_size, max_wait_ms=serve.max_wait_ms,
-                      max_queue=serve.max_queue, on_batch=metrics.on_batch)
+                      max_queue_cost=serve.max_queue_cost, max_call_cost=serve.max_call_cost, on_batch=metrics.on_batch)
     metrics.queue_depth.set_function(lambda: batcher.queue_depth)
+    metrics.queue_cost.set_function(lambda: batcher.queued_cost)
     metrics.model_version.set_function(lambda: batcher.backend.version if batcher.backend is not None else -1)
 
     def install(new: PolicyBackend) -> None:
@@ -177,15 +192,9 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
 
     app = FastAPI(title="rlt2t policy server", version="1", lifespan=lifespan)
     app.state.batcher, app.state.watcher, app.state.metrics = batcher, watcher, metrics
-    install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=serve.max_body_bytes)
-    metrics.install(app)
+    install_error_handlers(app, metrics)
+    install_middleware(app, metrics, serve, token)
     add_common_routes(app, metrics, lambda: batcher.backend is not None and not batcher.stopping, protected)
-
-    @app.exception_handler(Overloaded)
-    async def overloaded(request: Request, exc: Overloaded) -> JSONResponse:
-        metrics.rejected.inc()
-        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": str(exc.retry_after)})
 
     # -- validation shared by the routes -------------------------------------------------------------
 
@@ -201,13 +210,37 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         # EOS takes one position: a text of n tokens is n + 1 ids on the encoder or decoder side.
         return min(serve.max_tokens_per_source, loaded().max_positions - 1)
 
-    def check_texts(field: str, texts: Sequence[str], nested: int | None = None) -> None:
-        limit = token_limit()
-        for i, n in enumerate(loaded().count_tokens(texts)):
+    def check_texts(field: str, texts: Sequence[str]) -> list[int]:
+        """Each text under the token rule and the length limit; returns their token counts."""
+        backend, limit = loaded(), token_limit()
+        for i, text in enumerate(texts):
+            if (problem := backend.check_text(text)) is not None:
+                raise field_error(("body", field, i), problem, text)
+        counts = backend.count_tokens(texts)
+        for i, n in enumerate(counts):
             if n > limit:
-                loc = ("body", field, i) if nested is None else ("body", field, nested, i)
-                raise field_error(loc, f"{n} tokens; at most {limit} per text (serve.max_tokens_per_source and "
-                                  "the model's positions)")
+                raise field_error(("body", field, i), f"{n} tokens; at most {limit} per text "
+                                  "(serve.max_tokens_per_source and the model's positions)")
+        return counts
+
+    def check_cost(costs: Sequence[int], product: str) -> list[int]:
+        """The per-item work estimates of a request, refused (422) when their sum is over the bound."""
+        total = sum(costs)
+        if total > serve.max_request_cost:
+            raise field_error(("body",), f"work {product} = {total} token positions; at most "
+                              f"{serve.max_request_cost} per request (serve.max_request_cost)")
+        return list(costs)
+
+    def sampling_costs(counts: Sequence[int], rows: int, max_new: int, what: str) -> list[int]:
+        costs = [rows * (n + max_new) for n in counts]
+        mean = sum(counts) / max(1, len(counts))
+        return check_cost(costs, f"{len(counts)} sources x {rows} {what} x ({mean:.0f} source tokens on average "
+                          f"+ {max_new} new tokens)")
+
+    async def submit(request: Request, key, items: list, runner, costs: list[int]):
+        # The deadline counts from the request's arrival at the gate (body reading and validation included).
+        return await batcher.submit(key, items, runner, costs=costs, gone=disconnected(request),
+                                    deadline=request.state.arrived + serve.request_timeout_s)
 
     def check_count(field: str, value: int, limit: int, what: str) -> None:
         if value > limit:
@@ -227,8 +260,8 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     # -- routes --------------------------------------------------------------------------------------
 
     @app.post("/v1/candidates", response_model=CandidatesResponse, dependencies=protected, tags=["policy"],
-              responses={**auth_responses, **OVERLOADED})
-    async def candidates(req: CandidatesRequest) -> CandidatesResponse:
+              responses={**auth_responses, **OVERLOADED, **BODY_REFUSED})
+    async def candidates(req: CandidatesRequest, request: Request) -> CandidatesResponse:
         """Sample or beam-search candidates for each source."""
         check_count("sources", len(req.sources), serve.max_sources_per_call, "sources")
         check_count("num_candidates", req.num_candidates, serve.max_candidates_per_source, "candidates per source")
@@ -236,7 +269,9 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             check_count("beam_size", req.beam_size, serve.max_candidates_per_source, "beams")
             check_count("num_candidates", req.num_candidates, req.beam_size, "hypotheses (beam_size)")
         check_new_tokens(req.max_new_tokens)
-        check_texts("sources", req.sources)
+        counts = check_texts("sources", req.sources)
+        rows, what = (req.beam_size, "beams") if req.mode == "beam" else (req.num_candidates, "candidates")
+        costs = sampling_costs(counts, rows, req.max_new_tokens, what)
         # Only the settings a mode uses go into the batching key, so e.g. beam requests that differ in an
         # (unused) temperature still share a model call.
         if req.mode == "beam":
@@ -248,7 +283,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
                                 temperature=req.temperature, beam_size=1, max_new_tokens=req.max_new_tokens)
         base = req.seed if req.seed is not None else secrets.randbits(63)
         items = [(s, [stable_seed(base, i, j) for j in range(req.num_candidates)]) for i, s in enumerate(req.sources)]
-        results, used = await batcher.submit(("candidates", sampling), items, _run_candidates)
+        results, used = await submit(request, ("candidates", sampling), items, _run_candidates, costs)
         return CandidatesResponse(
             candidates=[[Candidate(text=g.text, token_ids=g.token_ids, logprobs=g.logprobs,
                                    total_logprob=float(sum(g.logprobs))) for g in gens] for gens in results],
@@ -256,8 +291,8 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         )
 
     @app.post("/v1/pairs", response_model=PairsResponse, dependencies=protected, tags=["policy"],
-              responses={**auth_responses, **OVERLOADED})
-    async def pairs(req: PairsRequest) -> PairsResponse:
+              responses={**auth_responses, **OVERLOADED, **BODY_REFUSED})
+    async def pairs(req: PairsRequest, request: Request) -> PairsResponse:
         """Scored (better, worse) pairs for rank training, one per source."""
         r = cfg.rollout
         n = len(req.sources)
@@ -270,9 +305,10 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         check_count("num_samples", num_samples, serve.max_candidates_per_source, "samples per source")
         max_new = req.max_new_tokens if req.max_new_tokens is not None else r.max_new_tokens
         check_new_tokens(max_new)
-        check_texts("sources", req.sources)
+        counts = check_texts("sources", req.sources)
         check_texts("references", req.references)
         check_top_p(req.top_p)
+        costs = sampling_costs(counts, num_samples, max_new, "samples")
         sampling = Sampling(mode="sample", num_candidates=num_samples,
                             top_k=req.top_k if req.top_k is not None else r.top_k, top_p=req.top_p,
                             temperature=req.temperature if req.temperature is not None else r.temperature,
@@ -280,8 +316,8 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         ids = list(req.example_ids) if req.example_ids is not None else [str(i) for i in range(n)]
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         include_gold = req.include_gold if req.include_gold is not None else r.include_gold
-        results, used = await batcher.submit(("pairs", sampling), list(zip(req.sources, ids, [seed] * n, strict=True)),
-                                             _run_pair_samples)
+        results, used = await submit(request, ("pairs", sampling), list(zip(req.sources, ids, [seed] * n, strict=True)),
+                                     _run_pair_samples, costs)
 
         def score() -> list:
             sets = [candidate_set(ex_id, src, ref, [g.text for g in gens], include_gold=include_gold, seed=seed,
@@ -294,16 +330,21 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         return PairsResponse(pairs=[ScoredPair(**vars(p)) for p in scored], policy_version=used.version)
 
     @app.post("/v1/score", response_model=ScoreResponse, dependencies=protected, tags=["policy"],
-              responses={**auth_responses, **OVERLOADED})
-    async def score(req: ScoreRequest) -> ScoreResponse:
+              responses={**auth_responses, **OVERLOADED, **BODY_REFUSED})
+    async def score(req: ScoreRequest, request: Request) -> ScoreResponse:
         """Teacher-forced log-probs of each target given the source."""
         check_count("targets", len(req.targets), serve.max_candidates_per_source, "targets")
-        limit = token_limit()
-        (n_source,) = loaded().count_tokens([req.source])
+        backend, limit = loaded(), token_limit()
+        if (problem := backend.check_text(req.source)) is not None:
+            raise field_error(("body", "source"), problem, req.source)
+        (n_source,) = backend.count_tokens([req.source])
         if n_source > limit:
             raise field_error(("body", "source"), f"{n_source} tokens; at most {limit} per text")
-        check_texts("targets", req.targets)
-        results, used = await batcher.submit("score", [(req.source, list(req.targets))], _run_score)
+        counts = check_texts("targets", req.targets)
+        cost = check_cost([sum(n_source + n + 1 for n in counts)],
+                          f"{len(counts)} targets x ({n_source} source tokens + {sum(counts) / len(counts):.0f} "
+                          "target tokens on average + 1)")
+        results, used = await submit(request, "score", [(req.source, list(req.targets))], _run_score, cost)
         return ScoreResponse(
             scores=[TargetScore(token_ids=s.token_ids, logprobs=s.logprobs, total_logprob=float(sum(s.logprobs)),
                                 mean_logprob=float(sum(s.logprobs)) / max(1, len(s.logprobs)))
@@ -314,9 +355,28 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     @app.get("/v1/model", response_model=ModelInfo, dependencies=protected, tags=["policy"],
              responses={**auth_responses, **OVERLOADED})
     async def model_info() -> ModelInfo:
-        """The weights being served."""
+        """The weights being served (and, when they are not the newest on disk, why)."""
         b = loaded()
         return ModelInfo(version=b.version, checkpoint=b.checkpoint, checksum=b.checksum, loaded_at=b.loaded_at,
-                         backend=b.name, max_source_tokens=token_limit())
+                         backend=b.name, max_source_tokens=token_limit(),
+                         on_disk=watcher.on_disk if watcher is not None else True,
+                         note=watcher.note if watcher is not None else None)
+
+    @app.post("/v1/reload", response_model=ModelInfo, dependencies=protected, tags=["policy"],
+              responses={**auth_responses, **BODY_REFUSED,
+                         409: {"model": ErrorResponse, "description": "Nothing to reload"}})
+    async def reload() -> ModelInfo:
+        """Serve the newest complete checkpoint of the watched directory, even one older than the checkpoint
+        being served (hot reload never goes back on its own): an operator's action after the served one
+        was deleted."""
+        if watcher is None:
+            raise HTTPException(409, "serving a single model directory: there is nothing to reload")
+        try:
+            installed = await run_in_threadpool(watcher.load_newest)
+        except Exception as e:
+            raise HTTPException(409, f"could not load the newest checkpoint: {type(e).__name__}: {e}") from e
+        if not installed and batcher.backend is None:
+            raise HTTPException(409, f"no complete checkpoint under {watch_root}")
+        return await model_info()
 
     return app

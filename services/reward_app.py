@@ -14,37 +14,50 @@ classifiers, metrics, weighted; ``rlt2t.common.rewards``); a request naming one 
 when a newer complete checkpoint appears (``rlt2t.services.learned_rewards``).
 
 Limits: at most ``serve.max_sources_per_call × serve.max_candidates_per_source`` candidates per request
-and ``serve.max_tokens_per_source`` whitespace tokens per text (the metrics tokenise on whitespace;
-there is no model tokenizer here). Unknown metric names are 422s naming ``metrics[i]``.
+and ``serve.max_tokens_per_source`` whitespace tokens per text (the metrics tokenise on whitespace).
+When the run has a tokenizer (``{run}/tokenizer``), every text obeys its token rule (``text_checker``,
+as the data loader: an ``ids`` vocabulary takes data tokens and <sep> only; no kind takes other special
+tokens). Unknown metric names are 422s naming ``metrics[i]``.
+
+Work is bounded like the policy server's (``rlt2t.services.batching``): a request's cost is
+Σ over its candidates and their references of (candidate tokens + 1) × (reference tokens + 1) plus their
+characters, times the number of metrics (ROUGE-L's table; chrF's character n-grams); above ``serve.max_reward_cost`` it is a 422
+naming the product, queued work above ``serve.max_reward_queue_cost`` a 503 + Retry-After. Scoring runs
+on one worker thread, off the event loop, in parts of at most ``serve.max_reward_call_cost``; a request
+whose client disconnected or whose ``serve.request_timeout_s`` passed is dropped between parts.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
 from rlt2t.common.config import Config
 from rlt2t.common.metrics import DocumentFrequency, available_metrics, get_metric
+from rlt2t.common.tokenization import load_tokenizer, text_checker
+from rlt2t.services.batching import Batcher, CallControl
 from rlt2t.services.http import (
+    BODY_REFUSED,
+    OVERLOADED,
     UNAUTHORIZED,
-    BodyLimit,
     ServiceMetrics,
     add_common_routes,
     auth_dependencies,
+    disconnected,
     field_error,
     install_error_handlers,
+    install_middleware,
     load_token,
 )
 from rlt2t.services.learned_rewards import NamedRewards
-from rlt2t.services.schemas import ErrorResponse, RewardRequest, RewardResponse
+from rlt2t.services.schemas import RewardRequest, RewardResponse
 
 log = logging.getLogger("rlt2t.services.reward")
-# The BodyLimit middleware's answer, documented so clients (and the schema fuzzer) expect it.
-BODY_TOO_LARGE = {413: {"model": ErrorResponse, "description": "Body over serve.max_body_bytes"}}
 
 
 def metric_params(name: str, cfg: Config, df: DocumentFrequency) -> dict:
@@ -56,6 +69,54 @@ def metric_params(name: str, cfg: Config, df: DocumentFrequency) -> dict:
     return {}
 
 
+class _OwnFrequencies:
+    """A request's own CIDEr-D document frequencies, as (part of) a batching key: requests scored with
+    their own frequencies never share a call."""
+
+    def __init__(self, df: DocumentFrequency) -> None:
+        self.df = df
+
+
+class _Scorer:
+    """The reward server's "backend" for the batcher: scores (candidate, references, source) items per metric or
+    named (learned) reward."""
+
+    def __init__(self, cfg: Config, fixed_df: DocumentFrequency | None, named: NamedRewards) -> None:
+        self.cfg, self.fixed_df, self.named = cfg, fixed_df, named
+
+    def score(self, key: tuple[tuple[str, ...], _OwnFrequencies | None],
+              items: list[tuple[str, list[str] | None, str | None]]) -> list[dict[str, float]]:
+        names, own = key
+        df = own.df if own is not None else self.fixed_df
+        hyps = [c for c, _, _ in items]
+        refs = [r for _, r, _ in items] if all(r is not None for _, r, _ in items) else None
+        sources = [s for _, _, s in items]
+        columns = {}
+        for name in names:
+            if name in self.named.rewards:
+                columns[name] = self.named.score(name, sources, hyps, refs).tolist()  # type: ignore[arg-type]
+            else:
+                columns[name] = get_metric(name, **metric_params(name, self.cfg, df)).per_sample(hyps, refs).tolist()
+        return [{name: columns[name][i] for name in names} for i in range(len(items))]
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def _run_reward(scorer: _Scorer, key, items: list, control: CallControl) -> list[dict[str, float]]:
+    return scorer.score(key, items)  # metrics have no decoding steps: a call is stopped between parts
+
+
+def reward_cost(candidate: str, references: Sequence[str], num_metrics: int, source: str = "") -> int:
+    """Work estimate of one item: Σ_refs ((candidate tokens + 1) × (reference tokens + 1) + their characters),
+    × metrics: ROUGE-L's table, and the character n-grams of chrF; without references (a learned reward) the
+    source and candidate characters (what a reward model reads)."""
+    n = len(candidate.split()) + 1
+    if not references:
+        return num_metrics * (n + len(candidate) + len(source))
+    return num_metrics * sum(n * (len(r.split()) + 1) + len(candidate) + len(r) for r in references)
+
+
 def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> FastAPI:
     """The reward server app; ``document_frequency`` is a JSON written by ``DocumentFrequency.save``."""
     serve = cfg.serve
@@ -64,31 +125,39 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
     protected = auth_dependencies(token)
     metrics = ServiceMetrics("rlt2t_reward")
     max_items = serve.max_sources_per_call * serve.max_candidates_per_source
+    # The run's token rule, when the run has a tokenizer (the rule of its data files).
+    check_tokens = text_checker(load_tokenizer(cfg.tokenizer_dir)) if cfg.tokenizer_dir.is_dir() else None
     named = NamedRewards(cfg, document_frequency=fixed_df)  # reward.named: learned rewards, hot-reloaded
+    batcher = Batcher(_Scorer(cfg, fixed_df, named), max_batch_size=max_items, max_wait_ms=0,
+                      max_queue_cost=serve.max_reward_queue_cost, max_call_cost=serve.max_reward_call_cost)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         named.start()
+        batcher.start()
         try:
             yield
         finally:
+            batcher.stop()
             named.stop()
 
     app = FastAPI(title="rlt2t reward server", version="1", lifespan=lifespan)
+    app.state.batcher = batcher
     app.state.named_rewards = named
-    install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=cfg.serve.max_body_bytes)
-    metrics.install(app)
-    add_common_routes(app, metrics, lambda: True, protected)
+    install_error_handlers(app, metrics)
+    install_middleware(app, metrics, serve, token)
+    add_common_routes(app, metrics, lambda: not batcher.stopping, protected)
 
     def check_text(loc: tuple, text: str) -> None:
+        if check_tokens is not None and (problem := check_tokens(text)) is not None:
+            raise field_error(loc, problem, text)
         n = len(text.split())
         if n > serve.max_tokens_per_source:
             raise field_error(loc, f"{n} tokens; at most {serve.max_tokens_per_source} (serve.max_tokens_per_source)")
 
     @app.post("/v1/reward", response_model=RewardResponse, dependencies=protected, tags=["reward"],
-              responses={**(UNAUTHORIZED if token else {}), **BODY_TOO_LARGE})
-    async def reward(req: RewardRequest) -> RewardResponse:
+              responses={**(UNAUTHORIZED if token else {}), **OVERLOADED, **BODY_REFUSED})
+    async def reward(req: RewardRequest, request: Request) -> RewardResponse:
         """Per-sample scores of each candidate for each requested metric."""
         n = len(req.candidates)
         if n > max_items:
@@ -122,12 +191,23 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
                 for j, text in enumerate(given):
                     check_text(("body", "references", i, j), text)
 
-        def score() -> dict[str, list[float]]:
-            df = fixed_df if fixed_df is not None or refs is None else DocumentFrequency.from_references(refs)
-            return {name: named.score(name, req.sources, req.candidates, refs).tolist() if name in named.rewards
-                    else get_metric(name, **metric_params(name, cfg, df)).per_sample(req.candidates, refs).tolist()
-                    for name in req.metrics}
-
-        return RewardResponse(scores=await run_in_threadpool(score))
+        sources = list(req.sources) if req.sources is not None else [None] * n
+        item_refs = refs if refs is not None else [None] * n
+        costs = [reward_cost(c, r or [], len(req.metrics), s or "")
+                 for c, r, s in zip(req.candidates, item_refs, sources, strict=True)]
+        if (total := sum(costs)) > serve.max_reward_cost:
+            average = sum(map(len, refs)) / n if refs is not None else 0.0
+            raise field_error(("body",), f"work {n} candidates x {average:.1f} references on average "
+                              f"x ((candidate tokens + 1) x (reference tokens + 1) + characters) x {len(req.metrics)} "
+                              "metrics = "
+                              f"{total}; at most {serve.max_reward_cost} per request (serve.max_reward_cost)")
+        own = None
+        if fixed_df is None and refs is not None:  # counted over the request's references, off the event loop
+            own = _OwnFrequencies(await run_in_threadpool(DocumentFrequency.from_references, refs))
+        items = list(zip(req.candidates, item_refs, sources, strict=True))
+        results, _ = await batcher.submit((tuple(req.metrics), own), items,
+                                          _run_reward, costs=costs, gone=disconnected(request),
+                                          deadline=request.state.arrived + serve.request_timeout_s)
+        return RewardResponse(scores={name: [r[name] for r in results] for name in req.metrics})
 
     return app

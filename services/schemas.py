@@ -2,7 +2,9 @@
 
 Both the FastAPI apps and the typed client (``rlt2t.services.client``) use these models, so a field
 renamed here changes both sides at once. Every request model forbids unknown fields and non-finite
-numbers: a typo or a NaN is a 422 naming the field, never a 5xx.
+numbers and is strict: no string is read as a number or a boolean (``"3"`` is not 3, ``true`` is not 1),
+and every string must be Unicode text (pydantic refuses lone surrogates). A typo, a NaN or a wrong type is a 422
+naming the field, never a 5xx.
 
 Static bounds (``TEXT_MAX_CHARS``, ``LIST_MAX_ITEMS``, ...) only keep a hostile request cheap to
 reject; the configured limits (``serve.max_sources_per_call``, ``serve.max_tokens_per_source``,
@@ -27,10 +29,11 @@ SEED_MAX = 2**63 - 1
 SourceText = Annotated[str, StringConstraints(min_length=1, max_length=TEXT_MAX_CHARS, pattern=r"\S")]
 # Targets, candidates and references may be empty strings (a policy can emit EOS at once).
 Text = Annotated[str, StringConstraints(max_length=TEXT_MAX_CHARS)]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, use_attribute_docstrings=True)
 
 
 class _Response(BaseModel):
@@ -70,7 +73,7 @@ class CandidatesRequest(SamplingParams):
     """POST /v1/candidates."""
 
     sources: list[SourceText] = Field(min_length=1, max_length=LIST_MAX_ITEMS)
-    """Source texts; any text is accepted (unknown words become the tokenizer's <unk>)."""
+    """Source texts, under the tokenizer's token rule (an ``ids`` vocabulary: data tokens and <sep> only)."""
 
 
 class Candidate(_Response):
@@ -103,8 +106,7 @@ class PairsRequest(_Request):
     """Source texts."""
     references: list[Text] = Field(min_length=1, max_length=LIST_MAX_ITEMS)
     """Gold target of each source (same length as sources)."""
-    example_ids: list[Annotated[str, StringConstraints(min_length=1, max_length=256)]] | None = Field(
-        None, max_length=LIST_MAX_ITEMS)
+    example_ids: list[Name] | None = Field(None, max_length=LIST_MAX_ITEMS)
     """Example ids keying the sampling randomness (default: "0", "1", ... by position)."""
     num_samples: int | None = Field(None, ge=1, le=LIST_MAX_ITEMS)
     """K samples per source before the gold is added."""
@@ -186,6 +188,11 @@ class ModelInfo(_Response):
     """Inference backend (`torch`, ...)."""
     max_source_tokens: int
     """Effective tokens-per-source limit (config limit and model positions)."""
+    on_disk: bool = True
+    """False once the served checkpoint has been deleted: the server keeps serving the weights it loaded."""
+    note: str | None = None
+    """Why the server is not serving the newest checkpoint on disk, when it is not (e.g. the served one was
+    deleted and only older ones remain: serving one of those is POST /v1/reload or a restart)."""
 
 
 class Health(_Response):
@@ -203,7 +210,7 @@ class RewardRequest(_Request):
     """Per candidate: one reference string, or a list of references (required by reference metrics)."""
     sources: list[Text] | None = Field(None, min_length=1, max_length=LIST_MAX_ITEMS)
     """Per candidate: its source (required by the server's named rewards, which score (source, candidate))."""
-    metrics: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(
+    metrics: list[Annotated[Name, StringConstraints(max_length=64)]] = Field(
         default_factory=lambda: ["task_score"], min_length=1, max_length=32)
     """Registered metric names (task_score uses the server's reward.bleu_weight / cider_sigma), or names of
     the server's learned rewards (reward.named)."""

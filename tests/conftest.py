@@ -15,6 +15,7 @@ import uvicorn
 from rlt2t.common.config import ModelConfig
 from rlt2t.common.policy import load_policy
 from rlt2t.common.tokenization import build_ids_tokenizer, save_tokenizer
+from rlt2t.services.http import uvicorn_config
 
 # Two cores, many small ops: extra threads only add contention in tests.
 torch.set_num_threads(1)
@@ -44,14 +45,17 @@ def _quiet_transformers():
 
 
 class LiveServer:
-    """uvicorn serving ``app`` on a loopback port (0: a free one), in a thread; ``url`` once it accepts."""
+    """uvicorn serving ``app`` on a loopback port (0: a free one), in a thread; ``url`` once it accepts.
+    With ``serve`` (a ServeConfig), the servers' own uvicorn settings (connection timeouts)."""
 
-    def __init__(self, app, port: int = 0) -> None:
+    def __init__(self, app, port: int = 0, serve=None) -> None:
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", port))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        config = (uvicorn_config(app, serve, log_level="warning", lifespan="on") if serve is not None
+                  else uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:

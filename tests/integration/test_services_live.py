@@ -44,7 +44,7 @@ def test_clients_against_live_servers(cfg, root, live_server):
             live_server(reward_app.create_app(cfg)) as reward:
         with PolicyClient(policy.url, token="live-token") as c:
             assert c.healthz().status == "ok" and c.readyz().status == "ready"
-            out = c.candidates(["11 12 13", "any text at all"], num_candidates=3, top_k=3, max_new_tokens=6)
+            out = c.candidates(["11 12 13", "14 <sep> 15"], num_candidates=3, top_k=3, max_new_tokens=6)
             assert out.policy_version == 0 and [len(x) for x in out.candidates] == [3, 3]
             scored = c.score("11 12 13", [out.candidates[0][0].text])
             assert len(scored.scores[0].logprobs) == len(scored.scores[0].token_ids)

@@ -42,6 +42,26 @@ def test_text_checker_names_the_bad_token():
     assert "outside the vocabulary (0..9)" in check("1 10")
     assert "not a non-negative integer" in check("1 x")
     assert "not a non-negative integer" in check("-3")
+    # What the vocabulary really holds, not what Python calls a digit (#16): full-width and superscript
+    # digits, leading zeros and control characters Python splits on but the tokenizer does not.
+    assert "not a non-negative integer" in check("１２ ７")
+    assert "not a non-negative integer" in check("²")
+    assert "not a non-negative integer" in check("1\x1c2")
+    assert "leading zeros" in check("1 07")
+
+
+@pytest.mark.parametrize("text", ["</s>", "1 <pad> 2", "12</s>7", "<s> 1", "<unk>", "<mask>", "<extra_id_1>"])
+def test_special_tokens_other_than_the_separator_are_refused(text):
+    """A target "</s>" would become ids [2, 2] and "<pad>" would be scored (#18): refused in every kind."""
+    check = text_checker(build_ids_tokenizer(10, 2))
+    problem = check(text)
+    assert problem is not None and ("special token" in problem or "outside the vocabulary" in problem), problem
+    assert check("1 <sep> 2") is None
+
+
+def test_lone_surrogates_are_not_text():
+    check = text_checker(build_ids_tokenizer(10, 2))
+    assert check("1 \ud800 2") == "lone surrogate U+D800 at character 2: not Unicode text"
 
 
 def test_subword_trains_saves_reloads_and_roundtrips(tmp_path):
@@ -50,7 +70,9 @@ def test_subword_trains_saves_reloads_and_roundtrips(tmp_path):
     save_tokenizer(tok, tmp_path)
     again = load_tokenizer(tmp_path)
     assert tokenizer_kind(again) == "subword"
-    assert text_checker(again) is None
+    check = text_checker(again)  # any text reads, but control tokens are still refused
+    assert check("an unseen wörd ✓") is None and check("a <sep> b") is None
+    assert "special token '</s>'" in check("a </s> b")
     ids = again("a dry fever")["input_ids"]
     assert ids[-1] == again.eos_token_id
     assert again.decode(ids, skip_special_tokens=True).strip() == "a dry fever"
@@ -80,3 +102,15 @@ def test_errors(tmp_path):
         build_tokenizer("pretrained", num_data_tokens=1, num_sentinels=1, vocab_size=1)
     with pytest.raises(ValueError, match="vocab_size"):
         train_subword_tokenizer(["a b"], vocab_size=100)
+
+
+def test_the_data_loader_applies_the_same_rule(tmp_path):
+    from rlt2t.common.data import DataError, load_examples
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"id": 1, "source": "1 <sep> 2", "target": "3"}\n{"id": 2, "source": "4", "target": "</s>"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2: field 'target': special token '</s>' is not allowed"):
+        load_examples(path, check_text=text_checker(build_ids_tokenizer(10, 2)))
+    path.write_text('{"id": 1, "source": "１２ ７", "target": "3"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:1: field 'source': token '１２' is not a non-negative integer"):
+        load_examples(path, check_text=text_checker(build_ids_tokenizer(20, 2)))

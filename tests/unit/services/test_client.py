@@ -157,3 +157,13 @@ def test_reward_client_round_trip(waits):
     handler, calls = scripted((200, {"scores": {"bleu4": [0.25]}}, {}))
     with RewardClient("http://svc", transport=httpx.MockTransport(handler)) as c:
         assert c.reward(["x"], ["y"], metrics=["bleu4"]).scores["bleu4"] == [0.25]
+
+
+def test_reload_posts_without_a_body_and_parses_the_model_info(waits):
+    info = {"version": 3, "checkpoint": "/r/epoch-0001", "checksum": "0" * 64, "loaded_at": 1.0, "backend": "torch",
+            "max_source_tokens": 40, "on_disk": True, "note": None}
+    handler, calls = scripted((200, info, {}))
+    with PolicyClient("http://svc", transport=httpx.MockTransport(handler)) as c:
+        out = c.reload()
+    assert (calls[0].method, calls[0].url.path, calls[0].content) == ("POST", "/v1/reload", b"")
+    assert out.version == 3 and out.on_disk and out.note is None

@@ -109,14 +109,15 @@ def test_beam_returns_hypotheses_with_teacher_forced_logprobs(client, tiny_polic
 
 
 def test_score_matches_teacher_forcing(client, tiny_policy):
-    targets = ["40 41 42", "", "unknown wörds ✓"]
+    targets = ["40 41 42", "", "7 <sep> 8"]
     r = client.post("/v1/score", json={"source": SOURCES[0], "targets": targets})
     assert r.status_code == 200, r.text
     scores = r.json()["scores"]
     eos = tiny_policy.tokenizer.eos_token_id
     assert scores[1]["token_ids"] == [eos]
-    unk = tiny_policy.tokenizer.unk_token_id
-    assert scores[2]["token_ids"] == [unk, unk, unk, eos]
+    sep = tiny_policy.tokenizer.sep_token_id
+    assert scores[2]["token_ids"] == tiny_policy.tokenizer(["7 <sep> 8"])["input_ids"][0]
+    assert sep in scores[2]["token_ids"]
     for s in scores:
         assert s["logprobs"] == pytest.approx(teacher_forced(tiny_policy, SOURCES[0], s["token_ids"]), abs=1e-4)
         assert s["mean_logprob"] == pytest.approx(s["total_logprob"] / len(s["token_ids"]))
@@ -141,10 +142,25 @@ def test_pairs_equal_the_ray_rollout_and_reward_workers(serve_cfg, checkpoint_ro
     assert r.json()["policy_version"] == 0
 
 
-def test_any_text_is_a_source(client):
-    r = client.post("/v1/candidates", json={"sources": ["never seen words", "😀 ünïcödé", "1 2 99999"],
-                                            "max_new_tokens": 4})
-    assert r.status_code == 200, r.text
+@pytest.mark.parametrize(("route", "body", "loc", "token"), [
+    # The #16 reproducers on every route that takes texts (the tiny vocabulary has data tokens 0..59).
+    ("/v1/candidates", {"sources": ["7", "999999 7"]}, ["body", "sources", 1], "'999999' is outside the vocabulary"),
+    ("/v1/candidates", {"sources": ["hello world"]}, ["body", "sources", 0], "'hello' is not a non-negative integer"),
+    ("/v1/candidates", {"sources": ["１２ ７"]}, ["body", "sources", 0], "'１２' is not a non-negative integer"),
+    ("/v1/pairs", {"sources": ["1", "2 x"], "references": ["3", "4"]}, ["body", "sources", 1], "'x'"),
+    ("/v1/pairs", {"sources": ["1"], "references": ["3 60"]}, ["body", "references", 0], "'60' is outside"),
+    ("/v1/score", {"source": "1 ü", "targets": ["2"]}, ["body", "source"], "'ü'"),
+    ("/v1/score", {"source": "1", "targets": ["2", "3 007"]}, ["body", "targets", 1], "'007'"),
+    # The special-token rule (#18): refused, naming the token; only <sep> may appear in a text.
+    ("/v1/score", {"source": "1", "targets": ["</s>"]}, ["body", "targets", 0], "special token '</s>'"),
+    ("/v1/score", {"source": "1", "targets": ["2 <pad>"]}, ["body", "targets", 0], "special token '<pad>'"),
+    ("/v1/candidates", {"sources": ["<s> 1"]}, ["body", "sources", 0], "special token '<s>'"),
+])
+def test_texts_obey_the_data_loaders_token_rule(client, route, body, loc, token):
+    r = client.post(route, json=body)
+    assert r.status_code == 422, r.text
+    [error] = r.json()["detail"]
+    assert error["loc"] == loc and token in error["msg"], error
 
 
 @pytest.mark.parametrize(("body", "loc"), [
@@ -258,7 +274,9 @@ def test_oversized_bodies_are_refused_before_parsing_or_auth(serve_cfg, checkpoi
     cfg = serve_cfg.model_copy(update={"serve": serve_cfg.serve.model_copy(update={"max_body_bytes": 2048})})
     with TestClient(create_app(cfg, checkpoint_dir=checkpoint_root)) as c:
         big = {"sources": ["1 " * 1500]}
-        r = c.post("/v1/candidates", json=big)  # no token: still 413, the body is never parsed
+        r = c.post("/v1/candidates", json=big)  # no token: 401 before any of the body is read
+        assert r.status_code == 401
+        r = c.post("/v1/candidates", json=big, headers={"Authorization": "Bearer t0ken"})
         assert r.status_code == 413 and "serve.max_body_bytes" in r.json()["detail"]
 
         def chunks():  # no Content-Length: counted as it streams

@@ -75,3 +75,43 @@ def test_app_swaps_to_the_new_checkpoint(serve_cfg, checkpoint_root, tiny_policy
     assert (before["policy_version"], after["policy_version"]) == (0, 1)
     assert info["version"] == 1 and info["checkpoint"].endswith("epoch-0002") and info["checksum"] != checksum
     assert after["candidates"] != before["candidates"]  # new weights, same seed
+
+
+def test_hot_reload_never_goes_back_on_its_own(serve_cfg, checkpoint_root, tiny_policy, caplog):
+    """The issue's reproducer: the served (newest) checkpoint is deleted while an older one remains. The
+    server keeps serving what it loaded, says so in /v1/model and the log; POST /v1/reload is the explicit
+    way back; a newer checkpoint is still picked up by itself."""
+    save_checkpoint(checkpoint_root, "epoch-0002", model=perturbed(tiny_policy, 3).model,
+                    tokenizer=tiny_policy.tokenizer, step=2, meta={"policy_version": 1})
+    app = create_app(serve_cfg, checkpoint_dir=checkpoint_root)
+    body = {"sources": ["11 12 13"], "num_candidates": 2, "max_new_tokens": 6, "seed": 1}
+    with TestClient(app) as c:
+        assert c.get("/v1/model").json()["version"] == 1
+        before = c.post("/v1/candidates", json=body).json()
+        shutil.rmtree(checkpoint_root / "epoch-0002")
+        with caplog.at_level("WARNING", logger="rlt2t.services.reload"):
+            assert not app.state.watcher.check_once() and not app.state.watcher.check_once()
+        info = c.get("/v1/model").json()
+        assert info["version"] == 1 and info["checkpoint"].endswith("epoch-0002") and info["on_disk"] is False
+        assert "epoch-0001" in info["note"] and "POST /v1/reload" in info["note"]
+        assert c.post("/v1/candidates", json=body).json() == before  # the loaded weights, still served
+        warnings = [r.getMessage() for r in caplog.records]
+        assert sum("is gone from disk" in m for m in warnings) == 1  # said once, not at every poll
+        assert sum("not going back on my own" in m for m in warnings) == 1
+
+        back = c.post("/v1/reload")  # the operator's decision
+        assert back.status_code == 200, back.text
+        assert back.json()["version"] == 0 and back.json()["checkpoint"].endswith("epoch-0001")
+        assert back.json()["on_disk"] is True and back.json()["note"] is None
+        assert c.post("/v1/candidates", json=body).json()["policy_version"] == 0
+
+        save_checkpoint(checkpoint_root, "epoch-0003", model=tiny_policy.model, tokenizer=tiny_policy.tokenizer,
+                        step=3, meta={"policy_version": 2})
+        assert app.state.watcher.check_once()  # forward is still automatic
+        assert c.get("/v1/model").json()["version"] == 2
+
+
+def test_reload_route_without_a_checkpoint_root_is_a_409(serve_cfg, checkpoint_root):
+    with TestClient(create_app(serve_cfg, checkpoint_dir=checkpoint_root / "epoch-0001")) as c:
+        r = c.post("/v1/reload")
+    assert r.status_code == 409 and "single model directory" in r.json()["detail"]
