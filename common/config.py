@@ -244,8 +244,9 @@ class RLConfig(StageConfig):
     rank: RankLossConfig = RankLossConfig()
     kl: KLConfig = KLConfig()
     pg: PolicyGradientConfig = PolicyGradientConfig()
-    refresh_every_steps: int = Field(0, ge=0)
-    """Publish new weights to the rollout workers every N learner steps (0: once per epoch, the original)."""
+    refresh_every_steps: int | None = Field(None, ge=0)
+    """Publish new weights to the rollout workers every N learner steps (0: once per epoch, the original rank
+    RL; null: 0 for rank, 1 for the policy gradients, whose samples should be at most a step stale)."""
     train_subset: int = Field(1024, ge=0)
     """Use only the first N training sources (0: all). The embedded default keeps the CPU demo short; set 0
     for real runs (the job logs how many sources it uses)."""
@@ -286,6 +287,13 @@ class RLConfig(StageConfig):
     learners sources, data.max_source_len / max_target_len tokens) while the workers start: out-of-memory
     fails the job at setup, and the first step does not pay the fresh process's warm-up. No optimizer step,
     RNGs restored: training is unchanged."""
+
+    @property
+    def refresh_interval(self) -> int:
+        """``refresh_every_steps`` resolved: 0 (per epoch) for rank RL, 1 for the policy gradients by default."""
+        if self.refresh_every_steps is not None:
+            return self.refresh_every_steps
+        return 0 if self.algorithm == "rank" else 1
 
     @property
     def uses_kl(self) -> bool:

@@ -242,8 +242,10 @@ def clipped_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask
     if not (logp.shape == old_logp.shape == advantages.shape == mask.shape):
         raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)}, advantages "
                          f"{tuple(advantages.shape)} and mask {tuple(mask.shape)} must have one shape")
+    # A token whose old log-prob is -inf has no ratio: it must not be in the mask (the caller excludes it).
     mask = mask.bool()
-    log_ratio = torch.where(mask, logp - old_logp.detach(), torch.zeros_like(logp))
+    log_ratio = torch.where(mask, logp - torch.where(mask, old_logp.detach(), torch.zeros_like(logp)),
+                            torch.zeros_like(logp))
     ratio = torch.exp(log_ratio)
     advantages = advantages.detach()
     unclipped = -ratio * advantages

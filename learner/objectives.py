@@ -186,7 +186,7 @@ class PolicyGradientObjective:
         keys = ["loss", "policy_loss", "reward_mean", "reward_std", "kl_k1", "kl_k3", "kl_seq", "kl_coef",
                 "clip_fraction", "approx_kl", "entropy", "advantage_mean", "advantage_std", "ratio_mean",
                 "ratio_max", "sampler_ratio_mean", "sampler_ratio_max_dev", "is_weight_mean", "grad_norm",
-                "optimizer_steps", "tokens"]
+                "optimizer_steps", "tokens", "excluded_tokens"]
         if self.algorithm == "scst":
             keys.append("greedy_reward")
         if self.rl.ppo_like:
@@ -243,13 +243,15 @@ class PolicyGradientObjective:
     def step(self, run: StepRunner, batch: GroupBatch, items: Sequence[ScoredGroup], step: int) -> dict[str, float]:
         rl, pg = self.rl, self.rl.pg
         size, k = batch.rewards.shape
-        mask = batch.loss_mask
         valid = batch.labels != IGNORE_INDEX
         # 1. the batch's starting policy, without gradient
         action_mask = self._action_mask(batch)
         with torch.no_grad():
             out = run.forward(batch.input_ids, batch.attention_mask, batch.labels, k)
             old_logp, old_raw = _token_logprobs(out.logits, batch.labels, self.transform, action_mask)
+            # A sampled token that the current policy's transform excludes (outside its top-k / top-p now, with
+            # stale samples) has no ratio: it leaves the loss (counted in the logs as excluded_tokens).
+            mask = batch.loss_mask & torch.isfinite(old_logp)
             entropy = masked_mean(_entropy(out.logits), mask)
             old_values = out.values
             sampler_log_ratio = torch.where(mask, old_logp - batch.sample_logprobs, torch.zeros_like(old_logp))
@@ -301,23 +303,24 @@ class PolicyGradientObjective:
                 part = part.to(batch.input_ids.device)
                 mb = batch.select(part)
                 rows = (torch.arange(k, device=part.device).unsqueeze(1) * size + part.unsqueeze(0)).reshape(-1)
+                mb_mask = mask[rows]
                 out = run.forward(mb.input_ids, mb.attention_mask, mb.labels, k)
                 logp, raw = _token_logprobs(out.logits, mb.labels, self.transform,
                                             None if action_mask is None else action_mask[rows])
-                policy_loss, st = clipped_policy_loss(logp, old_logp[rows], advantages[rows], mb.loss_mask,
+                policy_loss, st = clipped_policy_loss(logp, old_logp[rows], advantages[rows], mb_mask,
                                                       self.clip_eps, weights=is_weights[rows])
                 loss = policy_loss
                 if self.algorithm == "grpo" and reference is not None:
-                    kl_term = masked_mean(kl_estimate(raw, reference[rows], "k3"), mb.loss_mask)
+                    kl_term = masked_mean(kl_estimate(raw, reference[rows], "k3"), mb_mask)
                     loss = loss + beta * kl_term
                 if out.values is not None and returns is not None and old_values is not None:
                     value_loss, value_clip = clipped_value_loss(out.values, old_values[rows], returns[rows],
-                                                                mb.loss_mask, self.value_clip)
+                                                                mb_mask, self.value_clip)
                     loss = loss + pg.vf_coef * value_loss
                     stats["value_loss"].append(value_loss.item())
                     stats["value_clip_fraction"].append(value_clip.item())
                 if pg.entropy_coef:
-                    loss = loss - pg.entropy_coef * masked_mean(_entropy(out.logits), mb.loss_mask)
+                    loss = loss - pg.entropy_coef * masked_mean(_entropy(out.logits), mb_mask)
                 stats["grad_norm"].append(run.optimize(loss))
                 steps += 1
                 for key, value in (("loss", loss), ("policy_loss", policy_loss), *st.items()):
@@ -346,6 +349,7 @@ class PolicyGradientObjective:
             "sampler_ratio_max_dev": float(torch.where(mask, (sampler_ratio - 1).abs(), 0).max()) if mask.any() else 0.0,
             "is_weight_mean": float(masked_mean(is_weights, mask)),
             "optimizer_steps": float(steps), "tokens": float(mask.sum()),
+            "excluded_tokens": float((batch.loss_mask & ~mask).sum()),
         }
         if self.algorithm == "scst" and batch.greedy_rewards is not None:
             metrics["greedy_reward"] = float(batch.greedy_rewards.mean())

@@ -317,14 +317,14 @@ class _Job:
             if http_rollout:
                 publisher.publish(step)  # the servers need weights to load before they can answer
                 wait_for_servers(cfg, published_dir, self.token)
-            if r.refresh_every_steps and step % r.refresh_every_steps == 0:
+            if r.refresh_interval and step % r.refresh_interval == 0:
                 publisher.publish(step)  # the learner holds exactly these weights now (start, or a resumed checkpoint)
             for epoch in range(epoch0, r.epochs):
                 if step >= total_steps:
                     break
                 epoch_start = epoch * steps_per_epoch
                 chunks = self._plan(examples, epoch, epoch_start, step, steps_per_epoch, total_steps)
-                if r.refresh_every_steps == 0:
+                if r.refresh_interval == 0:
                     publisher.publish(epoch_start)
                 for c in chunks:
                     if c.mask_version is not None and c.mask_version <= step:
@@ -337,7 +337,7 @@ class _Job:
                 sched = EpochScheduler(chunks, step=step, batch_size=r.batch_size, learners=r.learners,
                                        max_inflight_chunks=r.max_inflight_chunks, ordered=self._ordered(),
                                        rollouts=self.rollouts.state, rewards=self.rewards.state,
-                                       max_attempts=r.max_restarts + 1, refresh_every_steps=r.refresh_every_steps,
+                                       max_attempts=r.max_restarts + 1, refresh_every_steps=r.refresh_interval,
                                        save_every_steps=r.save_every_steps, stop_after_steps=stop_after_steps)
                 last = self._run_epoch(sched, publisher, logger, bar, epoch, epoch_start, checkpoint, truncated)
                 step = sched.step
@@ -354,7 +354,7 @@ class _Job:
                     log.info("rl epoch %d: %s", epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
                 result.checkpoint = checkpoint(epoch + 1, 0, step, {**last, **scores})
                 result.history.append({"epoch": epoch, **scores})
-                publisher.prune(below=step - r.refresh_every_steps)  # no later chunk can need them
+                publisher.prune(below=step - r.refresh_interval)  # no later chunk can need them
             result.steps = step
         finally:
             bar.close()
@@ -377,7 +377,7 @@ class _Job:
         chosen = [examples[i] for i in order][: (last_batch - first_batch) * r.batch_size]
         chunks = []
         for i, o in enumerate(range(0, len(chosen), r.chunk_size)):
-            version = needed_version(step + o // r.batch_size, epoch_start, r.refresh_every_steps)
+            version = needed_version(step + o // r.batch_size, epoch_start, r.refresh_interval)
             mask = None
             if r.algorithm == "nlpo":
                 n = r.pg.nlpo_mask_refresh_steps
@@ -434,7 +434,7 @@ class _Job:
                 window_items += batch.size
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-                if r.refresh_every_steps and at % r.refresh_every_steps == 0:
+                if r.refresh_interval and at % r.refresh_interval == 0:
                     publisher.publish(at)
                 if r.algorithm == "nlpo" and at % r.pg.nlpo_mask_refresh_steps == 0:
                     publisher.publish(at)  # the masking policy of later chunks

@@ -3,6 +3,7 @@ and deployment uploads the user's directory instead of assuming a source checkou
 
 from __future__ import annotations
 
+import shutil
 import site
 import subprocess
 import sys
@@ -21,7 +22,11 @@ def installed(tmp_path_factory) -> Path:
     """A venv holding only the rlt2t wheel; its dependencies come from this interpreter's site-packages
     (a .pth file, which does not pull in this checkout's editable install)."""
     tmp = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO),
+    # Built from a copy: setuptools writes build/ and *.egg-info beside the sources it builds.
+    source = tmp / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "*.egg-info",
+                                                                "__pycache__", ".pytest_cache", "bench", "tests"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
                     "-w", str(tmp / "dist")], check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp / "dist").glob("rlt2t-*.whl")
     venv = tmp / "venv"

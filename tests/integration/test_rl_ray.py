@@ -29,25 +29,6 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-                                       "OMP_NUM_THREADS": "1"}})
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def prepared_run(tmp_path_factory) -> Path:
-    """Data, tokenizer and an SFT checkpoint made by the CLI on the tiny config (shared by the tests)."""
-    run = tmp_path_factory.mktemp("rank")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "rlt2t.cli", "demo", "--config", str(TINY), f"run.dir={run}",
-                    "rl.enabled=false"], check=True, capture_output=True, env=env, cwd=REPO, timeout=600)
-    return run
-
-
 def _weights(path: Path) -> dict[str, torch.Tensor]:
     model = load_policy(ModelConfig(), checkpoint=path).model
     return {k: v.clone() for k, v in model.state_dict().items()}

@@ -146,3 +146,18 @@ def test_ppo_state_round_trip_continues_bitwise(init_dir):
     wa, wb = a.weights(), b.weights()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert ma["value_loss"] == mb["value_loss"] and ma["kl_coef"] == mb["kl_coef"]
+
+
+def test_stale_tokens_outside_the_new_top_k_leave_the_loss_without_nan(init_dir):
+    """With top-k sampling, a stale sample may hold tokens the updated policy's top-k no longer contains: they
+    have no ratio (-inf log-probs) and must leave the loss, not turn it into NaN."""
+    rollout = RolloutConfig(num_samples=4, top_k=2, temperature=1.0, max_new_tokens=8)
+    rl = RLConfig(algorithm="grpo", batch_size=8, lr=5e-2, warmup_ratio=0.0)
+    groups = _scored(_rollout(init_dir, rollout, RolloutSpec.for_algorithm("grpo", kl=True)))
+    learner = _learner(init_dir, rl, rollout)
+    excluded = 0.0
+    for _ in range(4):  # a large learning rate moves the policy: the same (now stale) samples again
+        metrics = learner.train_step(groups)
+        assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+        excluded = max(excluded, metrics["excluded_tokens"])
+    assert excluded > 0, "the test did not produce tokens outside the new top-k"
