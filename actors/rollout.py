@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from rlt2t.common.batching import collate_seq2seq, encode_texts
+from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import ModelConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.families import positions_or

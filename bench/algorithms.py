@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_info import RESULTS, save  # noqa: E402
 
-from rlt2t.common.batching import collate_seq2seq, encode_texts  # noqa: E402
+from rlt2t.common.collate import collate_seq2seq, encode_texts  # noqa: E402
 from rlt2t.common.config import Config, load_config  # noqa: E402
 from rlt2t.common.io import atomic_open, atomic_write_json  # noqa: E402
 from rlt2t.common.metrics import get_metric  # noqa: E402

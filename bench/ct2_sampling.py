@@ -118,7 +118,7 @@ def worker(kind: str, options: dict, hf: Path, export: Path, repeats: int, threa
     import torch
 
     torch.set_num_threads(threads)
-    from rlt2t.common.batching import collate_seq2seq, encode_texts
+    from rlt2t.common.collate import collate_seq2seq, encode_texts
     from rlt2t.common.config import ModelConfig
     from rlt2t.common.ct2 import Ct2Policy, sample_ct2
     from rlt2t.common.policy import load_policy

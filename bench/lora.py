@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_info import save  # noqa: E402
 
-from rlt2t.common.batching import collate_seq2seq, encode_texts  # noqa: E402
+from rlt2t.common.collate import collate_seq2seq, encode_texts  # noqa: E402
 from rlt2t.common.config import LoraConfig, ModelConfig, SFTConfig  # noqa: E402
 from rlt2t.common.lora import adapter_state_dict, apply_lora, load_adapter_state_dict, state_dict_bytes  # noqa: E402
 from rlt2t.common.policy import load_policy  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_info import save  # noqa: E402
 
-from rlt2t.common.batching import collate_seq2seq, encode_texts  # noqa: E402
+from rlt2t.common.collate import collate_seq2seq, encode_texts  # noqa: E402
 from rlt2t.common.config import ModelConfig, SFTConfig  # noqa: E402
 from rlt2t.common.policy import load_policy  # noqa: E402
 from rlt2t.common.synth import generate_synthetic  # noqa: E402

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_info import save  # noqa: E402
 
 from rlt2t.cmd_warm_start import MINILM, encoder_directory  # noqa: E402
-from rlt2t.common.batching import encode_examples  # noqa: E402
+from rlt2t.common.collate import encode_examples  # noqa: E402
 from rlt2t.common.config import Config, load_config  # noqa: E402
 from rlt2t.common.families import warm_start  # noqa: E402
 from rlt2t.common.io import atomic_directory  # noqa: E402

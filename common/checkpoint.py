@@ -10,6 +10,7 @@ half-way is recognised as incomplete and skipped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -45,6 +46,20 @@ class CheckpointInfo:
     path: Path
     step: int
     meta: dict[str, Any]
+
+
+def weights_checksum(model_dir: str | Path) -> str:
+    """sha256 over a model directory's weight files (safetensors / bin, by name; the training state and the
+    marker are not weights): the one identity of a set of weights (export provenance, served version, caches)."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in Path(model_dir).iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin")
+                   and p.name not in (STATE_FILE, MARKER) and not p.name.startswith("."))
+    for path in files:
+        digest.update(path.name.encode())
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 @dataclass

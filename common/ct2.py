@@ -41,7 +41,6 @@ call (which sources share it), not on a per-row seed.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import time
@@ -57,8 +56,8 @@ from ctranslate2.converters import TransformersConverter
 from ctranslate2.specs import model_spec
 from transformers import PreTrainedTokenizerBase
 
-from rlt2t.common.batching import encode_texts
-from rlt2t.common.checkpoint import MARKER, STATE_FILE
+from rlt2t.common.checkpoint import MARKER, STATE_FILE, weights_checksum
+from rlt2t.common.collate import encode_texts
 from rlt2t.common.config import ModelConfig
 from rlt2t.common.families import (
     NO_POSITION_LIMIT,
@@ -198,19 +197,6 @@ def _check_quantization(quantization: str) -> None:
         raise ValueError(f"quantization: unknown {quantization!r} (known: {', '.join(QUANTIZATIONS)})")
 
 
-def _weights_checksum(model_dir: Path) -> str:
-    """sha256 over the weight files (sorted by name), so an export can be traced to its exact source."""
-    digest = hashlib.sha256()
-    files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES
-                   and p.name not in _SKIP_FILES)
-    for path in files:
-        digest.update(path.name.encode())
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 def _special_ids(config: Mapping, tokenizer: PreTrainedTokenizerBase, generation: Mapping) -> dict[str, int | None]:
     return {
         "pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id,
@@ -253,7 +239,7 @@ def export_ct2(
     t0 = time.perf_counter()
     policy = load_policy(ModelConfig(preset=None, dropout=0.0), tokenizer_dir, checkpoint=model_dir)
     export_policy(policy, out_dir, quantization, source=str(model_dir.resolve()),
-                  source_sha256=_weights_checksum(model_dir))
+                  source_sha256=weights_checksum(model_dir))
     log.info("exported %s → %s (%s) in %.2f s", model_dir, out_dir, quantization, time.perf_counter() - t0)
     return out_dir
 

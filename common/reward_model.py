@@ -31,8 +31,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
-from rlt2t.common.batching import encode_texts, pad
 from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir
+from rlt2t.common.collate import encode_texts, pad
 from rlt2t.common.config import ModelConfig
 from rlt2t.common.io import atomic_write_json
 from rlt2t.common.policy import load_policy

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from rlt2t.common.batching import IGNORE_INDEX, collate_seq2seq, encode_texts, pad
+from rlt2t.common.collate import IGNORE_INDEX, collate_seq2seq, encode_texts, pad
 from rlt2t.common.types import ScoredGroup, ScoredPair
 from rlt2t.learner.rank_step import RankBatch
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rlt2t.common.batching import collate_seq2seq, encode_texts
+from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import EvalConfig, MetricConfig
 from rlt2t.common.data import Example
 from rlt2t.common.metrics import available_metrics, get_metric

@@ -11,8 +11,8 @@ import torch
 from accelerate import Accelerator
 from transformers import PretrainedConfig
 
-from rlt2t.common.batching import collate_seq2seq
 from rlt2t.common.checkpoint import CheckpointInfo
+from rlt2t.common.collate import collate_seq2seq
 from rlt2t.common.config import LoraConfig, PretrainConfig, RunConfig, SFTConfig
 from rlt2t.common.families import decoder_input_ids
 from rlt2t.common.lora import apply_lora, is_lora

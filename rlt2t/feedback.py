@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from rlt2t.actors.rollout import RolloutWorker
-from rlt2t.common.batching import IGNORE_INDEX, collate_seq2seq, encode_texts, pad
 from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint
+from rlt2t.common.collate import IGNORE_INDEX, collate_seq2seq, encode_texts, pad
 from rlt2t.common.config import Config, ModelConfig, RewardModelTerm, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.io import atomic_write_json, atomic_write_jsonl

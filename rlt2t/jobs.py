@@ -17,8 +17,8 @@ import logging
 import shutil
 from pathlib import Path
 
-from rlt2t.common.batching import encode_examples
 from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint, resolve_model_dir
+from rlt2t.common.collate import encode_examples
 from rlt2t.common.config import Config, config_to_yaml
 from rlt2t.common.data import Example, load_examples
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text

@@ -23,7 +23,6 @@ best candidate by the task score).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,8 +31,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from rlt2t.common.batching import encode_texts
-from rlt2t.common.checkpoint import resolve_model_dir
+from rlt2t.common.checkpoint import resolve_model_dir, weights_checksum
+from rlt2t.common.collate import encode_texts
 from rlt2t.common.config import Config
 from rlt2t.common.ct2 import Ct2Policy, Hypothesis, export_ct2, is_export_dir
 from rlt2t.common.data import Example, export_competition_csv, import_competition_csv, load_examples
@@ -72,16 +71,6 @@ def read_inputs(path: str | Path, on_error: str = "raise") -> list[Example]:
     return list(load_examples(path, require_target=False, on_error=on_error))
 
 
-def _weights_digest(model_dir: Path) -> str:
-    """A cheap identity of a model directory's weights: names, sizes and modification times."""
-    h = hashlib.sha256()
-    for p in sorted(model_dir.iterdir()):
-        if p.is_file() and p.suffix in (".safetensors", ".bin"):
-            st = p.stat()
-            h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:12]
-
-
 def resolve_export(cfg: Config, path: str | Path, role: str) -> Path:
     """An export directory for ``path``: itself, or an on-the-fly export of a model dir / checkpoint root."""
     path = Path(path)
@@ -96,7 +85,7 @@ def resolve_export(cfg: Config, path: str | Path, role: str) -> Path:
             f"--{role} {path}: neither a CTranslate2 export (`rlt2t export`) nor a model directory / checkpoint root"
         ) from None
     quant = cfg.export.quantization
-    cache = cfg.path(cfg.export.out) / "cache" / f"{model_dir.name}-{_weights_digest(model_dir)}-{quant}"
+    cache = cfg.path(cfg.export.out) / "cache" / f"{model_dir.name}-{weights_checksum(model_dir)[:12]}-{quant}"
     if not is_export_dir(cache):
         log.info("--%s %s is a model directory: exporting it (%s) to %s", role, model_dir, quant, cache)
         export_ct2(model_dir, cache, quant, force=True, tokenizer_dir=cfg.tokenizer_dir)

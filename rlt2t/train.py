@@ -35,7 +35,6 @@ from tqdm.auto import tqdm
 
 from rlt2t.actors.reward import RewardWorker
 from rlt2t.actors.rollout import RolloutWorker
-from rlt2t.common.batching import encode_texts
 from rlt2t.common.checkpoint import (
     BestCheckpoint,
     CheckpointInfo,
@@ -44,6 +43,7 @@ from rlt2t.common.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
+from rlt2t.common.collate import encode_texts
 from rlt2t.common.config import Config
 from rlt2t.common.data import Example
 from rlt2t.common.metrics import DocumentFrequency

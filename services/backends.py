@@ -29,8 +29,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from rlt2t.common.batching import collate_seq2seq, encode_texts
-from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir
+from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir, weights_checksum
+from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import Config
 from rlt2t.common.families import positions_or
 from rlt2t.common.policy import Policy, load_policy
@@ -143,19 +143,6 @@ def _count_tokens(tokenizer, texts: Sequence[str]) -> list[int]:
     if backend is not None:
         return [len(e.ids) for e in backend.encode_batch(list(texts), add_special_tokens=False)]
     return [len(x) for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
-
-
-def weights_checksum(model_dir: str | Path) -> str:
-    """sha256 over the weight files (safetensors / bin) of a model directory, in name order."""
-    digest = hashlib.sha256()
-    files = sorted(p for p in Path(model_dir).iterdir()
-                   if p.is_file() and p.suffix in (".safetensors", ".bin") and not p.name.startswith("."))
-    for path in files:
-        digest.update(path.name.encode())
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def checkpoint_version(model_dir: str | Path) -> int:

@@ -8,7 +8,7 @@ Routes (see ``rlt2t.services.schemas`` for the bodies):
 - ``POST /v1/candidates``: sampling (top-k / top-p / temperature) or beam search → texts, token ids,
   raw per-token log-probs, and the policy version.
 - ``POST /v1/pairs``: the rank-RL rollout over HTTP: K samples per source, the gold added,
-  deduplicated, a pair drawn and scored with the task score, ``a`` the better (``actors.types.ScoredPair``
+  deduplicated, a pair drawn and scored with the task score, ``a`` the better (``rlt2t.common.types.ScoredPair``
   fields). CIDEr-D document frequencies come from ``document_frequency`` (the JSON rank training writes)
   when given, else from the request's own references, in which case a pair's scores depend on the other
   references in the request.
@@ -71,9 +71,9 @@ from rlt2t.services.schemas import (
     CandidatesResponse,
     ErrorResponse,
     ModelInfo,
+    PairResult,
     PairsRequest,
     PairsResponse,
-    ScoredPair,
     ScoreRequest,
     ScoreResponse,
     TargetScore,
@@ -327,7 +327,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             return score_pairs(task_reward(cfg.reward, table), sets)
 
         scored = await run_in_threadpool(score)  # metric work stays off the event loop
-        return PairsResponse(pairs=[ScoredPair(**vars(p)) for p in scored], policy_version=used.version)
+        return PairsResponse(pairs=[PairResult(**vars(p)) for p in scored], policy_version=used.version)
 
     @app.post("/v1/score", response_model=ScoreResponse, dependencies=protected, tags=["policy"],
               responses={**auth_responses, **OVERLOADED, **BODY_REFUSED})

@@ -125,7 +125,7 @@ class PairsRequest(_Request):
     (None: fresh randomness)."""
 
 
-class ScoredPair(_Response):
+class PairResult(_Response):
     """The fields of ``rlt2t.common.types.ScoredPair``: ``a`` is the better candidate."""
 
     example_id: str
@@ -140,7 +140,7 @@ class ScoredPair(_Response):
 
 
 class PairsResponse(_Response):
-    pairs: list[ScoredPair]
+    pairs: list[PairResult]
     """One pair per source, in request order."""
     policy_version: int
     """Version of the weights that sampled every pair."""

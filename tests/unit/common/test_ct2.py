@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlt2t.common.batching import collate_seq2seq, encode_texts
+from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import ModelConfig
 from rlt2t.common.ct2 import (
     EXPORT_INFO,

@@ -188,7 +188,7 @@ def test_unused_weights_are_refused(family_dirs, tmp_path):
 
 
 def test_truncation_keeps_each_familys_special_tokens(policies):
-    from rlt2t.common.batching import encode_texts
+    from rlt2t.common.collate import encode_texts
     from rlt2t.common.tokenization import template_affixes
 
     long = " ".join(["alpha beta gamma"] * 20)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlt2t.common.batching import collate_seq2seq, encode_texts
+from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.sampling import sample_candidates
 
 

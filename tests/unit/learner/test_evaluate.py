@@ -53,7 +53,7 @@ def test_beam_search_runs(tiny_policy):
 
 
 def test_reference_perplexity_is_exp_of_token_weighted_cross_entropy(tiny_policy):
-    from rlt2t.common.batching import collate_seq2seq, encode_texts
+    from rlt2t.common.collate import collate_seq2seq, encode_texts
     from rlt2t.learner.evaluate import reference_perplexity
 
     sources, targets = ["1 2 3", "4 5", "6 7 8 9", "10"], ["3 2 1", "5", "9 8 7 6 5", "10 10"]

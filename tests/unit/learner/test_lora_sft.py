@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlt2t.common.batching import collate_seq2seq, encode_texts
 from rlt2t.common.checkpoint import (
     complete_checkpoints,
     latest_complete_checkpoint,
     load_training_state,
     read_checkpoint,
 )
+from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import LoraConfig, ModelConfig, RunConfig, SFTConfig
 from rlt2t.common.lora import (
     adapter_state_dict,

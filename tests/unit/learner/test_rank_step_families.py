@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlt2t.common.batching import collate_seq2seq, encode_texts, pad
+from rlt2t.common.collate import collate_seq2seq, encode_texts, pad
 from rlt2t.common.config import ModelConfig
 from rlt2t.common.families import cross_attentions
 from rlt2t.common.policy import load_policy

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from rlt2t.common.batching import encode_texts
 from rlt2t.common.checkpoint import complete_checkpoints, latest_complete_checkpoint, read_checkpoint
+from rlt2t.common.collate import encode_texts
 from rlt2t.common.config import ModelConfig, PretrainConfig, RunConfig, SFTConfig
 from rlt2t.common.policy import load_policy
 from rlt2t.learner.stages import run_pretrain, run_sft
