@@ -28,7 +28,6 @@ from rlt2t.common.data import Example
 from rlt2t.common.families import positions_or
 from rlt2t.common.policy import load_policy
 from rlt2t.common.sampling import (
-    SampledSequence,
     candidate_set,
     normalize_text,
     sample_candidates,
@@ -209,7 +208,7 @@ class RolloutWorker:
                     candidates=tuple(texts[i * k : (i + 1) * k]),
                     token_ids=tuple(tuple(r.token_ids) for r in own),
                     sample_logprobs=tuple(tuple(r.sample_logprobs) for r in own),
-                    forced_eos=tuple(_forced(r, self._forced_eos_id, cfg.max_new_tokens) for r in own),
+                    forced_eos=tuple(r.forced for r in own),
                     policy_version=self._version,
                     reference_logprobs=None if reference is None else tuple(
                         tuple(x) for x in reference[i * k : (i + 1) * k]),
@@ -224,13 +223,6 @@ class RolloutWorker:
         """Row ``i * k + j`` draws from a generator keyed on (seed, version, example id, j) alone."""
         return [torch.Generator(device=self.device).manual_seed(stable_seed(self.seed, self._version, ex.id, j))
                 for ex in chunk for j in range(k)]
-
-    @property
-    def _forced_eos_id(self) -> int | None:
-        forced = getattr(self.policy.model.generation_config, "forced_eos_token_id", None)
-        if isinstance(forced, list | tuple):
-            forced = min(forced) if forced else None
-        return forced
 
     def _sample_ct2(self, chunk: Sequence[Example], with_logprobs: bool = False):
         """K samples per source with CTranslate2. CT2 seeds a whole call, not each row, so the seed is keyed
@@ -256,8 +248,3 @@ class RolloutWorker:
                              seed=self.seed, version=self._version)
 
 
-
-def _forced(row: SampledSequence, forced_eos_id: int | None, max_new_tokens: int) -> bool:
-    """Whether a row's last token is the EOS forced at the length limit, not drawn: with a forced EOS both
-    samplers fill the last position themselves (``rlt2t.common.sampling``, ``rlt2t.common.ct2``)."""
-    return forced_eos_id is not None and len(row.token_ids) == max_new_tokens

@@ -758,8 +758,9 @@ class Config(_Section):
             if self.rl.algorithm in ("rloo", "grpo") and self.rollout.num_samples < 2:
                 raise ValueError(f"rl.algorithm={self.rl.algorithm} needs rollout.num_samples >= 2 (K samples per "
                                  "source form the baseline)")
-            if self.rollout.backend == "ct2" and self.rl.algorithm == "nlpo":
-                raise ValueError("rl.algorithm=nlpo samples with a masking policy: use rollout.backend=torch")
+            if self.rl.algorithm == "nlpo" and (self.rollout.backend == "ct2" or self.rollout.source == "http"):
+                raise ValueError("rl.algorithm=nlpo samples with a masking policy: use rollout.backend=torch and "
+                                 "rollout.source=ray")
         if self.rollout.backend == "ct2" and self.rollout.top_p < 1.0:
             raise ValueError("rollout.top_p: the ct2 rollout backend has no nucleus sampling (leave it at 1)")
         _check_precision(self.model, self.run.mixed_precision)

@@ -521,7 +521,8 @@ def sample_ct2_logprobs(
     forced = ct2.forced_eos_id is not None
     steps = max_new_tokens - 1 if forced else max_new_tokens
     if steps == 0:
-        return [SampledSequence([ct2.forced_eos_id], [0.0], [0.0]) for _ in range(len(sources) * k)]  # type: ignore[list-item]
+        return [SampledSequence([ct2.forced_eos_id], [0.0], [0.0], forced=True)  # type: ignore[list-item]
+                for _ in range(len(sources) * k)]
     results = ct2.translator.translate_batch(
         ct2.source_tokens(sources), beam_size=1, num_hypotheses=k, max_decoding_length=steps,
         min_decoding_length=0, max_input_length=0, return_end_token=True, return_logits_vocab=True,
@@ -540,9 +541,10 @@ def sample_ct2_logprobs(
                 index = torch.tensor(ids)[:, None]
                 raw_lp = logits.log_softmax(-1).gather(-1, index)[:, 0].tolist()
                 sample_lp = warp_logits(logits, temperature, top_k).log_softmax(-1).gather(-1, index)[:, 0].tolist()
-            if forced and (not ids or ids[-1] != ct2.eos_id):
+            appended = forced and (not ids or ids[-1] != ct2.eos_id)
+            if appended:
                 ids.append(ct2.forced_eos_id)
                 raw_lp.append(0.0)  # not computed by the sampler; the learner leaves forced tokens out
                 sample_lp.append(0.0)
-            rows.append(SampledSequence(ids, raw_lp, sample_lp))
+            rows.append(SampledSequence(ids, raw_lp, sample_lp, forced=appended))
     return rows

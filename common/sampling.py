@@ -87,6 +87,8 @@ class SampledSequence:
     token_ids: list[int]
     logprobs: list[float]
     sample_logprobs: list[float]
+    forced: bool = False
+    """The last token is the EOS forced at the length limit, not drawn (its sample log-prob is 0)."""
 
 
 def _forced_eos_id(model) -> int | None:
@@ -218,7 +220,8 @@ def sample_candidates(
                 mask_hidden = mask_hidden[index]
             rows = [rows[pos] for pos in keep]
         next_tokens = tokens[:, None]
-    return [SampledSequence(t, r, s) for t, r, s in zip(tokens_out, raw_out, sample_out, strict=True)]
+    forced = [forced_eos_id is not None and len(t) == max_new_tokens for t in tokens_out]
+    return [SampledSequence(t, r, s, f) for t, r, s, f in zip(tokens_out, raw_out, sample_out, forced, strict=True)]
 
 
 def candidate_set(example_id: str, source: str, reference: str, samples: Sequence[str], *, include_gold: bool,

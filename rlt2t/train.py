@@ -234,7 +234,7 @@ class _Job:
                 # One light actor per policy server: they wait on HTTP, so they reserve little CPU.
                 rollouts = WorkerPool(HttpRolloutWorker, len(cfg.rollout.urls), num_cpus=0.1, num_gpus=0,
                                       max_restarts=r.max_restarts, args=(),
-                                      kwargs=dict(rollout=cfg.rollout, seed=cfg.run.seed, token=token),
+                                      kwargs=dict(rollout=cfg.rollout, seed=cfg.run.seed, token=token, spec=spec),
                                       per_actor_args=[(url,) for url in cfg.rollout.urls], what="HTTP rollout workers")
             else:
                 reference = None

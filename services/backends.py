@@ -32,6 +32,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir, weights_checksum
 from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import Config
+from rlt2t.common.ct2 import Ct2Policy, export_ct2, is_export_dir, read_export_info, sample_ct2_logprobs
 from rlt2t.common.families import positions_or
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.sampling import sample_candidates
@@ -43,11 +44,15 @@ log = logging.getLogger("rlt2t.services.backends")
 
 @dataclass(frozen=True)
 class Generation:
-    """One candidate: generated ids (no decoder start, EOS included when produced), raw log-probs."""
+    """One candidate: generated ids (no decoder start, EOS included when produced), raw log-probs, and the
+    log-probs under the distribution each token was drawn from (sampling: temperature, top-k, top-p; beam
+    search: the raw ones). ``forced_eos``: the last token is the EOS forced at the length limit."""
 
     text: str
     token_ids: list[int]
     logprobs: list[float]
+    sample_logprobs: list[float]
+    forced_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -220,7 +225,8 @@ class TorchBackend:
                                  sampling.temperature, sampling.max_new_tokens, generators, top_p=sampling.top_p,
                                  between_steps=between)
         texts = self.policy.decode([r.token_ids for r in rows]) if rows else []
-        flat = [Generation(text, r.token_ids, r.logprobs) for text, r in zip(texts, rows, strict=True)]
+        flat = [Generation(text, r.token_ids, r.logprobs, r.sample_logprobs, r.forced)
+                for text, r in zip(texts, rows, strict=True)]
         return [flat[i * k : (i + 1) * k] for i in range(len(sources))]
 
     def score(self, sources: Sequence[str], targets: Sequence[Sequence[str]]) -> list[list[Scored]]:
@@ -284,7 +290,7 @@ class TorchBackend:
             rows.append(seq)
         lps = self.teacher_forced([ids[r // h] for r in range(len(rows))], rows)
         texts = self.policy.decode(rows)
-        flat = [Generation(t, r, lp) for t, r, lp in zip(texts, rows, lps, strict=True)]
+        flat = [Generation(t, r, lp, lp) for t, r, lp in zip(texts, rows, lps, strict=True)]
         return [flat[i * h : (i + 1) * h] for i in range(len(sources))]
 
 
@@ -329,7 +335,6 @@ class Ct2Backend:
     def from_checkpoint(cls, cfg: Config, path: str | Path) -> Ct2Backend:
         import tempfile
 
-        from rlt2t.common.ct2 import Ct2Policy, export_ct2, is_export_dir, read_export_info
 
         threads = cfg.export.threads
         if is_export_dir(path):
@@ -362,20 +367,26 @@ class Ct2Backend:
         if sampling.mode == "beam":
             hyps = self.ct2.generate(sources, beam_size=sampling.beam_size, num_hypotheses=k,
                                      max_new_tokens=sampling.max_new_tokens)
+            rows = [list(h.token_ids) for per_source in hyps for h in per_source]
+            texts = [h.text for per_source in hyps for h in per_source]
+            sample_lps: list[list[float] | None] = [None] * len(rows)
+            forced = [False] * len(rows)
         elif sampling.mode == "sample":
             if sampling.top_p < 1.0:
                 raise ValueError("top_p: the ct2 backend has no nucleus sampling")
             seed = int.from_bytes(hashlib.sha256(repr(tuple(row_seeds)).encode()).digest()[:4], "little")
-            hyps = self.ct2.generate(sources, beam_size=1, num_hypotheses=k, max_new_tokens=sampling.max_new_tokens,
-                                     sampling_topk=sampling.top_k, sampling_temperature=sampling.temperature,
-                                     seed=seed)
+            sampled = sample_ct2_logprobs(self.ct2, sources, k, sampling.top_k, sampling.temperature,
+                                          sampling.max_new_tokens, seed)
+            rows = [r.token_ids for r in sampled]
+            texts = [" ".join(t.split()) for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]
+            sample_lps = [r.sample_logprobs for r in sampled]
+            forced = [r.forced for r in sampled]
         else:
             raise ValueError(f"sampling.mode must be 'sample' or 'beam', got {sampling.mode!r}")
-        flat = [h for per_source in hyps for h in per_source]
-        srcs = [sources[r // k] for r in range(len(flat))]
-        rows = [list(h.token_ids) for h in flat]
-        lps = self._teacher_forced(srcs, rows)
-        gens = [Generation(h.text, row, lp) for h, row, lp in zip(flat, rows, lps, strict=True)]
+        srcs = [sources[r // k] for r in range(len(rows))]
+        lps = self._teacher_forced(srcs, rows)  # raw log-probs, as everywhere (the forced EOS's included)
+        gens = [Generation(t, row, lp, slp if slp is not None else lp, f)
+                for t, row, lp, slp, f in zip(texts, rows, lps, sample_lps, forced, strict=True)]
         return [gens[i * k : (i + 1) * k] for i in range(len(sources))]
 
     def score(self, sources: Sequence[str], targets: Sequence[Sequence[str]]) -> list[list[Scored]]:

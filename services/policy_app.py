@@ -286,7 +286,8 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         results, used = await submit(request, ("candidates", sampling), items, _run_candidates, costs)
         return CandidatesResponse(
             candidates=[[Candidate(text=g.text, token_ids=g.token_ids, logprobs=g.logprobs,
-                                   total_logprob=float(sum(g.logprobs))) for g in gens] for gens in results],
+                                   total_logprob=float(sum(g.logprobs)), sample_logprobs=g.sample_logprobs,
+                                   forced_eos=g.forced_eos) for g in gens] for gens in results],
             policy_version=used.version,
         )
 

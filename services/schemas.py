@@ -86,6 +86,11 @@ class Candidate(_Response):
     temperature- or top-k/top-p-adjusted): what reranking and the rank loss use."""
     total_logprob: float
     """Sum of ``logprobs``."""
+    sample_logprobs: list[float]
+    """Per-token log-probability under the distribution each token was drawn from (temperature, top-k,
+    top-p): what a policy-gradient ratio compares with the learner's. Beam search: equal to ``logprobs``."""
+    forced_eos: bool = False
+    """The last token is the EOS forced at ``max_new_tokens`` (not drawn; its sample log-prob is 0)."""
 
 
 class CandidatesResponse(_Response):

@@ -181,3 +181,53 @@ def test_two_ddp_ranks_stay_identical(ray_session, prepared_run, algorithm):
     finally:
         for r in ranks:
             ray.kill(r)
+
+
+def test_a_policy_gradient_trains_through_live_policy_and_reward_servers(ray_session, prepared_run, tmp_path,
+                                                                         live_server):
+    """rollout.source=http + reward.source=http with SCST (groups, sample log-probs from the server, a greedy
+    baseline, reference log-probs computed by the learner): every source is used once and the sampler's
+    log-probs agree with the learner's when the server serves the version the learner is at."""
+    import socket
+
+    from rlt2t.services import policy_app, reward_app
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    run = _copy(prepared_run, tmp_path / "http")
+    ports = [free_port(), free_port()]
+    policy_url, reward_url = (f"http://127.0.0.1:{p}" for p in ports)
+    cfg = _config(run, "scst", "rl.epochs=1", "rl.train_subset=16", "rollout.source=http",
+                  f"rollout.urls=[\"{policy_url}\"]", "reward.source=http", f"reward.url={reward_url}",
+                  "serve.reload_interval_s=0.2", "rollout.timeout_s=120", "rl.refresh_every_steps=0")
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = rl_job(cfg)
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            box["error"] = e
+
+    job = threading.Thread(target=target)
+    job.start()
+    published = run / "rl" / "published"
+    deadline = time.time() + 300
+    while latest_complete_checkpoint(published) is None and job.is_alive() and time.time() < deadline:
+        time.sleep(0.1)
+    assert latest_complete_checkpoint(published) is not None, box
+    servers = [live_server(policy_app.create_app(cfg, checkpoint_dir=published), ports[0]),
+               live_server(reward_app.create_app(cfg, document_frequency=run / "rl" / "document_frequency.json"),
+                           ports[1])]
+    with servers[0], servers[1]:
+        job.join(timeout=600)
+    assert "error" not in box, box.get("error")
+    assert box["result"].items_used == 16 and box["result"].steps == 2
+    rows = [json.loads(x) for x in (run / "logs" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r.get("kind", "train") == "train"]
+    # Step 0 trains on version 0, which is what the server served: its ratio to the learner is 1.
+    first = next(r for r in train if r["step"] == 1)
+    assert first["staleness_max"] == 0 and first["sampler_ratio_max_dev"] < 1e-3, first
+    assert all("greedy_reward" in r and r["kl_coef"] > 0 for r in train)

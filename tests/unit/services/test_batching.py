@@ -65,7 +65,7 @@ class FakeBackend:
             if not active:
                 break
         self.finished.append(time.monotonic())
-        return [[Generation(f"{s}@v{self.version}", [1], [-0.5])] * sampling.num_candidates for s in sources]
+        return [[Generation(f"{s}@v{self.version}", [1], [-0.5], [-0.5])] * sampling.num_candidates for s in sources]
 
     def score(self, sources, targets):
         raise NotImplementedError

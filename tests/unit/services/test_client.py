@@ -22,7 +22,7 @@ from rlt2t.services.client import (
 )
 
 OK = {"candidates": [[{"text": "1 2", "token_ids": [7, 8, 2], "logprobs": [-1.0, -2.0, -0.5],
-                       "total_logprob": -3.5}]], "policy_version": 4}
+                       "total_logprob": -3.5, "sample_logprobs": [-1.0, -2.0, -0.5]}]], "policy_version": 4}
 
 
 @pytest.fixture
