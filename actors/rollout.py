@@ -26,7 +26,8 @@ from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import ModelConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.families import positions_or
-from rlt2t.common.policy import load_policy
+from rlt2t.common.lora import apply_lora, load_weights, merged_model, reference_policy
+from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.sampling import (
     candidate_set,
     normalize_text,
@@ -58,18 +59,25 @@ class RolloutWorker:
         max_source_len: int,
         device: str = "cpu",
         spec: RolloutSpec | None = None,
-        reference_weights: dict[str, Tensor] | None = None,
+        start_weights: dict[str, Tensor] | None = None,
     ) -> None:
         self.policy = load_policy(model_cfg, tokenizer_dir, seed=seed)
         self.spec = spec or RolloutSpec("pair")
-        # The frozen reference (the run's start) scores the samples for the KL: one copy here, none on the
-        # learner ranks. NLPO's masking policy is loaded per published version it needs.
+        self.lora = model_cfg.lora.enabled
+        if (self.spec.reference or self.lora) and start_weights is None:
+            raise ValueError("the rollout worker needs the run's start weights (the reference of the KL, the base of "
+                             "LoRA adapters)")
+        if self.lora:
+            # Published versions are adapters only: the base they adapt is the run's start, held once.
+            self.policy.model.load_state_dict(start_weights, strict=True)  # type: ignore[arg-type]
+            self.policy.model = apply_lora(self.policy.model, model_cfg.lora, seed=seed)
+        # The frozen reference (the run's start) scores the samples for the KL: with LoRA it is the base with
+        # the adapters disabled; otherwise one copy here, none on the learner ranks. NLPO's masking policy is
+        # loaded per published version it needs.
         self.reference = None
-        if self.spec.reference:
-            if reference_weights is None:
-                raise ValueError("the rollout needs reference log-probs (rl.kl.coef > 0) but got no reference weights")
+        if self.spec.reference and not self.lora:
             self.reference = load_policy(model_cfg, tokenizer_dir, seed=seed).model
-            self.reference.load_state_dict(reference_weights, strict=True)
+            self.reference.load_state_dict(start_weights, strict=True)  # type: ignore[arg-type]
             self.reference.to(device).eval().requires_grad_(False)
         self.mask_model = None
         self._mask_version: int | None = None
@@ -110,7 +118,7 @@ class RolloutWorker:
         """Load the learner's weights (all parameters, strictly) and make ``version`` current."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
-        self.policy.model.load_state_dict(state_dict, strict=True)
+        load_weights(self.policy.model, state_dict)
         self._version = version
         self._installed = version
         self._ct2 = None  # converted again, lazily, for the new weights
@@ -192,9 +200,8 @@ class RolloutWorker:
                     cfg.max_new_tokens, self._generators(chunk, k), top_p=cfg.top_p, mask_model=self.mask_model,
                     mask_top_p=self.spec.mask_top_p)
             reference = None
-            if self.reference is not None:
-                reference = sequence_logprobs(self.reference, batch["input_ids"], batch["attention_mask"],
-                                              [r.token_ids for r in rows], k)
+            if self.spec.reference:
+                reference = self._reference_logprobs(batch, [r.token_ids for r in rows], k)
             greedy = None
             if self.spec.greedy_baseline:
                 greedy_rows = sample_candidates(self.policy.model, batch["input_ids"], batch["attention_mask"], 1, 1,
@@ -219,6 +226,12 @@ class RolloutWorker:
                         self.max_source_len)
         return out
 
+    def _reference_logprobs(self, batch: dict[str, Tensor], rows: list[list[int]], k: int) -> list[list[float]]:
+        if self.reference is not None:
+            return sequence_logprobs(self.reference, batch["input_ids"], batch["attention_mask"], rows, k)
+        with reference_policy(self.policy.model):  # LoRA: the base, adapters disabled
+            return sequence_logprobs(self.policy.model, batch["input_ids"], batch["attention_mask"], rows, k)
+
     def _generators(self, chunk: Sequence[Example], k: int) -> list[torch.Generator]:
         """Row ``i * k + j`` draws from a generator keyed on (seed, version, example id, j) alone."""
         return [torch.Generator(device=self.device).manual_seed(stable_seed(self.seed, self._version, ex.id, j))
@@ -231,8 +244,11 @@ class RolloutWorker:
 
         cfg = self.rollout
         if self._ct2 is None:
+            policy = self.policy
+            if self.lora:  # CTranslate2 converts plain models: the adapters merged into a copy of the base
+                policy = Policy(merged_model(self.policy.model), self.policy.tokenizer, self.policy.origin)
             self._ct2 = ct2_sampler_from_state_dict(
-                self.policy, None, self._ct2_dir.name, cfg.ct2_compute_type, intra_threads=torch.get_num_threads(),
+                policy, None, self._ct2_dir.name, cfg.ct2_compute_type, intra_threads=torch.get_num_threads(),
                 max_source_len=self.max_source_len, name="current")
         seed = stable_seed(self.seed, self._version, "ct2", *(ex.id for ex in chunk)) % (2**31 - 1)
         if with_logprobs:

@@ -9,7 +9,7 @@ arm trains for the same number of learner steps on the same sources, sampling th
 candidates per source (rollout.num_samples):
 
   continued_sft  rl.algorithm=rank with rl.rank.loss_weight=0: CE on the gold targets only
-  rank           CE + 0.2·pairwise rank loss (rlt2t's original)
+  rank           CE + 0.2·pairwise rank loss (rlt2t's original, sampling as it did: top-k 3, temperature 0.8)
   scst rloo grpo group policy gradients; ppo a2c nlpo: token-level actor-critic (docs/design.md)
 
 Reported per arm, mean ± sample std over seeds: the validation task score after each RL epoch (greedy, the
@@ -72,6 +72,8 @@ def arm_overrides(arm: str) -> list[str]:
     """What distinguishes an arm; everything else (steps, sources, K, sampling) is shared."""
     if arm == "continued_sft":
         return ["rl.algorithm=rank", "rl.rank.loss_weight=0"]
+    if arm == "rank":  # rank RL samples as the original did: top-k 3, temperature 0.8
+        return ["rl.algorithm=rank", "rollout.top_k=3", "rollout.temperature=0.8"]
     return [f"rl.algorithm={arm}"]
 
 

@@ -335,12 +335,13 @@ def _retired_keys(tree: dict[str, Any]) -> list[str]:
 class RolloutConfig(_Section):
     num_samples: int = Field(6, ge=1)
     """K: candidates sampled per source (rank RL adds the gold target to them)."""
-    top_k: int = Field(3, ge=0)
-    """Sample among the k most likely next tokens (0: the whole vocabulary)."""
+    top_k: int = Field(0, ge=0)
+    """Sample among the k most likely next tokens (0: the whole vocabulary, sampling the policy itself, what the
+    policy gradients want; the original rank RL used 3)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling: keep the most likely tokens whose mass reaches p (1: off; torch backend only)."""
-    temperature: float = Field(0.8, gt=0.0)
-    """Logits are divided by this before sampling (< 1 sharpens, > 1 flattens)."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Logits are divided by this before sampling (< 1 sharpens, > 1 flattens; the original rank RL used 0.8)."""
     max_new_tokens: int = Field(64, ge=1)
     """Longest sampled candidate in tokens, EOS included."""
     batch_size: int = Field(32, ge=1)

@@ -22,7 +22,7 @@ API (``model`` is the ``PeftModel`` that :func:`apply_lora` returns):
 - :func:`merged_model` (model) -> a plain transformers model with the adapters merged into the base weights
   (a copy; the LoRA policy is left as it was): what CTranslate2 export and the torch server take.
 - Checkpoints: ``save_checkpoint(model=peft_model)`` writes peft's adapter directory (adapter_config.json
-  naming the base directory, adapter_model.safetensors) instead of full weights; :func:`is_adapter_checkpoint`
+  naming the base directory, adapter_model.safetensors) instead of full weights; :func:`rlt2t.common.policy.is_adapter_checkpoint`
   recognises one, :func:`load_lora_policy` loads base + adapters (trainable, to resume),
   :func:`load_merged_policy` a merged plain policy (to evaluate or serve) and :func:`save_merged_model` writes
   it as a model directory (to export: CTranslate2's converter reads directories).
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,8 +44,6 @@ from rlt2t.common.config import LoraConfig, ModelConfig
 from rlt2t.common.io import atomic_directory
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.tokenization import save_tokenizer
-
-ADAPTER_CONFIG = "adapter_config.json"
 
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "bart": ("q_proj", "v_proj"),
@@ -136,34 +133,15 @@ def merged_model(model: PeftModel) -> PreTrainedModel:
     return merged
 
 
-def is_adapter_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` holds peft adapters (a LoRA stage's checkpoint) rather than a full model."""
-    return (Path(path) / ADAPTER_CONFIG).is_file()
-
-
-def adapter_base(path: str | Path) -> Path:
-    """The base model directory an adapter checkpoint was trained on (recorded by peft when it was saved)."""
-    config = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
-    base = config.get("base_model_name_or_path")
-    if not base or not (Path(base) / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: its base model {base!r} is not a model directory any more; adapters need "
-                                f"the base they were trained on")
-    return Path(base)
-
-
 def load_lora_policy(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, checkpoint: str | Path) -> Policy:
     """Base + the adapters of ``checkpoint``, trainable: the policy a LoRA stage resumes with."""
-    checkpoint = Path(checkpoint)
-    base = load_policy(model_cfg, tokenizer_dir, checkpoint=adapter_base(checkpoint))
-    model = PeftModel.from_pretrained(base.model, str(checkpoint), is_trainable=True)
-    return Policy(model=model, tokenizer=base.tokenizer, origin=str(checkpoint))
+    return load_policy(model_cfg, tokenizer_dir, checkpoint=checkpoint, trainable_adapters=True)
 
 
 def load_merged_policy(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, checkpoint: str | Path) -> Policy:
-    """Base + adapters of ``checkpoint`` merged into one plain model: to evaluate, export or serve it."""
-    policy = load_lora_policy(model_cfg, tokenizer_dir, checkpoint)
-    merged = policy.model.merge_and_unload()
-    return Policy(model=merged, tokenizer=policy.tokenizer, origin=policy.origin)
+    """Base + adapters of ``checkpoint`` merged into one plain model: to evaluate, export or serve it (what
+    ``load_policy`` gives for an adapter checkpoint)."""
+    return load_policy(model_cfg, tokenizer_dir, checkpoint=checkpoint)
 
 
 def save_merged_model(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, checkpoint: str | Path,
@@ -175,3 +153,20 @@ def save_merged_model(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, 
         policy.model.save_pretrained(tmp)
         save_tokenizer(policy.tokenizer, tmp)
     return Path(out_dir)
+
+
+def policy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a learner publishes and checkpoints of its policy: the adapters alone for a LoRA policy, every
+    parameter otherwise (detached CPU copies)."""
+    if is_lora(model):
+        return adapter_state_dict(model)  # type: ignore[arg-type]
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Install published weights (:func:`policy_weights`) into another copy of the policy: adapters into a LoRA
+    policy, every parameter (strictly) otherwise."""
+    if is_lora(model):
+        load_adapter_state_dict(model, state)  # type: ignore[arg-type]
+    else:
+        model.load_state_dict(state, strict=True)

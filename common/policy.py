@@ -8,11 +8,13 @@ Family quirks (decoder start, language codes, position limits, ...) live in :mod
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft import PeftModel
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlt2t.common.config import DataConfig, ModelConfig
@@ -65,6 +67,7 @@ def load_policy(
     *,
     checkpoint: str | Path | None = None,
     seed: int | None = None,
+    trainable_adapters: bool = False,
 ) -> Policy:
     """Build or load the policy.
 
@@ -72,8 +75,14 @@ def load_policy(
     > ``model_cfg.preset`` of ``model_cfg.family`` (from scratch, vocabulary taken from the tokenizer). The
     tokenizer comes from the model directory when it holds one, else from ``tokenizer_dir``. A directory of an
     architecture rlt2t does not know, or whose weights do not all load, raises UnsupportedModelError.
+
+    A LoRA checkpoint (peft's adapter directory, naming its base) loads as base + adapters: merged into one
+    plain model (to evaluate, serve, export or sample), or, with ``trainable_adapters``, as the peft model
+    whose adapters train (a LoRA stage resuming).
     """
     path = checkpoint if checkpoint is not None else model_cfg.path
+    if path is not None and is_adapter_checkpoint(path):
+        return _load_adapters(model_cfg, tokenizer_dir, Path(path), trainable=trainable_adapters)
     if path is not None:
         path = Path(path)
         family = family_of_dir(path)  # FileNotFoundError without config.json, UnsupportedModelError if unknown
@@ -99,6 +108,32 @@ def load_policy(
     log.info("policy from %s (%s): %.2fM parameters, vocab %d", origin, family.name,
              sum(p.numel() for p in model.parameters()) / 1e6, vocab_size(model.config))
     return Policy(model=model, tokenizer=tokenizer, origin=origin)
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` holds peft adapters (a LoRA stage's checkpoint) rather than a full model."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(path: str | Path) -> Path:
+    """The base model directory an adapter checkpoint was trained on (recorded by peft when it was saved)."""
+    config = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
+    base = config.get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: its base model {base!r} is not a model directory any more; adapters need "
+                                f"the base they were trained on")
+    return Path(base)
+
+
+def _load_adapters(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, path: Path, *, trainable: bool) -> Policy:
+    base = load_policy(model_cfg, tokenizer_dir, checkpoint=adapter_base(path))
+    model = PeftModel.from_pretrained(base.model, str(path), is_trainable=trainable)
+    if not trainable:
+        model = model.merge_and_unload()
+    return Policy(model=model, tokenizer=base.tokenizer, origin=str(path))
 
 
 def check_lengths(policy: Policy, data_cfg: DataConfig) -> None:

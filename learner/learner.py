@@ -31,6 +31,7 @@ from rlt2t.common.checkpoint import rng_state, set_rng_state
 from rlt2t.common.config import MetricConfig, ModelConfig, RLConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.families import check_mixed_precision
+from rlt2t.common.lora import apply_lora, is_lora, policy_weights
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.types import ScoredGroup, ScoredPair
 from rlt2t.learner.evaluate import generate, metric_table
@@ -77,18 +78,23 @@ class Learner:
                         rl_cfg.learner_gpus, rank)
         # Mixed precision applies on CUDA only (CPU runs stay float32 and deterministic).
         self.mixed_precision = mixed_precision if self.use_cuda else "no"
-        self.policy: Policy = load_policy(model_cfg, tokenizer_dir, checkpoint=init_checkpoint)
+        self.policy: Policy = load_policy(model_cfg, tokenizer_dir, checkpoint=init_checkpoint, trainable_adapters=True)
+        if model_cfg.lora.enabled and not is_lora(self.policy.model):
+            # The same seed on every rank and in the driver: the same initial adapters everywhere.
+            self.policy.model = apply_lora(self.policy.model, model_cfg.lora, seed=seed)
         # The reference for the KL is scored by the rollout workers; the learner holds a copy only when its
         # samples come from policy servers, which do not score it (docs/design.md, "Reference policy").
         reference = None
-        if rl_cfg.uses_kl and rollout_cfg.source == "http":
+        if rl_cfg.uses_kl and rollout_cfg.source == "http" and not is_lora(self.policy.model):
             reference = load_policy(model_cfg, tokenizer_dir, checkpoint=reference_checkpoint or init_checkpoint)
             reference.model.eval().requires_grad_(False)
         check_mixed_precision(self.policy.model.config, mixed_precision)  # T5 in fp16 overflows: refused at start
         self.objective = build_objective(rl_cfg, rollout_cfg, self.policy, seed=seed,
                                          reference=reference.model if reference else None)
         self.module: torch.nn.Module = self.objective.module
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=rl_cfg.lr, weight_decay=rl_cfg.weight_decay)
+        # Only what trains: with LoRA the adapters (the frozen base has no gradient and no optimizer state).
+        self.optimizer = torch.optim.AdamW([p for p in self.module.parameters() if p.requires_grad], lr=rl_cfg.lr,
+                                           weight_decay=rl_cfg.weight_decay)
         # Not handed to accelerate: its wrapper steps a scheduler once per process, ours counts learner steps.
         self.scheduler = linear_warmup_decay(self.optimizer, warmup_steps=round(rl_cfg.warmup_ratio * total_steps),
                                              total_steps=max(1, total_steps), min_lr_ratio=rl_cfg.min_lr_ratio)
@@ -228,8 +234,8 @@ class Learner:
 
     # --- state --------------------------------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
-        """CPU state dict of the policy (what gets published and checkpointed)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.model.state_dict().items()}
+        """What gets published and checkpointed: the policy's CPU state dict (with LoRA: the adapters alone)."""
+        return policy_weights(self.policy.model)
 
     def training_state(self) -> dict[str, Any]:
         """A snapshot (deep copy: optimizer.state_dict() aliases the live moment tensors)."""

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from rlt2t.common.config import RLConfig, RolloutConfig
+from rlt2t.common.lora import is_lora, reference_policy
 from rlt2t.common.policy import Policy
 from rlt2t.common.sampling import warp_logits
 from rlt2t.common.scoring import token_scores
@@ -233,6 +234,11 @@ class PolicyGradientObjective:
     def _reference_logprobs(self, batch: GroupBatch) -> Tensor:
         if batch.reference_logprobs is not None:
             return batch.reference_logprobs
+        if is_lora(self.policy.model):  # the reference is the base: the same model with its adapters disabled
+            with torch.no_grad(), reference_policy(self.policy.model):
+                logits = group_forward(self.policy.model, batch.input_ids, batch.attention_mask, batch.labels,
+                                       batch.k).logits
+            return token_scores(logits, batch.labels, "logprobs", IGNORE_INDEX)
         if self.reference is None:
             raise RuntimeError("the batch carries no reference log-probs and the learner holds no reference "
                                "policy (rollout workers compute them when rl.kl.coef > 0)")

@@ -22,8 +22,8 @@ from rlt2t.common.collate import encode_examples
 from rlt2t.common.config import Config, config_to_yaml
 from rlt2t.common.data import Example, load_examples
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
-from rlt2t.common.lora import is_adapter_checkpoint, load_lora_policy, load_merged_policy
-from rlt2t.common.policy import Policy, check_lengths, load_policy
+from rlt2t.common.lora import load_lora_policy
+from rlt2t.common.policy import Policy, check_lengths, is_adapter_checkpoint, load_policy
 from rlt2t.common.synth import write_synthetic
 from rlt2t.common.tokenization import build_tokenizer, load_tokenizer, save_tokenizer, text_checker
 
@@ -184,8 +184,7 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
     from rlt2t.learner.evaluate import evaluate
 
     ckpt = resolve_model_dir(checkpoint) if checkpoint else best_or_latest(cfg.run_dir / "sft" / "checkpoints")
-    load = load_merged_policy if is_adapter_checkpoint(ckpt) else load_policy
-    policy = load(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt)
+    policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt)  # an adapter checkpoint loads merged
     examples = load_split(cfg, cfg.eval.split)
     result = evaluate(policy, examples, cfg.eval, cfg.metric, cfg.data.max_source_len, progress=cfg.run.progress)
     label = label or f"{ckpt.parent.parent.name}-{ckpt.name}"

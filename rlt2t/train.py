@@ -46,6 +46,7 @@ from rlt2t.common.checkpoint import (
 from rlt2t.common.collate import encode_texts
 from rlt2t.common.config import Config
 from rlt2t.common.data import Example
+from rlt2t.common.lora import apply_lora, is_lora, load_weights, policy_weights
 from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.plots import plot_curves
 from rlt2t.common.policy import Policy, load_policy
@@ -189,7 +190,7 @@ class _Publisher:
     def _write(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         """Policy servers (rollout.source=http) load the learner's weights from here (hot reload)."""
         assert self.dir is not None
-        self.writer_policy.model.load_state_dict(weights)
+        load_weights(self.writer_policy.model, weights)
         save_checkpoint(self.dir, checkpoint_name(step=version), model=self.writer_policy.model, tokenizer=self.writer_policy.tokenizer,
                         step=version, meta={"stage": f"{STAGE}-published", "policy_version": version})
         prune_checkpoints(self.dir, keep_last=2)
@@ -237,14 +238,16 @@ class _Job:
                                       kwargs=dict(rollout=cfg.rollout, seed=cfg.run.seed, token=token, spec=spec),
                                       per_actor_args=[(url,) for url in cfg.rollout.urls], what="HTTP rollout workers")
             else:
-                reference = None
-                if spec.reference:
-                    reference = ray.put(load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=init).model.state_dict())
+                # The run's start, shipped once through the object store: the reference policy of the KL, and the
+                # base that published LoRA adapters adapt.
+                start_ref = None
+                if spec.reference or cfg.model.lora.enabled:
+                    start_ref = ray.put(load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=init).model.state_dict())
                 rollouts = WorkerPool(RolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus, num_gpus=r.rollout_gpus,
                                       max_restarts=r.max_restarts, resources=r.rollout_resources,
                                       args=(cfg.model, str(cfg.tokenizer_dir), cfg.rollout),
                                       kwargs=dict(seed=cfg.run.seed, max_source_len=cfg.data.max_source_len, spec=spec,
-                                                  reference_weights=reference),
+                                                  start_weights=start_ref),
                                       what=f"the rollout workers (rl.rollout_workers={r.rollout_workers}, "
                                            f"rl.rollout_cpus={r.rollout_cpus:g}, rl.rollout_gpus={r.rollout_gpus:g}, "
                                            f"rl.rollout_resources={dict(r.rollout_resources)})")
@@ -257,7 +260,9 @@ class _Job:
                                      max_restarts=r.max_restarts, args=(cfg.reward, df), kwargs={},
                                      what=f"the reward workers (rl.reward_workers={r.reward_workers}, "
                                           f"rl.reward_cpus={r.reward_cpus:g})")
-            writer_policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=start)
+            writer_policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=start, trainable_adapters=True)
+            if cfg.model.lora.enabled and not is_lora(writer_policy.model):
+                writer_policy.model = apply_lora(writer_policy.model, cfg.model.lora, seed=cfg.run.seed)
             rollouts.wait_started(r.schedule_timeout_s)
             rewards.wait_started(r.schedule_timeout_s)
         except BaseException:
@@ -281,7 +286,7 @@ class _Job:
             # rollout workers do, so the servers sample from the context the learner trains on.
             examples = truncate_sources(examples, self.writer_policy, cfg.data.max_source_len)
         step, epoch0 = 0, 0
-        start_weights = {k: v.detach().clone() for k, v in self.writer_policy.model.state_dict().items()}
+        start_weights = policy_weights(self.writer_policy.model)
         publisher = _Publisher(self.learners, self.writer_policy, published_dir if http_rollout else None, start_weights,
                                resume_from.step if resume_from else 0)
         best = BestCheckpoint.from_meta(resume_from.meta if resume_from else None)
@@ -300,7 +305,7 @@ class _Job:
         result = TrainResult(checkpoint=Path(self.writer_policy.origin), steps=step)
 
         def checkpoint(epoch: int, batch_in_epoch: int, at: int, metrics: dict[str, float]) -> Path:
-            self.writer_policy.model.load_state_dict(self.learners.weights())
+            load_weights(self.writer_policy.model, self.learners.weights())
             name = checkpoint_name(epoch=epoch) if batch_in_epoch == 0 else checkpoint_name(step=at)
             if batch_in_epoch == 0 and "monitor" in metrics:
                 best.offer(metrics["monitor"], ckpt_root / name)

@@ -39,6 +39,11 @@ SETTINGS = ["rl.epochs=2", "rl.train_subset=48", "rl.batch_size=8", "rl.chunk_si
             "run.log_every=1", "rl.save_every_steps=4"]
 
 
+LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0"]
+# The resumable variants: one group algorithm, PPO (value head, KL controller), and PPO on LoRA adapters.
+VARIANTS = {"rloo": ("rloo", []), "ppo": ("ppo", []), "ppo-lora": ("ppo", LORA)}
+
+
 def _config(run: Path, algorithm: str, *extra: str):
     return load_config([TINY], [f"run.dir={run}", f"rl.algorithm={algorithm}", *SETTINGS, *extra])
 
@@ -62,9 +67,9 @@ def _learner_state(path: Path) -> dict:
 def references(ray_session, prepared_run, tmp_path_factory):
     """Uninterrupted runs: the final weights and learner state every other run must reproduce exactly."""
     out = {}
-    for algorithm in ("rloo", "ppo"):
-        run = _copy(prepared_run, tmp_path_factory.mktemp(f"ref-{algorithm}") / "run")
-        result = rl_job(_config(run, algorithm))
+    for variant, (algorithm, extra) in VARIANTS.items():
+        run = _copy(prepared_run, tmp_path_factory.mktemp(f"ref-{variant}") / "run")
+        result = rl_job(_config(run, algorithm, *extra))
         assert result.steps == STEPS and result.items_used == 2 * 48 and result.redispatched == 0
         rows = [json.loads(x) for x in (run / "logs" / "rl" / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in rows if r.get("kind", "train") == "train"]
@@ -77,15 +82,21 @@ def references(ray_session, prepared_run, tmp_path_factory):
         if algorithm == "ppo":
             assert all("value_loss" in r and "explained_variance" in r for r in train)
         assert len({r["kl_coef"] for r in train}) > 1  # the adaptive controller moves β
-        out[algorithm] = (_weights(result.checkpoint), _learner_state(result.checkpoint))
+        out[variant] = (_weights(result.checkpoint), _learner_state(result.checkpoint))
+        if extra == LORA:  # the checkpoints hold adapters; the frozen base is the SFT model, unchanged
+            assert (result.checkpoint / "adapter_config.json").is_file()
+            sft = _weights(best_or_latest(prepared_run / "sft" / "checkpoints"))
+            tuned = out[variant][0]
+            assert any(not torch.equal(sft[k], tuned[k]) for k in sft), "the adapters did not train"
     return out
 
 
-@pytest.mark.parametrize("algorithm", ["rloo", "ppo"])
-def test_resume_after_a_real_kill_is_bitwise_identical(references, prepared_run, tmp_path, algorithm):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_resume_after_a_real_kill_is_bitwise_identical(references, prepared_run, tmp_path, variant):
+    algorithm, extra = VARIANTS[variant]
     run = _copy(prepared_run, tmp_path / "killed")
     args = [sys.executable, "-m", "rlt2t.cli", "train", "--config", str(TINY), f"run.dir={run}",
-            f"rl.algorithm={algorithm}", *SETTINGS]
+            f"rl.algorithm={algorithm}", *SETTINGS, *extra]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -101,9 +112,9 @@ def test_resume_after_a_real_kill_is_bitwise_identical(references, prepared_run,
     proc.wait()
     assert 4 <= read_checkpoint(latest_complete_checkpoint(root)).step < STEPS
 
-    result = rl_job(_config(run, algorithm), resume=True)
+    result = rl_job(_config(run, algorithm, *extra), resume=True)
     assert result.steps == STEPS
-    weights, state = references[algorithm]
+    weights, state = references[variant]
     resumed = _weights(result.checkpoint)
     assert all(torch.equal(weights[k], resumed[k]) for k in weights), "resumed run differs from uninterrupted"
     resumed_state = _learner_state(result.checkpoint)
@@ -155,7 +166,7 @@ def test_two_ddp_ranks_stay_identical(ray_session, prepared_run, algorithm):
     examples = load_examples(prepared_run / "data" / "train.jsonl")[:24]
     worker = RolloutWorker(cfg.model, str(cfg.tokenizer_dir), rollout, seed=0, max_source_len=32,
                            spec=RolloutSpec.for_algorithm(algorithm, kl=True),
-                           reference_weights=load_policy(cfg.model, checkpoint=sft).model.state_dict())
+                           start_weights=load_policy(cfg.model, checkpoint=sft).model.state_dict())
     worker.set_weights(0, load_policy(cfg.model, checkpoint=sft).model.state_dict())
     reward = RewardWorker(RewardConfig(), DocumentFrequency.from_references([[e.target] for e in examples]))
     kwargs = dict(init_checkpoint=str(sft), total_steps=10, seed=0, max_source_len=32, max_target_len=16)

@@ -43,7 +43,7 @@ def init_dir(ids_tokenizer_dir, tmp_path_factory) -> Path:
 def _rollout(init_dir: Path, rollout: RolloutConfig, spec: RolloutSpec) -> RolloutWorker:
     weights = load_policy(MODEL, checkpoint=init_dir).model.state_dict()
     worker = RolloutWorker(MODEL, str(init_dir), rollout, seed=3, max_source_len=16, spec=spec,
-                           reference_weights=weights if spec.reference else None)
+                           start_weights=weights if spec.reference else None)
     worker.set_weights(0, weights)
     return worker
 
@@ -161,3 +161,30 @@ def test_stale_tokens_outside_the_new_top_k_leave_the_loss_without_nan(init_dir)
         assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
         excluded = max(excluded, metrics["excluded_tokens"])
     assert excluded > 0, "the test did not produce tokens outside the new top-k"
+
+
+def test_lora_trains_adapters_only_publishes_them_and_the_reference_is_the_base(init_dir):
+    """model.lora: the learner trains and publishes the adapters alone, the rollout worker applies them to its
+    copy of the base (shipped once) and samples on-policy, and the KL's reference is the base, adapters off."""
+    lora_model = ModelConfig(preset="tiny", dropout=0.1, lora={"enabled": True, "r": 4, "alpha": 8.0, "dropout": 0.0})
+    rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8)
+    rl = RLConfig(algorithm="grpo", batch_size=8, lr=5e-3, warmup_ratio=0.0, kl={"coef": 0.1})
+    learner = Learner(lora_model, None, rl, rollout, init_checkpoint=str(init_dir), rank=0, world_size=1,
+                      total_steps=10, seed=0, max_source_len=16, max_target_len=16)
+    base_before = {k: v.clone() for k, v in learner.policy.model.get_base_model().state_dict().items()
+                   if "lora_" not in k}
+    published = learner.weights()
+    assert published and all("lora_" in k for k in published)
+    full = load_policy(MODEL, checkpoint=init_dir).model.state_dict()
+    assert sum(t.numel() for t in published.values()) < 0.2 * sum(t.numel() for t in full.values())
+    worker = RolloutWorker(lora_model, str(init_dir), rollout, seed=3, max_source_len=16,
+                           spec=RolloutSpec.for_algorithm("grpo", kl=True), start_weights=full)
+    worker.set_weights(0, published)
+    first = learner.train_step(_scored(worker))
+    assert first["kl_k1"] == pytest.approx(0.0, abs=1e-6)  # adapters start at zero: the policy is the base
+    worker.set_weights(1, learner.weights())  # the adapter-only publish, received and applied
+    second = learner.train_step(_scored(worker))
+    assert second["sampler_ratio_max_dev"] < 1e-4, second  # the worker samples exactly the learner's policy
+    assert second["kl_k3"] > 0  # the policy moved away from its reference, the base
+    base_after = {k: v for k, v in learner.policy.model.get_base_model().state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(base_before[k], base_after[k]) for k in base_before), "the frozen base changed"

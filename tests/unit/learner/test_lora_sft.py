@@ -17,14 +17,8 @@ from rlt2t.common.checkpoint import (
 )
 from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import LoraConfig, ModelConfig, RunConfig, SFTConfig
-from rlt2t.common.lora import (
-    adapter_state_dict,
-    is_adapter_checkpoint,
-    load_lora_policy,
-    load_merged_policy,
-    save_merged_model,
-)
-from rlt2t.common.policy import load_policy
+from rlt2t.common.lora import adapter_state_dict, load_lora_policy, load_merged_policy, save_merged_model
+from rlt2t.common.policy import is_adapter_checkpoint, load_policy
 from rlt2t.common.tokenization import save_tokenizer
 from rlt2t.learner.stages import run_sft
 
