@@ -202,14 +202,14 @@ class PolicyGradientConfig(_Section):
     """Truncated importance sampling: cap of the learner-to-sampler probability ratio that weights each token
     (corrects an int8 or stale sampler; 1 on-policy with the torch sampler)."""
     epochs: int | None = Field(None, ge=1)
-    """Optimisation passes over each batch of experience (null: 4 for PPO and NLPO, 1 otherwise)."""
+    """Optimisation passes over each batch of experience (null: 2 for PPO and NLPO, 1 otherwise)."""
     minibatches: int | None = Field(None, ge=1)
     """Minibatches per pass, split by source (null: 2 for PPO and NLPO, 1 otherwise)."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Entropy bonus weight (token mean of the policy's entropy)."""
-    target_kl: float = Field(0.0, ge=0.0)
-    """Stop a batch's remaining PPO epochs once the approximate KL to the batch's start exceeds 1.5x this
-    (0: never)."""
+    target_kl: float = Field(0.05, ge=0.0)
+    """Stop a batch's remaining optimizer steps once the approximate KL to the batch's start exceeds 1.5x this
+    (0: never; it only matters for PPO/NLPO's several steps per batch)."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """PPO/A2C/NLPO discount of GAE."""
     lam: float = Field(0.95, ge=0.0, le=1.0)
@@ -309,7 +309,7 @@ class RLConfig(StageConfig):
     def optimisation_epochs(self) -> int:
         if self.algorithm == "a2c":
             return 1
-        return self.pg.epochs or (4 if self.algorithm in ("ppo", "nlpo") else 1)
+        return self.pg.epochs or (2 if self.algorithm in ("ppo", "nlpo") else 1)
 
     @property
     def optimisation_minibatches(self) -> int:

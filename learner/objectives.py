@@ -152,9 +152,11 @@ class PolicyGradientObjective:
        (the ratio's denominator), the raw log-prob (for the KL to the reference) and, for PPO, the values.
        Its ratio to the sampler's own log-probs is the truncated importance weight, capped at rl.pg.is_cap:
        1 on-policy with the torch sampler; it corrects an int8 or stale sampler (and is logged).
-    2. Advantages. SCST/RLOO: sequence rewards minus β·KL (k1, summed over the sequence), then the group
-       baseline. GRPO: group-normalised rewards, and β·k3 added to the loss instead. PPO/A2C/NLPO: the
-       reward at the last token, −β·k1 at every token, GAE with the value head, whitened.
+    2. Advantages. RLOO: sequence rewards minus β·KL (k1, summed over the sequence), then the leave-one-out
+       baseline. GRPO: group-normalised rewards; SCST: rewards minus the greedy decode's; both add β·k3 to the
+       loss instead (SCST's greedy baseline has no KL to shape it with: shaping only the samples would bias
+       every advantage negative as the KL grows). PPO/A2C/NLPO: the reward at the last token, −β·k1 at every
+       token, GAE with the value head, whitened.
     3. rl.pg.epochs × rl.pg.minibatches optimizer steps (minibatches split by source so each keeps its
        shared encoder pass) of the clipped policy loss (+ value loss, − entropy bonus), stopping early when
        the approximate KL to the batch's start passes 1.5·rl.pg.target_kl.
@@ -174,6 +176,9 @@ class PolicyGradientObjective:
         self.transform = {"temperature": rollout.temperature, "top_k": rollout.top_k, "top_p": rollout.top_p}
         self.kl = AdaptiveKLController(rl.kl.coef, rl.kl.target, rl.kl.horizon)
         self.clip_eps = math.inf if rl.algorithm == "a2c" else rl.pg.clip_eps
+        # Where the KL to the reference goes: a loss term (β·token mean of k3) for GRPO and SCST, a reward for
+        # RLOO (sequence) and PPO / A2C / NLPO (per token).
+        self.kl_in_loss = rl.algorithm in ("grpo", "scst")
         self.value_clip = math.inf if rl.algorithm == "a2c" else rl.pg.value_clip
         # Used only when a batch arrives without reference log-probs (policy servers do not compute them).
         self.reference = reference
@@ -286,12 +291,12 @@ class PolicyGradientObjective:
                 if pg.whiten_advantages:
                     advantages = self._whiten(run, advantages, mask)
             else:
-                if self.algorithm == "grpo":
-                    per_source = group_advantages(rewards, "grpo")
-                else:
+                if self.algorithm == "rloo":
+                    # The KL as a reward: every sample's reward and its leave-one-out baseline are shaped alike.
                     shaped = rewards - beta * seq_kl.view(k, size).t()
-                    baseline = batch.greedy_rewards if self.algorithm == "scst" else None
-                    per_source = group_advantages(shaped, self.algorithm, baseline=baseline)  # type: ignore[arg-type]
+                    per_source = group_advantages(shaped, "rloo")
+                else:  # GRPO and SCST: the KL is a loss term (a greedy baseline has no KL to shape it with)
+                    per_source = group_advantages(rewards, self.algorithm, baseline=batch.greedy_rewards)  # type: ignore[arg-type]
                 advantages = per_source.t().reshape(-1, 1).expand_as(old_logp).contiguous()
                 returns = None
         # 3. epochs x minibatches of optimizer steps
@@ -316,7 +321,7 @@ class PolicyGradientObjective:
                 policy_loss, st = clipped_policy_loss(logp, old_logp[rows], advantages[rows], mb_mask,
                                                       self.clip_eps, weights=is_weights[rows])
                 loss = policy_loss
-                if self.algorithm == "grpo" and reference is not None:
+                if self.kl_in_loss and reference is not None:
                     kl_term = masked_mean(kl_estimate(raw, reference[rows], "k3"), mb_mask)
                     loss = loss + beta * kl_term
                 if out.values is not None and returns is not None and old_values is not None:

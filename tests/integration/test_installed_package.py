@@ -26,7 +26,7 @@ def installed(tmp_path_factory) -> Path:
     source = tmp / "source"
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "*.egg-info",
                                                                 "__pycache__", ".pytest_cache", "bench", "tests"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(source),
                     "-w", str(tmp / "dist")], check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp / "dist").glob("rlt2t-*.whl")
     venv = tmp / "venv"
