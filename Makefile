@@ -14,7 +14,7 @@ help:
 	@echo "make demo   - create $(VENV), install, run the whole pipeline on the embedded default (CPU, synthetic data)"
 	@echo "make test   - create $(VENV) if needed, run unit and integration tests"
 	@echo "make lint   - ruff"
-	@echo "make bench  - benchmarks: SFT step, learner step, pipeline overlap, RL vs SFT quality, serving load, CT2 sampling (bench/results/)"
+	@echo "make bench  - benchmarks: SFT and learner steps, pipeline overlap, RL algorithms vs continued SFT, serving, CT2, rewards, annotation, LoRA (bench/results/)"
 	@echo "make ray-up / ray-down / train-submit - a local Ray head on 127.0.0.1 and \`ray job submit\` of rlt2t train"
 	@echo "make deploy / undeploy / deploy-status - training job + policy server on the Ray cluster at RAY_ADDRESS"
 	@echo "                        (or CLUSTER=deploy/cluster-aws.yaml: ray up, then deploy from its head); see deploy/README.md"
@@ -68,14 +68,19 @@ bench: $(STAMP)
 	$(BIN)/python bench/sft_step.py
 	$(BIN)/python bench/learner_step.py
 	$(BIN)/python bench/learner_step.py --family t5
+	$(BIN)/python bench/group_step.py
 	$(BIN)/python bench/pipeline.py
-	$(BIN)/python bench/quality.py
+	$(BIN)/python bench/pipeline.py --algorithm grpo
+	$(BIN)/python bench/pipeline.py --algorithm ppo
+	$(BIN)/python bench/algorithms.py --task synth
+	$(BIN)/python bench/algorithms.py --task wordnet
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/ct2_sampling.py
 	$(BIN)/python bench/annotate_load.py
 	$(BIN)/python bench/reward_throughput.py
 	$(BIN)/python bench/ct2_sampling.py --family t5
 	$(BIN)/python bench/warm_start.py
+	$(BIN)/python bench/lora.py
 
 # A local Ray head on loopback (dashboard and job API on 127.0.0.1:8265).
 RAY_TMP ?= /tmp/rlt2t-ray
