@@ -34,7 +34,11 @@ def installed(tmp_path_factory) -> Path:
     py = venv / "bin" / "python"
     purelib = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                   check=True, capture_output=True, text=True).stdout.strip())
-    (purelib / "deps.pth").write_text("\n".join([sysconfig.get_paths()["purelib"], *site.getsitepackages()]) + "\n")
+    # Every site-packages directory this interpreter sees (a venv layered on another one included); a .pth line
+    # adds a directory without running the .pth files in it, so no editable install of this checkout comes along.
+    dirs = dict.fromkeys([sysconfig.get_paths()["purelib"], *site.getsitepackages(),
+                          *(p for p in sys.path if p.endswith("site-packages"))])
+    (purelib / "deps.pth").write_text("\n".join(dirs) + "\n")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(purelib), str(wheel)],
                    check=True, capture_output=True, timeout=300)
     return py
