@@ -49,7 +49,8 @@ def cmd_average(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    from rlt2t.jobs import best_or_latest, clean_run, eval_job, export_job, prepare_sft, rl_job
+    from rlt2t.eval_table import eval_table, print_eval_table
+    from rlt2t.jobs import best_or_latest, clean_run, export_job, prepare_sft, rl_job
     from rlt2t.predict import predict
 
     cfg = load_cfg(args)
@@ -57,16 +58,20 @@ def cmd_demo(args) -> None:
         clean_run(cfg)
     t0 = time.perf_counter()
     prepare_sft(cfg)
-    rows = {"sft": eval_job(cfg, label="sft")}
     models = {"sft": best_or_latest(cfg.run_dir / "sft" / "checkpoints")}
     if cfg.rl.enabled:
         rl_job(cfg, resume=True)
-        models["rl"] = best_or_latest(cfg.run_dir / "rl" / "checkpoints")
-        rows[f"RL ({cfg.rl.algorithm})"] = eval_job(cfg, checkpoint=models["rl"], label="rl")
-    print_table(f"{cfg.eval.split} split, {'greedy' if cfg.eval.num_beams == 1 else 'beam'} decoding", rows)
+        models[f"rl ({cfg.rl.algorithm})"] = best_or_latest(cfg.run_dir / "rl" / "checkpoints")
+    # SFT against RL on validation and on the held-out test split (`rlt2t eval`'s tables, saved under eval/).
+    for split in ("valid", "test"):
+        if cfg.path(getattr(cfg.data, split)).is_file():
+            table = eval_table(cfg, models, split=split, metrics=DEMO_METRICS)
+            print_eval_table(table)
+            table.save(cfg.run_dir / "eval", f"demo-{split}")
     if args.predict:
         # The last stage of the method: CTranslate2 exports of both models, ensemble rerank on the test split.
-        exports = [export_job(cfg, path, cfg.path(cfg.export.out) / name, force=True) for name, path in models.items()]
+        exports = [export_job(cfg, path, cfg.path(cfg.export.out) / name.split()[0], force=True)
+                   for name, path in models.items()]
         result = predict(cfg, exports, exports, cfg.path(cfg.data.test), cfg.run_dir / "predict" / "test.csv")
         if result.metrics:
             print_table(f"test split, CTranslate2 {cfg.export.quantization}: single models (beam "
@@ -74,6 +79,9 @@ def cmd_demo(args) -> None:
         print(f"predictions: {result.csv_path}")
     print(f"demo finished in {time.perf_counter() - t0:.0f} s; run directory: {cfg.run_dir}")
     print(f"logs: tensorboard --logdir {cfg.run_dir / 'logs'}")
+
+
+DEMO_METRICS = ("task_score", "cider_d", "bleu4", "rouge_l", "mean_length")
 
 
 def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:

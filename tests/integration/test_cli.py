@@ -42,6 +42,11 @@ def test_demo_pipeline_end_to_end(demo_run):
     valid_rows = len((run / "data" / "valid.jsonl").read_text().splitlines())
     assert table["examples"] == min(20, valid_rows)  # eval.limit=20 in tiny.yaml
     assert list((run / "logs" / "pretrain" / "tb").iterdir())
+    # SFT against RL on validation and test: the demo's tables, printed and saved as `rlt2t eval` saves them
+    for split in ("valid", "test"):
+        saved = json.loads((run / "eval" / f"demo-{split}.json").read_text())
+        labels = list(saved["rows"])
+        assert labels[0] == "sft" and labels[1].startswith("rl (") and f"{split} split" in proc.stdout
 
 
 def test_demo_rerun_resumes_instead_of_retraining(demo_run):
