@@ -101,6 +101,12 @@ ray-up: $(STAMP)
 	RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/ray get-auth-token --generate > /dev/null
 	RAY_AUTH_MODE=$(RAY_AUTH_MODE) RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/ray start --head --node-ip-address=127.0.0.1 --num-cpus=$(RAY_CPUS) \
 		--include-dashboard=true --dashboard-host=127.0.0.1 --temp-dir=$(RAY_TMP) --disable-usage-stats
+	@# The job API answers before the head's job agent has registered ("No available agent to submit job"):
+	@# wait until a no-op job can be submitted, so a train-submit right after this works.
+	@for i in $$(seq 60); do \
+		RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/ray job submit --address $(RAY_ADDRESS_LOCAL) --no-wait \
+			--submission-id rlt2t-ray-up-probe-$$(date +%s%N) -- true >/dev/null 2>&1 && exit 0; sleep 1; \
+	done; echo "ray-up: the job API at $(RAY_ADDRESS_LOCAL) did not accept jobs within 60 s" >&2; exit 1
 
 ray-down: $(STAMP)
 	$(BIN)/ray stop --force
