@@ -52,7 +52,14 @@ from rlt2t.common.policy import load_policy  # noqa: E402
 from rlt2t.common.sampling import sample_candidates, stable_seed  # noqa: E402
 from rlt2t.common.scoring import sequence_logprobs  # noqa: E402
 from rlt2t.common.tracking import setup_logging  # noqa: E402
-from rlt2t.jobs import eval_job, load_split, make_wordnet_data, prepare_sft, rl_job  # noqa: E402
+from rlt2t.jobs import (  # noqa: E402
+    eval_job,
+    load_split,
+    make_docstring_data,
+    make_wordnet_data,
+    prepare_sft,
+    rl_job,
+)
 
 log = logging.getLogger("bench.algorithms")
 
@@ -65,6 +72,9 @@ TASK_SETTINGS = {
     "wordnet": ["tokenizer.kind=subword", "tokenizer.vocab_size=4000", "data.max_source_len=48",
                 "data.max_target_len=32", "rollout.max_new_tokens=32", "eval.max_new_tokens=32",
                 "pretrain.max_steps=300", "sft.epochs=8", "sft.lr=1e-3"],
+    "docstrings": ["tokenizer.kind=subword", "tokenizer.vocab_size=4000", "data.max_source_len=48",
+                   "data.max_target_len=32", "rollout.max_new_tokens=32", "eval.max_new_tokens=32",
+                   "pretrain.max_steps=300", "sft.epochs=6", "sft.lr=1e-3"],
 }
 
 
@@ -244,7 +254,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32, help="rl.batch_size: sources per learner step")
     ap.add_argument("--override", action="append", default=[], help="key=value for every arm (repeatable)")
     ap.add_argument("--base-override", action="append", default=[], help="key=value for the shared stages")
-    ap.add_argument("--wordnet-size", type=int, default=8000, help="rows of the WordNet task")
+    ap.add_argument("--nl-size", type=int, default=8000, help="rows of a natural-language task (wordnet, docstrings)")
     ap.add_argument("--no-save", action="store_true", help="print only; leave bench/results/ alone")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -263,7 +273,9 @@ def main() -> None:
             for seed in seeds:
                 base = base_config(args.task, workdir, seed, args)
                 if args.task == "wordnet" and not base.path(base.data.train).is_file():
-                    make_wordnet_data(base, size=args.wordnet_size, seed=7)  # the same rows for every seed
+                    make_wordnet_data(base, size=args.nl_size, seed=7)  # the same rows for every seed
+                if args.task == "docstrings" and not base.path(base.data.train).is_file():
+                    make_docstring_data(base, size=args.nl_size, seed=7)
                 t0 = time.perf_counter()
                 sft_ckpt = prepare_sft(base)
                 probe = arm_config(base, "continued_sft", args)

@@ -33,6 +33,13 @@ def cmd_data_wordnet(args) -> None:
         print(f"{split}: {path}")
 
 
+def cmd_data_docstrings(args) -> None:
+    from rlt2t.jobs import make_docstring_data
+
+    for split, path in make_docstring_data(load_cfg(args), size=args.size, seed=args.seed).items():
+        print(f"{split}: {path}")
+
+
 def cmd_data_import(args) -> None:
     from rlt2t.common.data import import_competition_csv, split_examples, write_examples
 
@@ -98,6 +105,12 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("--seed", type=int, default=7, help="which rows are drawn and how they are split")
     p.add_argument("--wordnet-dir", default=None, help="WordNet dict directory (default: Debian's wordnet-base)")
     p.set_defaults(fn=cmd_data_wordnet)
+    p = data.add_parser("docstrings", help="write the docstring-summary task (natural language, from the installed "
+                        "packages' documentation) to data.train's dir")
+    config_args(p)
+    p.add_argument("--size", type=int, default=8000, help="rows in all (train + synth.valid/test_fraction)")
+    p.add_argument("--seed", type=int, default=7, help="which rows are drawn and how they are split")
+    p.set_defaults(fn=cmd_data_docstrings)
     p = data.add_parser("import-csv", help="convert a competition CSV (report_id,description,diagnosis[,clinical])")
     config_args(p)
     p.add_argument("--input", required=True, help="header-less competition CSV")

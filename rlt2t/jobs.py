@@ -55,6 +55,17 @@ def make_wordnet_data(cfg: Config, *, size: int = 8000, seed: int = 7,
     return files
 
 
+def make_docstring_data(cfg: Config, *, size: int = 8000, seed: int = 7) -> dict[str, Path]:
+    """The docstring-summary task (``rlt2t.common.docstrings``) into data.train's directory."""
+    from rlt2t.common.docstrings import write_docstring_task
+
+    out = cfg.path(cfg.data.train).parent
+    files = write_docstring_task(out, size, seed, valid_fraction=cfg.synth.valid_fraction,
+                                 test_fraction=cfg.synth.test_fraction)
+    log.info("docstring summaries (%d rows, seed %d) → %s", size, seed, out)
+    return files
+
+
 def load_split(cfg: Config, split: str, require_target: bool = True) -> list[Example]:
     """Load a configured split, checking texts against the tokenizer's vocabulary when it has one."""
     path = cfg.path(getattr(cfg.data, split))

@@ -1,0 +1,144 @@
+"""A natural-language task from text shipped in the installed Python packages: docstring generation.
+
+The public functions of well-kept libraries (torch, transformers, numpy, sympy, matplotlib, ...) carry a
+human-written summary line: ``compute_num_masked_span(input_length)`` → "Given input length, compute how
+many spans should be masked". The task: given a function's name and arguments, write that summary. It is
+the code-summarisation task of CodeSearchNet's docstring generation, built offline from what this
+environment installs: the targets are real English written by the libraries' authors, varied, and
+learnable by a small model in minutes (the name carries much of the meaning), which makes it a useful
+second benchmark task beside the synthetic one.
+
+Sources are the function's package and module, then its name and arguments, with snake_case and CamelCase
+split into lower-case words (``transformers wav2vec2 : compute num masked span ( input length )``); targets are the docstring's first sentence, lower-cased
+and split into word and punctuation tokens (as coco-caption's tokenizer does before CIDEr-D). Boilerplate
+summaries (generated stubs, "see ...", "deprecated ...") and summaries shared by more than three functions
+are left out. The same installed packages and arguments give the same bytes (files and functions are
+walked in sorted order, rows drawn with ``random.Random(seed)``); the package versions are recorded.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import os
+import random
+import re
+import sysconfig
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from rlt2t.common.io import atomic_write_json, atomic_write_jsonl
+from rlt2t.common.wordnet import tokenize
+
+# Libraries rlt2t installs (or its dependencies do): their docstrings are the corpus.
+PACKAGES = ("torch", "transformers", "numpy", "sympy", "matplotlib", "sqlalchemy", "nltk", "networkx",
+            "pydantic", "peft", "accelerate", "tokenizers", "ray", "scipy", "pandas", "rich", "jinja2", "yaml")
+_WORDS = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+")
+_BOILERPLATE = re.compile(r"^(missing associated documentation|see |deprecated|alias (for|of)|todo|fixme|"
+                          r"overrides? |implements? |same as |this (method|function) is deprecated)", re.I)
+
+
+def split_name(name: str) -> str:
+    """``compute_num_maskedSpan`` → ``compute num masked span``."""
+    return " ".join(w.lower() for w in _WORDS.findall(name))
+
+
+def first_sentence(doc: str) -> str:
+    """The summary of a docstring: its first paragraph up to the first sentence end, on one line."""
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    return re.split(r"(?<=[.!?])\s", paragraph, maxsplit=1)[0].strip()
+
+
+def package_dirs(packages: Sequence[str] = PACKAGES) -> list[Path]:
+    """The installed directories of ``packages`` (those that are installed), from the active environment."""
+    roots = dict.fromkeys(Path(p) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]))
+    out = []
+    for name in packages:
+        for root in roots:
+            if (root / name / "__init__.py").is_file():
+                out.append(root / name)
+                break
+    return out
+
+
+def _functions(path: Path) -> Iterator[tuple[str, list[str], str]]:
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"), filename=str(path))
+    except (SyntaxError, ValueError):
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_"):
+            doc = ast.get_docstring(node)
+            if doc:
+                args = [a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)
+                        if a.arg not in ("self", "cls")]
+                yield node.name, args, doc
+
+
+def docstring_pairs(dirs: Sequence[Path]) -> list[dict[str, str]]:
+    """(name + arguments → summary) rows of every public documented function under ``dirs``, tests left out;
+    ``id`` = ``<package>:<relative path>:<name>:<n>``."""
+    rows = []
+    for base in dirs:
+        for path in sorted(base.rglob("*.py")):
+            rel = path.relative_to(base.parent)
+            if any(part in ("tests", "test", "testing", "_vendor", "vendored") for part in rel.parts):
+                continue
+            for n, (name, args, doc) in enumerate(_functions(path)):
+                summary = first_sentence(doc)
+                if not 4 <= len(summary.split()) <= 30 or _BOILERPLATE.match(summary) or "`" * 2 in summary[:2]:
+                    continue
+                module = " ".join(split_name(p) for p in (rel.parts[0], rel.stem) if p != "__init__")
+                arguments = " , ".join(split_name(a) for a in args if split_name(a))
+                source = f"{module} : {split_name(name)} ( {arguments} )"
+                target = tokenize(summary)
+                if target and split_name(name):
+                    rows.append({"id": f"{rel.as_posix()}:{name}:{n}", "source": " ".join(source.split()),
+                                 "target": target})
+    counts = Counter(r["target"] for r in rows)
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for r in rows:  # generic summaries shared by many functions say little; exact duplicates teach nothing new
+        key = (r["source"], r["target"])
+        if counts[r["target"]] <= 3 and key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def write_docstring_task(out_dir: str | os.PathLike, size: int, seed: int, valid_fraction: float = 0.05,
+                         test_fraction: float = 0.05, packages: Sequence[str] = PACKAGES) -> dict[str, Path]:
+    """Write ``train``/``valid``/``test`` JSONL of ``size`` rows and ``docstrings_meta.json`` (written last,
+    with the package versions the rows came from). Returns the paths keyed ``train``, ``valid``, ``test``,
+    ``meta``."""
+    dirs = package_dirs(packages)
+    if not dirs:
+        raise FileNotFoundError(f"none of the packages {', '.join(packages)} is installed in this environment")
+    rows = docstring_pairs(dirs)
+    if size > len(rows):
+        raise ValueError(f"size={size}: the installed packages give only {len(rows)} documented functions")
+    for name, frac in (("valid_fraction", valid_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 <= frac < 0.5:
+            raise ValueError(f"{name} must be in [0, 0.5), got {frac}")
+    picked = random.Random(seed).sample(rows, size)
+    n_valid = max(1, round(size * valid_fraction)) if valid_fraction else 0
+    n_test = max(1, round(size * test_fraction)) if test_fraction else 0
+    splits = {"valid": picked[:n_valid], "test": picked[n_valid : n_valid + n_test],
+              "train": picked[n_valid + n_test :]}
+    out = Path(out_dir)
+    paths = {}
+    for split, split_rows in splits.items():
+        paths[split] = out / f"{split}.jsonl"
+        atomic_write_jsonl(paths[split], split_rows)
+    versions = {}
+    for d in dirs:
+        try:
+            versions[d.name] = importlib.metadata.version(d.name if d.name != "yaml" else "pyyaml")
+        except importlib.metadata.PackageNotFoundError:
+            versions[d.name] = "unknown"
+    paths["meta"] = out / "docstrings_meta.json"
+    atomic_write_json(paths["meta"], {"task": "docstring-summaries", "packages": versions, "size": size,
+                                      "seed": seed, "available": len(rows),
+                                      **{f"{k}_rows": len(v) for k, v in splits.items()}})
+    return paths
