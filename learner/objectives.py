@@ -191,7 +191,7 @@ class PolicyGradientObjective:
     def metric_keys(self) -> tuple[str, ...]:
         keys = ["loss", "policy_loss", "reward_mean", "reward_std", "kl_k1", "kl_k3", "kl_seq", "kl_coef",
                 "clip_fraction", "approx_kl", "entropy", "advantage_mean", "advantage_std", "ratio_mean",
-                "ratio_max", "sampler_ratio_mean", "sampler_ratio_max_dev", "is_weight_mean", "grad_norm",
+                "ratio_max", "sampler_ratio_mean", "sampler_ratio_max_dev", "kl_k1_stderr", "is_weight_mean", "grad_norm",
                 "optimizer_steps", "tokens", "excluded_tokens"]
         if self.algorithm == "scst":
             keys.append("greedy_reward")
@@ -353,6 +353,9 @@ class PolicyGradientObjective:
             "ratio_max": max(stats["ratio_max"]),
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "kl_k1": float(masked_mean(k1, valid)), "kl_k3": float(masked_mean(k3, valid)), "kl_seq": mean_seq_kl,
+            # the token mean's standard error: what tells a negative estimate from noise around zero
+            "kl_k1_stderr": float(masked_mean((k1 - masked_mean(k1, valid)) ** 2, valid).sqrt()
+                                  / valid.sum().clamp(min=1).sqrt()),
             "kl_coef": beta, "entropy": float(entropy),
             "advantage_mean": float(masked_mean(advantages, mask)),
             "advantage_std": float(masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt()),
@@ -391,11 +394,15 @@ class PolicyGradientObjective:
                         "(rollout.temperature / top_k / top_p), dropout is on, or the sampler is quantised "
                         "(rollout.ct2_compute_type; truncated importance weights correct for it)", step,
                         metrics["sampler_ratio_max_dev"])
-        if metrics["kl_k1"] < -0.01 and "kl" not in self._warned:
+        # On-policy samples drawn from the raw policy make k1 an unbiased KL estimate, never negative on average:
+        # below zero by more than its noise, the samples are not from the policy the KL is taken of.
+        negative = metrics["kl_k1"] < -(0.01 + 3 * metrics["kl_k1_stderr"])
+        if on_policy and negative and "kl" not in self._warned:
             self._warned.add("kl")
-            log.warning("step %d: the KL estimate to the reference is negative (k1 token mean %.4f): the samples' "
-                        "log-probs do not come from the policy being trained (generation settings or a "
-                        "reference other than the start)", step, metrics["kl_k1"])
+            log.warning("step %d: the KL estimate to the reference is negative (k1 token mean %.4f ± %.4f): the "
+                        "samples do not come from the policy the KL is taken of (rollout.temperature / top_k / "
+                        "top_p other than 1 / 0 / 1 sample a transformed policy, or the reference is not the "
+                        "run's start)", step, metrics["kl_k1"], metrics["kl_k1_stderr"])
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"kl": self.kl.state_dict()}

@@ -188,3 +188,25 @@ def test_lora_trains_adapters_only_publishes_them_and_the_reference_is_the_base(
     assert second["kl_k3"] > 0  # the policy moved away from its reference, the base
     base_after = {k: v for k, v in learner.policy.model.get_base_model().state_dict().items() if "lora_" not in k}
     assert all(torch.equal(base_before[k], base_after[k]) for k in base_before), "the frozen base changed"
+
+
+def test_mismatched_generation_settings_and_a_wrong_reference_are_warned_about(init_dir, caplog):
+    """What peers' trackers show runs dying of: on-policy ratios away from 1 (the learner's transform is not
+    the sampler's) and a negative KL estimate (the reference or the samples are not what they should be)."""
+    import dataclasses
+
+    sampler = RolloutConfig(num_samples=4, top_k=0, temperature=1.0, max_new_tokens=8)
+    learner_cfg = sampler.model_copy(update={"temperature": 0.5})  # the learner believes another temperature
+    groups = _scored(_rollout(init_dir, sampler, RolloutSpec.for_algorithm("rloo", kl=True)))
+    with caplog.at_level("WARNING", logger="rlt2t.learner"):
+        _learner(init_dir, RLConfig(algorithm="rloo", batch_size=8), learner_cfg).train_step(groups)
+    assert any("differ from the sampler's" in r.message for r in caplog.records)
+    caplog.clear()
+    # reference log-probs of 0 (probability 1 for every sampled token): log p - log r < 0 everywhere
+    wrong = [dataclasses.replace(g, group=dataclasses.replace(g.group, reference_logprobs=tuple(
+        tuple(0.0 for _ in ids) for ids in g.group.token_ids))) for g in groups]
+    with caplog.at_level("WARNING", logger="rlt2t.learner"):
+        metrics = _learner(init_dir, RLConfig(algorithm="rloo", batch_size=8), sampler).train_step(wrong)
+    assert metrics["kl_k1"] < 0
+    assert any("KL estimate to the reference is negative" in r.message for r in caplog.records)
+    assert not any("differ from the sampler's" in r.message for r in caplog.records)
