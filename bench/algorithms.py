@@ -78,8 +78,19 @@ TASK_SETTINGS = {
 }
 
 
+# Arm variants, `<algorithm>:<variant>`: the same algorithm with another rollout backend (what an int8
+# CTranslate2 sampler costs or gains against a float32 one, with truncated importance weights).
+VARIANTS = {
+    "ct2_int8": ["rollout.backend=ct2", "rollout.ct2_compute_type=int8"],
+    "ct2_float32": ["rollout.backend=ct2", "rollout.ct2_compute_type=float32"],
+}
+
+
 def arm_overrides(arm: str) -> list[str]:
     """What distinguishes an arm; everything else (steps, sources, K, sampling) is shared."""
+    if ":" in arm:
+        algorithm, variant = arm.split(":", 1)
+        return [*arm_overrides(algorithm), *VARIANTS[variant]]
     if arm == "continued_sft":
         return ["rl.algorithm=rank", "rl.rank.loss_weight=0"]
     if arm == "rank":  # rank RL samples as the original did: top-k 3, temperature 0.8
@@ -97,7 +108,7 @@ def base_config(task: str, workdir: Path, seed: int, args: argparse.Namespace) -
 def arm_config(base: Config, arm: str, args: argparse.Namespace) -> Config:
     """An arm's config: its own run dir beside the base, the base's data and tokenizer."""
     return load_config(overrides=[
-        f"run.dir={base.run_dir.parent / arm}", "run.progress=false", f"run.seed={base.run.seed}",
+        f"run.dir={base.run_dir.parent / arm.replace(':', '-')}", "run.progress=false", f"run.seed={base.run.seed}",
         *TASK_SETTINGS[args.task], f"tokenizer.path={base.tokenizer_dir}",
         f"data.train={base.path(base.data.train)}", f"data.valid={base.path(base.data.valid)}",
         f"data.test={base.path(base.data.test)}", "eval.split=test",
@@ -248,7 +259,9 @@ def main() -> None:
     ap.add_argument("--task", choices=sorted(TASK_SETTINGS), default="synth")
     ap.add_argument("--workdir", type=Path, default=None, help="where runs go (default: a temp dir, removed)")
     ap.add_argument("--seeds", default="1,2,3", help="comma-separated seeds; each reruns the whole pipeline")
-    ap.add_argument("--arms", default=",".join(ALL_ARMS), help=f"comma-separated, from {', '.join(ALL_ARMS)}")
+    ap.add_argument("--arms", default=",".join(ALL_ARMS),
+                    help=f"comma-separated, from {', '.join(ALL_ARMS)}; `<algorithm>:<variant>` with a variant of "
+                         f"{', '.join(VARIANTS)}")
     ap.add_argument("--rl-epochs", type=int, default=3, help="rl.epochs of every arm (one validation point each)")
     ap.add_argument("--train-subset", type=int, default=512, help="rl.train_subset: sources per RL epoch")
     ap.add_argument("--batch-size", type=int, default=32, help="rl.batch_size: sources per learner step")
@@ -259,7 +272,8 @@ def main() -> None:
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = sorted(set(arms) - set(ALL_ARMS))
+    unknown = sorted(a for a in arms if a.split(":")[0] not in ALL_ARMS
+                     or (":" in a and a.split(":", 1)[1] not in VARIANTS))
     if unknown or not seeds:
         ap.error(f"--arms: unknown {unknown} (known: {', '.join(ALL_ARMS)})" if unknown else "--seeds is empty")
     setup_logging()

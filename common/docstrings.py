@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import importlib.util
 import os
 import random
 import re
-import sysconfig
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -51,14 +51,13 @@ def first_sentence(doc: str) -> str:
 
 
 def package_dirs(packages: Sequence[str] = PACKAGES) -> list[Path]:
-    """The installed directories of ``packages`` (those that are installed), from the active environment."""
-    roots = dict.fromkeys(Path(p) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]))
+    """The installed directories of ``packages`` (those that are installed; found, not imported)."""
     out = []
     for name in packages:
-        for root in roots:
-            if (root / name / "__init__.py").is_file():
-                out.append(root / name)
-                break
+        spec = importlib.util.find_spec(name)
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        if locations:
+            out.append(Path(locations[0]))
     return out
 
 
