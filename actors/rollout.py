@@ -124,18 +124,21 @@ class RolloutWorker:
         self._ct2 = None  # converted again, lazily, for the new weights
 
     def sample_version(self, version: int, weights: dict[str, Tensor], examples: Sequence[Example],
-                       mask: tuple[int, dict[str, Tensor]] | None = None) -> list[CandidateSet] | list[SampledGroup]:
+                       mask_version: int | None = None, mask_weights: dict[str, Tensor] | None = None
+                       ) -> list[CandidateSet] | list[SampledGroup]:
         """Install the published weights of ``version`` unless they are the ones loaded (and NLPO's masking
-        policy, ``mask`` = (its version, its weights)), then :meth:`sample`. The driver ships each chunk with
-        its version's weights (one object-store reference), so a worker restarted by Ray needs nothing
-        special."""
+        policy, the weights of ``mask_version``), then :meth:`sample`. The driver ships each chunk with its
+        version's weights (object-store references, resolved by Ray as top-level arguments), so a worker
+        restarted by Ray needs nothing special."""
         if version != self._installed:
             self.set_weights(version, weights)
-        if mask is not None and mask[0] != self._mask_version:
+        if mask_version is not None and mask_version != self._mask_version:
+            if mask_weights is None:
+                raise ValueError(f"mask_version={mask_version} needs its weights")
             if self.mask_model is None:
                 self.mask_model = copy.deepcopy(self.policy.model).eval()
-            self.mask_model.load_state_dict(mask[1], strict=True)
-            self._mask_version = mask[0]
+            load_weights(self.mask_model, mask_weights)
+            self._mask_version = mask_version
         return self.sample(examples)
 
     def pid(self) -> int:

@@ -407,10 +407,12 @@ class _Job:
                 c = d.chunk
                 # Policy servers load published checkpoints themselves: do not ship them the weights.
                 weights = None if http_rollout else publisher.refs[c.version]
-                mask = None if c.mask_version is None else (c.mask_version, publisher.refs[c.mask_version])
                 actor = self.rollouts.actors[d.worker]
-                ref = (actor.sample_version.remote(c.version, weights, c.examples, mask) if mask is not None
-                       else actor.sample_version.remote(c.version, weights, c.examples))
+                if c.mask_version is None:
+                    ref = actor.sample_version.remote(c.version, weights, c.examples)
+                else:  # NLPO: the masking policy's version too
+                    ref = actor.sample_version.remote(c.version, weights, c.examples, mask_version=c.mask_version,
+                                                      mask_weights=publisher.refs[c.mask_version])
                 pending[ref] = ("rollout", c.index, d.worker)
             while (batch := sched.next_batch()) is not None:
                 if not steps:

@@ -242,3 +242,17 @@ def test_a_policy_gradient_trains_through_live_policy_and_reward_servers(ray_ses
     first = next(r for r in train if r["step"] == 1)
     assert first["staleness_max"] == 0 and first["sampler_ratio_max_dev"] < 1e-3, first
     assert all("greedy_reward" in r and r["kl_coef"] > 0 for r in train)
+
+
+def test_nlpo_ships_its_masking_policy_to_the_rollout_workers(ray_session, prepared_run, tmp_path):
+    """NLPO's chunks carry a second version, the masking policy's, which the rollout workers load from the object
+    store beside the policy's: the job runs through, with the masking policy refreshed every 2 steps."""
+    run = _copy(prepared_run, tmp_path / "nlpo")
+    result = rl_job(_config(run, "nlpo", "rl.epochs=1", "rl.train_subset=32", "rl.pg.nlpo_mask_refresh_steps=2",
+                            "rl.pg.nlpo_top_p=0.9"))
+    assert result.steps == 4 and result.items_used == 32
+    rows = [json.loads(x) for x in (run / "logs" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r.get("kind", "train") == "train"]
+    # the sampler masked as the learner does: on-policy samples agree with the learner's masked log-probs
+    assert all(r["sampler_ratio_max_dev"] < 1e-3 for r in train if r["staleness_max"] == 0)
+    assert "mask_model" in _learner_state(result.checkpoint)
