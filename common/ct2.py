@@ -1,4 +1,5 @@
-"""CTranslate2 export and inference: the int8 path of docs/design.md ("The method", steps 6-7) and the `ct2` rollout sampler.
+"""CTranslate2 export and inference: the int8 path of docs/design.md ("The method", steps 6-7) and the `ct2`
+rollout sampler.
 
 An export directory is what CTranslate2's ``TransformersConverter`` writes (``model.bin``,
 ``shared_vocabulary.json``, ``config.json``) plus our tokenizer and ``rlt2t_export.json`` (source,

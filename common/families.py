@@ -420,9 +420,10 @@ class CrossAttention:
 def cross_attentions(model: nn.Module) -> list[CrossAttention]:
     """Every decoder layer's cross-attention projections, in layer order.
 
-    BART, mBART, Marian and Pegasus: ``layers[i].encoder_attn.{k,v}_proj``; T5: ``block[i].layer[1].EncDecAttention.{k,v}``
-    (relative position bias is in self-attention only, so cross-attention keys are plain projections); a BERT
-    decoder (warm start): ``bert.encoder.layer[i].crossattention.self.{key,value}``.
+    BART, mBART, Marian and Pegasus: ``layers[i].encoder_attn.{k,v}_proj``; T5:
+    ``block[i].layer[1].EncDecAttention.{k,v}`` (relative position bias is in self-attention only, so
+    cross-attention keys are plain projections); a BERT decoder (warm start):
+    ``bert.encoder.layer[i].crossattention.self.{key,value}``.
     """
     name = family_of(model.config).name
     decoder = model.get_decoder()

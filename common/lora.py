@@ -22,10 +22,11 @@ API (``model`` is the ``PeftModel`` that :func:`apply_lora` returns):
 - :func:`merged_model` (model) -> a plain transformers model with the adapters merged into the base weights
   (a copy; the LoRA policy is left as it was): what CTranslate2 export and the torch server take.
 - Checkpoints: ``save_checkpoint(model=peft_model)`` writes peft's adapter directory (adapter_config.json
-  naming the base directory, adapter_model.safetensors) instead of full weights; :func:`rlt2t.common.policy.is_adapter_checkpoint`
-  recognises one, :func:`load_lora_policy` loads base + adapters (trainable, to resume),
-  :func:`load_merged_policy` a merged plain policy (to evaluate or serve) and :func:`save_merged_model` writes
-  it as a model directory (to export: CTranslate2's converter reads directories).
+  naming the base directory, adapter_model.safetensors) instead of full weights;
+  :func:`rlt2t.common.policy.is_adapter_checkpoint` recognises one, :func:`load_lora_policy` loads base +
+  adapters (trainable, to resume), :func:`load_merged_policy` a merged plain policy (to evaluate or serve) and
+  :func:`save_merged_model` writes it as a model directory (to export: CTranslate2's converter reads
+  directories).
 """
 
 from __future__ import annotations

@@ -357,7 +357,8 @@ class PolicyGradientObjective:
             "advantage_mean": float(masked_mean(advantages, mask)),
             "advantage_std": float(masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt()),
             "sampler_ratio_mean": float(masked_mean(sampler_ratio, mask)),
-            "sampler_ratio_max_dev": float(torch.where(mask, (sampler_ratio - 1).abs(), 0).max()) if mask.any() else 0.0,
+            "sampler_ratio_max_dev": (float(torch.where(mask, (sampler_ratio - 1).abs(), 0).max())
+                                      if mask.any() else 0.0),
             "is_weight_mean": float(masked_mean(is_weights, mask)),
             "optimizer_steps": float(steps), "tokens": float(mask.sum()),
             "excluded_tokens": float((batch.loss_mask & ~mask).sum()),

@@ -134,6 +134,6 @@ def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list
     dataset = SFTDataset(sources, targets, augment_prob=cfg.augment_prob, protected_ids=set(tok.all_special_ids),
                          seed=run.seed)
     return train_stage(stage="sft", cfg=cfg, run=run, policy=policy, dataset=dataset,
-                       collate=make_collate(tok.pad_token_id, policy.model.config), step_fn=make_sft_step(cfg, policy.model),
-                       out_dir=out_dir, resume_from=resume_from, evaluate=evaluate,
-                       monitor="monitor" if evaluate is not None else None)
+                       collate=make_collate(tok.pad_token_id, policy.model.config),
+                       step_fn=make_sft_step(cfg, policy.model), out_dir=out_dir, resume_from=resume_from,
+                       evaluate=evaluate, monitor="monitor" if evaluate is not None else None)

@@ -143,7 +143,8 @@ def train_stage(
         prune_checkpoints(ckpt_root, cfg.keep_last, protect=protect | {path})
         return path
 
-    bar = tqdm(total=total_steps, initial=step, desc=stage, disable=True if not run.progress else None, dynamic_ncols=True)
+    bar = tqdm(total=total_steps, initial=step, desc=stage, disable=True if not run.progress else None,
+               dynamic_ncols=True)
     last: dict[str, float] = {}
     last_path: Path | None = None
     window_t, window_n = time.perf_counter(), 0
@@ -194,7 +195,8 @@ def train_stage(
                 best.offer(scores[monitor], ckpt_root / name)
             last_path = checkpoint(name, epoch + 1, 0, {**last, **scores})
         if last_path is None:  # resumed at the very end: nothing left to do
-            last_path = resume_from.path if resume_from is not None else checkpoint(checkpoint_name(step=step), 0, 0, last)
+            last_path = (resume_from.path if resume_from is not None
+                         else checkpoint(checkpoint_name(step=step), 0, 0, last))
     finally:
         bar.close()
         logger.close()

@@ -151,7 +151,8 @@ def derive(cfg: Config, **sections: dict[str, Any]) -> Config:
 def round_config(cfg: Config, round_dir: Path) -> Config:
     """The run's config with ``run.dir`` moved to ``round_dir``; data and tokenizer stay the run's."""
     return derive(cfg, run={"dir": str(round_dir)},
-                  data={split: str(cfg.path(getattr(cfg.data, split)).resolve()) for split in ("train", "valid", "test")},
+                  data={split: str(cfg.path(getattr(cfg.data, split)).resolve())
+                        for split in ("train", "valid", "test")},
                   tokenizer={"path": str(cfg.tokenizer_dir.resolve())})
 
 
@@ -234,7 +235,8 @@ def run_loop(cfg: Config) -> list[dict[str, Any]]:
         log.info("feedback round %d: %d of %d sources ranked", r, len(ranked), len(sets))
         # 3. train the reward model on every round's lists.
         rm_cfg = derive(round_config(cfg, round_dir), reward_model={
-            "rank_lists": lists_so_far, "init": str(_backbone(cfg, policy_dir)), "out": str(round_dir / "reward_model")})
+            "rank_lists": lists_so_far, "init": str(_backbone(cfg, policy_dir)),
+            "out": str(round_dir / "reward_model")})
         rm = reward_model_job(rm_cfg, resume=True)
         rm_dir = best_or_latest(round_dir / "reward_model" / "checkpoints")
         rm_metrics = read_checkpoint(rm_dir).meta.get("metrics", {})

@@ -90,7 +90,8 @@ def _stage_start(cfg: Config, stage: str, init: str | Path | None, resume: bool)
             return load_lora_policy(cfg.model, cfg.tokenizer_dir, latest), info
         return load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest), info
     if not resume and ckpt_root.exists() and any(ckpt_root.iterdir()):
-        raise FileExistsError(f"{ckpt_root} already holds checkpoints; pass --resume to continue or use another run.dir")
+        raise FileExistsError(f"{ckpt_root} already holds checkpoints; "
+                              "pass --resume to continue or use another run.dir")
     if init is not None:
         init = resolve_model_dir(init)
         log.info("%s: starting from %s", stage, init)
@@ -212,7 +213,8 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     ckpt_root = cfg.run_dir / STAGE / "checkpoints"
     latest = latest_complete_checkpoint(ckpt_root) if resume else None
     if latest is None and not resume and ckpt_root.exists() and any(ckpt_root.iterdir()):
-        raise FileExistsError(f"{ckpt_root} already holds checkpoints; pass --resume to continue or use another run.dir")
+        raise FileExistsError(f"{ckpt_root} already holds checkpoints; "
+                              "pass --resume to continue or use another run.dir")
     resumed = read_checkpoint(latest) if latest else None
     if init:
         start = resolve_model_dir(init)

@@ -19,12 +19,12 @@ When the run has a tokenizer (``{run}/tokenizer``), every text obeys its token r
 as the data loader: an ``ids`` vocabulary takes data tokens and <sep> only; no kind takes other special
 tokens). Unknown metric names are 422s naming ``metrics[i]``.
 
-Work is bounded like the policy server's (``rlt2t.services.batching``): a request's cost is
-Σ over its candidates and their references of (candidate tokens + 1) × (reference tokens + 1) plus their
-characters, times the number of metrics (ROUGE-L's table; chrF's character n-grams); above ``serve.max_reward_cost`` it is a 422
-naming the product, queued work above ``serve.max_reward_queue_cost`` a 503 + Retry-After. Scoring runs
-on one worker thread, off the event loop, in parts of at most ``serve.max_reward_call_cost``; a request
-whose client disconnected or whose ``serve.request_timeout_s`` passed is dropped between parts.
+Work is bounded like the policy server's (``rlt2t.services.batching``): a request's cost is Σ over its
+candidates and their references of (candidate tokens + 1) × (reference tokens + 1) plus their characters,
+times the number of metrics (ROUGE-L's table; chrF's character n-grams); above ``serve.max_reward_cost`` it is
+a 422 naming the product, queued work above ``serve.max_reward_queue_cost`` a 503 + Retry-After. Scoring runs
+on one worker thread, off the event loop, in parts of at most ``serve.max_reward_call_cost``; a request whose
+client disconnected or whose ``serve.request_timeout_s`` passed is dropped between parts.
 """
 
 from __future__ import annotations

@@ -389,7 +389,8 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
         export.FILES["ranks"]: ("text/tab-separated-values; charset=utf-8",
                                 lambda inc: export.rank_tsv_lines(export.rank_lists(store, include_flagged=inc))),
         export.FILES["pairs"]: ("application/jsonl; charset=utf-8",
-                                lambda inc: export.jsonl_lines(export.pair_rows(export.rank_lists(store, include_flagged=inc)))),
+                                lambda inc: export.jsonl_lines(
+                                    export.pair_rows(export.rank_lists(store, include_flagged=inc)))),
         export.FILES["ratings"]: ("application/jsonl; charset=utf-8",
                                   lambda inc: export.jsonl_lines(export.rating_rows(store, include_flagged=inc))),
     }
