@@ -49,7 +49,7 @@ DEFAULT_GCS_PORT = 6379
 DEFAULT_STATE = Path(".deploy/state.json")
 # Never uploaded with the job: virtualenvs, run outputs and VCS data are large and node-specific.
 UPLOAD_EXCLUDES = [".venv", "runs", ".git", ".deploy", "**/__pycache__", ".pytest_cache", ".ruff_cache",
-                   "*.egg-info"]
+                   "*.egg-info", ".typecheck"]
 URL_MARKER = "RLT2T_POLICY_URL="
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
