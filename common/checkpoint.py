@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 import re
 import shutil
@@ -163,7 +164,7 @@ def latest_complete_checkpoint(root: str | Path) -> Path | None:
     return infos[-1].path if infos else None
 
 
-def resolve_model_dir(path: str | Path) -> Path:
+def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
     """A model directory itself, or the newest complete checkpoint of a checkpoint root."""
     path = Path(path)
     if (path / "config.json").is_file() and not path.joinpath(MARKER).exists():
