@@ -51,7 +51,8 @@ ON_POLICY_RATIO_TOLERANCE = 1e-3
 class StepRunner(Protocol):
     """What an objective needs from the learner rank that runs it."""
 
-    device: torch.device
+    @property
+    def device(self) -> torch.device: ...
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The objective's module through the DDP wrapper (and autocast)."""
@@ -115,7 +116,7 @@ class RankObjective:
         del state
 
 
-def _token_logprobs(logits: Tensor, labels: Tensor, transform: dict[str, float], action_mask: Tensor | None = None
+def _token_logprobs(logits: Tensor, labels: Tensor, transform: dict[str, Any], action_mask: Tensor | None = None
                     ) -> tuple[Tensor, Tensor]:
     """(log-probs under the sampling transform, raw log-probs) of the label tokens: [N, T] each, 0 at padding.
 
