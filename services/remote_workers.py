@@ -61,9 +61,11 @@ class HttpRolloutWorker:
         out: list[CandidateSet] = []
         for first in range(0, len(examples), cfg.batch_size):
             chunk = list(examples[first : first + cfg.batch_size])
+            targets: list[str] = []
             for i, ex in enumerate(chunk):
                 if ex.target is None:
                     raise ValueError(f"examples[{first + i}] (id {ex.id!r}) has no target; rank RL needs a reference")
+                targets.append(ex.target)
             seed = stable_seed(self.seed, version, *(ex.id for ex in chunk)) % _SEED_RANGE
             self._wait_for_version(version)
             response = self.client.candidates(
@@ -72,8 +74,8 @@ class HttpRolloutWorker:
             if response.policy_version != version:
                 log.warning("policy server %s answered with version %d; chunk wanted %d", self.url,
                             response.policy_version, version)
-            for ex, candidates in zip(chunk, response.candidates, strict=True):
-                out.append(candidate_set(ex.id, ex.source, ex.target, [c.text for c in candidates],
+            for ex, target, candidates in zip(chunk, targets, response.candidates, strict=True):
+                out.append(candidate_set(ex.id, ex.source, target, [c.text for c in candidates],
                                          include_gold=cfg.include_gold, seed=self.seed,
                                          version=response.policy_version))
         return out

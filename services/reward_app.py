@@ -60,7 +60,7 @@ from rlt2t.services.schemas import RewardRequest, RewardResponse
 log = logging.getLogger("rlt2t.services.reward")
 
 
-def metric_params(name: str, cfg: Config, df: DocumentFrequency) -> dict:
+def metric_params(name: str, cfg: Config, df: DocumentFrequency | None) -> dict:
     """Keyword params of a registered metric: the reward config for the task score and CIDEr-D."""
     if name == "task_score":
         return {"bleu_weight": cfg.reward.bleu_weight, "sigma": cfg.reward.cider_sigma, "df": df}
@@ -89,13 +89,15 @@ class _Scorer:
         names, own = key
         df = own.df if own is not None else self.fixed_df
         hyps = [c for c, _, _ in items]
-        refs = [r for _, r, _ in items] if all(r is not None for _, r, _ in items) else None
+        given = [r for _, r, _ in items if r is not None]
+        refs = given if len(given) == len(items) else None
         sources = [s for _, _, s in items]
         columns = {}
         for name in names:
             if name in self.named.rewards:
                 columns[name] = self.named.score(name, sources, hyps, refs).tolist()  # type: ignore[arg-type]
             else:
+                assert refs is not None, "a request for a registered metric has references (checked at the route)"
                 columns[name] = get_metric(name, **metric_params(name, self.cfg, df)).per_sample(hyps, refs).tolist()
         return [{name: columns[name][i] for name in names} for i in range(len(items))]
 
