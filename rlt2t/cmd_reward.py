@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from rlt2t.cmd_common import print_table
 from rlt2t.common.config import load_config
 
 
@@ -68,7 +69,6 @@ def cmd_classifier_train(args) -> None:
 
 
 def cmd_feedback_loop(args) -> None:
-    from rlt2t.cli import print_table
     from rlt2t.feedback import run_loop, summary_rows
 
     cfg = load_config(args.config, args.overrides)
