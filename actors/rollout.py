@@ -154,6 +154,10 @@ class RolloutWorker:
                 raise ValueError(f"examples[{i}] (id {ex.id!r}) has no target; RL needs a reference")
         if self.spec.kind == "group":
             return self.sample_groups(examples)
+        return self.sample_sets(examples)
+
+    def sample_sets(self, examples: Sequence[Example]) -> list[CandidateSet]:
+        """K samples per example made into its candidate set (the rank pair drawn), in order."""
         cfg = self.rollout
         tok = self.policy.tokenizer
         out: list[CandidateSet] = []

@@ -149,6 +149,14 @@ def read_checkpoint(path: str | Path) -> CheckpointInfo | None:
         return None
 
 
+def complete_checkpoint(path: str | Path) -> CheckpointInfo:
+    """The checkpoint at ``path``, which must be complete (FileNotFoundError naming it otherwise)."""
+    info = read_checkpoint(path)
+    if info is None:
+        raise FileNotFoundError(f"{path}: not a complete checkpoint")
+    return info
+
+
 def complete_checkpoints(root: str | Path) -> list[CheckpointInfo]:
     """Complete checkpoints under ``root``, oldest first (by step, then write time)."""
     root = Path(root)

@@ -89,7 +89,7 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
     init_ray(cfg)
     check_cluster(cfg)
     # CIDEr-D document frequencies: once, from the training references, shipped to every reward worker.
-    df = DocumentFrequency.from_references([[e.target] for e in examples])
+    df = DocumentFrequency.from_references([[e.target] for e in examples])  # type: ignore[list-item]
     df.save(out_dir / "document_frequency.json")  # for reward / policy servers scoring this task
     start = Path(resume_from.path) if resume_from else init
     job = _Job.start(cfg, spec, start=start, init=init, total_steps=total_steps, df=df)
@@ -129,7 +129,7 @@ def truncate_sources(examples: list[Example], policy: Policy, max_source_len: in
     ids, _ = encode_texts(tok, [sources[i] for i in long], max_source_len)
     out = list(examples)
     for i, x in zip(long, ids, strict=True):
-        out[i] = dataclasses.replace(out[i], source=" ".join(tok.decode(x, skip_special_tokens=True).split()))
+        out[i] = dataclasses.replace(out[i], source=" ".join(tok.decode(x, skip_special_tokens=True).split()))  # type: ignore[union-attr]
     log.warning("rl: truncated %d of %d sources to data.max_source_len=%d tokens for the policy servers",
                 len(long), len(examples), max_source_len)
     return out
@@ -159,7 +159,7 @@ def wait_for_servers(cfg: Config, published_dir: Path, token: str | None) -> Non
 
         wait_until(ready, timeout_s=cfg.rollout.timeout_s, interval_s=0.5, error=RuntimeError,
                    what=f"rl: the {kind} server at {url} was not ready (rollout.timeout_s; start it with: {how})",
-                   on_wait=lambda _, url=url, kind=kind, how=how: log.info(
+                   on_wait=lambda _, url=url, kind=kind, how=how: log.info(  # type: ignore[misc]
                        "rl: waiting for the %s server at %s (start it with: %s)", kind, url, how))
 
 
