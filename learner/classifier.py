@@ -126,8 +126,7 @@ def train_classifier(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
         raise ValueError("classifier: no training examples")
     collate = make_collate(model, tokenizer, labels, cfg.max_length)
     result = train_stage(stage=STAGE, cfg=cfg, run=run, model=model, tokenizer=tokenizer, dataset=list(train),
-                         collate=collate,
-                         step_fn=ce_step, out_dir=out_dir, resume_from=resume_from,
+                         collate=collate, step_fn=ce_step, out_dir=out_dir, resume_from=resume_from,
                          evaluate=(lambda m: evaluate_classifier(m, collate, valid)) if valid else None,
                          monitor="accuracy" if valid else None)
     log_dir = Path(run.dir) / "logs" / STAGE

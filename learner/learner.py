@@ -113,7 +113,7 @@ class Learner:
             reference.model.eval().requires_grad_(False)
         check_mixed_precision(self.policy.model.config, mixed_precision)  # T5 in fp16 overflows: refused at start
         self.objective: Objective = build_objective(rl_cfg, rollout_cfg, self.policy, seed=seed,
-                                         reference=reference.model if reference else None)
+                                                    reference=reference.model if reference else None)
         self.module: torch.nn.Module = self.objective.module
         # Only what trains: with LoRA the adapters (the frozen base has no gradient and no optimizer state).
         self.optimizer = torch.optim.AdamW([p for p in self.module.parameters() if p.requires_grad], lr=rl_cfg.lr,
