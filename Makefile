@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make demo   - create $(VENV), install, run the whole pipeline on the embedded default (CPU, synthetic data)"
 	@echo "make test   - create $(VENV) if needed, run unit and integration tests"
-	@echo "make lint   - ruff"
+	@echo "make lint   - ruff (lint, line length 120) and mypy on the packages (.ci/typecheck.py)"
 	@echo "make bench  - benchmarks: SFT and learner steps, pipeline overlap, RL algorithms vs continued SFT, serving, CT2, rewards, annotation, LoRA (bench/results/)"
 	@echo "make ray-up / ray-down / train-submit - a local Ray head on 127.0.0.1 and \`ray job submit\` of rlt2t train"
 	@echo "make deploy / undeploy / deploy-status - training job + policy server on the Ray cluster at RAY_ADDRESS"
@@ -61,8 +61,10 @@ test-unit: $(STAMP)
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
+# mypy sees the packages under their installed names through a symlink tree (.ci/typecheck.py).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python .ci/typecheck.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/sft_step.py
@@ -114,7 +116,7 @@ ray-down: $(STAMP)
 # Submit `rlt2t train` to the head at RAY_ADDRESS (default: the local one from `make ray-up`).
 train-submit: $(STAMP)
 	RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/ray job submit --address $${RAY_ADDRESS:-$(RAY_ADDRESS_LOCAL)} --working-dir . \
-		--runtime-env-json '{"excludes": [".venv", "runs", ".git"]}' \
+		--runtime-env-json '{"excludes": [".venv", "runs", ".git", ".typecheck"]}' \
 		-- $(JOB_PYTHON) -m rlt2t.cli train $(if $(TRAIN_CONFIG),--config $(abspath $(TRAIN_CONFIG))) run.dir=$(RUN_DIR) $(TRAIN_ARGS)
 
 # `make deploy`: the training job and the policy server on a Ray cluster (deploy/README.md).
@@ -171,4 +173,4 @@ gpu-smoke: $(STAMP)
 	$(BIN)/python -m pytest tests/gpu -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache .typecheck

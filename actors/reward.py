@@ -34,8 +34,12 @@ class RewardWorker:
     def __init__(self, reward: RewardConfig,
                  document_frequency: DocumentFrequency | str | os.PathLike | None) -> None:
         self.reward = reward
+        if document_frequency is None and needs_document_frequency(reward):
+            raise TypeError("document_frequency must be a DocumentFrequency or the path of one saved with "
+                            "DocumentFrequency.save, got None: a CIDEr-D term (task_score, cider_d without a df "
+                            "param) scores against the training references' document frequencies")
         self.document_frequency = (load_document_frequency(document_frequency)
-                                   if document_frequency is not None or needs_document_frequency(reward) else None)
+                                   if document_frequency is not None else None)
         self.scorer = build_reward(reward, document_frequency=self.document_frequency, device=reward.device)
 
     def score(self, items: Sequence[CandidateSet] | Sequence[SampledGroup]) -> list[ScoredPair] | list[ScoredGroup]:

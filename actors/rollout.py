@@ -18,6 +18,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,7 +28,7 @@ from rlt2t.common.config import ModelConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.families import positions_or
 from rlt2t.common.lora import apply_lora, load_weights, merged_model, reference_policy
-from rlt2t.common.policy import Policy, load_policy
+from rlt2t.common.policy import Policy, PolicyModel, load_policy
 from rlt2t.common.sampling import (
     candidate_set,
     normalize_text,
@@ -36,6 +37,9 @@ from rlt2t.common.sampling import (
 )
 from rlt2t.common.scoring import sequence_logprobs
 from rlt2t.common.types import CandidateSet, RolloutSpec, SampledGroup
+
+if TYPE_CHECKING:  # imported where used: CTranslate2 loads only with rollout.backend=ct2
+    from rlt2t.common.ct2 import Ct2Policy
 
 log = logging.getLogger("rlt2t.rollout")
 
@@ -78,11 +82,12 @@ class RolloutWorker:
         if self.spec.reference and not self.lora:
             self.reference = load_policy(model_cfg, tokenizer_dir, seed=seed).model
             self.reference.load_state_dict(start_weights, strict=True)  # type: ignore[arg-type]
-            self.reference.to(device).eval().requires_grad_(False)
-        self.mask_model = None
+            # transformers' @wraps(nn.Module.to) makes mypy read PreTrainedModel.to unbound (self unfilled)
+            self.reference.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]
+        self.mask_model: PolicyModel | None = None
         self._mask_version: int | None = None
         self.device = torch.device(device)
-        self.policy.model.to(self.device).eval()  # sampling never uses dropout
+        self.policy.model.to(self.device).eval()  # type: ignore[arg-type]  # no dropout when sampling; as above
         positions = positions_or(self.policy.model.config)  # T5: relative positions, no limit
         if not 2 <= max_source_len <= positions:
             raise ValueError(f"max_source_len={max_source_len} must be in [2, {positions}] ({self.policy.origin})")
@@ -97,7 +102,7 @@ class RolloutWorker:
         self._installed: int | None = None  # the constructor's weights are not any published version
         # rollout.backend=ct2: the weights of each version are converted to a CTranslate2 model in a local
         # temporary directory (no shared filesystem needed) the first time that version samples.
-        self._ct2 = None
+        self._ct2: Ct2Policy | None = None
         self._ct2_dir = tempfile.TemporaryDirectory(prefix="rlt2t-ct2-") if rollout.backend == "ct2" else None
         if rollout.backend == "ct2" and self.device.type != "cpu":
             log.warning("rollout.backend=ct2 samples on CPU here (device %s is used by the torch backend only)",
@@ -152,6 +157,10 @@ class RolloutWorker:
                 raise ValueError(f"examples[{i}] (id {ex.id!r}) has no target; RL needs a reference")
         if self.spec.kind == "group":
             return self.sample_groups(examples)
+        return self.sample_sets(examples)
+
+    def sample_sets(self, examples: Sequence[Example]) -> list[CandidateSet]:
+        """K samples per example made into its candidate set (the rank pair drawn), in order."""
         cfg = self.rollout
         tok = self.policy.tokenizer
         out: list[CandidateSet] = []
@@ -246,6 +255,7 @@ class RolloutWorker:
         from rlt2t.common.ct2 import ct2_sampler_from_state_dict, sample_ct2, sample_ct2_logprobs
 
         cfg = self.rollout
+        assert self._ct2_dir is not None, "rollout.backend=ct2 makes the directory"
         if self._ct2 is None:
             policy = self.policy
             if self.lora:  # CTranslate2 converts plain models: the adapters merged into a copy of the base

@@ -57,7 +57,8 @@ def prepare(url: str, items: int, annotators: int) -> dict[str, str]:
         if store.count_items():
             raise SystemExit(f"{store.url} holds items already: give an empty database")
         store.add_items([NewItem(" ".join(str(rng.randrange(1894)) for _ in range(24)),
-                                 tuple(" ".join(str(rng.randrange(1894)) for _ in range(12)) for _ in range(CANDIDATES)),
+                                 tuple(" ".join(str(rng.randrange(1894)) for _ in range(12))
+                                       for _ in range(CANDIDATES)),
                                  origin="bench") for _ in range(items)])
         return {f"annotator{i:02d}": store.add_annotator(f"annotator{i:02d}") for i in range(annotators)}
     finally:
@@ -143,8 +144,9 @@ async def load(url: str, tokens: dict[str, str], seconds: float) -> dict[str, An
     routes = {}
     for route, values in latency.items():
         ms = np.array(values) * 1000 if values else np.array([float("nan")])
-        routes[route] = {"ok": len(values), "requests_per_s": len(values) / wall, "p50_ms": float(np.percentile(ms, 50)),
-                         "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max())}
+        routes[route] = {"ok": len(values), "requests_per_s": len(values) / wall,
+                         "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+                         "max_ms": float(ms.max())}
     return {"wall_s": wall, "routes": routes, "statuses": dict(statuses), "double_submits": dict(doubles),
             "acked": {name: sorted(ids) for name, ids in acked.items()}}
 

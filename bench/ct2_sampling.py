@@ -17,13 +17,13 @@ temperature 0.8, 2 threads. Variants:
 
 Greedy: 32 sources x 48 tokens, HF ``generate`` vs CT2 int8.
 
-``--family t5``: the same workload on a T5 of the t5-small shape (45M parameters: d_model 512, 6+6 layers, 8
-heads, FFN 2048, relative attention, the same 2000-token vocabulary), saved as ct2_sampling_t5.json. T5 has no
-logit bias to suppress EOS with, so every variant asks for exactly 48 tokens instead (``min_new_tokens`` in HF,
-``min_decoding_length`` in CT2; both mask EOS until then); rlt2t's own sampler has no such option and is left out. Each variant runs in its own subprocess
-(fresh allocator, so ``ru_maxrss`` is that variant's peak); the table gives the peak RSS and the peak
-above the process's RSS after imports. Times are medians of ``--repeats`` timed runs after one warmup.
-Issue target: CT2 int8 sampling >= 2x hf_generate. Saves bench/results/ct2_sampling.json.
+``--family t5``: the same workload on a T5 of the t5-small shape (45M parameters: d_model 512, 6+6 layers, 8 heads,
+FFN 2048, relative attention, the same 2000-token vocabulary), saved as ct2_sampling_t5.json. T5 has no logit bias
+to suppress EOS with, so every variant asks for exactly 48 tokens instead (``min_new_tokens`` in HF,
+``min_decoding_length`` in CT2; both mask EOS until then); rlt2t's own sampler has no such option and is left out.
+Each variant runs in its own subprocess (fresh allocator, so ``ru_maxrss`` is that variant's peak); the table gives
+the peak RSS and the peak above the process's RSS after imports. Times are medians of ``--repeats`` timed runs
+after one warmup. Issue target: CT2 int8 sampling >= 2x hf_generate. Saves bench/results/ct2_sampling.json.
 """
 
 from __future__ import annotations
@@ -161,8 +161,9 @@ def worker(kind: str, options: dict, hf: Path, export: Path, repeats: int, threa
         elif kind == "hf_sample_candidates":
             def run() -> list[list[int]]:
                 gens = [torch.Generator().manual_seed(i) for i in range(SOURCES * K)]
-                return [r.token_ids for r in sample_candidates(policy.model, batch["input_ids"], batch["attention_mask"],
-                                                               K, TOP_K, TEMPERATURE, NEW_TOKENS, gens)]
+                return [r.token_ids for r in sample_candidates(policy.model, batch["input_ids"],
+                                                               batch["attention_mask"], K, TOP_K, TEMPERATURE,
+                                                               NEW_TOKENS, gens)]
         else:
             def run() -> list[list[int]]:
                 with torch.inference_mode():
@@ -228,8 +229,8 @@ def main() -> None:
                   f"median {r['seconds_median']:6.2f} s  peak RSS {r['peak_rss_mib']:6.0f} MiB", flush=True)
 
     sampling = {n: r for n, r in results.items() if r["kind"] in ("hf_generate", "hf_sample_candidates", "ct2")}
-    print(f"\n{args.family.upper()} {params_m:.1f}M params; {SOURCES} sources x {K} samples x {NEW_TOKENS} tokens, top-k {TOP_K}, "
-          f"temperature {TEMPERATURE}, {args.threads} threads, median of {args.repeats}")
+    print(f"\n{args.family.upper()} {params_m:.1f}M params; {SOURCES} sources x {K} samples x {NEW_TOKENS} tokens, "
+          f"top-k {TOP_K}, temperature {TEMPERATURE}, {args.threads} threads, median of {args.repeats}")
     header = f"{'variant':>26} {'cand/s':>8} {'tok/s':>8} {'vs hf_generate':>15} {'peak MiB':>9} {'above imports':>14}"
     print(header)
     base = results.get("hf_generate", {}).get("candidates_per_s")
@@ -239,8 +240,8 @@ def main() -> None:
         ratio = f"{r['candidates_per_s'] / ref:.2f}x" if ref else "-"
         print(f"{name:>26} {r['candidates_per_s']:8.1f} {r['tokens_per_s']:8.0f} {ratio:>15} "
               f"{r['peak_rss_mib']:9.0f} {r['peak_rss_mib'] - r['rss_after_imports_mib']:14.0f}")
-    ct2_best = max((n for n, r in sampling.items() if r["kind"] == "ct2"), key=lambda n: sampling[n]["candidates_per_s"],
-                   default=None)
+    ct2_best = max((n for n, r in sampling.items() if r["kind"] == "ct2"),
+                   key=lambda n: sampling[n]["candidates_per_s"], default=None)
     speedup = sampling[ct2_best]["candidates_per_s"] / base if ct2_best and base else None
     if speedup is not None:
         verdict = "meets" if speedup >= TARGET_SPEEDUP else "misses"

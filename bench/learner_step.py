@@ -141,8 +141,8 @@ def main() -> None:
     speedup = med["naive"] / med["shared_encoder"]
     pair_ratios = [n / s for s, n in zip(times["shared_encoder"], times["naive"], strict=True)]
     params_m = sum(p.numel() for p in base.parameters()) / 1e6
-    print(f"\n{args.family.upper()} {params_m:.1f}M params, batch {args.batch}, source {args.source_len}, targets {args.target_len}, "
-          f"{torch.get_num_threads()} threads, {args.steps} timed steps each")
+    print(f"\n{args.family.upper()} {params_m:.1f}M params, batch {args.batch}, source {args.source_len}, "
+          f"targets {args.target_len}, {torch.get_num_threads()} threads, {args.steps} timed steps each")
     for name in variants:
         print(f"{name:>15}: median {med[name] * 1000:9.1f} ms   min {min(times[name]) * 1000:9.1f} ms")
     verdict = "meets" if speedup >= TARGET_SPEEDUP else "misses"

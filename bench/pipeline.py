@@ -16,11 +16,11 @@ from-scratch `small`-preset policy (seed 0, saved as a checkpoint directory) as 
 
 The algorithm's own defaults apply (rank RL publishes once per epoch, the policy gradients every step, so
 their rollouts run one step behind the learner). Reported: async wall vs max(G, L) (target: within 10%) and
-the learner busy fraction the job logs in <run>/logs/rl/metrics.jsonl (target: >= 90% when L >= G). The machine's speed drifts by 10-20%
-over minutes (a shared VM), more than the margin being measured, so the measurement runs in rounds
-(--async-runs, default 3): L, then an async epoch on a fresh Ray, each async wall judged against the
-max(G, L) of its own round. The median round is reported and every round's ratio is listed. The async
-wall is split into the learner's compute (the sum of the steps' step_s) and the time it waited.
+the learner busy fraction the job logs in <run>/logs/rl/metrics.jsonl (target: >= 90% when L >= G). The
+machine's speed drifts by 10-20% over minutes (a shared VM), more than the margin being measured, so the
+measurement runs in rounds (--async-runs, default 3): L, then an async epoch on a fresh Ray, each async wall
+judged against the max(G, L) of its own round. The median round is reported and every round's ratio is listed.
+The async wall is split into the learner's compute (the sum of the steps' step_s) and the time it waited.
 
 The job's learners run their preflight (rl.preflight) right after they start, while the rollout and
 reward workers are constructed; whatever of it is not over when the epoch starts delays the first step
@@ -130,7 +130,8 @@ def generate(cfg: Config, train: list[Example], ckpt: Path) -> tuple[list[Any], 
         items += reward.score(sampled)
         sample_s, score_s = sample_s + t1 - t0, score_s + time.perf_counter() - t1
     g = time.perf_counter() - t_g
-    lengths = [len(t) for i in items for t in (i.group.token_ids if hasattr(i, "group") else [i.a.split(), i.b.split()])]
+    lengths = [len(t) for i in items
+               for t in (i.group.token_ids if hasattr(i, "group") else [i.a.split(), i.b.split()])]
     mean_len = sum(lengths) / max(1, len(lengths))
     print(f"G (generate + score): {g:.1f}s  (sample {sample_s:.1f}s, score {score_s:.1f}s, {len(items)} items, "
           f"{mean_len:.1f} tokens per candidate)", flush=True)
@@ -231,7 +232,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--algorithm", default="rank", help="rl.algorithm (its own defaults apply)")
     ap.add_argument("--sources", type=int, default=512,
-                    help="N, training sources in the epoch (default 512: L ~40 s, G ~1/4 of that, on a quiet 2-core machine)")
+                    help="N, training sources in the epoch (default 512: L ~40 s, G ~1/4 of that, "
+                         "on a quiet 2-core machine)")
     ap.add_argument("--chunk-size", type=int, default=32, help="rl.chunk_size, sources per rollout task")
     ap.add_argument("--batch-size", type=int, default=32, help="rl.batch_size, sources per learner step")
     ap.add_argument("--num-samples", type=int, default=6,
@@ -288,7 +290,8 @@ def main() -> None:
         learner_bound = lm["L_s"] >= gen["G_s"]
         summary |= {
             "max_G_L_s": bound, "median_round": mid + 1,
-            "async_over_max": round(ratios[mid], 3), "async_over_sync": round(asyn["epoch_wall_s"] / (gen["G_s"] + lm["L_s"]), 3),
+            "async_over_max": round(ratios[mid], 3),
+            "async_over_sync": round(asyn["epoch_wall_s"] / (gen["G_s"] + lm["L_s"]), 3),
             "async_runs_over_max": [round(x, 3) for x in ratios],
             "all_async_runs_meet_wall_target": all(x <= WALL_TARGET for x in ratios),
             "meets_wall_target": ratios[mid] <= WALL_TARGET, "learner_bound": learner_bound,
@@ -309,8 +312,9 @@ def main() -> None:
         return
     payload = {
         "benchmark": "pipeline", "algorithm": args.algorithm, "sources": args.sources, "chunk_size": args.chunk_size,
-        "batch_size": args.batch_size, "num_samples": args.num_samples, "preflight": not args.no_preflight, "policy": "small preset, from scratch (seed 0)",
-        "threads": {"rollout": 1, "learner": 1}, "targets": {"async_over_max": WALL_TARGET, "learner_busy": BUSY_TARGET},
+        "batch_size": args.batch_size, "num_samples": args.num_samples, "preflight": not args.no_preflight,
+        "policy": "small preset, from scratch (seed 0)", "threads": {"rollout": 1, "learner": 1},
+        "targets": {"async_over_max": WALL_TARGET, "learner_busy": BUSY_TARGET},
         "sync": sync, "async": asyn, "summary": summary,
         "rounds": [{"L_s": x["L"]["L_s"], "async_epoch_wall_s": x["async"]["epoch_wall_s"],
                     "async_learner_compute_s": x["async"]["learner_compute_s"],

@@ -29,14 +29,14 @@ serve.max_call_cost) and room in its queue for a maximum-cost request:
             sources x candidates as serve.max_request_cost allows at --big-new-tokens new tokens
             (64 sources x 9 candidates x (24 + 200) by default), within the per-request limits.
 
-Reported: requests/s and p50/p99 latency of each phase, the batched/batch-1 throughput ratio (target
->= 4x), the model-only ceiling of that ratio (the server's backend called in this process with no HTTP:
-sources/s at 1 source per call vs --clients sources per call, same decoding settings), the overload status counts (target: nothing but 200 and 503) and the server RSS before, max and
-after (target: bounded); for the mixed load, the small requests' p50 / p99 alone and next to the
-maximum-cost client (target: mixed p99 within 2x of alone) and what the big client got. The servers are
-stopped with SIGTERM (killed if they do not exit in 30 s) and everything ends by itself. Saves
-bench/results/serve_load.json with the machine description (serve_load_mixed.json when only the mixed
-phases run).
+Reported: requests/s and p50/p99 latency of each phase, the batched/batch-1 throughput ratio (target >= 4x),
+the model-only ceiling of that ratio (the server's backend called in this process with no HTTP: sources/s at 1
+source per call vs --clients sources per call, same decoding settings), the overload status counts (target:
+nothing but 200 and 503) and the server RSS before, max and after (target: bounded); for the mixed load, the
+small requests' p50 / p99 alone and next to the maximum-cost client (target: mixed p99 within 2x of alone) and
+what the big client got. The servers are stopped with SIGTERM (killed if they do not exit in 30 s) and
+everything ends by itself. Saves bench/results/serve_load.json with the machine description
+(serve_load_mixed.json when only the mixed phases run).
 """
 
 from __future__ import annotations
@@ -367,8 +367,8 @@ def main() -> None:
               f"serve.max_request_cost {m['limits']['max_request_cost']})")
         for name in ("small_alone", "mixed"):
             p = m[name]
-            print(f"  {name:<12} {p['requests_per_s']:>8.1f} req/s  p50 {p['p50_ms']:>6.0f} ms  p99 {p['p99_ms']:>6.0f} ms"
-                  f"  {p['statuses']}")
+            print(f"  {name:<12} {p['requests_per_s']:>8.1f} req/s  p50 {p['p50_ms']:>6.0f} ms  "
+                  f"p99 {p['p99_ms']:>6.0f} ms  {p['statuses']}")
         print(f"  small p99 mixed / alone: {m['p99_ratio']:.2f}x (target <= {MIXED_TARGET:.0f}x); max-cost client: "
               f"{m['mixed']['big']['statuses']}")
     if not args.no_save:

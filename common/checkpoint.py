@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 import re
 import shutil
@@ -148,6 +149,14 @@ def read_checkpoint(path: str | Path) -> CheckpointInfo | None:
         return None
 
 
+def complete_checkpoint(path: str | Path) -> CheckpointInfo:
+    """The checkpoint at ``path``, which must be complete (FileNotFoundError naming it otherwise)."""
+    info = read_checkpoint(path)
+    if info is None:
+        raise FileNotFoundError(f"{path}: not a complete checkpoint")
+    return info
+
+
 def complete_checkpoints(root: str | Path) -> list[CheckpointInfo]:
     """Complete checkpoints under ``root``, oldest first (by step, then write time)."""
     root = Path(root)
@@ -163,7 +172,7 @@ def latest_complete_checkpoint(root: str | Path) -> Path | None:
     return infos[-1].path if infos else None
 
 
-def resolve_model_dir(path: str | Path) -> Path:
+def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
     """A model directory itself, or the newest complete checkpoint of a checkpoint root."""
     path = Path(path)
     if (path / "config.json").is_file() and not path.joinpath(MARKER).exists():

@@ -18,10 +18,10 @@ IGNORE_INDEX = -100
 
 @dataclass
 class Encoded:
-    """Token ids of a set of examples (EOS included), before padding."""
+    """Token ids of a set of (source, target) pairs (EOS included), before padding."""
 
     sources: list[list[int]]
-    targets: list[list[int]] | None
+    targets: list[list[int]]
     truncated_sources: int = 0
     truncated_targets: int = 0
 
@@ -42,10 +42,10 @@ def encode_texts(tok: PreTrainedTokenizerBase, texts: Sequence[str], max_len: in
     return out, truncated
 
 
-def encode_examples(tok: PreTrainedTokenizerBase, sources: Sequence[str], targets: Sequence[str] | None,
+def encode_examples(tok: PreTrainedTokenizerBase, sources: Sequence[str], targets: Sequence[str],
                     max_source_len: int, max_target_len: int, what: str = "data") -> Encoded:
     src, ts = encode_texts(tok, sources, max_source_len)
-    tgt, tt = (encode_texts(tok, targets, max_target_len) if targets is not None else (None, 0))
+    tgt, tt = encode_texts(tok, targets, max_target_len)
     if ts or tt:
         log.warning("%s: truncated %d sources to %d tokens and %d targets to %d tokens",
                     what, ts, max_source_len, tt, max_target_len)

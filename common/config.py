@@ -443,7 +443,7 @@ class RewardConfig(_Section):
     """Reward server base URL for `source: http`."""
     timeout_s: float = Field(60.0, gt=0.0)
     """Per-request timeout when scoring over HTTP."""
-    terms: list[RewardTerm] = Field(default_factory=lambda: [MetricTerm()], min_length=1)
+    terms: list[RewardTerm] = Field(default_factory=lambda: list[RewardTerm]([MetricTerm()]), min_length=1)
     """The reward: Σ weight·term over these terms, each {kind: metric | reward_model | classifier | http, ...}
     (default: the task score, (1-w)·CIDEr-D + w·BLEU-4)."""
     named: dict[str, list[RewardTerm]] = Field(default_factory=dict)

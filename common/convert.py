@@ -41,7 +41,7 @@ def shrink_vocabulary(input_dir: str | Path, vocab_size: int, out_dir: str | Pat
     if tok is not None and len(tok) > vocab_size:
         raise ValueError(f"tokenizer {tokenizer_dir} has {len(tok)} tokens, more than --vocab-size {vocab_size}")
     output = model.get_output_embeddings().weight
-    untied = output.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+    untied = output.data_ptr() != model.get_input_embeddings().get_parameter("weight").data_ptr()
     kept_output = output.detach()[:vocab_size].clone()
     model.resize_token_embeddings(vocab_size)  # cuts the shared embedding (and BART's final_logits_bias)
     if untied:

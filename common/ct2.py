@@ -1,4 +1,5 @@
-"""CTranslate2 export and inference: the int8 path of docs/design.md ("The method", steps 6-7) and the `ct2` rollout sampler.
+"""CTranslate2 export and inference: the int8 path of docs/design.md ("The method", steps 6-7) and the `ct2`
+rollout sampler.
 
 An export directory is what CTranslate2's ``TransformersConverter`` writes (``model.bin``,
 ``shared_vocabulary.json``, ``config.json``) plus our tokenizer and ``rlt2t_export.json`` (source,
@@ -70,7 +71,7 @@ from rlt2t.common.families import (
 from rlt2t.common.io import atomic_directory, atomic_write_json
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.sampling import SampledSequence, check_sampling, warp_logits
-from rlt2t.common.tokenization import load_tokenizer, save_tokenizer
+from rlt2t.common.tokenization import decode_ids, ids_to_tokens, load_tokenizer, save_tokenizer, tokens_to_ids
 
 log = logging.getLogger("rlt2t.ct2")
 
@@ -342,12 +343,12 @@ class Ct2Policy:
     def source_tokens(self, sources: Sequence[str]) -> list[list[str]]:
         """Token strings of each source, EOS included, truncated like training (``encode_texts``)."""
         ids, _ = encode_texts(self.tokenizer, sources, self.max_source_len)
-        return [self.tokenizer.convert_ids_to_tokens(x) for x in ids]
+        return [ids_to_tokens(self.tokenizer, x) for x in ids]
 
     def target_tokens(self, targets: Sequence[str]) -> list[list[str]]:
         """Token strings of each target, without EOS (``score_batch`` adds it)."""
         ids = self.tokenizer(list(targets), add_special_tokens=False)["input_ids"] if targets else []
-        return [self.tokenizer.convert_ids_to_tokens(x) for x in ids]
+        return [ids_to_tokens(self.tokenizer, x) for x in ids]
 
     def generate(
         self,
@@ -386,11 +387,11 @@ class Ct2Policy:
             sampling_topk = 0  # top-k over the whole vocabulary is no filter (CT2 rejects k > vocabulary)
         if seed is not None:
             self.reseed(seed)
-        forced = self.forced_eos_id is not None
+        forced_eos = self.forced_eos_id
         # With a forced EOS the last position is ours to fill (see the module doc); a 1-token limit is that EOS.
-        steps = max_new_tokens - 1 if forced else max_new_tokens
-        if steps == 0:
-            return [[Hypothesis("", (self.forced_eos_id,), 0.0)] * num_hypotheses for _ in sources]
+        if forced_eos is not None and max_new_tokens == 1:
+            return [[Hypothesis("", (forced_eos,), 0.0)] * num_hypotheses for _ in sources]
+        steps = max_new_tokens - 1 if forced_eos is not None else max_new_tokens
         # CT2 refuses several hypotheses from greedy search (top-1 "sampling"); they would all be equal.
         copies = num_hypotheses if beam_size == 1 and sampling_topk == 1 else 1
         results = self.translator.translate_batch(
@@ -405,10 +406,10 @@ class Ct2Policy:
         for result in results:
             hyps = []
             for tokens, score in zip(result.hypotheses, result.scores, strict=True):
-                ids = self.tokenizer.convert_tokens_to_ids(tokens)
-                if forced and (not ids or ids[-1] != self.eos_id):
-                    ids.append(self.forced_eos_id)
-                text = " ".join(self.tokenizer.decode(ids, skip_special_tokens=True).split())
+                ids = tokens_to_ids(self.tokenizer, tokens)
+                if forced_eos is not None and (not ids or ids[-1] != self.eos_id):
+                    ids.append(forced_eos)
+                text = " ".join(decode_ids(self.tokenizer, ids, skip_special_tokens=True).split())
                 hyps.append(Hypothesis(text=text, token_ids=tuple(ids), score=float(score)))
             out.append(hyps * copies)
         return out
@@ -518,11 +519,10 @@ def sample_ct2_logprobs(
         top_k = 0
     if seed is not None:
         ct2.reseed(seed)
-    forced = ct2.forced_eos_id is not None
-    steps = max_new_tokens - 1 if forced else max_new_tokens
-    if steps == 0:
-        return [SampledSequence([ct2.forced_eos_id], [0.0], [0.0], forced=True)  # type: ignore[list-item]
-                for _ in range(len(sources) * k)]
+    forced_eos = ct2.forced_eos_id
+    if forced_eos is not None and max_new_tokens == 1:
+        return [SampledSequence([forced_eos], [0.0], [0.0], forced=True) for _ in range(len(sources) * k)]
+    steps = max_new_tokens - 1 if forced_eos is not None else max_new_tokens
     results = ct2.translator.translate_batch(
         ct2.source_tokens(sources), beam_size=1, num_hypotheses=k, max_decoding_length=steps,
         min_decoding_length=0, max_input_length=0, return_end_token=True, return_logits_vocab=True,
@@ -533,7 +533,7 @@ def sample_ct2_logprobs(
         if len(result.hypotheses) != k:
             raise RuntimeError(f"CTranslate2 returned {len(result.hypotheses)} samples for source {i}, expected {k}")
         for tokens, step_logits in zip(result.hypotheses, result.logits, strict=True):
-            ids = ct2.tokenizer.convert_tokens_to_ids(tokens)
+            ids = tokens_to_ids(ct2.tokenizer, tokens)
             raw_lp: list[float] = []
             sample_lp: list[float] = []
             if ids:
@@ -541,10 +541,11 @@ def sample_ct2_logprobs(
                 index = torch.tensor(ids)[:, None]
                 raw_lp = logits.log_softmax(-1).gather(-1, index)[:, 0].tolist()
                 sample_lp = warp_logits(logits, temperature, top_k).log_softmax(-1).gather(-1, index)[:, 0].tolist()
-            appended = forced and (not ids or ids[-1] != ct2.eos_id)
-            if appended:
-                ids.append(ct2.forced_eos_id)
+            appended = False
+            if forced_eos is not None and (not ids or ids[-1] != ct2.eos_id):
+                ids.append(forced_eos)
                 raw_lp.append(0.0)  # not computed by the sampler; the learner leaves forced tokens out
                 sample_lp.append(0.0)
+                appended = True
             rows.append(SampledSequence(ids, raw_lp, sample_lp, forced=appended))
     return rows

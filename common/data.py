@@ -90,6 +90,15 @@ class Example:
         return row
 
 
+def targets_of(examples: Sequence[Example], what: str) -> list[str]:
+    """The targets of labelled ``examples``, in order; ValueError naming ``what`` for an unlabeled one."""
+    targets = [e.target for e in examples if e.target is not None]
+    if len(targets) != len(examples):
+        unlabeled = next(e.id for e in examples if e.target is None)
+        raise ValueError(f"{what} needs targets; example {unlabeled!r} has none")
+    return targets
+
+
 @dataclass
 class LoadReport:
     """What a load did: lines read, examples kept, lines skipped and the first few reasons why."""

@@ -1,19 +1,20 @@
 """A natural-language task from text shipped in the installed Python packages: docstring generation.
 
 The public functions of well-kept libraries (torch, transformers, numpy, sympy, matplotlib, ...) carry a
-human-written summary line: ``compute_num_masked_span(input_length)`` → "Given input length, compute how
-many spans should be masked". The task: given a function's name and arguments, write that summary. It is
-the code-summarisation task of CodeSearchNet's docstring generation, built offline from what this
-environment installs: the targets are real English written by the libraries' authors, varied, and
-learnable by a small model in minutes (the name carries much of the meaning), which makes it a useful
-second benchmark task beside the synthetic one.
+human-written summary line: ``compute_num_masked_span(input_length)`` → "Given input length, compute how many
+spans should be masked". The task: given a function's name and arguments, write that summary. It is the code-
+summarisation task of CodeSearchNet's docstring generation, built offline from what this environment installs:
+the targets are real English written by the libraries' authors, varied, and learnable by a small model in
+minutes (the name carries much of the meaning), which makes it a useful second benchmark task beside the
+synthetic one.
 
 Sources are the function's package and module, then its name and arguments, with snake_case and CamelCase
-split into lower-case words (``transformers wav2vec2 : compute num masked span ( input length )``); targets are the docstring's first sentence, lower-cased
-and split into word and punctuation tokens (as coco-caption's tokenizer does before CIDEr-D). Boilerplate
-summaries (generated stubs, "see ...", "deprecated ...") and summaries shared by more than three functions
-are left out. The same installed packages and arguments give the same bytes (files and functions are
-walked in sorted order, rows drawn with ``random.Random(seed)``); the package versions are recorded.
+split into lower-case words (``transformers wav2vec2 : compute num masked span ( input length )``); targets
+are the docstring's first sentence, lower-cased and split into word and punctuation tokens (as coco-caption's
+tokenizer does before CIDEr-D). Boilerplate summaries (generated stubs, "see ...", "deprecated ...") and
+summaries shared by more than three functions are left out. The same installed packages and arguments give the
+same bytes (files and functions are walked in sorted order, rows drawn with ``random.Random(seed)``); the
+package versions are recorded.
 """
 
 from __future__ import annotations

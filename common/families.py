@@ -51,7 +51,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -125,7 +125,7 @@ def _supported() -> str:
 def family_of(config: PretrainedConfig | dict[str, Any], where: str = "model") -> Family:
     """The family of a model config (object or ``config.json`` dict); UnsupportedModelError if none."""
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
-    family = _BY_MODEL_TYPE.get(model_type)
+    family = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise UnsupportedModelError(
             f"{where}: model_type {model_type!r} is not an encoder-decoder family rlt2t can train "
@@ -238,15 +238,18 @@ def preset_config(family: str, preset: str, tokenizer: PreTrainedTokenizerBase, 
     if ids["pad_token_id"] is None or ids["eos_token_id"] is None:
         raise ValueError(f"a from-scratch {family} needs a tokenizer with pad and EOS tokens")
     vocab = len(tokenizer)
+    # The config classes take keys beyond their declared fields (tie_word_embeddings, normalize_before, ...) as
+    # attributes: the keyword arguments go in as one dict, checked by the config itself.
+    extra: dict[str, Any]
     if family == "t5":
         # Flan-T5's layout (T5 v1.1): gated-GELU feed-forward, untied lm_head, no output scaling.
+        extra = {"tie_word_embeddings": False, **{k: v for k, v in ids.items() if k != "forced_eos_token_id"}}
         return T5Config(
             vocab_size=vocab, d_model=p["d_model"], d_kv=p["d_model"] // p["heads"], d_ff=p["ffn"],
             num_layers=p["layers"], num_decoder_layers=p["layers"], num_heads=p["heads"],
-            feed_forward_proj="gated-gelu", dropout_rate=dropout, tie_word_embeddings=False,
-            **{k: v for k, v in ids.items() if k != "forced_eos_token_id"},
+            feed_forward_proj="gated-gelu", dropout_rate=dropout, **extra,
         )
-    shape = dict(
+    shape: dict[str, Any] = dict(
         vocab_size=vocab, d_model=p["d_model"], encoder_layers=p["layers"], decoder_layers=p["layers"],
         encoder_attention_heads=p["heads"], decoder_attention_heads=p["heads"], encoder_ffn_dim=p["ffn"],
         decoder_ffn_dim=p["ffn"], max_position_embeddings=p["positions"], dropout=dropout,
@@ -254,7 +257,8 @@ def preset_config(family: str, preset: str, tokenizer: PreTrainedTokenizerBase, 
     )
     if family == "bart":
         # CTranslate2's BART converter reads normalize_before; HF's BART is post-norm.
-        return BartConfig(**shape, normalize_before=False, tie_word_embeddings=True)
+        extra = {"normalize_before": False, "tie_word_embeddings": True}
+        return BartConfig(**shape, **extra)
     if family == "mbart":
         return MBartConfig(**shape, scale_embedding=True)
     if family == "marian":
@@ -303,7 +307,9 @@ def load_model(path: str | Path, dropout: float | None = None) -> PreTrainedMode
         _set_dropout(config, dropout)
     model_class = EncoderDecoderModel if family.name == "encoder-decoder" else AutoModelForSeq2SeqLM
     try:
-        model, info = model_class.from_pretrained(str(path), config=config, output_loading_info=True)
+        # with output_loading_info, from_pretrained returns (model, loading report); its annotation omits that case
+        model, info = cast("tuple[PreTrainedModel, dict[str, Any]]",
+                           model_class.from_pretrained(str(path), config=config, output_loading_info=True))
     except RuntimeError as e:  # transformers raises on weights whose shapes do not fit the config
         raise UnsupportedModelError(
             f"{path}: the weights do not match its config.json ({family.name}): {str(e).splitlines()[0]} "
@@ -340,8 +346,8 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase, family: Family, *, src
 
 
 def _lang_id(tokenizer: PreTrainedTokenizerBase, code: str) -> int | None:
-    i = tokenizer.convert_tokens_to_ids(code)
-    return None if i is None or i == tokenizer.unk_token_id else int(i)
+    i = tokenizer.convert_tokens_to_ids(code)  # one token: one id (None when the tokenizer has no unk)
+    return i if isinstance(i, int) and i != tokenizer.unk_token_id else None
 
 
 def prepare_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, tgt_lang: str | None = None) -> None:
@@ -387,7 +393,7 @@ def prepare_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
 # --------------------------------------------------------------------------------------------------
 
 
-def warm_start(encoder_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> EncoderDecoderModel:
+def warm_start(encoder_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     """``EncoderDecoderModel`` with encoder and decoder both initialised from a BERT-style ``encoder_dir``.
 
     The decoder is the same checkpoint made causal with fresh cross-attention layers (the only new weights).
@@ -417,12 +423,13 @@ class CrossAttention:
     head_dim: int
 
 
-def cross_attentions(model: nn.Module) -> list[CrossAttention]:
+def cross_attentions(model: PreTrainedModel) -> list[CrossAttention]:
     """Every decoder layer's cross-attention projections, in layer order.
 
-    BART, mBART, Marian and Pegasus: ``layers[i].encoder_attn.{k,v}_proj``; T5: ``block[i].layer[1].EncDecAttention.{k,v}``
-    (relative position bias is in self-attention only, so cross-attention keys are plain projections); a BERT
-    decoder (warm start): ``bert.encoder.layer[i].crossattention.self.{key,value}``.
+    BART, mBART, Marian and Pegasus: ``layers[i].encoder_attn.{k,v}_proj``; T5:
+    ``block[i].layer[1].EncDecAttention.{k,v}`` (relative position bias is in self-attention only, so
+    cross-attention keys are plain projections); a BERT decoder (warm start):
+    ``bert.encoder.layer[i].crossattention.self.{key,value}``.
     """
     name = family_of(model.config).name
     decoder = model.get_decoder()
@@ -442,15 +449,16 @@ def _idx(attn: nn.Module, default: int) -> int:
     return default if idx is None else int(idx)
 
 
-def _bert_layers(decoder: nn.Module) -> Sequence[nn.Module]:
-    base = getattr(decoder, decoder.base_model_prefix, decoder)
+def _bert_layers(decoder: PreTrainedModel) -> Sequence[Any]:
+    """The BERT decoder's layers (modules whose parts are reached by attribute name, untyped in transformers)."""
+    base: Any = getattr(decoder, decoder.base_model_prefix, decoder)  # named by the model class: untyped
     layers = base.encoder.layer
     if not all(hasattr(layer, "crossattention") for layer in layers):
         raise UnsupportedModelError(f"{type(decoder).__name__}: decoder layers without cross-attention")
     return layers
 
 
-def cross_attention_states(model: nn.Module, hidden: Tensor) -> Tensor:
+def cross_attention_states(model: PreTrainedModel, hidden: Tensor) -> Tensor:
     """The encoder states as the decoder's cross-attention reads them ([B, S, H_enc] -> [B, S, H_dec]): an
     EncoderDecoderModel projects them when the two hidden sizes differ."""
     proj = getattr(model, "enc_to_dec_proj", None)

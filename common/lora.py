@@ -22,10 +22,11 @@ API (``model`` is the ``PeftModel`` that :func:`apply_lora` returns):
 - :func:`merged_model` (model) -> a plain transformers model with the adapters merged into the base weights
   (a copy; the LoRA policy is left as it was): what CTranslate2 export and the torch server take.
 - Checkpoints: ``save_checkpoint(model=peft_model)`` writes peft's adapter directory (adapter_config.json
-  naming the base directory, adapter_model.safetensors) instead of full weights; :func:`rlt2t.common.policy.is_adapter_checkpoint`
-  recognises one, :func:`load_lora_policy` loads base + adapters (trainable, to resume),
-  :func:`load_merged_policy` a merged plain policy (to evaluate or serve) and :func:`save_merged_model` writes
-  it as a model directory (to export: CTranslate2's converter reads directories).
+  naming the base directory, adapter_model.safetensors) instead of full weights;
+  :func:`rlt2t.common.policy.is_adapter_checkpoint` recognises one, :func:`load_lora_policy` loads base +
+  adapters (trainable, to resume), :func:`load_merged_policy` a merged plain policy (to evaluate or serve) and
+  :func:`save_merged_model` writes it as a model directory (to export: CTranslate2's converter reads
+  directories).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, TaskType, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import PreTrainedModel
+from typing_extensions import TypeIs
 
 from rlt2t.common.config import LoraConfig, ModelConfig
 from rlt2t.common.io import atomic_directory
@@ -75,7 +77,7 @@ def lora_targets(model: PreTrainedModel, cfg: LoraConfig) -> list[str]:
     return targets
 
 
-def apply_lora(model: PreTrainedModel, cfg: LoraConfig, seed: int = 0) -> PeftModel:
+def apply_lora(model: PreTrainedModel | PeftModel, cfg: LoraConfig, seed: int = 0) -> PeftModel:
     """Wrap ``model`` with LoRA adapters; only adapter weights require grad afterwards.
 
     The adapters' A matrices are drawn from ``seed`` inside a forked RNG, so the result does not depend on
@@ -83,14 +85,15 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, seed: int = 0) -> PeftMo
     """
     if isinstance(model, PeftModel):
         raise ValueError("the model already carries LoRA adapters")
-    peft_cfg = PeftLoraConfig(task_type=TaskType.SEQ_2_SEQ_LM, r=cfg.r, lora_alpha=cfg.alpha,
+    # peft annotates lora_alpha as int; it only enters the scale alpha / r, so a fractional alpha works.
+    peft_cfg = PeftLoraConfig(task_type=TaskType.SEQ_2_SEQ_LM, r=cfg.r, lora_alpha=cfg.alpha,  # type: ignore[arg-type]
                               lora_dropout=cfg.dropout, target_modules=lora_targets(model, cfg), bias="none")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return get_peft_model(model, peft_cfg)
 
 
-def is_lora(model: torch.nn.Module) -> bool:
+def is_lora(model: torch.nn.Module) -> TypeIs[PeftModel]:
     """Whether ``model`` is a LoRA policy (a peft model)."""
     return isinstance(model, PeftModel)
 
@@ -116,7 +119,7 @@ def state_dict_bytes(state: dict[str, torch.Tensor]) -> int:
 
 
 @contextlib.contextmanager
-def reference_policy(model: PeftModel) -> Iterator[PeftModel]:
+def reference_policy(model: torch.nn.Module) -> Iterator[PeftModel]:
     """Inside the block ``model`` computes as its base model (adapters disabled); restored afterwards."""
     if not isinstance(model, PeftModel):
         raise TypeError("reference_policy needs a LoRA policy (apply_lora); a full fine-tune keeps a reference copy")
@@ -124,7 +127,7 @@ def reference_policy(model: PeftModel) -> Iterator[PeftModel]:
         yield model
 
 
-def merged_model(model: PeftModel) -> PreTrainedModel:
+def merged_model(model: torch.nn.Module) -> PreTrainedModel:
     """A plain transformers model whose weights are base + (alpha / r)·B·A; ``model`` itself is unchanged."""
     if not isinstance(model, PeftModel):
         raise TypeError("merged_model needs a LoRA policy (apply_lora)")
@@ -150,7 +153,7 @@ def save_merged_model(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, 
     atomically: what a converter that reads directories (CTranslate2 export) takes."""
     policy = load_merged_policy(model_cfg, tokenizer_dir, checkpoint)
     with atomic_directory(out_dir) as tmp:
-        policy.model.save_pretrained(tmp)
+        policy.model.save_pretrained(str(tmp))
         save_tokenizer(policy.tokenizer, tmp)
     return Path(out_dir)
 
@@ -159,7 +162,7 @@ def policy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What a learner publishes and checkpoints of its policy: the adapters alone for a LoRA policy, every
     parameter otherwise (detached CPU copies)."""
     if is_lora(model):
-        return adapter_state_dict(model)  # type: ignore[arg-type]
+        return adapter_state_dict(model)
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
@@ -167,6 +170,6 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None
     """Install published weights (:func:`policy_weights`) into another copy of the policy: adapters into a LoRA
     policy, every parameter (strictly) otherwise."""
     if is_lora(model):
-        load_adapter_state_dict(model, state)  # type: ignore[arg-type]
+        load_adapter_state_dict(model, state)
     else:
         model.load_state_dict(state, strict=True)

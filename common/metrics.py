@@ -26,7 +26,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 from nltk.stem.porter import PorterStemmer
@@ -170,7 +170,8 @@ class DocumentFrequency:
         raw = payload.get("df")
         if not isinstance(raw, dict):
             raise ValueError("document-frequency field 'df' must be an object of n-gram -> count")
-        return cls(payload.get("num_ref_sets"), {tuple(k.split()): v for k, v in raw.items()})
+        num_ref_sets: Any = payload.get("num_ref_sets")  # checked, with the counts, by __post_init__
+        return cls(num_ref_sets, {tuple(k.split()): v for k, v in raw.items()})
 
     def save(self, path: str | os.PathLike) -> None:
         """Write ``to_json()`` to ``path`` atomically."""
@@ -298,10 +299,12 @@ class CiderD:
 # --------------------------------------------------------------------------------------------------
 
 
-def _reference_streams(refs: Sequence[Sequence[str]]) -> list[list[str | None]]:
+def _reference_streams(refs: Sequence[Sequence[str]]) -> Sequence[Sequence[str]]:
     """Transpose per-item reference lists into sacrebleu's reference streams; None pads items with fewer."""
     width = max(len(item) for item in refs)
-    return [[item[k] if k < len(item) else None for item in refs] for k in range(width)]
+    streams = [[item[k] if k < len(item) else None for item in refs] for k in range(width)]
+    # sacrebleu documents None as the padding of a missing reference; its annotation says str only.
+    return cast(Sequence[Sequence[str]], streams)
 
 
 class Bleu4:
@@ -656,9 +659,9 @@ class SacreBleu:
                 f"smooth_method must be one of {sorted(BLEU.SMOOTH_DEFAULTS)}, got {smooth_method!r}")
         self.tokenize, self.smooth_method, self.lowercase = tokenize, smooth_method, lowercase
         try:
-            kwargs = dict(tokenize=tokenize, smooth_method=smooth_method, lowercase=lowercase)
-            self._corpus_bleu = BLEU(**kwargs)
-            self._sentence_bleu = BLEU(**kwargs, effective_order=True)
+            self._corpus_bleu = BLEU(tokenize=tokenize, smooth_method=smooth_method, lowercase=lowercase)
+            self._sentence_bleu = BLEU(tokenize=tokenize, smooth_method=smooth_method, lowercase=lowercase,
+                                       effective_order=True)
         except (KeyError, ValueError, RuntimeError) as e:
             raise ValueError(f"tokenize={tokenize!r} is not a sacrebleu tokenizer: {e}") from e
 

@@ -12,6 +12,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeAlias
 
 import torch
 from peft import PeftModel
@@ -35,9 +36,14 @@ from rlt2t.common.tokenization import load_tokenizer
 log = logging.getLogger("rlt2t.policy")
 
 
+PolicyModel: TypeAlias = PreTrainedModel | PeftModel
+"""A transformers encoder-decoder, or a LoRA ``PeftModel`` around one (rlt2t.common.lora; it forwards the
+model's calls)."""
+
+
 @dataclass
 class Policy:
-    model: PreTrainedModel
+    model: PolicyModel
     tokenizer: PreTrainedTokenizerBase
     origin: str
     """Where it came from: ``preset:small`` (``preset:t5/small`` for other families) or a directory."""

@@ -1,4 +1,5 @@
-"""Reranking of ensemble candidates (docs/design.md, "The method", step 7): pure functions over texts and per-token log-probs.
+"""Reranking of ensemble candidates (docs/design.md, "The method", step 7): pure functions over texts and
+per-token log-probs.
 
 Inputs for one source: ``candidates`` (texts, whitespace-separated tokens) and ``logprobs[s][c]``, the
 per-token log-probs that scorer ``s`` gives candidate ``c`` under teacher forcing, one per token plus the

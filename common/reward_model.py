@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir
 from rlt2t.common.collate import encode_texts, pad
@@ -76,7 +77,7 @@ class RewardModel(nn.Module):
     server reports it and hot reload compares it.
     """
 
-    def __init__(self, backbone: nn.Module, tokenizer: PreTrainedTokenizerBase, spec: RewardModelSpec,
+    def __init__(self, backbone: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec: RewardModelSpec,
                  head: nn.Linear | None = None) -> None:
         super().__init__()
         if (spec.kind == "seq2seq") != (head is not None):
@@ -138,6 +139,7 @@ class RewardModel(nn.Module):
         ).last_hidden_state  # [N, T, H]
         last = dec_mask.sum(dim=1) - 1  # the candidate's EOS: it has attended to every candidate token
         picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        assert self.head is not None, "a seq2seq reward model has a head (checked in __init__)"
         return self.head(picked).squeeze(-1).float()
 
     @torch.inference_mode()
@@ -212,7 +214,8 @@ def init_reward_model(init: str | Path, *, max_source_len: int, max_candidate_le
     return RewardModel(backbone, load_tokenizer(path), spec)
 
 
-def load_reward_model(path: str | Path, *, dropout: float = 0.0, device: str | torch.device = "cpu") -> RewardModel:
+def load_reward_model(path: str | os.PathLike[str], *, dropout: float = 0.0,
+                      device: str | torch.device = "cpu") -> RewardModel:
     """A saved reward model: a directory written by ``save_pretrained`` / a checkpoint, or a checkpoint root
     (its newest complete checkpoint)."""
     path = resolve_model_dir(path)

@@ -310,7 +310,8 @@ def build_reward(cfg: RewardConfig, *, document_frequency: DocumentFrequency | N
     """
     device = resolve_device(device)
     terms = cfg.terms if terms is None else terms
-    built, names = [], {}
+    built = []
+    names: dict[str, int] = {}
     for i, term in enumerate(terms):
         name = term_name(term)
         names[name] = names.get(name, 0) + 1

@@ -162,7 +162,8 @@ def sample_candidates(
     hidden = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     hidden = hidden.repeat_interleave(k, dim=0)  # [B*k, S, H], row i*k+j = source i
     mask = attention_mask.repeat_interleave(k, dim=0)
-    mask_hidden = mask_cache = None
+    mask_hidden: Tensor | None = None
+    mask_cache = None
     if mask_model is not None:
         mask_hidden = mask_model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         mask_hidden = mask_hidden.repeat_interleave(k, dim=0)
@@ -215,7 +216,7 @@ def sample_candidates(
             index = torch.tensor(keep, dtype=torch.long, device=device)
             cache.batch_select_indices(index)
             hidden, mask, tokens = hidden[index], mask[index], tokens[index]
-            if mask_cache is not None:
+            if mask_cache is not None and mask_hidden is not None:  # both set from the first step on
                 mask_cache.batch_select_indices(index)
                 mask_hidden = mask_hidden[index]
             rows = [rows[pos] for pos in keep]

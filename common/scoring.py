@@ -58,7 +58,8 @@ def token_scores(
 
 
 @torch.inference_mode()
-def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, rows: list[list[int]], k: int) -> list[list[float]]:
+def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, rows: list[list[int]],
+                      k: int) -> list[list[float]]:
     """Raw teacher-forced log-probs of ``k`` label rows per source, the encoder run once per source.
 
     input_ids, attention_mask: [B, S]; ``rows``: B·k id lists, row ``i * k + j`` a label sequence of source i

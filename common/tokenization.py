@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import cast
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -122,6 +123,21 @@ def template_affixes(tok: PreTrainedTokenizerBase) -> tuple[int, int]:
     return prefix, len(empty) - prefix
 
 
+def ids_to_tokens(tok: PreTrainedTokenizerBase, ids: Sequence[int]) -> list[str]:
+    """The token strings of ``ids`` (``convert_ids_to_tokens`` of a list, whose annotation also covers one id)."""
+    return cast(list[str], tok.convert_ids_to_tokens(list(ids)))
+
+
+def tokens_to_ids(tok: PreTrainedTokenizerBase, tokens: Sequence[str]) -> list[int]:
+    """The ids of ``tokens`` (``convert_tokens_to_ids`` of a list, whose annotation also covers one token)."""
+    return cast(list[int], tok.convert_tokens_to_ids(list(tokens)))
+
+
+def decode_ids(tok: PreTrainedTokenizerBase, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+    """The text of one id list (``decode``, whose annotation also covers a batch's list of texts)."""
+    return cast(str, tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
 def tokenizer_kind(tok: PreTrainedTokenizerBase) -> str:
     return (tok.init_kwargs.get("rlt2t") or {}).get("kind", "pretrained")
 
@@ -131,11 +147,11 @@ def sentinel_ids(tok: PreTrainedTokenizerBase) -> list[int]:
     where it has them (T5, Flan-T5 and mT5 tokenizers, whose ``<extra_id_0>`` is the highest id and the rest count
     down; the project's ``ids`` and ``subword`` tokenizers, which put them after the specials), else the mask
     token for every span (pretrained BART, mBART; Pegasus's ``<mask_2>``)."""
-    ids = []
+    ids: list[int] = []
     unk = tok.unk_token_id
     while True:
-        i = tok.convert_tokens_to_ids(sentinel_token(len(ids)))
-        if i is None or i == unk:
+        i = tok.convert_tokens_to_ids(sentinel_token(len(ids)))  # one token: one id (or None)
+        if not isinstance(i, int) or i == unk:
             break
         ids.append(i)
     if ids:

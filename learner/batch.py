@@ -7,6 +7,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -86,22 +87,26 @@ class GroupBatch:
         return self.rewards.shape[1]
 
     def to(self, device: torch.device | str) -> GroupBatch:
-        return GroupBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
-                             for f in dataclasses.fields(self)})
+        moved: dict[str, Any] = {f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
+                                 for f in dataclasses.fields(self)}
+        return GroupBatch(**moved)
 
     def select(self, sources: Tensor) -> GroupBatch:
         """The sub-batch of the given source indices [b] with all their K samples (a minibatch)."""
         size, k = self.rewards.shape
         rows = (torch.arange(k, device=sources.device).unsqueeze(1) * size + sources.unsqueeze(0)).reshape(-1)
 
-        def pick(t: Tensor | None, index: Tensor) -> Tensor | None:
-            return None if t is None else t[index.to(t.device)]
+        def pick(t: Tensor, index: Tensor) -> Tensor:
+            return t[index.to(t.device)]
+
+        def pick_optional(t: Tensor | None, index: Tensor) -> Tensor | None:
+            return None if t is None else pick(t, index)
 
         return GroupBatch(input_ids=pick(self.input_ids, sources), attention_mask=pick(self.attention_mask, sources),
                           labels=pick(self.labels, rows), sample_logprobs=pick(self.sample_logprobs, rows),
                           loss_mask=pick(self.loss_mask, rows), rewards=pick(self.rewards, sources),
-                          reference_logprobs=pick(self.reference_logprobs, rows),
-                          greedy_rewards=pick(self.greedy_rewards, sources))
+                          reference_logprobs=pick_optional(self.reference_logprobs, rows),
+                          greedy_rewards=pick_optional(self.greedy_rewards, sources))
 
 
 def group_batch(
@@ -133,9 +138,9 @@ def group_batch(
 
     sample = floats([g.sample_logprobs[j] for g, j in index])
     mask = labels != IGNORE_INDEX
-    for r, (g, j) in enumerate(index):
-        if g.forced_eos[j] and g.token_ids[j]:
-            mask[r, len(g.token_ids[j]) - 1] = False
+    for r, (sampled, j) in enumerate(index):
+        if sampled.forced_eos[j] and sampled.token_ids[j]:
+            mask[r, len(sampled.token_ids[j]) - 1] = False
     have_reference = all(g.reference_logprobs is not None for g, _ in index)
     reference = floats([g.reference_logprobs[j] for g, j in index]) if have_reference else None  # type: ignore[index]
     greedy = None

@@ -24,7 +24,6 @@ from rlt2t.common.checkpoint import CheckpointInfo
 from rlt2t.common.config import ClassifierConfig, RunConfig
 from rlt2t.common.data import DataError
 from rlt2t.common.plots import plot_curves
-from rlt2t.common.policy import Policy
 from rlt2t.learner.trainer import StageResult, train_stage
 
 STAGE = "classifier"
@@ -126,9 +125,8 @@ def train_classifier(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
     if not train:
         raise ValueError("classifier: no training examples")
     collate = make_collate(model, tokenizer, labels, cfg.max_length)
-    policy = Policy(model=model, tokenizer=tokenizer, origin=str(getattr(model, "name_or_path", "classifier")))
-    result = train_stage(stage=STAGE, cfg=cfg, run=run, policy=policy, dataset=list(train), collate=collate,
-                         step_fn=ce_step, out_dir=out_dir, resume_from=resume_from,
+    result = train_stage(stage=STAGE, cfg=cfg, run=run, model=model, tokenizer=tokenizer, dataset=list(train),
+                         collate=collate, step_fn=ce_step, out_dir=out_dir, resume_from=resume_from,
                          evaluate=(lambda m: evaluate_classifier(m, collate, valid)) if valid else None,
                          monitor="accuracy" if valid else None)
     log_dir = Path(run.dir) / "logs" / STAGE

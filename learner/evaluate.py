@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import EvalConfig, MetricConfig
-from rlt2t.common.data import Example
+from rlt2t.common.data import Example, targets_of
 from rlt2t.common.metrics import available_metrics, get_metric
 from rlt2t.common.policy import Policy
 from rlt2t.common.scoring import token_scores
@@ -37,6 +37,9 @@ def generate(policy: Policy, sources: Sequence[str], *, num_beams: int = 1, max_
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    # generate is untyped here: PreTrainedModel does not declare it (each seq2seq LM class mixes it in, and
+    # transformers types it against its own protocol of the host model); peft's wrapper forwards it.
+    generator: Any = model
     ids, _ = encode_texts(policy.tokenizer, sources, max_source_len)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: list[str] = [""] * len(ids)
@@ -44,7 +47,7 @@ def generate(policy: Policy, sources: Sequence[str], *, num_beams: int = 1, max_
     for start in tqdm(range(0, len(order), batch_size), desc="decode", disable=not progress, leave=False):
         chunk = order[start : start + batch_size]
         batch = collate_seq2seq([ids[i] for i in chunk], None, pad_id)
-        gen = model.generate(
+        gen = generator.generate(
             input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
             num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False,
             early_stopping=num_beams > 1,
@@ -146,17 +149,18 @@ def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metri
     """Decode ``examples`` with the policy and score against their targets: the columns ``cfg.metrics``."""
     if cfg.limit:
         examples = examples[: cfg.limit]
-    if any(e.target is None for e in examples):
+    targets = [e.target for e in examples if e.target is not None]
+    if len(targets) != len(examples):
         raise ValueError("evaluation needs targets; this split has unlabeled examples (use `rlt2t predict`)")
     names = check_metric_names(cfg.metrics)
     hyps = generate(policy, [e.source for e in examples], num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens,
                     batch_size=cfg.batch_size, max_source_len=max_source_len, progress=progress)
     text_names = [n for n in names if n not in MODEL_METRICS]
     params = {"classifier_accuracy": classifier_params(cfg, examples)} if "classifier_accuracy" in names else {}
-    values = metric_table(hyps, [[e.target] for e in examples], metric, text_names, params)
+    values = metric_table(hyps, [[t] for t in targets], metric, text_names, params)
     if "perplexity" in names:
-        values["perplexity"] = reference_perplexity(policy, [e.source for e in examples],
-                                                    [e.target for e in examples], batch_size=cfg.batch_size,
+        values["perplexity"] = reference_perplexity(policy, [e.source for e in examples], targets,
+                                                    batch_size=cfg.batch_size,
                                                     max_source_len=max_source_len)
     return EvalResult({n: values[n] for n in names}, hyps)
 
@@ -164,9 +168,9 @@ def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metri
 def monitor_score(policy: Policy, examples: Sequence[Example], metric: MetricConfig, *, max_source_len: int,
                   max_new_tokens: int, batch_size: int = 64) -> dict[str, float]:
     """The validation monitor: greedy decoding scored with (1-w)·CIDEr-D + w·BLEU-4, w = monitor weight."""
+    refs = [[t] for t in targets_of(examples, "the validation monitor")]
     hyps = generate(policy, [e.source for e in examples], max_new_tokens=max_new_tokens, batch_size=batch_size,
                     max_source_len=max_source_len)
-    refs = [[e.target] for e in examples]
     score = get_metric("task_score", bleu_weight=metric.monitor_bleu_weight, sigma=metric.cider_sigma)
     return {"monitor": score.corpus(hyps, refs),
             "cider_d": get_metric("cider_d", sigma=metric.cider_sigma).corpus(hyps, refs)}

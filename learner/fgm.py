@@ -26,7 +26,7 @@ def input_embedding_parameter(model: torch.nn.Module) -> torch.nn.Parameter:
     """The weight of `model.get_input_embeddings()` ([V, d_model]); unwraps DDP/FSDP-style `.module`."""
     target = model
     if not hasattr(target, "get_input_embeddings") and hasattr(target, "module"):
-        target = target.module
+        target = target.get_submodule("module")
     get_embeddings = getattr(target, "get_input_embeddings", None)
     if get_embeddings is None:
         raise TypeError(

@@ -20,7 +20,7 @@ import resource
 import socket
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from rlt2t.common.lora import apply_lora, is_lora, policy_weights
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.types import ScoredGroup, ScoredPair
 from rlt2t.learner.evaluate import generate, metric_table
-from rlt2t.learner.objectives import build_objective
+from rlt2t.learner.objectives import StepRunner, build_objective
 from rlt2t.learner.schedule import linear_warmup_decay
 
 log = logging.getLogger("rlt2t.learner")
@@ -52,6 +52,29 @@ def free_address() -> tuple[str, int]:
     with socket.socket() as s:
         s.bind((host, 0))
         return host, s.getsockname()[1]
+
+
+class Objective(Protocol):
+    """What a learner rank calls of its algorithm's objective (rlt2t.learner.objectives). Items and batches are
+    the objective's own kinds (rank RL: ScoredPair, RankBatch; policy gradients: ScoredGroup, GroupBatch): the
+    driver hands each learner what the rollouts of the same algorithm produced."""
+
+    module: torch.nn.Module
+
+    @property
+    def metric_keys(self) -> tuple[str, ...]: ...
+
+    def collate(self, items: Any, *, max_source_len: int, max_target_len: int) -> Any: ...
+
+    def preflight_batch(self, sources: int, source_len: int, target_len: int, generator: torch.Generator) -> Any: ...
+
+    def preflight(self, run: StepRunner, batch: Any) -> None: ...
+
+    def step(self, run: StepRunner, batch: Any, items: Any, step: int) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class BatchTooLarge(RuntimeError):
@@ -89,8 +112,8 @@ class Learner:
             reference = load_policy(model_cfg, tokenizer_dir, checkpoint=reference_checkpoint or init_checkpoint)
             reference.model.eval().requires_grad_(False)
         check_mixed_precision(self.policy.model.config, mixed_precision)  # T5 in fp16 overflows: refused at start
-        self.objective = build_objective(rl_cfg, rollout_cfg, self.policy, seed=seed,
-                                         reference=reference.model if reference else None)
+        self.objective: Objective = build_objective(rl_cfg, rollout_cfg, self.policy, seed=seed,
+                                                    reference=reference.model if reference else None)
         self.module: torch.nn.Module = self.objective.module
         # Only what trains: with LoRA the adapters (the frozen base has no gradient and no optimizer state).
         self.optimizer = torch.optim.AdamW([p for p in self.module.parameters() if p.requires_grad], lr=rl_cfg.lr,
@@ -194,7 +217,7 @@ class Learner:
         acc = self._prepare()
         batch = self.objective.collate(items, max_source_len=self.max_source_len,
                                        max_target_len=self.max_target_len).to(acc.device)
-        metrics = self.objective.step(self, batch, items, self.steps)  # type: ignore[arg-type]
+        metrics = self.objective.step(self, batch, items, self.steps)
         self.scheduler.step()
         self.steps += 1
         keys = (*self.objective.metric_keys, "step_s")
@@ -202,7 +225,7 @@ class Learner:
                              dtype=torch.float64)
         mean = self.all_sum(local) / self.world_size
         return {k: float(v) for k, v in zip(keys, mean.tolist(), strict=True)} | {
-            "lr": self.scheduler.get_last_lr()[0]}
+            "lr": float(self.scheduler.get_last_lr()[0])}
 
     # --- what an objective's step calls (StepRunner) ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -51,7 +51,8 @@ ON_POLICY_RATIO_TOLERANCE = 1e-3
 class StepRunner(Protocol):
     """What an objective needs from the learner rank that runs it."""
 
-    device: torch.device
+    @property
+    def device(self) -> torch.device: ...
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The objective's module through the DDP wrapper (and autocast)."""
@@ -115,7 +116,7 @@ class RankObjective:
         del state
 
 
-def _token_logprobs(logits: Tensor, labels: Tensor, transform: dict[str, float], action_mask: Tensor | None = None
+def _token_logprobs(logits: Tensor, labels: Tensor, transform: dict[str, Any], action_mask: Tensor | None = None
                     ) -> tuple[Tensor, Tensor]:
     """(log-probs under the sampling transform, raw log-probs) of the label tokens: [N, T] each, 0 at padding.
 
@@ -191,8 +192,8 @@ class PolicyGradientObjective:
     def metric_keys(self) -> tuple[str, ...]:
         keys = ["loss", "policy_loss", "reward_mean", "reward_std", "kl_k1", "kl_k3", "kl_seq", "kl_coef",
                 "clip_fraction", "approx_kl", "entropy", "advantage_mean", "advantage_std", "ratio_mean",
-                "ratio_max", "sampler_ratio_mean", "sampler_ratio_max_dev", "kl_k1_stderr", "is_weight_mean", "grad_norm",
-                "optimizer_steps", "tokens", "excluded_tokens"]
+                "ratio_max", "sampler_ratio_mean", "sampler_ratio_max_dev", "kl_k1_stderr", "is_weight_mean",
+                "grad_norm", "optimizer_steps", "tokens", "excluded_tokens"]
         if self.algorithm == "scst":
             keys.append("greedy_reward")
         if self.rl.ppo_like:
@@ -360,7 +361,8 @@ class PolicyGradientObjective:
             "advantage_mean": float(masked_mean(advantages, mask)),
             "advantage_std": float(masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt()),
             "sampler_ratio_mean": float(masked_mean(sampler_ratio, mask)),
-            "sampler_ratio_max_dev": float(torch.where(mask, (sampler_ratio - 1).abs(), 0).max()) if mask.any() else 0.0,
+            "sampler_ratio_max_dev": (float(torch.where(mask, (sampler_ratio - 1).abs(), 0).max())
+                                      if mask.any() else 0.0),
             "is_weight_mean": float(masked_mean(is_weights, mask)),
             "optimizer_steps": float(steps), "tokens": float(mask.sum()),
             "excluded_tokens": float((batch.loss_mask & ~mask).sum()),

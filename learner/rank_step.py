@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
 from rlt2t.common.families import cross_attention_states, cross_attentions, shift_labels
+from rlt2t.common.policy import PolicyModel
 from rlt2t.common.scoring import SCORE_KINDS, ScoreKind, token_scores
 from rlt2t.learner.losses import pairwise_rank_loss
 
@@ -105,7 +106,7 @@ def pad_labels(labels: Tensor, length: int) -> Tensor:
     return F.pad(labels, (0, length - labels.shape[1]), value=IGNORE_INDEX)
 
 
-def _decoder_special_ids(model: nn.Module) -> tuple[int, int]:
+def _decoder_special_ids(model: PolicyModel) -> tuple[int, int]:
     config = model.config
     start, pad = config.decoder_start_token_id, config.pad_token_id
     if start is None or pad is None:

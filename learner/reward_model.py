@@ -25,7 +25,6 @@ from torch import Tensor
 from rlt2t.common.checkpoint import CheckpointInfo
 from rlt2t.common.config import RewardModelConfig, RunConfig
 from rlt2t.common.plots import plot_curves
-from rlt2t.common.policy import Policy
 from rlt2t.common.preferences import PreferenceGroup
 from rlt2t.common.reward_model import RewardModel
 from rlt2t.learner.trainer import StageResult, train_stage
@@ -120,11 +119,10 @@ def train_reward_model(model: RewardModel, train: Sequence[PreferenceGroup], val
     if not train:
         raise ValueError("reward_model: no training preferences (give rank lists, pairs or ratings)")
 
-    def evaluate(m: torch.nn.Module) -> dict[str, float]:
+    def evaluate(m: RewardModel) -> dict[str, float]:
         return evaluate_groups(m, valid, margin=cfg.margin)
 
-    policy = Policy(model=model, tokenizer=model.tokenizer, origin=str(model.path or "reward model"))
-    result = train_stage(stage=STAGE, cfg=cfg, run=run, policy=policy, dataset=list(train),
+    result = train_stage(stage=STAGE, cfg=cfg, run=run, model=model, tokenizer=model.tokenizer, dataset=list(train),
                          collate=make_collate(model), step_fn=make_step(cfg.margin), out_dir=out_dir,
                          resume_from=resume_from, evaluate=evaluate if valid else None,
                          monitor="pair_accuracy" if valid else None)

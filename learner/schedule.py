@@ -1,4 +1,5 @@
-"""Learning-rate schedule for SFT and RL: linear warmup, then linear decay to a floor (docs/design.md, "The method", step 4)."""
+"""Learning-rate schedule for SFT and RL: linear warmup, then linear decay to a floor (docs/design.md,
+"The method", step 4)."""
 
 from __future__ import annotations
 

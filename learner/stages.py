@@ -98,7 +98,7 @@ def run_pretrain(policy: Policy, texts: Sequence[list[int]], cfg: PretrainConfig
     tok = policy.tokenizer
     dataset = DenoisingDataset(texts, sentinel_ids=sentinel_ids(tok), eos_id=tok.eos_token_id, seed=run.seed,
                                     noise_density=cfg.noise_density, mean_span_length=cfg.mean_span_length)
-    return train_stage(stage="pretrain", cfg=cfg, run=run, policy=policy, dataset=dataset,
+    return train_stage(stage="pretrain", cfg=cfg, run=run, model=policy.model, tokenizer=tok, dataset=dataset,
                        collate=make_collate(tok.pad_token_id, policy.model.config), step_fn=ce_step, out_dir=out_dir,
                        resume_from=resume_from)
 
@@ -133,7 +133,7 @@ def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list
     tok = policy.tokenizer
     dataset = SFTDataset(sources, targets, augment_prob=cfg.augment_prob, protected_ids=set(tok.all_special_ids),
                          seed=run.seed)
-    return train_stage(stage="sft", cfg=cfg, run=run, policy=policy, dataset=dataset,
-                       collate=make_collate(tok.pad_token_id, policy.model.config), step_fn=make_sft_step(cfg, policy.model),
-                       out_dir=out_dir, resume_from=resume_from, evaluate=evaluate,
-                       monitor="monitor" if evaluate is not None else None)
+    return train_stage(stage="sft", cfg=cfg, run=run, model=policy.model, tokenizer=tok, dataset=dataset,
+                       collate=make_collate(tok.pad_token_id, policy.model.config),
+                       step_fn=make_sft_step(cfg, policy.model), out_dir=out_dir, resume_from=resume_from,
+                       evaluate=evaluate, monitor="monitor" if evaluate is not None else None)

@@ -15,14 +15,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from rlt2t.common.checkpoint import (
     BestCheckpoint,
@@ -36,11 +37,24 @@ from rlt2t.common.checkpoint import (
 )
 from rlt2t.common.config import RunConfig, StageConfig
 from rlt2t.common.families import check_mixed_precision
-from rlt2t.common.policy import Policy
 from rlt2t.common.tracking import RunLogger
 from rlt2t.learner.schedule import linear_warmup_decay
 
 log = logging.getLogger("rlt2t.trainer")
+
+
+Item = TypeVar("Item")
+Model = TypeVar("Model", bound=torch.nn.Module)
+Item_co = TypeVar("Item_co", covariant=True)
+
+
+class StageDataset(Protocol[Item_co]):
+    """What the loop reads of a dataset: its length and items by index (a stage may add ``set_epoch(epoch)``,
+    called at the start of every epoch, to re-seed its per-epoch randomness)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Item_co: ...
 
 
 class StepFn(Protocol):
@@ -76,18 +90,20 @@ def train_stage(
     stage: str,
     cfg: StageConfig,
     run: RunConfig,
-    policy: Policy,
-    dataset: Sequence[dict[str, Any]],
-    collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
+    model: Model,
+    tokenizer: PreTrainedTokenizerBase,
+    dataset: StageDataset[Item],
+    collate: Callable[[list[Item]], dict[str, torch.Tensor]],
     step_fn: StepFn,
     out_dir: str | Path,
     resume_from: CheckpointInfo | None = None,
-    evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+    evaluate: Callable[[Model], dict[str, float]] | None = None,
     monitor: str | None = None,
 ) -> StageResult:
-    """Train ``policy.model`` in place on ``dataset``; checkpoints go to ``<out_dir>/checkpoints``.
+    """Train ``model`` in place on ``dataset``; checkpoints (with ``tokenizer``) go to ``<out_dir>/checkpoints``.
 
-    ``resume_from`` must be a checkpoint of this stage whose weights ``policy`` already holds
+    ``model`` is a policy's model, or a reward model or classifier. ``resume_from`` must be a checkpoint of
+    this stage whose weights ``model`` already holds
     (``load_policy(checkpoint=...)``); optimizer, scheduler, RNG and data position come from it.
     ``evaluate`` runs after each epoch; ``monitor`` names its metric to keep the best checkpoint of.
     """
@@ -95,10 +111,10 @@ def train_stage(
         raise ValueError(f"{stage}: the training set is empty")
     out_dir = Path(out_dir)
     ckpt_root = out_dir / "checkpoints"
-    if hasattr(policy.model, "config"):  # a policy; reward models and classifiers wrap their own encoders
-        check_mixed_precision(policy.model.config, run.mixed_precision)  # T5 in fp16 overflows: refused at start
+    config = getattr(model, "config", None)  # a policy's; reward models and classifiers wrap their own encoders
+    if config is not None:
+        check_mixed_precision(config, run.mixed_precision)  # T5 in fp16 overflows: refused at start
     accelerator = make_accelerator(run)
-    model = policy.model
     steps_per_epoch = math.ceil(len(dataset) / cfg.batch_size)
     total_steps = cfg.epochs * steps_per_epoch
     if cfg.max_steps:
@@ -135,7 +151,7 @@ def train_stage(
         meta = {"stage": stage, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "metrics": metrics,
                 "total_steps": total_steps, "best": best.meta()}
         path = save_checkpoint(
-            ckpt_root, name, model=accelerator.unwrap_model(model), tokenizer=policy.tokenizer, step=step, meta=meta,
+            ckpt_root, name, model=accelerator.unwrap_model(model), tokenizer=tokenizer, step=step, meta=meta,
             training_state={"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                             "rng": rng_state()},
         )
@@ -143,7 +159,8 @@ def train_stage(
         prune_checkpoints(ckpt_root, cfg.keep_last, protect=protect | {path})
         return path
 
-    bar = tqdm(total=total_steps, initial=step, desc=stage, disable=True if not run.progress else None, dynamic_ncols=True)
+    bar = tqdm(total=total_steps, initial=step, desc=stage, disable=True if not run.progress else None,
+               dynamic_ncols=True)
     last: dict[str, float] = {}
     last_path: Path | None = None
     window_t, window_n = time.perf_counter(), 0
@@ -172,7 +189,7 @@ def train_stage(
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", epoch=epoch)
                 if step % run.log_every == 0 or step == total_steps:
                     elapsed = time.perf_counter() - window_t
-                    last = {**metrics, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+                    last = {**metrics, "lr": float(scheduler.get_last_lr()[0]), "grad_norm": float(grad_norm),
                             "epoch": epoch, "examples_per_s": window_n / max(elapsed, 1e-9)}
                     logger.log(step, last)
                     window_t, window_n = time.perf_counter(), 0
@@ -194,7 +211,8 @@ def train_stage(
                 best.offer(scores[monitor], ckpt_root / name)
             last_path = checkpoint(name, epoch + 1, 0, {**last, **scores})
         if last_path is None:  # resumed at the very end: nothing left to do
-            last_path = resume_from.path if resume_from is not None else checkpoint(checkpoint_name(step=step), 0, 0, last)
+            last_path = (resume_from.path if resume_from is not None
+                         else checkpoint(checkpoint_name(step=step), 0, 0, last))
     finally:
         bar.close()
         logger.close()

@@ -34,7 +34,7 @@ def _load_items(cfg, store, *, candidates: str | None = None, sources: str | Non
     if candidates is not None:
         new = list(read_candidates(candidates, max_candidates=a.max_candidates_per_item, max_chars=a.max_text_chars))
         origin = candidates
-    else:
+    elif sources is not None:
         from rlt2t.common.data import load_examples
         from rlt2t.services.client import PolicyClient
         from rlt2t.services.http import load_token
@@ -45,6 +45,8 @@ def _load_items(cfg, store, *, candidates: str | None = None, sources: str | Non
             new = sample_items(client, examples, num_candidates=a.num_candidates, top_k=a.top_k,
                                temperature=a.temperature, max_new_tokens=a.max_new_tokens, progress=cfg.run.progress)
         origin = f"{sources} sampled on {url}"
+    else:
+        raise ValueError("annotate: give --candidates FILE or --sources FILE")
     added, known = store.add_items(new)
     print(f"annotate: {added} items added from {origin} ({known} already present); {store.count_items()} in all",
           flush=True)
@@ -141,6 +143,7 @@ def cmd_terminal(args) -> None:
         if annotator is None:
             token = store.add_annotator(args.annotator)
             annotator = store.annotator_by_name(args.annotator)
+            assert annotator is not None, "added just now"
             print(f"annotate: new annotator {args.annotator}; their token for the web app: {token}")
         result = run_terminal(store, annotator, rating_range=(a.rating_min, a.rating_max),
                               shuffle=a.shuffle_candidates, max_per_item=a.max_annotators_per_item,

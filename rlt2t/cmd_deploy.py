@@ -23,7 +23,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
             st = deploy.up(args.address, config_paths=args.config, overrides=args.overrides, python=args.python,
                            state_path=args.state, timeout_s=args.timeout, working_dir=args.working_dir)
             print(f"dashboard:     {st.dashboard_url}")
-            print(f"train job:     {st.train_job_id}   (ray job logs --address {st.dashboard_url} -f {st.train_job_id})")
+            print(f"train job:     {st.train_job_id}   "
+                  f"(ray job logs --address {st.dashboard_url} -f {st.train_job_id})")
             print(f"policy server: {st.server_url}")
             print(f"state:         {args.state}")
             return 0

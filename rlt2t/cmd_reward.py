@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from rlt2t.cmd_common import print_table
 from rlt2t.common.config import load_config
 
 
@@ -30,10 +31,10 @@ def cmd_reward_model_train(args) -> None:
 
     overrides = _with_files(args, "reward_model", {"rank_lists": args.rank_lists, "pairs": args.pairs,
                                                    "ratings": args.ratings, "init": args.init})
-    from rlt2t.common.checkpoint import read_checkpoint
+    from rlt2t.common.checkpoint import complete_checkpoint
 
     result = reward_model_job(load_config(args.config, overrides), resume=args.resume)
-    best = read_checkpoint(result.checkpoint).meta.get("best")
+    best = complete_checkpoint(result.checkpoint).meta.get("best")
     print(f"reward-model: {result.steps} steps → {result.checkpoint}"
           + (f"; best held-out pair accuracy {best['score']:.3f} ({best['path']})" if best else
              "; no held-out sources (reward_model.valid_fraction)"))
@@ -68,7 +69,6 @@ def cmd_classifier_train(args) -> None:
 
 
 def cmd_feedback_loop(args) -> None:
-    from rlt2t.cli import print_table
     from rlt2t.feedback import run_loop, summary_rows
 
     cfg = load_config(args.config, args.overrides)

@@ -53,8 +53,8 @@ def run_server(app, host: str, port: int, name: str, serve=None) -> None:
     sock = _listening_socket(host, port)
     actual_host, actual_port = sock.getsockname()[:2]
     shown = f"[{actual_host}]" if ":" in actual_host else actual_host
-    config = uvicorn_config(app, serve or ServeConfig(), log_level="info", access_log=False, timeout_graceful_shutdown=30,
-                            lifespan="on")
+    config = uvicorn_config(app, serve or ServeConfig(), log_level="info", access_log=False,
+                            timeout_graceful_shutdown=30, lifespan="on")
     server = _Server(config)
     print(f"serving {name} on http://{shown}:{actual_port}", flush=True)
     try:

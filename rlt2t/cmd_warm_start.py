@@ -1,8 +1,9 @@
-"""`rlt2t warm-start`: an encoder-decoder built from a pretrained BERT-style encoder (Rothe et al. 2020), registered
+r"""`rlt2t warm-start`: an encoder-decoder built from a pretrained BERT-style encoder (Rothe et al. 2020), registered
 by rlt2t.cli.
 
     rlt2t warm-start --encoder all-MiniLM-L6-v2 --out models/minilm2minilm
-    rlt2t sft run.dir=runs/wn model.path=models/minilm2minilm tokenizer.kind=pretrained tokenizer.path=models/minilm2minilm
+    rlt2t sft run.dir=runs/wn model.path=models/minilm2minilm \
+        tokenizer.kind=pretrained tokenizer.path=models/minilm2minilm
 
 Encoder and decoder both start from the encoder's checkpoint (the decoder made causal, with fresh
 cross-attention); the tokenizer is the encoder's. ``all-MiniLM-L6-v2`` names the copy the

@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from rlt2t.common.config import Config, load_config
@@ -49,7 +49,7 @@ DEFAULT_GCS_PORT = 6379
 DEFAULT_STATE = Path(".deploy/state.json")
 # Never uploaded with the job: virtualenvs, run outputs and VCS data are large and node-specific.
 UPLOAD_EXCLUDES = [".venv", "runs", ".git", ".deploy", "**/__pycache__", ".pytest_cache", ".ruff_cache",
-                   "*.egg-info"]
+                   "*.egg-info", ".typecheck"]
 URL_MARKER = "RLT2T_POLICY_URL="
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
@@ -259,6 +259,7 @@ def start_policy_server(cfg: Config, *, name: str = SERVER_NAME, namespace: str 
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     ray.init(namespace=namespace, log_to_driver=True)
+    actor: Any  # Ray types a handle as the handle or the class itself; its remote calls are untyped
     try:
         actor = ray.get_actor(name, namespace=namespace)
         serving, wanted = ray.get(actor.serving.remote(), timeout=60), str(cfg.path(cfg.serve.checkpoint_dir))
@@ -435,7 +436,7 @@ def status(address: str | None, *, state_path: str | Path = DEFAULT_STATE, wait:
     print(f"dashboard:     {state.dashboard_url}")
     print(f"train job:     {state.train_job_id}  {job}")
     print(f"policy server: {state.server_url}  {health}")
-    if job in ("FAILED", "STOPPED"):
+    if job in ("FAILED", "STOPPED") and state.train_job_id is not None:  # job is "-" without one
         print(_tail(client, state.train_job_id))
         return 1
     return 0

@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Literal, TextIO, cast
 
 from rlt2t.cmd_common import print_table
 from rlt2t.common.checkpoint import resolve_model_dir
@@ -157,8 +157,8 @@ def eval_table(cfg: Config, checkpoints: Mapping[str, str | Path], split: str | 
     if not checkpoints:
         raise ValueError("eval_table needs at least one model")
     cfg = cfg.model_copy(deep=True)
-    if split is not None:
-        cfg.eval.split = split
+    if split is not None:  # validated on assignment (a pydantic config): a bad name fails naming eval.split
+        cfg.eval.split = cast(Literal["train", "valid", "test"], split)
     cfg.eval.metrics = resolve_metric_names(cfg, metrics)
     if cfg.eval.classifier_path is not None:
         cfg.eval.classifier_path = str(cfg.path(cfg.eval.classifier_path))

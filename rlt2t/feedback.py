@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rlt2t.actors.rollout import RolloutWorker
-from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint
+from rlt2t.common.checkpoint import complete_checkpoint, latest_complete_checkpoint
 from rlt2t.common.collate import IGNORE_INDEX, collate_seq2seq, encode_texts, pad
 from rlt2t.common.config import Config, ModelConfig, RewardModelTerm, RolloutConfig
 from rlt2t.common.data import Example
@@ -86,7 +86,7 @@ def sample_sets(policy_dir: Path, cfg: Config, examples: Sequence[Example], *, k
                             include_gold=False)
     worker = RolloutWorker(ModelConfig(path=str(policy_dir), preset=None, dropout=0.0), str(cfg.tokenizer_dir),
                            rollout, seed=seed, max_source_len=cfg.data.max_source_len)
-    return worker.sample(examples)
+    return worker.sample_sets(examples)
 
 
 @torch.inference_mode()
@@ -151,7 +151,8 @@ def derive(cfg: Config, **sections: dict[str, Any]) -> Config:
 def round_config(cfg: Config, round_dir: Path) -> Config:
     """The run's config with ``run.dir`` moved to ``round_dir``; data and tokenizer stay the run's."""
     return derive(cfg, run={"dir": str(round_dir)},
-                  data={split: str(cfg.path(getattr(cfg.data, split)).resolve()) for split in ("train", "valid", "test")},
+                  data={split: str(cfg.path(getattr(cfg.data, split)).resolve())
+                        for split in ("train", "valid", "test")},
                   tokenizer={"path": str(cfg.tokenizer_dir.resolve())})
 
 
@@ -201,7 +202,7 @@ def run_loop(cfg: Config) -> list[dict[str, Any]]:
     annotator = ScriptedAnnotator(fb.prefer_token) if fb.prefer_token else None
     policy_dir, lists_so_far, summaries = start, [], []
 
-    def measure(policy_dir: Path) -> dict[str, float]:
+    def measure(policy_dir: Path, annotator: ScriptedAnnotator) -> dict[str, float]:
         policy = load_policy(ModelConfig(preset=None, dropout=0.0), checkpoint=policy_dir)
         texts, kl = sample_and_kl(policy, start_policy, held_out, k=fb.eval_samples,
                                   max_new_tokens=cfg.rollout.max_new_tokens, max_source_len=cfg.data.max_source_len,
@@ -234,14 +235,15 @@ def run_loop(cfg: Config) -> list[dict[str, Any]]:
         log.info("feedback round %d: %d of %d sources ranked", r, len(ranked), len(sets))
         # 3. train the reward model on every round's lists.
         rm_cfg = derive(round_config(cfg, round_dir), reward_model={
-            "rank_lists": lists_so_far, "init": str(_backbone(cfg, policy_dir)), "out": str(round_dir / "reward_model")})
+            "rank_lists": lists_so_far, "init": str(_backbone(cfg, policy_dir)),
+            "out": str(round_dir / "reward_model")})
         rm = reward_model_job(rm_cfg, resume=True)
         rm_dir = best_or_latest(round_dir / "reward_model" / "checkpoints")
-        rm_metrics = read_checkpoint(rm_dir).meta.get("metrics", {})
+        rm_metrics = complete_checkpoint(rm_dir).meta.get("metrics", {})
         # 4. RL with the reward model; 5. sample again (held-out sources), before and after.
-        before = measure(policy_dir)
+        before = measure(policy_dir, annotator)
         policy_dir = rl_step(cfg, round_dir, policy_dir, rm_dir)
-        after = measure(policy_dir)
+        after = measure(policy_dir, annotator)
         summary = {"round": r, "token": annotator.token, "ranked_sources": len(ranked),
                    "reward_model": str(rm_dir), "reward_model_steps": rm.steps,
                    "reward_model_pair_accuracy": rm_metrics.get("pair_accuracy"), "policy": str(policy_dir),
@@ -251,6 +253,7 @@ def run_loop(cfg: Config) -> list[dict[str, Any]]:
         log.info("feedback round %d: held-out preference %.3f → %.3f (hit rate %.3f → %.3f), KL to start %.3f nats "
                  "per sequence", r, before["preference"], after["preference"], before["hit_rate"], after["hit_rate"],
                  after["kl_per_sequence"])
+    assert annotator is not None, "feedback.rounds >= 1: the first round chose it"
     atomic_write_json(root / "summary.json", {"annotator": asdict(annotator), "rounds": summaries})
     return summaries
 

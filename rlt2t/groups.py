@@ -272,14 +272,15 @@ class WorkerPool:
     def __init__(self, cls: type, n: int, *, num_cpus: float, num_gpus: float, max_restarts: int, args: tuple,
                  kwargs: dict, resources: dict[str, float] | None = None,
                  per_actor_args: Sequence[tuple] | None = None, what: str = ""):
-        remote = ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=dict(resources or {}),
-                                         max_restarts=max_restarts, max_task_retries=0)
+        # Actor handles are Any here, as LearnerGroup.ranks: Ray types them as the handle or the class itself.
+        remote: Any = ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=dict(resources or {}),
+                                              max_restarts=max_restarts, max_task_retries=0)
         own = list(per_actor_args) if per_actor_args is not None else [()] * n
         if len(own) != n:
             raise ValueError(f"per_actor_args: {len(own)} entries for {n} workers")
         self.cls = cls
         self.what = what or cls.__name__
-        self.actors = [remote.remote(*extra, *args, **kwargs) for extra in own]
+        self.actors: list[Any] = [remote.remote(*extra, *args, **kwargs) for extra in own]
         self.state = PoolState(n)
 
     def wait_started(self, timeout_s: float) -> None:

@@ -16,11 +16,18 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Literal
 
-from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint, resolve_model_dir
+from rlt2t.common.checkpoint import (
+    CheckpointInfo,
+    complete_checkpoint,
+    latest_complete_checkpoint,
+    read_checkpoint,
+    resolve_model_dir,
+)
 from rlt2t.common.collate import encode_examples
 from rlt2t.common.config import Config, config_to_yaml
-from rlt2t.common.data import Example, load_examples
+from rlt2t.common.data import Example, load_examples, targets_of
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from rlt2t.common.lora import load_lora_policy
 from rlt2t.common.policy import Policy, check_lengths, is_adapter_checkpoint, load_policy
@@ -34,7 +41,7 @@ def save_run_config(cfg: Config, command: str) -> None:
     atomic_write_text(cfg.run_dir / "config" / f"{command}.yaml", config_to_yaml(cfg))
 
 
-def make_synthetic_data(cfg: Config, fmt: str = "jsonl") -> dict[str, Path]:
+def make_synthetic_data(cfg: Config, fmt: Literal["jsonl", "csv"] = "jsonl") -> dict[str, Path]:
     out = cfg.path(cfg.data.train).parent
     s = cfg.synth
     files = write_synthetic(out, s.size, s.seed, valid_fraction=s.valid_fraction, test_fraction=s.test_fraction,
@@ -91,7 +98,8 @@ def build_tokenizer_job(cfg: Config) -> Path:
     return out
 
 
-def _stage_start(cfg: Config, stage: str, init: str | Path | None, resume: bool) -> tuple[Policy, object]:
+def _stage_start(cfg: Config, stage: str, init: str | Path | None, resume: bool
+                 ) -> tuple[Policy, CheckpointInfo | None]:
     """Load the policy for a stage: resume its own newest checkpoint, else start from ``init``."""
     ckpt_root = cfg.run_dir / stage / "checkpoints"
     latest = latest_complete_checkpoint(ckpt_root) if resume else None
@@ -101,7 +109,8 @@ def _stage_start(cfg: Config, stage: str, init: str | Path | None, resume: bool)
             return load_lora_policy(cfg.model, cfg.tokenizer_dir, latest), info
         return load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest), info
     if not resume and ckpt_root.exists() and any(ckpt_root.iterdir()):
-        raise FileExistsError(f"{ckpt_root} already holds checkpoints; pass --resume to continue or use another run.dir")
+        raise FileExistsError(f"{ckpt_root} already holds checkpoints; "
+                              "pass --resume to continue or use another run.dir")
     if init is not None:
         init = resolve_model_dir(init)
         log.info("%s: starting from %s", stage, init)
@@ -143,7 +152,7 @@ def sft_job(cfg: Config, resume: bool = False, init: str | Path | None = None):
     policy, info = _stage_start(cfg, "sft", init if init is not None else default_sft_init(cfg), resume)
     check_lengths(policy, cfg.data)
     train = load_split(cfg, "train")
-    enc = encode_examples(policy.tokenizer, [e.source for e in train], [e.target for e in train],
+    enc = encode_examples(policy.tokenizer, [e.source for e in train], targets_of(train, "sft (data.train)"),
                           cfg.data.max_source_len, cfg.data.max_target_len, what="train")
     evaluate = None
     if cfg.metric.monitor_size and cfg.path(cfg.data.valid).is_file():
@@ -162,7 +171,7 @@ def best_or_latest(ckpt_root: Path) -> Path:
     latest = latest_complete_checkpoint(ckpt_root)
     if latest is None:
         raise FileNotFoundError(f"{ckpt_root}: no complete checkpoint")
-    best = (read_checkpoint(latest).meta.get("best") or {}).get("path")
+    best = (complete_checkpoint(latest).meta.get("best") or {}).get("path")
     if best and read_checkpoint(best) is not None:
         return Path(best)
     return latest
@@ -223,7 +232,8 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     ckpt_root = cfg.run_dir / STAGE / "checkpoints"
     latest = latest_complete_checkpoint(ckpt_root) if resume else None
     if latest is None and not resume and ckpt_root.exists() and any(ckpt_root.iterdir()):
-        raise FileExistsError(f"{ckpt_root} already holds checkpoints; pass --resume to continue or use another run.dir")
+        raise FileExistsError(f"{ckpt_root} already holds checkpoints; "
+                              "pass --resume to continue or use another run.dir")
     resumed = read_checkpoint(latest) if latest else None
     if init:
         start = resolve_model_dir(init)

@@ -27,6 +27,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -40,8 +41,7 @@ from rlt2t.common.families import family_of_dir
 from rlt2t.common.io import atomic_write_jsonl
 from rlt2t.common.metrics import CiderD, DocumentFrequency, get_metric
 from rlt2t.common.rerank import RERANK_MODES, IdfTable, consensus_scores, idf_scores, mean_logprobs
-from rlt2t.services.backends import TorchBackend
-from rlt2t.services.schemas import SamplingParams
+from rlt2t.services.backends import Sampling, TorchBackend
 
 log = logging.getLogger("rlt2t.predict")
 
@@ -61,7 +61,7 @@ class PredictResult:
     """Rows `<generator>`, `ensemble (<mode>)`, `oracle` when every input has a target, else None."""
 
 
-def read_inputs(path: str | Path, on_error: str = "raise") -> list[Example]:
+def read_inputs(path: str | Path, on_error: Literal["raise", "skip"] = "raise") -> list[Example]:
     """Inputs from JSONL (``id``, ``source``, optional ``target``) or the competition CSV (by suffix)."""
     path = Path(path)
     if not path.is_file():
@@ -101,8 +101,8 @@ class TorchRunner:
 
     def generate(self, sources: Sequence[str], *, beam_size: int, num_hypotheses: int, max_new_tokens: int
                  ) -> list[list[Hypothesis]]:
-        params = SamplingParams(mode="beam", beam_size=beam_size, num_candidates=num_hypotheses,
-                                max_new_tokens=max_new_tokens)
+        params = Sampling(mode="beam", beam_size=beam_size, num_candidates=num_hypotheses,
+                          max_new_tokens=max_new_tokens)
         per_source = self.backend.candidates(sources, params, [])
         return [[Hypothesis(g.text, tuple(g.token_ids), float(sum(g.logprobs))) for g in gens] for gens in per_source]
 
@@ -259,8 +259,10 @@ def predict(
         if mode == "mean_logprob":
             scores = means
         elif mode == "idf":
+            assert table is not None, "loaded above for this mode"
             scores = idf_scores(cands, lps, table)
         else:
+            assert cider is not None, "built above for this mode"
             kept = sorted(range(len(cands)), key=lambda k: -means[k])[: p.consensus_top]
             agreement = consensus_scores(cands, kept, cider)
             # Candidates outside the top get -inf; ties on agreement go to the better mean log-prob.
@@ -286,8 +288,9 @@ def predict(
     export_competition_csv(out_path, ids, predictions)
     atomic_write_jsonl(jsonl_path, rows)
     metrics = None
-    if all(e.target is not None for e in examples):
-        metrics = _metric_rows(cfg, examples, tops, predictions, candidates, mode)
+    targets = [e.target for e in examples if e.target is not None]
+    if len(targets) == len(examples):
+        metrics = _metric_rows(cfg, targets, tops, predictions, candidates, mode)
     log.info("predict: %d inputs, %.1f candidates each, rerank=%s → %s", len(examples),
              np.mean([len(c) for c in candidates]), mode, out_path)
     return PredictResult(ids=ids, predictions=predictions, csv_path=out_path, jsonl_path=jsonl_path, rerank=mode,
@@ -298,11 +301,11 @@ def _json_float(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
-def _metric_rows(cfg: Config, examples: Sequence[Example], tops: dict[str, list[str]], predictions: list[str],
+def _metric_rows(cfg: Config, targets: Sequence[str], tops: dict[str, list[str]], predictions: list[str],
                  candidates: list[list[str]], mode: str) -> dict[str, dict[str, float]]:
     from rlt2t.learner.evaluate import metric_table
 
-    refs = [[e.target] for e in examples]
+    refs = [[t] for t in targets]
     rows = {name: metric_table(hyps, refs, cfg.metric) for name, hyps in tops.items()}
     rows[f"ensemble ({mode})"] = metric_table(predictions, refs, cfg.metric)
     # Oracle: per input, the candidate with the best task score. CIDEr-D's df comes from the inputs'

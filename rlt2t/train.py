@@ -89,7 +89,7 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
     init_ray(cfg)
     check_cluster(cfg)
     # CIDEr-D document frequencies: once, from the training references, shipped to every reward worker.
-    df = DocumentFrequency.from_references([[e.target] for e in examples])
+    df = DocumentFrequency.from_references([[e.target] for e in examples])  # type: ignore[list-item]
     df.save(out_dir / "document_frequency.json")  # for reward / policy servers scoring this task
     start = Path(resume_from.path) if resume_from else init
     job = _Job.start(cfg, spec, start=start, init=init, total_steps=total_steps, df=df)
@@ -129,7 +129,7 @@ def truncate_sources(examples: list[Example], policy: Policy, max_source_len: in
     ids, _ = encode_texts(tok, [sources[i] for i in long], max_source_len)
     out = list(examples)
     for i, x in zip(long, ids, strict=True):
-        out[i] = dataclasses.replace(out[i], source=" ".join(tok.decode(x, skip_special_tokens=True).split()))
+        out[i] = dataclasses.replace(out[i], source=" ".join(tok.decode(x, skip_special_tokens=True).split()))  # type: ignore[union-attr]
     log.warning("rl: truncated %d of %d sources to data.max_source_len=%d tokens for the policy servers",
                 len(long), len(examples), max_source_len)
     return out
@@ -159,7 +159,7 @@ def wait_for_servers(cfg: Config, published_dir: Path, token: str | None) -> Non
 
         wait_until(ready, timeout_s=cfg.rollout.timeout_s, interval_s=0.5, error=RuntimeError,
                    what=f"rl: the {kind} server at {url} was not ready (rollout.timeout_s; start it with: {how})",
-                   on_wait=lambda _, url=url, kind=kind, how=how: log.info(
+                   on_wait=lambda _, url=url, kind=kind, how=how: log.info(  # type: ignore[misc]
                        "rl: waiting for the %s server at %s (start it with: %s)", kind, url, how))
 
 
@@ -191,8 +191,9 @@ class _Publisher:
         """Policy servers (rollout.source=http) load the learner's weights from here (hot reload)."""
         assert self.dir is not None
         load_weights(self.writer_policy.model, weights)
-        save_checkpoint(self.dir, checkpoint_name(step=version), model=self.writer_policy.model, tokenizer=self.writer_policy.tokenizer,
-                        step=version, meta={"stage": f"{STAGE}-published", "policy_version": version})
+        save_checkpoint(self.dir, checkpoint_name(step=version), model=self.writer_policy.model,
+                        tokenizer=self.writer_policy.tokenizer, step=version,
+                        meta={"stage": f"{STAGE}-published", "policy_version": version})
         prune_checkpoints(self.dir, keep_last=2)
         log.info("rl: published version %d to %s", version, self.dir)
 
@@ -243,8 +244,9 @@ class _Job:
                 start_ref = None
                 if spec.reference or cfg.model.lora.enabled:
                     start_ref = ray.put(load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=init).model.state_dict())
-                rollouts = WorkerPool(RolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus, num_gpus=r.rollout_gpus,
-                                      max_restarts=r.max_restarts, resources=r.rollout_resources,
+                rollouts = WorkerPool(RolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus,
+                                      num_gpus=r.rollout_gpus, max_restarts=r.max_restarts,
+                                      resources=r.rollout_resources,
                                       args=(cfg.model, str(cfg.tokenizer_dir), cfg.rollout),
                                       kwargs=dict(seed=cfg.run.seed, max_source_len=cfg.data.max_source_len, spec=spec,
                                                   start_weights=start_ref),
@@ -287,8 +289,8 @@ class _Job:
             examples = truncate_sources(examples, self.writer_policy, cfg.data.max_source_len)
         step, epoch0 = 0, 0
         start_weights = policy_weights(self.writer_policy.model)
-        publisher = _Publisher(self.learners, self.writer_policy, published_dir if http_rollout else None, start_weights,
-                               resume_from.step if resume_from else 0)
+        publisher = _Publisher(self.learners, self.writer_policy, published_dir if http_rollout else None,
+                               start_weights, resume_from.step if resume_from else 0)
         best = BestCheckpoint.from_meta(resume_from.meta if resume_from else None)
         if resume_from is not None:
             state = load_training_state(resume_from.path)
@@ -309,9 +311,11 @@ class _Job:
             name = checkpoint_name(epoch=epoch) if batch_in_epoch == 0 else checkpoint_name(step=at)
             if batch_in_epoch == 0 and "monitor" in metrics:
                 best.offer(metrics["monitor"], ckpt_root / name)
-            path = save_checkpoint(ckpt_root, name, model=self.writer_policy.model, tokenizer=self.writer_policy.tokenizer, step=at,
-                                   meta={"stage": STAGE, "algorithm": r.algorithm, "init": str(self.init), "epoch": epoch,
-                                         "batch_in_epoch": batch_in_epoch, "policy_version": at, "metrics": metrics,
+            path = save_checkpoint(ckpt_root, name, model=self.writer_policy.model,
+                                   tokenizer=self.writer_policy.tokenizer, step=at,
+                                   meta={"stage": STAGE, "algorithm": r.algorithm, "init": str(self.init),
+                                         "epoch": epoch, "batch_in_epoch": batch_in_epoch, "policy_version": at,
+                                         "metrics": metrics,
                                          "best": best.meta(), "total_steps": total_steps},
                                    training_state={"learners": self.learners.training_states(),
                                                    "published": publisher.kept(below=at)})
@@ -335,7 +339,8 @@ class _Job:
                     if c.mask_version is not None and c.mask_version <= step:
                         publisher.publish(c.mask_version)
                 publisher.drop_start_weights()  # published by now, or never needed (a run resumed mid-epoch)
-                truncated = count_truncated(self.writer_policy, [e for c in chunks for e in c.examples], cfg.data.max_source_len)
+                truncated = count_truncated(self.writer_policy, [e for c in chunks for e in c.examples],
+                                            cfg.data.max_source_len)
                 if truncated:
                     log.info("rl epoch %d: %d sources longer than data.max_source_len=%d tokens are cut to it", epoch,
                              truncated, cfg.data.max_source_len)

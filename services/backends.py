@@ -24,7 +24,7 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -37,7 +37,7 @@ from rlt2t.common.families import positions_or
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.sampling import sample_candidates
 from rlt2t.common.scoring import token_scores
-from rlt2t.common.tokenization import text_checker
+from rlt2t.common.tokenization import ids_to_tokens, text_checker
 
 log = logging.getLogger("rlt2t.services.backends")
 
@@ -169,7 +169,8 @@ class TorchBackend:
                  device: str = "cpu", max_batch_rows: int = 256) -> None:
         self.policy = policy
         self.device = torch.device(device)
-        self.model = policy.model.to(self.device).eval()  # never dropout at inference
+        # never dropout at inference; transformers' @wraps(nn.Module.to) makes mypy read .to unbound
+        self.model = policy.model.to(self.device).eval()  # type: ignore[arg-type]
         self.tokenizer = policy.tokenizer
         # The request handlers count tokens on the event loop while the worker encodes: a private copy
         # keeps the Rust tokenizer from being borrowed by two threads at once.
@@ -302,7 +303,9 @@ class _AllStopped(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         done = len(set(self.control.stopped())) >= self.num_sources
-        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+        # a bool tensor is what transformers' BoolTensor annotation means; torch.full is annotated Tensor
+        stop = torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+        return cast(torch.BoolTensor, stop)
 
 
 class Ct2Backend:
@@ -407,6 +410,6 @@ class Ct2Backend:
         if not rows:
             return []
         results = self.ct2.translator.score_batch(
-            self.ct2.source_tokens(sources), [self.tokenizer.convert_ids_to_tokens(b) for b in body],
+            self.ct2.source_tokens(sources), [ids_to_tokens(self.tokenizer, b) for b in body],
             max_input_length=0)
         return [list(map(float, res.log_probs))[: len(r)] for res, r in zip(results, rows, strict=True)]

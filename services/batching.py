@@ -39,11 +39,18 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 log = logging.getLogger("rlt2t.services.batching")
 
-B = TypeVar("B")
+
+class Backend(Protocol):
+    """What the batcher calls of a backend itself (the runners call the rest)."""
+
+    def close(self) -> None: ...
+
+
+B = TypeVar("B", bound=Backend)
 
 NESTED_SHARE = 4
 NESTED_TIME_SHARE = 3
@@ -110,7 +117,8 @@ class CallControl:
 
     def stopped(self) -> list[int]:
         """Positions (in the call's item list) of the items whose request is gone."""
-        now, out, pos = time.monotonic(), [], 0
+        now, pos = time.monotonic(), 0
+        out: list[int] = []
         for job, first, end in self._parts:
             if job.gone(now):
                 out.extend(range(pos, pos + end - first))
@@ -256,9 +264,9 @@ class Batcher(Generic[B]):
 
     async def submit(self, key: Hashable, items: Sequence[Any], runner: Runner, *, costs: Sequence[int] | None = None,
                      deadline: float | None = None, gone: Callable[[], Awaitable[Any]] | None = None
-                     ) -> tuple[list[Any], B]:
+                     ) -> tuple[list[Any], B | None]:
         """Queue ``items`` (cost ``costs[i]`` each, default 1) and wait for ``runner``'s results and the
-        backend used.
+        backend used (for no items: the current one, None before any is installed).
 
         ``deadline`` (``time.monotonic()``) and ``gone`` (an awaitable that completes when the client has
         disconnected) end the wait early: the job leaves the queue and its running call, and

@@ -139,18 +139,18 @@ class _Retrying:
         return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
 
     def outcome(self, method: str, path: str, model: type[M], response: httpx.Response | None,
-                exc: httpx.TransportError | None) -> tuple[M | None, Exception | None]:
-        """One attempt: (parsed result, None), or (None, the error to retry on); raises what is not retried."""
+                exc: httpx.TransportError | None) -> M | Exception:
+        """One attempt: the parsed result, or the error to retry on; raises what is not retried."""
         if exc is not None:
             if self.transient(exc):
-                return None, exc
+                return exc
             if isinstance(exc, httpx.TimeoutException):
                 raise ServiceTimeout(f"{method} {self.base_url}{path}: timed out: {exc}", url=path) from exc
             raise Unavailable(f"{method} {self.base_url}{path}: {type(exc).__name__}: {exc}", url=path) from exc
         assert response is not None
         if response.status_code != 503:
-            return self.parse(response, model), None
-        return None, _error_for(response)
+            return self.parse(response, model)
+        return _error_for(response)
 
     def give_up(self, method: str, path: str, error: Exception) -> ServiceError:
         """The exception to raise once the retries are spent."""
@@ -191,9 +191,10 @@ class _SyncBase(_Retrying):
                 response = self._http.request(method, path, json=json)
             except httpx.TransportError as e:  # timeouts included
                 exc = e
-            result, error = self.outcome(method, path, model, response, exc)
-            if error is None:
+            result = self.outcome(method, path, model, response, exc)
+            if not isinstance(result, Exception):
                 return result
+            error = result
             if attempt == self.retries:
                 break
             wait = self.delay(attempt, response)
@@ -236,9 +237,10 @@ class _AsyncBase(_Retrying):
                 response = await self._http.request(method, path, json=json)
             except httpx.TransportError as e:  # timeouts included
                 exc = e
-            result, error = self.outcome(method, path, model, response, exc)
-            if error is None:
+            result = self.outcome(method, path, model, response, exc)
+            if not isinstance(result, Exception):
                 return result
+            error = result
             if attempt == self.retries:
                 break
             await _async_sleep(self.delay(attempt, response))

@@ -33,7 +33,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -59,12 +59,16 @@ OPEN_PATHS = ("/healthz",)
 CLIENT_CLOSED = 499
 """Status recorded (in metrics) for a request whose client disconnected before its answer."""
 
-UNAUTHORIZED = {401: {"model": ErrorResponse, "description": "Missing or wrong bearer token"}}
-OVERLOADED = {503: {"model": ErrorResponse, "description": "Queue full, deadline passed (serve.request_timeout_s) "
-                    "or shutting down; retry after the Retry-After header's seconds",
-                    "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}}}
-NOT_READY = {503: {"model": ErrorResponse, "description": "Not ready"}}
-BODY_REFUSED = {
+OpenApiResponses: TypeAlias = dict[int | str, dict[str, Any]]
+"""A route's documented error answers (FastAPI's ``responses=``): status -> model and description."""
+
+UNAUTHORIZED: OpenApiResponses = {401: {"model": ErrorResponse, "description": "Missing or wrong bearer token"}}
+OVERLOADED: OpenApiResponses = {
+    503: {"model": ErrorResponse, "description": "Queue full, deadline passed (serve.request_timeout_s) "
+          "or shutting down; retry after the Retry-After header's seconds",
+          "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}}}
+NOT_READY: OpenApiResponses = {503: {"model": ErrorResponse, "description": "Not ready"}}
+BODY_REFUSED: OpenApiResponses = {
     408: {"model": ErrorResponse, "description": "Body not received within serve.body_timeout_s"},
     413: {"model": ErrorResponse, "description": "Body larger than serve.max_body_bytes"},
     415: {"model": ErrorResponse, "description": "Body not sent as application/json"},
@@ -449,5 +453,6 @@ def _head_timeout_protocol(seconds: float) -> type:
 def uvicorn_config(app, serve: ServeConfig, **kwargs: Any) -> uvicorn.Config:
     """uvicorn settings of both servers (``rlt2t serve`` and the deployed actor): the request-head timeout
     and the keep-alive timeout from ``serve``; ``kwargs`` go to ``uvicorn.Config`` as they are."""
+    # uvicorn annotates timeout_keep_alive as int but only hands it to loop.call_later: seconds as a float work.
     return uvicorn.Config(app, http=_head_timeout_protocol(serve.header_timeout_s),
-                          timeout_keep_alive=serve.keepalive_timeout_s, **kwargs)
+                          timeout_keep_alive=serve.keepalive_timeout_s, **kwargs)  # type: ignore[arg-type]

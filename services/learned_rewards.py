@@ -19,6 +19,7 @@ import numpy as np
 
 from rlt2t.common.config import Config
 from rlt2t.common.metrics import DocumentFrequency, available_metrics
+from rlt2t.common.reward_model import RewardModel
 from rlt2t.common.rewards import RewardModelReward, WeightedReward, build_reward
 from rlt2t.services.reload import CheckpointWatcher
 
@@ -36,7 +37,7 @@ class NamedRewards:
             name: build_reward(cfg.reward, document_frequency=document_frequency, device=cfg.reward.device, terms=terms)
             for name, terms in cfg.reward.named.items()
         }
-        self.watchers: list[CheckpointWatcher] = []
+        self.watchers: list[CheckpointWatcher[RewardModel]] = []
         for name, reward in self.rewards.items():
             for _, term_name, term in reward.terms:
                 if isinstance(term, RewardModelReward) and term.root is not None:

@@ -55,6 +55,7 @@ from rlt2t.services.http import (
     BODY_REFUSED,
     OVERLOADED,
     UNAUTHORIZED,
+    OpenApiResponses,
     ServiceMetrics,
     add_common_routes,
     auth_dependencies,
@@ -155,7 +156,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     df = DocumentFrequency.load(document_frequency) if document_frequency is not None else None
     token = load_token(serve)
     protected = auth_dependencies(token)
-    auth_responses = UNAUTHORIZED if token else {}
+    auth_responses: OpenApiResponses = UNAUTHORIZED if token else {}
 
     metrics = _PolicyMetrics()
     batcher = Batcher(backend, max_batch_size=serve.max_batch_size, max_wait_ms=serve.max_wait_ms,

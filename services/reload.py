@@ -21,13 +21,21 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 from rlt2t.common.checkpoint import MARKER, CheckpointInfo, complete_checkpoints, read_checkpoint
-from rlt2t.services.backends import PolicyBackend
 
 log = logging.getLogger("rlt2t.services.reload")
 
-Loader = Callable[[Path], PolicyBackend]
+class Versioned(Protocol):
+    @property
+    def version(self) -> int:
+        """The policy version (or training step) of the loaded weights."""
+        ...
+
+
+Served = TypeVar("Served", bound=Versioned)
+"""What a checkpoint loads into: a policy backend, or a reward model."""
 
 
 def checkpoint_key(path: Path) -> tuple[str, float] | None:
@@ -50,13 +58,13 @@ def is_checkpoint_root(path: Path) -> bool:
     return not (path / "config.json").is_file() and not (path / MARKER).is_file()
 
 
-class CheckpointWatcher:
+class CheckpointWatcher(Generic[Served]):
     """Polls ``root`` every ``interval_s`` seconds; calls ``install(loader(newest))`` on a newer one.
 
     ``current`` is the path of the checkpoint being served (so a restart does not reload it).
     """
 
-    def __init__(self, root: str | Path, *, loader: Loader, install: Callable[[PolicyBackend], None],
+    def __init__(self, root: str | Path, *, loader: Callable[[Path], Served], install: Callable[[Served], None],
                  interval_s: float, current: str | Path | None = None) -> None:
         self.root = Path(root)
         self.loader = loader

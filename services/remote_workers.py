@@ -1,13 +1,13 @@
 """Rollout and reward over HTTP: the policy and reward servers as alternatives to the Ray actors.
 
-With ``rollout.source: http`` the driver runs one light :class:`HttpRolloutWorker` per policy server URL
-(Ray actors, so dispatch, re-dispatch and the reorder buffer are the ones the local actors use); each
-asks its server for samples and builds the candidate sets locally with the same rules as
-``rlt2t.actors.rollout.RolloutWorker`` (``rlt2t.common.sampling.candidate_set``). The servers get the learner's weights from the checkpoints
-the driver publishes under ``{run}/rl/published`` (``rlt2t serve policy --checkpoint-dir`` that
-directory; it hot-reloads the newest). A server that has not loaded the version a chunk asks for yet is
-waited for, up to ``rollout.timeout_s``, then its candidates are used anyway and the staleness logged
-says by how much they lag.
+With ``rollout.source: http`` the driver runs one light :class:`HttpRolloutWorker` per policy server
+URL (Ray actors, so dispatch, re-dispatch and the reorder buffer are the ones the local actors use);
+each asks its server for samples and builds the candidate sets locally with the same rules as
+``rlt2t.actors.rollout.RolloutWorker`` (``rlt2t.common.sampling.candidate_set``). The servers get
+the learner's weights from the checkpoints the driver publishes under ``{run}/rl/published``
+(``rlt2t serve policy --checkpoint-dir`` that directory; it hot-reloads the newest). A server that
+has not loaded the version a chunk asks for yet is waited for, up to ``rollout.timeout_s``, then its
+candidates are used anyway and the staleness logged says by how much they lag.
 
 With ``reward.source: http`` an :class:`HttpRewardWorker` scores each drawn pair on the reward server
 (its ``task_score``, configured by the server's own ``reward`` section and document frequencies: start
@@ -50,7 +50,8 @@ class HttpRolloutWorker:
             raise ValueError("NLPO's masked sampling needs the Ray rollout workers (rollout.source=ray)")
         self.client = PolicyClient(url, token=token, timeout=rollout.timeout_s, transport=transport)
 
-    def sample_version(self, version: int, weights, examples: Sequence[Example]) -> list[CandidateSet] | list[SampledGroup]:
+    def sample_version(self, version: int, weights,
+                       examples: Sequence[Example]) -> list[CandidateSet] | list[SampledGroup]:
         """Candidate sets or sampled groups for ``examples`` from weights of ``version`` or newer (``weights`` is
         unused: the server loads published checkpoints)."""
         del weights
@@ -60,9 +61,11 @@ class HttpRolloutWorker:
         out: list[CandidateSet] = []
         for first in range(0, len(examples), cfg.batch_size):
             chunk = list(examples[first : first + cfg.batch_size])
+            targets: list[str] = []
             for i, ex in enumerate(chunk):
                 if ex.target is None:
                     raise ValueError(f"examples[{first + i}] (id {ex.id!r}) has no target; rank RL needs a reference")
+                targets.append(ex.target)
             seed = stable_seed(self.seed, version, *(ex.id for ex in chunk)) % _SEED_RANGE
             self._wait_for_version(version)
             response = self.client.candidates(
@@ -71,8 +74,8 @@ class HttpRolloutWorker:
             if response.policy_version != version:
                 log.warning("policy server %s answered with version %d; chunk wanted %d", self.url,
                             response.policy_version, version)
-            for ex, candidates in zip(chunk, response.candidates, strict=True):
-                out.append(candidate_set(ex.id, ex.source, ex.target, [c.text for c in candidates],
+            for ex, target, candidates in zip(chunk, targets, response.candidates, strict=True):
+                out.append(candidate_set(ex.id, ex.source, target, [c.text for c in candidates],
                                          include_gold=cfg.include_gold, seed=self.seed,
                                          version=response.policy_version))
         return out
@@ -131,8 +134,8 @@ class HttpRewardWorker:
         if isinstance(items[0], SampledGroup):
             groups: Sequence[SampledGroup] = items  # type: ignore[assignment]
             texts = [list(g.candidates) + ([g.greedy] if g.greedy is not None else []) for g in groups]
-            flat = self._scores([t for ts in texts for t in ts], [g.reference for g, ts in zip(groups, texts,
-                                                                                                strict=True) for _ in ts])
+            flat = self._scores([t for ts in texts for t in ts],
+                                [g.reference for g, ts in zip(groups, texts, strict=True) for _ in ts])
             out, pos = [], 0
             for g, ts in zip(groups, texts, strict=True):
                 k = len(g.candidates)

@@ -19,12 +19,12 @@ When the run has a tokenizer (``{run}/tokenizer``), every text obeys its token r
 as the data loader: an ``ids`` vocabulary takes data tokens and <sep> only; no kind takes other special
 tokens). Unknown metric names are 422s naming ``metrics[i]``.
 
-Work is bounded like the policy server's (``rlt2t.services.batching``): a request's cost is
-Σ over its candidates and their references of (candidate tokens + 1) × (reference tokens + 1) plus their
-characters, times the number of metrics (ROUGE-L's table; chrF's character n-grams); above ``serve.max_reward_cost`` it is a 422
-naming the product, queued work above ``serve.max_reward_queue_cost`` a 503 + Retry-After. Scoring runs
-on one worker thread, off the event loop, in parts of at most ``serve.max_reward_call_cost``; a request
-whose client disconnected or whose ``serve.request_timeout_s`` passed is dropped between parts.
+Work is bounded like the policy server's (``rlt2t.services.batching``): a request's cost is Σ over its
+candidates and their references of (candidate tokens + 1) × (reference tokens + 1) plus their characters,
+times the number of metrics (ROUGE-L's table; chrF's character n-grams); above ``serve.max_reward_cost`` it is
+a 422 naming the product, queued work above ``serve.max_reward_queue_cost`` a 503 + Retry-After. Scoring runs
+on one worker thread, off the event loop, in parts of at most ``serve.max_reward_call_cost``; a request whose
+client disconnected or whose ``serve.request_timeout_s`` passed is dropped between parts.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from rlt2t.services.schemas import RewardRequest, RewardResponse
 log = logging.getLogger("rlt2t.services.reward")
 
 
-def metric_params(name: str, cfg: Config, df: DocumentFrequency) -> dict:
+def metric_params(name: str, cfg: Config, df: DocumentFrequency | None) -> dict:
     """Keyword params of a registered metric: the reward config for the task score and CIDEr-D."""
     if name == "task_score":
         return {"bleu_weight": cfg.reward.bleu_weight, "sigma": cfg.reward.cider_sigma, "df": df}
@@ -89,13 +89,15 @@ class _Scorer:
         names, own = key
         df = own.df if own is not None else self.fixed_df
         hyps = [c for c, _, _ in items]
-        refs = [r for _, r, _ in items] if all(r is not None for _, r, _ in items) else None
+        given = [r for _, r, _ in items if r is not None]
+        refs = given if len(given) == len(items) else None
         sources = [s for _, _, s in items]
         columns = {}
         for name in names:
             if name in self.named.rewards:
                 columns[name] = self.named.score(name, sources, hyps, refs).tolist()  # type: ignore[arg-type]
             else:
+                assert refs is not None, "a request for a registered metric has references (checked at the route)"
                 columns[name] = get_metric(name, **metric_params(name, self.cfg, df)).per_sample(hyps, refs).tolist()
         return [{name: columns[name][i] for name in names} for i in range(len(items))]
 

@@ -69,6 +69,7 @@ from rlt2t.services.annotation.store import (
 )
 from rlt2t.services.http import (
     BodyLimit,
+    OpenApiResponses,
     ServiceMetrics,
     add_common_routes,
     field_error,
@@ -90,7 +91,7 @@ SECURITY_HEADERS = [
     (b"x-frame-options", b"DENY"),
     (b"referrer-policy", b"same-origin"),
 ]
-ERRORS = {401: {"model": ErrorResponse, "description": "Not logged in, or a wrong bearer token"},
+ERRORS: OpenApiResponses = {401: {"model": ErrorResponse, "description": "Not logged in, or a wrong bearer token"},
           403: {"model": ErrorResponse, "description": "Missing CSRF token, or an admin route"}}
 
 
@@ -278,7 +279,7 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
     async def logout(request: Request) -> Response:
         cookie = request.cookies.get(SESSION_COOKIE)
         found = await run_in_threadpool(store.session, cookie) if cookie else None
-        if found is not None:
+        if cookie and found is not None:
             form = await _form(request)
             if not secrets.compare_digest(form.get("csrf", "").encode(), found[1].encode()):
                 return JSONResponse({"detail": "missing or wrong csrf form field"}, 403)
@@ -389,7 +390,8 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
         export.FILES["ranks"]: ("text/tab-separated-values; charset=utf-8",
                                 lambda inc: export.rank_tsv_lines(export.rank_lists(store, include_flagged=inc))),
         export.FILES["pairs"]: ("application/jsonl; charset=utf-8",
-                                lambda inc: export.jsonl_lines(export.pair_rows(export.rank_lists(store, include_flagged=inc)))),
+                                lambda inc: export.jsonl_lines(
+                                    export.pair_rows(export.rank_lists(store, include_flagged=inc)))),
         export.FILES["ratings"]: ("application/jsonl; charset=utf-8",
                                   lambda inc: export.jsonl_lines(export.rating_rows(store, include_flagged=inc))),
     }

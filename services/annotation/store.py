@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Literal
 
 from sqlalchemy import (
+    ColumnElement,
     Connection,
     Engine,
     and_,
@@ -55,8 +56,10 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 
 from rlt2t.common.config import Config
+
+# The table `annotations` goes by another name: here `annotations` is the __future__ import's.
+from rlt2t.services.annotation.tables import annotations as annotations_table
 from rlt2t.services.annotation.tables import (
-    annotations,
     annotators,
     candidates,
     items,
@@ -392,7 +395,7 @@ class Store:
         added = 0
         now = time.time()
         with self.write() as conn:
-            known = set()
+            known: set[str] = set()
             digests = [n.content_sha256 for n in new]
             for start in range(0, len(digests), 500):
                 known.update(conn.execute(select(items.c.content_sha256).where(
@@ -428,13 +431,13 @@ class Store:
 
     def _queue(self, annotator: Annotator, max_per_item: int):
         """Item ids in ``annotator``'s queue: not finished by them, and (with a cap) not finished by enough others."""
-        mine = annotations.alias("mine")
+        mine = annotations_table.alias("mine")
         query = (select(items.c.id)
                  .outerjoin(mine, and_(mine.c.item_id == items.c.id, mine.c.annotator_id == annotator.id))
                  .where(or_(mine.c.id.is_(None), mine.c.status.notin_(DONE))))
         if max_per_item > 0:
-            finished = (select(func.count()).select_from(annotations)
-                        .where(annotations.c.item_id == items.c.id, annotations.c.status.in_(DONE))
+            finished = (select(func.count()).select_from(annotations_table)
+                        .where(annotations_table.c.item_id == items.c.id, annotations_table.c.status.in_(DONE))
                         .scalar_subquery())
             # An item this annotator already started stays theirs to finish.
             query = query.where(or_(mine.c.id.is_not(None), finished < max_per_item))
@@ -450,11 +453,11 @@ class Store:
         with self.read() as conn:
             left = conn.execute(select(func.count()).select_from(
                 self._queue(annotator, max_per_item).subquery())).scalar_one()
-            counts = dict(conn.execute(
-                select(annotations.c.status, func.count()).where(annotations.c.annotator_id == annotator.id)
-                .group_by(annotations.c.status)).all())
-            flagged = conn.execute(select(func.count()).select_from(annotations).where(
-                annotations.c.annotator_id == annotator.id, annotations.c.flagged.is_(True))).scalar_one()
+            counts: dict[str, int] = dict(conn.execute(
+                select(annotations_table.c.status, func.count()).where(annotations_table.c.annotator_id == annotator.id)
+                .group_by(annotations_table.c.status)).all())
+            flagged = conn.execute(select(func.count()).select_from(annotations_table).where(
+                annotations_table.c.annotator_id == annotator.id, annotations_table.c.flagged.is_(True))).scalar_one()
         return Progress(done=sum(counts.get(s, 0) for s in DONE), left=left, skipped=counts.get("skipped", 0),
                         flagged=flagged)
 
@@ -486,13 +489,14 @@ class Store:
         now = time.time()
         # FOR UPDATE (PostgreSQL; SQLite already holds the write lock): a concurrent submission of this annotator
         # to this item waits, then sees these labels (rating merges count complete ratings correctly).
-        current = conn.execute(select(annotations.c.id, annotations.c.status).where(
-            annotations.c.annotator_id == annotator.id, annotations.c.item_id == item.id).with_for_update()).first()
+        current = conn.execute(select(annotations_table.c.id, annotations_table.c.status).where(
+            annotations_table.c.annotator_id == annotator.id, annotations_table.c.item_id == item.id
+        ).with_for_update()).first()
         fields = {"flagged": sub.flagged, "note": sub.note, "submission_id": sub.submission_id, "updated_at": now}
         if current is None:
-            ann_id = conn.execute(insert(annotations).values(
+            ann_id = conn.execute(insert(annotations_table).values(
                 annotator_id=annotator.id, item_id=item.id, status="skipped", created_at=now, **fields)
-                .returning(annotations.c.id)).scalar_one()
+                .returning(annotations_table.c.id)).scalar_one()
             previous = None
         else:
             ann_id, previous = current.id, current.status
@@ -514,7 +518,7 @@ class Store:
             status = "rated" if rated == len(ids) else "partial"
         else:
             status = "skipped"
-        conn.execute(update(annotations).where(annotations.c.id == ann_id).values(status=status, **fields))
+        conn.execute(update(annotations_table).where(annotations_table.c.id == ann_id).values(status=status, **fields))
         conn.execute(insert(submissions).values(id=sub.submission_id, annotator_id=annotator.id, item_id=item.id,
                                                 annotation_id=ann_id, digest=digest, created_at=now))
         return SubmitOutcome(self._annotation(conn, ann_id), duplicate=False)
@@ -540,9 +544,9 @@ class Store:
             raise InvalidSubmission("ratings", f"only a rate submission has ratings (action={sub.action})")
 
     def _annotation(self, conn: Connection, ann_id: int) -> AnnotationRecord:
-        row = conn.execute(select(annotations, annotators.c.name)
-                           .join(annotators, annotators.c.id == annotations.c.annotator_id)
-                           .where(annotations.c.id == ann_id)).first()
+        row = conn.execute(select(annotations_table, annotators.c.name)
+                           .join(annotators, annotators.c.id == annotations_table.c.annotator_id)
+                           .where(annotations_table.c.id == ann_id)).first()
         if row is None:
             raise NotFound(f"no annotation {ann_id}")
         rows = conn.execute(select(labels.c.candidate_id, labels.c.rank, labels.c.rating)
@@ -555,7 +559,8 @@ class Store:
     def annotation(self, annotation_id: int, viewer: Annotator) -> AnnotationRecord:
         """An annotation its owner or an admin may read; anyone else gets NotFound (as if it did not exist)."""
         with self.read() as conn:
-            owner = conn.execute(select(annotations.c.annotator_id).where(annotations.c.id == annotation_id)).scalar()
+            owner = conn.execute(select(annotations_table.c.annotator_id)
+                                 .where(annotations_table.c.id == annotation_id)).scalar()
             if owner is None or (owner != viewer.id and not viewer.is_admin):
                 raise NotFound(f"no annotation {annotation_id}")
             return self._annotation(conn, annotation_id)
@@ -563,8 +568,8 @@ class Store:
     def annotation_of(self, annotator: Annotator, item_id: int) -> AnnotationRecord | None:
         """``annotator``'s own annotation of an item (never another's)."""
         with self.read() as conn:
-            ann_id = conn.execute(select(annotations.c.id).where(
-                annotations.c.annotator_id == annotator.id, annotations.c.item_id == item_id)).scalar()
+            ann_id = conn.execute(select(annotations_table.c.id).where(
+                annotations_table.c.annotator_id == annotator.id, annotations_table.c.item_id == item_id)).scalar()
             return self._annotation(conn, ann_id) if ann_id is not None else None
 
     def annotations(self, viewer: Annotator, *, annotator: str | None = None, offset: int = 0,
@@ -572,13 +577,14 @@ class Store:
         """(a page of annotations newest first, total): the viewer's own; an admin's: everyone's or ``annotator``'s."""
         cond = []
         if not viewer.is_admin:
-            cond.append(annotations.c.annotator_id == viewer.id)
+            cond.append(annotations_table.c.annotator_id == viewer.id)
         elif annotator is not None:
             cond.append(annotators.c.name == annotator)
-        base = select(annotations.c.id).join(annotators, annotators.c.id == annotations.c.annotator_id).where(*cond)
+        base = (select(annotations_table.c.id).join(annotators, annotators.c.id == annotations_table.c.annotator_id)
+                .where(*cond))
         with self.read() as conn:
             total = conn.execute(select(func.count()).select_from(base.subquery())).scalar_one()
-            ids = conn.execute(base.order_by(annotations.c.updated_at.desc(), annotations.c.id.desc())
+            ids = conn.execute(base.order_by(annotations_table.c.updated_at.desc(), annotations_table.c.id.desc())
                                .offset(offset).limit(limit)).scalars().all()
             return [self._annotation(conn, i) for i in ids], total
 
@@ -589,46 +595,54 @@ class Store:
             people = conn.execute(select(annotators.c.id, annotators.c.name, annotators.c.role)
                                   .order_by(annotators.c.name)).all()
             counts: dict[int, dict[str, int]] = {}
-            for who, status, n in conn.execute(select(annotations.c.annotator_id, annotations.c.status, func.count())
-                                               .group_by(annotations.c.annotator_id, annotations.c.status)):
+            for who, status, n in conn.execute(
+                    select(annotations_table.c.annotator_id, annotations_table.c.status, func.count())
+                    .group_by(annotations_table.c.annotator_id, annotations_table.c.status)):
                 counts.setdefault(who, {})[status] = n
-            flags = dict(conn.execute(select(annotations.c.annotator_id, func.count())
-                                      .where(annotations.c.flagged.is_(True)).group_by(annotations.c.annotator_id)).all())
-        return [AnnotatorStats(p.name, p.role, *(counts.get(p.id, {}).get(s, 0)
-                                                  for s in ("ranked", "rated", "partial", "skipped")),
-                               flags.get(p.id, 0)) for p in people]
+            flags: dict[int, int] = dict(conn.execute(
+                select(annotations_table.c.annotator_id, func.count()).where(annotations_table.c.flagged.is_(True))
+                .group_by(annotations_table.c.annotator_id)).all())
+        stats = []
+        for p in people:
+            done = counts.get(p.id, {})
+            stats.append(AnnotatorStats(p.name, p.role, ranked=done.get("ranked", 0), rated=done.get("rated", 0),
+                                        partial=done.get("partial", 0), skipped=done.get("skipped", 0),
+                                        flagged=flags.get(p.id, 0)))
+        return stats
 
     def flagged(self, limit: int = 200) -> list[FlaggedItem]:
         with self.read() as conn:
             rows = conn.execute(
-                select(annotations.c.id, annotations.c.item_id, annotators.c.name, items.c.source, annotations.c.note)
-                .join(annotators, annotators.c.id == annotations.c.annotator_id)
-                .join(items, items.c.id == annotations.c.item_id)
-                .where(annotations.c.flagged.is_(True)).order_by(annotations.c.id).limit(limit)).all()
+                select(annotations_table.c.id, annotations_table.c.item_id, annotators.c.name, items.c.source,
+                       annotations_table.c.note)
+                .join(annotators, annotators.c.id == annotations_table.c.annotator_id)
+                .join(items, items.c.id == annotations_table.c.item_id)
+                .where(annotations_table.c.flagged.is_(True)).order_by(annotations_table.c.id).limit(limit)).all()
         return [FlaggedItem(*r) for r in rows]
 
     def _labelled(self, statuses: Sequence[str], include_flagged: bool, annotator: str | None):
         """Rows (annotation id, annotator, item id, source, candidate id, text, rank, rating) in export order."""
-        cond = [annotations.c.status.in_(list(statuses))]
+        cond: list[ColumnElement[bool]] = [annotations_table.c.status.in_(list(statuses))]
         if not include_flagged:
-            cond.append(annotations.c.flagged.is_(False))
+            cond.append(annotations_table.c.flagged.is_(False))
         if annotator is not None:
             cond.append(annotators.c.name == annotator)
-        return (select(annotations.c.id, annotators.c.name, items.c.id.label("item_id"), items.c.source,
+        return (select(annotations_table.c.id, annotators.c.name, items.c.id.label("item_id"), items.c.source,
                        candidates.c.id.label("candidate_id"), candidates.c.text, labels.c.rank, labels.c.rating)
                 .select_from(labels)
-                .join(annotations, annotations.c.id == labels.c.annotation_id)
-                .join(annotators, annotators.c.id == annotations.c.annotator_id)
-                .join(items, items.c.id == annotations.c.item_id)
+                .join(annotations_table, annotations_table.c.id == labels.c.annotation_id)
+                .join(annotators, annotators.c.id == annotations_table.c.annotator_id)
+                .join(items, items.c.id == annotations_table.c.item_id)
                 .join(candidates, candidates.c.id == labels.c.candidate_id)
                 .where(*cond)
-                .order_by(annotations.c.id, labels.c.rank, candidates.c.position))
+                .order_by(annotations_table.c.id, labels.c.rank, candidates.c.position))
 
     def rank_lists(self, *, include_flagged: bool = False, annotator: str | None = None
                    ) -> Iterator[tuple[str, list[str]]]:
         """(source, candidate texts best first) for every ranking, one per annotator and item, oldest first."""
         with self.read() as conn:
-            current, source, texts = None, "", []
+            current, source = None, ""
+            texts: list[str] = []
             for row in conn.execute(self._labelled(["ranked"], include_flagged, annotator)):
                 if row.id != current:
                     if current is not None:

@@ -1,7 +1,7 @@
 """The annotation database's tables (SQLAlchemy Core). The schema itself is created and changed only by the
-alembic migrations in ``migrations/versions``; a test checks that they produce exactly these tables."""
+alembic migrations in ``migrations/versions``; a test checks that they produce exactly these tables.
 
-from __future__ import annotations
+No ``from __future__ import annotations`` here: it binds the module name ``annotations``, which is a table."""
 
 from sqlalchemy import (
     Boolean,

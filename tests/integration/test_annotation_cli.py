@@ -118,7 +118,8 @@ def _read_until(fd: int, text: str, seen: bytearray, start: int = 0, timeout: fl
     while text.encode() not in seen[start:]:
         ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
-            raise AssertionError(f"no {text!r} within {timeout} s; the terminal shows:\n{seen.decode(errors='replace')}")
+            raise AssertionError(f"no {text!r} within {timeout} s; "
+                                 f"the terminal shows:\n{seen.decode(errors='replace')}")
         try:
             chunk = os.read(fd, 4096)
         except OSError:  # EIO: the child closed the terminal

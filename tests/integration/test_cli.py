@@ -111,10 +111,10 @@ def test_validate_reports_lengths_against_the_limits(tmp_path):
     rlt2t("tokenizer", "build", f"run.dir={run}", "tokenizer.num_data_tokens=100")
     data = tmp_path / "x.jsonl"
     # sources of 1..10 tokens (+ EOS: 2..11), targets of 1 and 5 tokens (+ EOS: 2 and 6)
-    data.write_text("".join(json.dumps({"id": i, "source": " ".join(["7"] * i), "target": "3" if i % 2 else "3 4 5 6 7"})
-                            + "\n" for i in range(1, 11)))
-    proc = rlt2t("data", "validate", f"run.dir={run}", "data.max_source_len=8", "data.max_target_len=4", "eval.max_new_tokens=8",
-                 "--files", str(data))
+    data.write_text("".join(json.dumps({"id": i, "source": " ".join(["7"] * i),
+                                        "target": "3" if i % 2 else "3 4 5 6 7"}) + "\n" for i in range(1, 11)))
+    proc = rlt2t("data", "validate", f"run.dir={run}", "data.max_source_len=8", "data.max_target_len=4",
+                 "eval.max_new_tokens=8", "--files", str(data))
     assert "sources: 3 of 10 over data.max_source_len=8 tokens; length p50 6, p90 10, p99 11, max 11" in proc.stdout
     assert "targets: 5 of 10 over data.max_target_len=4 tokens; length p50 2, p90 6, p99 6, max 6" in proc.stdout
 

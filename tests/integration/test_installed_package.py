@@ -25,7 +25,8 @@ def installed(tmp_path_factory) -> Path:
     # Built from a copy: setuptools writes build/ and *.egg-info beside the sources it builds.
     source = tmp / "source"
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "*.egg-info",
-                                                                "__pycache__", ".pytest_cache", "bench", "tests"))
+                                                                "__pycache__", ".pytest_cache", "bench", "tests",
+                                                                ".typecheck"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(source),
                     "-w", str(tmp / "dist")], check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp / "dist").glob("rlt2t-*.whl")

@@ -124,7 +124,8 @@ def test_http_term_posts_sources_and_retries_503():
             return httpx.Response(503, headers={"Retry-After": "0"}, json={"detail": "busy"})
         return httpx.Response(200, json={"scores": {"prefs": [float(len(c)) for c in body["candidates"]]}})
 
-    reward = HttpReward(HttpTerm(url="http://reward", name="prefs", batch_size=2), transport=httpx.MockTransport(handler))
+    reward = HttpReward(HttpTerm(url="http://reward", name="prefs", batch_size=2),
+                        transport=httpx.MockTransport(handler))
     assert not reward.needs_references  # not a registered metric: the server's named reward
     assert reward.score(SOURCES, CANDS, None).tolist() == [float(len(c)) for c in CANDS]
     assert calls[1] == {"candidates": CANDS[:2], "sources": SOURCES[:2], "metrics": ["prefs"]}

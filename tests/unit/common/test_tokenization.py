@@ -17,7 +17,8 @@ from rlt2t.common.tokenization import (
 def test_ids_vocabulary_layout_matches_bart_specials_and_offset():
     tok = build_ids_tokenizer(num_data_tokens=1894, num_sentinels=100)
     assert len(tok) == 2000
-    assert (tok.bos_token_id, tok.pad_token_id, tok.eos_token_id, tok.unk_token_id, tok.mask_token_id) == (0, 1, 2, 3, 4)
+    special = (tok.bos_token_id, tok.pad_token_id, tok.eos_token_id, tok.unk_token_id, tok.mask_token_id)
+    assert special == (0, 1, 2, 3, 4)
     assert tok.convert_tokens_to_ids("<sep>") == 5
     assert sentinel_ids(tok) == list(range(6, 106))
     # data token k <-> model id k + 106, EOS appended

@@ -9,11 +9,15 @@ import pytest
 
 from rlt2t.common.wordnet import definition_pairs, find_wordnet, read_synsets, tokenize, write_wordnet_task
 
-LINES = """  1 This software and database is being provided to you, the LICENSEE, by
-00001740 03 n 01 entity 0 003 ~ 00001930 n 0000 | that which is perceived or known or inferred to have its own distinct existence (living or nonliving)
-09917593 18 n 02 child 0 kid 0 001 @ 09622049 n 0000 | a young person of either sex; "she writes books for children"; "they're just kids"
-00011093 00 a 01 able(p) 0 001 ! 00002098 a 0101 | (usually followed by `to') having the necessary means; "able to get a grant"
-"""
+LINES = (
+    "  1 This software and database is being provided to you, the LICENSEE, by\n"
+    "00001740 03 n 01 entity 0 003 ~ 00001930 n 0000 | that which is perceived or known or inferred to have its own"
+    " distinct existence (living or nonliving)\n"
+    "09917593 18 n 02 child 0 kid 0 001 @ 09622049 n 0000 | a young person of either sex;"
+    ' "she writes books for children"; "they\'re just kids"\n'
+    "00011093 00 a 01 able(p) 0 001 ! 00002098 a 0101 | (usually followed by `to') having the necessary means;"
+    ' "able to get a grant"\n'
+)
 
 
 @pytest.fixture()

@@ -231,7 +231,8 @@ def test_api_errors_name_the_field(app_env):
     assert client.post("/api/submissions", headers=h, json={**base, "action": "skip"}).status_code == 200
     again = client.post("/api/submissions", headers=h, json={**base, "action": "skip"})
     assert again.status_code == 200 and again.json()["duplicate"] is True
-    assert client.post("/api/submissions", headers=h, json={**base, "action": "skip", "flagged": True}).status_code == 409
+    flagged = client.post("/api/submissions", headers=h, json={**base, "action": "skip", "flagged": True})
+    assert flagged.status_code == 409
 
 
 def test_own_work_only_and_admin_exports(app_env):
@@ -239,8 +240,9 @@ def test_own_work_only_and_admin_exports(app_env):
     ann, other, boss = bearer(tokens["ann"]), bearer(tokens["other"]), bearer(tokens["boss"])
     item = client.get("/api/next", headers=ann).json()["item"]
     order = [c["id"] for c in reversed(item["candidates"])]
-    mine = client.post("/api/submissions", headers=ann, json={"submission_id": "own-0000001", "item_id": item["item_id"],
-                                                              "action": "rank", "order": order}).json()["annotation"]
+    mine = client.post("/api/submissions", headers=ann,
+                       json={"submission_id": "own-0000001", "item_id": item["item_id"], "action": "rank",
+                             "order": order}).json()["annotation"]
     assert client.get(f"/api/annotations/{mine['annotation_id']}", headers=ann).json()["order"] == order
     assert client.get(f"/api/annotations/{mine['annotation_id']}", headers=other).status_code == 404
     assert client.get(f"/api/items/{item['item_id']}", headers=other).json()["annotation"] is None

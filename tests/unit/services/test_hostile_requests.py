@@ -282,7 +282,8 @@ def test_integers_are_still_numbers(policy):
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("headers", [{"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"},
+@pytest.mark.parametrize("headers", [{"content-type": "text/plain"},
+                                     {"content-type": "application/x-www-form-urlencoded"},
                                      {"content-type": "application/json; charset=latin-1"}, {}])
 def test_a_body_that_is_not_declared_json_is_a_415(policy, reward, headers):
     body = json.dumps({"sources": ["1"], "max_new_tokens": 2}).encode()

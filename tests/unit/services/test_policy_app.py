@@ -193,7 +193,8 @@ def test_bad_pairs_and_score_requests_name_the_field(client):
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "targets"]
     r = client.post("/v1/score", json={"source": "1", "targets": ["2", " ".join(["3"] * 41)]})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "targets", 1]
-    r = client.post("/v1/score", content=b'{"source": "1", "targets": [NaN]}', headers={"content-type": "application/json"})
+    r = client.post("/v1/score", content=b'{"source": "1", "targets": [NaN]}',
+                    headers={"content-type": "application/json"})
     assert r.status_code == 422
     r = client.post("/v1/candidates", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 422

@@ -15,8 +15,8 @@ EXAMPLES = [Example(id="a", source="1 2 3", target="7 8"), Example(id="b", sourc
 
 
 def _candidates_response(sources: list[str], k: int, version: int) -> dict:
-    cands = [[{"text": f"{i} {j % 2}", "token_ids": [1], "logprobs": [-0.5], "total_logprob": -0.5, "sample_logprobs": [-0.5]}
-              for j in range(k)] for i in range(len(sources))]
+    cands = [[{"text": f"{i} {j % 2}", "token_ids": [1], "logprobs": [-0.5], "total_logprob": -0.5,
+               "sample_logprobs": [-0.5]} for j in range(k)] for i in range(len(sources))]
     return {"candidates": cands, "policy_version": version}
 
 

@@ -33,7 +33,8 @@ def served(tmp_path, tiny_policy, serve_cfg):
     first = save_reward_model(root, "epoch-0001", tmp_path / "policy", step=10, seed=0)
     cfg = load_config([], [f"run.dir={tmp_path}", "model.preset=tiny", "serve.max_wait_ms=0", "reward.device=cpu",
                            f"reward.named={{prefs: [{{kind: reward_model, path: '{root}'}}], "
-                           f"mixed: [{{kind: reward_model, path: '{root}'}}, {{kind: metric, name: bleu4, weight: 2}}]}}"])
+                           f"mixed: [{{kind: reward_model, path: '{root}'}}, "
+                           "{kind: metric, name: bleu4, weight: 2}]}"])
     return cfg, root, first, tmp_path / "policy"
 
 
