@@ -17,7 +17,7 @@ import copy
 import logging
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -161,56 +161,20 @@ class RolloutWorker:
 
     def sample_sets(self, examples: Sequence[Example]) -> list[CandidateSet]:
         """K samples per example made into its candidate set (the rank pair drawn), in order."""
-        cfg = self.rollout
-        tok = self.policy.tokenizer
+        k = self.rollout.num_samples
         out: list[CandidateSet] = []
-        truncated = 0
-        for first in range(0, len(examples), cfg.batch_size):
-            chunk = examples[first : first + cfg.batch_size]
-            ids, n_trunc = encode_texts(tok, [ex.source for ex in chunk], self.max_source_len)
-            truncated += n_trunc
-            if self._ct2_dir is not None:
-                samples = self._sample_ct2(chunk)
-            else:
-                batch = collate_seq2seq(ids, None, tok.pad_token_id)
-                generators = [
-                    torch.Generator(device=self.device).manual_seed(stable_seed(self.seed, self._version, ex.id, j))
-                    for ex in chunk
-                    for j in range(cfg.num_samples)
-                ]
-                samples = [row.token_ids for row in sample_candidates(
-                    self.policy.model, batch["input_ids"], batch["attention_mask"], cfg.num_samples, cfg.top_k,
-                    cfg.temperature, cfg.max_new_tokens, generators, top_p=cfg.top_p,
-                )]
-            texts = self.policy.decode(samples)
-            for i, ex in enumerate(chunk):
-                own = texts[i * cfg.num_samples : (i + 1) * cfg.num_samples]
-                out.append(self._candidate_set(ex, own))
-        if truncated:
-            # The driver reports truncation once per epoch; per chunk it would flood the log.
-            log.debug("rollout: truncated %d of %d sources to %d tokens", truncated, len(examples),
-                        self.max_source_len)
+        for chunk, batch in self._chunks(examples):
+            texts = self.policy.decode(self._sample_rows(chunk, batch, with_logprobs=False))
+            out.extend(self._candidate_set(ex, texts[i * k : (i + 1) * k]) for i, ex in enumerate(chunk))
         return out
 
     def sample_groups(self, examples: Sequence[Example]) -> list[SampledGroup]:
         """K samples per example with their per-token log-probs (:class:`SampledGroup`), in order."""
         cfg = self.rollout
         k = cfg.num_samples
-        tok = self.policy.tokenizer
         out: list[SampledGroup] = []
-        truncated = 0
-        for first in range(0, len(examples), cfg.batch_size):
-            chunk = examples[first : first + cfg.batch_size]
-            ids, n_trunc = encode_texts(tok, [ex.source for ex in chunk], self.max_source_len)
-            truncated += n_trunc
-            batch = collate_seq2seq(ids, None, tok.pad_token_id)
-            if self._ct2_dir is not None:
-                rows = self._sample_ct2(chunk, with_logprobs=True)
-            else:
-                rows = sample_candidates(
-                    self.policy.model, batch["input_ids"], batch["attention_mask"], k, cfg.top_k, cfg.temperature,
-                    cfg.max_new_tokens, self._generators(chunk, k), top_p=cfg.top_p, mask_model=self.mask_model,
-                    mask_top_p=self.spec.mask_top_p)
+        for chunk, batch in self._chunks(examples):
+            rows = self._sample_rows(chunk, batch, with_logprobs=True)
             reference = None
             if self.spec.reference:
                 reference = self._reference_logprobs(batch, [r.token_ids for r in rows], k)
@@ -232,11 +196,33 @@ class RolloutWorker:
                     reference_logprobs=None if reference is None else tuple(
                         tuple(x) for x in reference[i * k : (i + 1) * k]),
                     greedy=None if greedy is None else normalize_text(greedy[i])))
+        return out
+
+    def _chunks(self, examples: Sequence[Example]) -> Iterator[tuple[Sequence[Example], dict[str, Tensor]]]:
+        """``examples`` in chunks of ``rollout.batch_size``, each with its sources encoded and collated."""
+        tok = self.policy.tokenizer
+        truncated = 0
+        for first in range(0, len(examples), self.rollout.batch_size):
+            chunk = examples[first : first + self.rollout.batch_size]
+            ids, n_trunc = encode_texts(tok, [ex.source for ex in chunk], self.max_source_len)
+            truncated += n_trunc
+            yield chunk, collate_seq2seq(ids, None, tok.pad_token_id)
         if truncated:
             # The driver reports truncation once per epoch; per chunk it would flood the log.
             log.debug("rollout: truncated %d of %d sources to %d tokens", truncated, len(examples),
-                        self.max_source_len)
-        return out
+                      self.max_source_len)
+
+    def _sample_rows(self, chunk: Sequence[Example], batch: dict[str, Tensor], with_logprobs: bool):
+        """K samples per source of ``chunk`` (row ``i * k + j``: source i, sample j) from CTranslate2 or the
+        torch sampler: :class:`SampledSequence` rows with ``with_logprobs``, else token-id lists."""
+        cfg = self.rollout
+        if self._ct2_dir is not None:
+            return self._sample_ct2(chunk, with_logprobs)
+        rows = sample_candidates(
+            self.policy.model, batch["input_ids"], batch["attention_mask"], cfg.num_samples, cfg.top_k,
+            cfg.temperature, cfg.max_new_tokens, self._generators(chunk, cfg.num_samples), top_p=cfg.top_p,
+            mask_model=self.mask_model, mask_top_p=self.spec.mask_top_p)
+        return rows if with_logprobs else [r.token_ids for r in rows]
 
     def _reference_logprobs(self, batch: dict[str, Tensor], rows: list[list[int]], k: int) -> list[list[float]]:
         if self.reference is not None:

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,12 +36,12 @@ import numpy as np
 from sqlalchemy import func, select
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_server import CliServer  # noqa: E402
 from machine_info import save  # noqa: E402
 
 from rlt2t.services.annotation.store import NewItem, Store  # noqa: E402
 from rlt2t.services.annotation.tables import annotations, submissions  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 CANDIDATES = 4
 SKIP_EVERY, DOUBLE_EVERY = 10, 7
 
@@ -65,28 +62,10 @@ def prepare(url: str, items: int, annotators: int) -> dict[str, str]:
         store.close()
 
 
-class Server:
-    """`rlt2t annotate serve` in a subprocess; ``url`` once it printed its listening line."""
-
-    def __init__(self, run_dir: Path, database: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlt2t.cli", "annotate", "serve", "--port", "0", f"run.dir={run_dir}",
-             f"annotate.database_url={database}"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=os.environ.copy(), cwd=REPO)
-        line = self.proc.stdout.readline()
-        if not line.startswith("serving annotation on "):
-            self.stop()
-            raise RuntimeError(f"server did not start (exit {self.proc.poll()}): {line!r}")
-        self.url = line.split()[-1]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def start_server(run_dir: Path, database: str) -> CliServer:
+    """`rlt2t annotate serve` on a free loopback port."""
+    return CliServer(["annotate", "serve", "--port", "0", f"run.dir={run_dir}", f"annotate.database_url={database}"],
+                     "serving annotation on ")
 
 
 async def load(url: str, tokens: dict[str, str], seconds: float) -> dict[str, Any]:
@@ -182,7 +161,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rlt2t-annotate-load-") as tmp:
         url = args.database or f"sqlite:///{tmp}/annotate/annotations.db"
         tokens = prepare(url, args.items, args.annotators)
-        server = Server(Path(tmp), url)
+        server = start_server(Path(tmp), url)
         try:
             result = asyncio.run(load(server.url, tokens, args.seconds))
         finally:

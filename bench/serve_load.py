@@ -46,8 +46,6 @@ import asyncio
 import contextlib
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -62,6 +60,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_server import CliServer  # noqa: E402
 from machine_info import save  # noqa: E402
 
 from rlt2t.common.config import ModelConfig, ServeConfig  # noqa: E402
@@ -69,7 +68,6 @@ from rlt2t.common.io import atomic_directory  # noqa: E402
 from rlt2t.common.policy import load_policy  # noqa: E402
 from rlt2t.common.tokenization import build_ids_tokenizer, save_tokenizer  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 SPEEDUP_TARGET = 4.0
 MIXED_TARGET = 2.0
 SOURCE_TOKENS = 24
@@ -103,34 +101,18 @@ def prepare(workdir: Path, *, natural_eos: bool = False) -> Path:
     return model_dir
 
 
-class Server:
-    """`rlt2t serve policy` in a subprocess; ``url`` once it printed its listening line."""
+class Server(CliServer):
+    """`rlt2t serve policy` on a free loopback port, with its resident memory."""
 
     def __init__(self, model_dir: Path, workdir: Path, overrides: list[str]) -> None:
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         env.pop("RLT2T_API_TOKEN", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlt2t.cli", "serve", "policy", "--checkpoint-dir", str(model_dir), "--port", "0",
-             f"run.dir={workdir}", "model.preset=small", *overrides],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
-        line = self.proc.stdout.readline()
-        if not line.startswith("serving policy on "):
-            self.stop()
-            raise RuntimeError(f"server did not start (exit {self.proc.poll()}): {line!r}")
-        self.url = line.split()[-1]
+        super().__init__(["serve", "policy", "--checkpoint-dir", str(model_dir), "--port", "0", f"run.dir={workdir}",
+                          "model.preset=small", *overrides], "serving policy on ", env)
         self.ps = psutil.Process(self.proc.pid)
 
     def rss_mib(self) -> float:
         return self.ps.memory_info().rss / 2**20
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def model_ceiling(model_dir: Path, workdir: Path, batch: int, texts: list[str], repeats: int = 3) -> dict[str, float]:

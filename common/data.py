@@ -28,9 +28,10 @@ import os
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from rlt2t.common.io import atomic_open, atomic_write_jsonl
+from rlt2t.common.io import atomic_open, atomic_write_json, atomic_write_jsonl
 
 logger = logging.getLogger("rlt2t.data")
 
@@ -457,6 +458,37 @@ def split_examples(
     held_out = set(order[: n_valid + n_test])
     train = [items[i] for i in range(n) if i not in held_out]
     return train, [items[i] for i in valid_idx], [items[i] for i in test_idx]
+
+
+def write_sampled_task(out_dir: str | os.PathLike, rows: Sequence[dict[str, Any]], size: int, seed: int,
+                       valid_fraction: float, test_fraction: float, meta_name: str,
+                       meta: dict[str, Any]) -> dict[str, Path]:
+    """Draw ``size`` of ``rows`` (``random.Random(seed).sample``), cut valid then test then train off the draw,
+    write ``train``/``valid``/``test`` JSONL atomically and ``meta_name`` last (``meta`` plus the size, seed,
+    rows available and rows per split). Returns the paths keyed ``train``, ``valid``, ``test``, ``meta``.
+
+    For tasks built from a pool larger than the run wants (the docstring and WordNet tasks); the caller checks
+    ``size`` against the pool so its error can say where the pool came from.
+    """
+    if not 0 < size <= len(rows):
+        raise ValueError(f"size must be in [1, {len(rows)}], got {size}")
+    for name, frac in (("valid_fraction", valid_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 <= frac < 0.5:
+            raise ValueError(f"{name} must be in [0, 0.5), got {frac}")
+    picked = random.Random(seed).sample(list(rows), size)
+    n_valid = max(1, round(size * valid_fraction)) if valid_fraction else 0
+    n_test = max(1, round(size * test_fraction)) if test_fraction else 0
+    splits = {"valid": picked[:n_valid], "test": picked[n_valid : n_valid + n_test],
+              "train": picked[n_valid + n_test :]}
+    out = Path(out_dir)
+    paths = {}
+    for split, split_rows in splits.items():
+        paths[split] = out / f"{split}.jsonl"
+        atomic_write_jsonl(paths[split], split_rows)
+    paths["meta"] = out / meta_name
+    atomic_write_json(paths["meta"], {**meta, "size": size, "seed": seed, "available": len(rows),
+                                      **{f"{k}_rows": len(v) for k, v in splits.items()}})
+    return paths
 
 
 @dataclass(frozen=True)

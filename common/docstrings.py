@@ -23,13 +23,12 @@ import ast
 import importlib.metadata
 import importlib.util
 import os
-import random
 import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from rlt2t.common.io import atomic_write_json, atomic_write_jsonl
+from rlt2t.common.data import write_sampled_task
 from rlt2t.common.wordnet import tokenize
 
 # Libraries rlt2t installs (or its dependencies do): their docstrings are the corpus.
@@ -118,27 +117,11 @@ def write_docstring_task(out_dir: str | os.PathLike, size: int, seed: int, valid
     rows = docstring_pairs(dirs)
     if size > len(rows):
         raise ValueError(f"size={size}: the installed packages give only {len(rows)} documented functions")
-    for name, frac in (("valid_fraction", valid_fraction), ("test_fraction", test_fraction)):
-        if not 0.0 <= frac < 0.5:
-            raise ValueError(f"{name} must be in [0, 0.5), got {frac}")
-    picked = random.Random(seed).sample(rows, size)
-    n_valid = max(1, round(size * valid_fraction)) if valid_fraction else 0
-    n_test = max(1, round(size * test_fraction)) if test_fraction else 0
-    splits = {"valid": picked[:n_valid], "test": picked[n_valid : n_valid + n_test],
-              "train": picked[n_valid + n_test :]}
-    out = Path(out_dir)
-    paths = {}
-    for split, split_rows in splits.items():
-        paths[split] = out / f"{split}.jsonl"
-        atomic_write_jsonl(paths[split], split_rows)
     versions = {}
     for d in dirs:
         try:
             versions[d.name] = importlib.metadata.version(d.name if d.name != "yaml" else "pyyaml")
         except importlib.metadata.PackageNotFoundError:
             versions[d.name] = "unknown"
-    paths["meta"] = out / "docstrings_meta.json"
-    atomic_write_json(paths["meta"], {"task": "docstring-summaries", "packages": versions, "size": size,
-                                      "seed": seed, "available": len(rows),
-                                      **{f"{k}_rows": len(v) for k, v in splits.items()}})
-    return paths
+    return write_sampled_task(out_dir, rows, size, seed, valid_fraction, test_fraction, "docstrings_meta.json",
+                              {"task": "docstring-summaries", "packages": versions})

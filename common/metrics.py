@@ -423,7 +423,24 @@ def _lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
     return prev[-1]
 
 
-class RougeL:
+class _SentenceMetric:
+    """A metric scored one sample at a time (``_score``) whose corpus value is the mean of the samples'."""
+
+    def _score(self, hyp: str, item_refs: Sequence[str]) -> float:
+        raise NotImplementedError
+
+    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
+        """The score of each sample against its references; float64 [N] in [0, 1]."""
+        validate_inputs(hyps, refs)
+        return np.array([self._score(h, r) for h, r in zip(hyps, refs, strict=True)], dtype=np.float64)
+
+    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
+        """Mean of ``per_sample``."""
+        validate_inputs(hyps, refs, allow_empty=False)
+        return float(np.mean(self.per_sample(hyps, refs)))
+
+
+class RougeL(_SentenceMetric):
     """ROUGE-L F-measure as coco-caption computes it (pycocoevalcap 1.2 ``Rouge``), in [0, 1].
 
     With several references, precision and recall are each maximised over the references (possibly
@@ -455,16 +472,6 @@ class RougeL:
             return 0.0
         b2 = self.beta * self.beta
         return (1.0 + b2) * prec * rec / (rec + b2 * prec)
-
-    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
-        """ROUGE-L per sample; float64 [N] in [0, 1]."""
-        validate_inputs(hyps, refs)
-        return np.array([self._score(h, r) for h, r in zip(hyps, refs, strict=True)], dtype=np.float64)
-
-    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
-        """Mean of ``per_sample``."""
-        validate_inputs(hyps, refs, allow_empty=False)
-        return float(np.mean(self.per_sample(hyps, refs)))
 
 
 class TaskScore:
@@ -556,7 +563,7 @@ class _WhitespaceTokenizer:
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
 
-class Rouge:
+class Rouge(_SentenceMetric):
     """ROUGE-N / ROUGE-L / ROUGE-Lsum F-measure from Google's ``rouge-score``, in [0, 1].
 
     ``rouge_type`` is rouge-score's name: ``rouge1``, ``rouge2`` (n-gram overlap), ``rougeL`` (longest common
@@ -584,19 +591,12 @@ class Rouge:
         tokenizer = _WhitespaceTokenizer() if tokenize == "whitespace" else tokenizers.DefaultTokenizer(use_stemmer)
         self._scorer = rouge_scorer.RougeScorer([rouge_type], use_stemmer=use_stemmer, tokenizer=tokenizer)
 
-    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
-        """F-measure per sample against its best reference; float64 [N] in [0, 1]."""
-        validate_inputs(hyps, refs)
-        return np.array([self._scorer.score_multi(list(r), h)[self.rouge_type].fmeasure
-                         for h, r in zip(hyps, refs, strict=True)], dtype=np.float64)
-
-    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
-        """Mean of ``per_sample``."""
-        validate_inputs(hyps, refs, allow_empty=False)
-        return float(np.mean(self.per_sample(hyps, refs)))
+    def _score(self, hyp: str, item_refs: Sequence[str]) -> float:
+        """F-measure against the best reference."""
+        return float(self._scorer.score_multi(list(item_refs), hyp)[self.rouge_type].fmeasure)
 
 
-class Meteor:
+class Meteor(_SentenceMetric):
     """METEOR from nltk (``nltk.translate.meteor_score``), with WordNet synonyms read from local files.
 
     Conventions: texts are split on whitespace (our texts are already tokenised; HF ``evaluate`` runs nltk's
@@ -628,16 +628,6 @@ class Meteor:
     def _score(self, hyp: str, item_refs: Sequence[str]) -> float:
         return meteor_score([r.split() for r in item_refs], hyp.split(), stemmer=self._stemmer,
                             wordnet=self.wordnet, alpha=self.alpha, beta=self.beta, gamma=self.gamma)
-
-    def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
-        """Sentence METEOR per sample (best reference); float64 [N] in [0, 1]."""
-        validate_inputs(hyps, refs)
-        return np.array([self._score(h, r) for h, r in zip(hyps, refs, strict=True)], dtype=np.float64)
-
-    def corpus(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
-        """Mean of ``per_sample``."""
-        validate_inputs(hyps, refs, allow_empty=False)
-        return float(np.mean(self.per_sample(hyps, refs)))
 
 
 class SacreBleu:

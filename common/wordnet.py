@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import io
 import os
-import random
 import re
 import warnings
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from pathlib import Path
 import nltk.data
 from nltk.corpus.reader.wordnet import WordNetCorpusReader
 
-from rlt2t.common.io import atomic_write_json, atomic_write_jsonl
+from rlt2t.common.data import write_sampled_task
 
 WORDNET_DIRS = ("/usr/share/wordnet", "/usr/share/wordnet/dict", "/usr/local/share/wordnet")
 POS_FILES = {"noun": "data.noun", "verb": "data.verb", "adj": "data.adj", "adv": "data.adv"}
@@ -111,24 +110,8 @@ def write_wordnet_task(out_dir: str | os.PathLike, size: int, seed: int, valid_f
     rows = definition_pairs(source_dir)
     if size > len(rows):
         raise ValueError(f"size={size}: WordNet at {source_dir} has only {len(rows)} synsets with examples")
-    for name, frac in (("valid_fraction", valid_fraction), ("test_fraction", test_fraction)):
-        if not 0.0 <= frac < 0.5:
-            raise ValueError(f"{name} must be in [0, 0.5), got {frac}")
-    picked = random.Random(seed).sample(rows, size)
-    n_valid = max(1, round(size * valid_fraction)) if valid_fraction else 0
-    n_test = max(1, round(size * test_fraction)) if test_fraction else 0
-    splits = {"valid": picked[:n_valid], "test": picked[n_valid : n_valid + n_test],
-              "train": picked[n_valid + n_test :]}
-    out = Path(out_dir)
-    paths = {}
-    for split, split_rows in splits.items():
-        paths[split] = out / f"{split}.jsonl"
-        atomic_write_jsonl(paths[split], split_rows)
-    paths["meta"] = out / "wordnet_meta.json"
-    atomic_write_json(paths["meta"], {"task": "wordnet-definitions", "source": str(source_dir), "size": size,
-                                      "seed": seed, "available": len(rows),
-                                      **{f"{k}_rows": len(v) for k, v in splits.items()}})
-    return paths
+    return write_sampled_task(out_dir, rows, size, seed, valid_fraction, test_fraction, "wordnet_meta.json",
+                              {"task": "wordnet-definitions", "source": str(source_dir)})
 
 
 # WordNet's lexicographer files, numbered as in its lexnames(5WN) manual page: the table has been fixed since

@@ -98,19 +98,19 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     config_args(p)
     p.add_argument("--format", choices=["jsonl", "csv"], default="jsonl", help="JSONL, or the competition CSV layout")
     p.set_defaults(fn=cmd_data_synth)
-    p = data.add_parser("wordnet", help="write the WordNet definition-modelling task (natural language) to "
-                        "data.train's dir")
-    config_args(p)
-    p.add_argument("--size", type=int, default=8000, help="rows in all (train + synth.valid/test_fraction)")
-    p.add_argument("--seed", type=int, default=7, help="which rows are drawn and how they are split")
-    p.add_argument("--wordnet-dir", default=None, help="WordNet dict directory (default: Debian's wordnet-base)")
-    p.set_defaults(fn=cmd_data_wordnet)
-    p = data.add_parser("docstrings", help="write the docstring-summary task (natural language, from the installed "
-                        "packages' documentation) to data.train's dir")
-    config_args(p)
-    p.add_argument("--size", type=int, default=8000, help="rows in all (train + synth.valid/test_fraction)")
-    p.add_argument("--seed", type=int, default=7, help="which rows are drawn and how they are split")
-    p.set_defaults(fn=cmd_data_docstrings)
+    for name, what, fn in (
+        ("wordnet", "the WordNet definition-modelling task (natural language)", cmd_data_wordnet),
+        ("docstrings", "the docstring-summary task (natural language, from the installed packages' documentation)",
+         cmd_data_docstrings),
+    ):
+        p = data.add_parser(name, help=f"write {what} to data.train's dir")
+        config_args(p)
+        p.add_argument("--size", type=int, default=8000, help="rows in all (train + synth.valid/test_fraction)")
+        p.add_argument("--seed", type=int, default=7, help="which rows are drawn and how they are split")
+        if name == "wordnet":
+            p.add_argument("--wordnet-dir", default=None,
+                           help="WordNet dict directory (default: Debian's wordnet-base)")
+        p.set_defaults(fn=fn)
     p = data.add_parser("import-csv", help="convert a competition CSV (report_id,description,diagnosis[,clinical])")
     config_args(p)
     p.add_argument("--input", required=True, help="header-less competition CSV")

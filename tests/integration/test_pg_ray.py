@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +18,7 @@ import torch
 
 from rlt2t.actors.reward import RewardWorker
 from rlt2t.actors.rollout import RolloutWorker
-from rlt2t.common.checkpoint import latest_complete_checkpoint, load_training_state, read_checkpoint
+from rlt2t.common.checkpoint import latest_complete_checkpoint, load_training_state
 from rlt2t.common.config import ModelConfig, RewardConfig, RLConfig, RolloutConfig, load_config
 from rlt2t.common.data import load_examples
 from rlt2t.common.metrics import DocumentFrequency
@@ -48,12 +46,6 @@ def _config(run: Path, algorithm: str, *extra: str):
     return load_config([TINY], [f"run.dir={run}", f"rl.algorithm={algorithm}", *SETTINGS, *extra])
 
 
-def _copy(prepared_run: Path, dest: Path) -> Path:
-    import shutil
-
-    shutil.copytree(prepared_run, dest, ignore=shutil.ignore_patterns("rl", "eval"))
-    return dest
-
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in load_policy(ModelConfig(), checkpoint=path).model.state_dict().items()}
@@ -64,11 +56,11 @@ def _learner_state(path: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def references(ray_session, prepared_run, tmp_path_factory):
+def references(ray_session, prepared_run, copy_prepared, tmp_path_factory):
     """Uninterrupted runs: the final weights and learner state every other run must reproduce exactly."""
     out = {}
     for variant, (algorithm, extra) in VARIANTS.items():
-        run = _copy(prepared_run, tmp_path_factory.mktemp(f"ref-{variant}") / "run")
+        run = copy_prepared(tmp_path_factory.mktemp(f"ref-{variant}") / "run")
         result = rl_job(_config(run, algorithm, *extra))
         assert result.steps == STEPS and result.items_used == 2 * 48 and result.redispatched == 0
         rows = [json.loads(x) for x in (run / "logs" / "rl" / "metrics.jsonl").read_text().splitlines()]
@@ -92,25 +84,11 @@ def references(ray_session, prepared_run, tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_resume_after_a_real_kill_is_bitwise_identical(references, prepared_run, tmp_path, variant):
+def test_resume_after_a_real_kill_is_bitwise_identical(references, copy_prepared, kill_training, tmp_path, variant):
     algorithm, extra = VARIANTS[variant]
-    run = _copy(prepared_run, tmp_path / "killed")
-    args = [sys.executable, "-m", "rlt2t.cli", "train", "--config", str(TINY), f"run.dir={run}",
-            f"rl.algorithm={algorithm}", *SETTINGS, *extra]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    root = run / "rl" / "checkpoints"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        latest = latest_complete_checkpoint(root)
-        if latest is not None and read_checkpoint(latest).step >= 4:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the job finished before it could be killed; make it longer"
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver and its embedded Ray, mid-run
-    proc.wait()
-    assert 4 <= read_checkpoint(latest_complete_checkpoint(root)).step < STEPS
+    run = copy_prepared(tmp_path / "killed")
+    killed_at = kill_training(run, f"rl.algorithm={algorithm}", *SETTINGS, *extra)
+    assert 4 <= killed_at < STEPS
 
     result = rl_job(_config(run, algorithm, *extra), resume=True)
     assert result.steps == STEPS
@@ -123,8 +101,8 @@ def test_resume_after_a_real_kill_is_bitwise_identical(references, prepared_run,
         assert all(torch.equal(state["value_head"][k], resumed_state["value_head"][k]) for k in state["value_head"])
 
 
-def test_a_killed_rollout_worker_is_redispatched_and_nothing_is_lost(references, prepared_run, tmp_path):
-    run = _copy(prepared_run, tmp_path / "faulty")
+def test_a_killed_rollout_worker_is_redispatched_and_nothing_is_lost(references, copy_prepared, tmp_path):
+    run = copy_prepared(tmp_path / "faulty")
     box: dict = {}
 
     def target():
@@ -194,7 +172,7 @@ def test_two_ddp_ranks_stay_identical(ray_session, prepared_run, algorithm):
             ray.kill(r)
 
 
-def test_a_policy_gradient_trains_through_live_policy_and_reward_servers(ray_session, prepared_run, tmp_path,
+def test_a_policy_gradient_trains_through_live_policy_and_reward_servers(ray_session, copy_prepared, tmp_path,
                                                                          live_server):
     """rollout.source=http + reward.source=http with SCST (groups, sample log-probs from the server, a greedy
     baseline, reference log-probs computed by the learner): every source is used once and the sampler's
@@ -208,7 +186,7 @@ def test_a_policy_gradient_trains_through_live_policy_and_reward_servers(ray_ses
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
 
-    run = _copy(prepared_run, tmp_path / "http")
+    run = copy_prepared(tmp_path / "http")
     ports = [free_port(), free_port()]
     policy_url, reward_url = (f"http://127.0.0.1:{p}" for p in ports)
     cfg = _config(run, "scst", "rl.epochs=1", "rl.train_subset=16", "rollout.source=http",
@@ -244,10 +222,10 @@ def test_a_policy_gradient_trains_through_live_policy_and_reward_servers(ray_ses
     assert all("greedy_reward" in r and r["kl_coef"] > 0 for r in train)
 
 
-def test_nlpo_ships_its_masking_policy_to_the_rollout_workers(ray_session, prepared_run, tmp_path):
+def test_nlpo_ships_its_masking_policy_to_the_rollout_workers(ray_session, copy_prepared, tmp_path):
     """NLPO's chunks carry a second version, the masking policy's, which the rollout workers load from the object
     store beside the policy's: the job runs through, with the masking policy refreshed every 2 steps."""
-    run = _copy(prepared_run, tmp_path / "nlpo")
+    run = copy_prepared(tmp_path / "nlpo")
     result = rl_job(_config(run, "nlpo", "rl.epochs=1", "rl.train_subset=32", "rl.pg.nlpo_mask_refresh_steps=2",
                             "rl.pg.nlpo_top_p=0.9"))
     assert result.steps == 4 and result.items_used == 32

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +14,7 @@ import pytest
 import ray
 import torch
 
-from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint
+from rlt2t.common.checkpoint import latest_complete_checkpoint
 from rlt2t.common.config import ModelConfig, RLConfig, load_config
 from rlt2t.common.policy import load_policy
 from rlt2t.common.types import ScoredPair
@@ -121,22 +118,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _copy_prepared(prepared_run: Path, dest: Path) -> Path:
-    shutil.copytree(prepared_run, dest, ignore=shutil.ignore_patterns("rl", "eval"))
-    return dest
-
 
 @pytest.fixture(scope="module")
-def reference_run(ray_session, prepared_run, tmp_path_factory):
+def reference_run(ray_session, copy_prepared, tmp_path_factory):
     """An uninterrupted run: the weights every other run of the same config must reproduce exactly."""
-    run = _copy_prepared(prepared_run, tmp_path_factory.mktemp("ref") / "run")
+    run = copy_prepared(tmp_path_factory.mktemp("ref") / "run")
     result = _run_rank(_config(run, "rl.save_every_steps=2"))
     assert result.steps == 12 and result.items_used == 2 * 96 and result.redispatched == 0
     return _weights(result.checkpoint)
 
 
-def test_deterministic_and_worker_kill_loses_no_pair(ray_session, prepared_run, reference_run, tmp_path):
-    run = _copy_prepared(prepared_run, tmp_path / "faulty")
+def test_deterministic_and_worker_kill_loses_no_pair(ray_session, copy_prepared, reference_run, tmp_path):
+    run = copy_prepared(tmp_path / "faulty")
     job, box = _start_in_thread(_config(run, "rl.save_every_steps=2"))
     killed = None
     deadline = time.time() + 600
@@ -153,27 +146,12 @@ def test_deterministic_and_worker_kill_loses_no_pair(ray_session, prepared_run, 
     assert all(torch.equal(reference_run[k], b[k]) for k in b), "a re-dispatched chunk changed the result"
 
 
-def test_resume_after_real_kill_is_bitwise_identical(ray_session, prepared_run, reference_run, tmp_path):
+def test_resume_after_real_kill_is_bitwise_identical(ray_session, copy_prepared, kill_training, reference_run,
+                                                     tmp_path):
     reference = reference_run
-
-    run = _copy_prepared(prepared_run, tmp_path / "killed")
-    args = [sys.executable, "-m", "rlt2t.cli", "train", "--config", str(TINY), f"run.dir={run}", "rl.epochs=2",
-            "rl.train_subset=96", "rl.batch_size=16", "rl.chunk_size=8", "run.log_every=1",
-            "rl.save_every_steps=2"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    root = run / "rl" / "checkpoints"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        latest = latest_complete_checkpoint(root)
-        if latest is not None and read_checkpoint(latest).step >= 4:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the job finished before it could be killed; make it longer"
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver and its embedded Ray, mid-epoch
-    proc.wait()
-    killed_at = read_checkpoint(latest_complete_checkpoint(root)).step
+    run = copy_prepared(tmp_path / "killed")
+    killed_at = kill_training(run, "rl.epochs=2", "rl.train_subset=96", "rl.batch_size=16", "rl.chunk_size=8",
+                              "run.log_every=1", "rl.save_every_steps=2")
     assert 4 <= killed_at < 12
 
     result = _run_rank(_config(run, "rl.save_every_steps=2"), resume=True)
@@ -182,10 +160,10 @@ def test_resume_after_real_kill_is_bitwise_identical(ray_session, prepared_run, 
     assert all(torch.equal(reference[k], resumed[k]) for k in reference), "resumed run differs from uninterrupted"
 
 
-def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, prepared_run, tmp_path, caplog):
+def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, copy_prepared, tmp_path, caplog):
     import json
 
-    run = _copy_prepared(prepared_run, tmp_path / "refresh")
+    run = copy_prepared(tmp_path / "refresh")
     with caplog.at_level("INFO", logger="rlt2t.train"):
         result = _run_rank(_config(run, "rl.refresh_every_steps=2", "rl.epochs=1"))
     # The learner's preflight ran on the largest batch (16 pairs, tiny.yaml's max lengths) before step 1.
@@ -200,10 +178,10 @@ def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, prepar
     assert (run / "logs" / "rl" / "curves.png").is_file()
 
 
-def test_learner_death_fails_clearly_and_leaves_a_resumable_checkpoint(ray_session, prepared_run, tmp_path):
+def test_learner_death_fails_clearly_and_leaves_a_resumable_checkpoint(ray_session, copy_prepared, tmp_path):
     from rlt2t.groups import LearnerDied
 
-    run = _copy_prepared(prepared_run, tmp_path / "learner")
+    run = copy_prepared(tmp_path / "learner")
     cfg = _config(run, "rl.save_every_steps=2")
     job, box = _start_in_thread(cfg)
     root = run / "rl" / "checkpoints"
@@ -221,13 +199,13 @@ def test_learner_death_fails_clearly_and_leaves_a_resumable_checkpoint(ray_sessi
     assert resumed.steps == 12
 
 
-def test_unordered_mode_with_a_dead_worker_uses_every_pair_once(ray_session, prepared_run, tmp_path):
+def test_unordered_mode_with_a_dead_worker_uses_every_pair_once(ray_session, copy_prepared, tmp_path):
     """rl.deterministic=false: chunks go to the learner as they complete, yet none is lost or reused.
 
     Killing a rollout worker mid-task delays that chunk's re-dispatch while the other worker's chunks
     complete, so the learner receives them out of dataset order.
     """
-    run = _copy_prepared(prepared_run, tmp_path / "unordered")
+    run = copy_prepared(tmp_path / "unordered")
     cfg = _config(run, "rl.deterministic=false", "rl.rollout_workers=2", "rl.epochs=1", "rl.chunk_size=4")
     job, box = _start_in_thread(cfg)
     killed = None
@@ -244,7 +222,7 @@ def test_unordered_mode_with_a_dead_worker_uses_every_pair_once(ray_session, pre
     assert result.out_of_order >= 1, "the re-dispatched chunk should have arrived after later ones"
 
 
-def test_http_rollout_and_reward_sources_train_through_live_servers(ray_session, prepared_run, tmp_path,
+def test_http_rollout_and_reward_sources_train_through_live_servers(ray_session, copy_prepared, tmp_path,
                                                                      live_server):
     """rollout.source=http + reward.source=http: the job samples on a policy server that hot-reloads the
     versions it publishes and scores on a reward server; every pair is used once."""
@@ -252,7 +230,7 @@ def test_http_rollout_and_reward_sources_train_through_live_servers(ray_session,
 
     from rlt2t.services import policy_app, reward_app
 
-    run = _copy_prepared(prepared_run, tmp_path / "http")
+    run = copy_prepared(tmp_path / "http")
     # The policy server needs the first published version: start the job, wait for its first published
     # checkpoint, then start the servers it waits for.
     ports = [_free_port(), _free_port()]
@@ -282,9 +260,9 @@ def test_http_rollout_and_reward_sources_train_through_live_servers(ray_session,
     assert [r["staleness_max"] for r in train if r["epoch"] == 1] == [0, 1]
 
 
-def test_a_tail_batch_smaller_than_the_learner_group_still_steps_every_rank(ray_session, prepared_run, tmp_path):
+def test_a_tail_batch_smaller_than_the_learner_group_still_steps_every_rank(ray_session, copy_prepared, tmp_path):
     """33 sources, batch 16, 2 ranks: the last batch holds 1 pair; it is repeated so both ranks step."""
-    run = _copy_prepared(prepared_run, tmp_path / "tail")
+    run = copy_prepared(tmp_path / "tail")
     result = _run_rank(_config(run, "rl.learners=2", "rl.train_subset=33", "rl.epochs=1",
                                "rl.rollout_workers=1", "rl.learner_cpus=1"))
     assert result.steps == 3 and result.items_used == 33
