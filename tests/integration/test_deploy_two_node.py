@@ -131,7 +131,7 @@ def test_deploy_to_two_node_loopback_cluster(tmp_path):
         # scheduler puts one on the second node too.
         args = ("rl.epochs=1 rl.train_subset=32 run.progress=false serve.port=0 serve.device=cpu "
                 "serve.num_cpus=0.5 rl.rollout_cpus=0.5 "
-                "'rank.rollout_resources={\"fake_gpu\": 1}' 'serve.resources={\"fake_gpu\": 1}' "
+                "'rl.rollout_resources={\"fake_gpu\": 1}' 'serve.resources={\"fake_gpu\": 1}' "
                 f"serve.checkpoint_dir={sft_root}")
         up = run(["make", "--no-print-directory", "deploy", "DEPLOY_CONFIG=configs/tiny.yaml", f"RUN_DIR={run_dir}",
                   f"DEPLOY_STATE={state}", f"DEPLOY_ARGS={args}"], deploy_env, timeout=420)
