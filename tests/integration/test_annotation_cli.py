@@ -170,9 +170,13 @@ def test_terminal_ctrl_c_in_a_real_terminal_keeps_the_answers(run):
         _read_until(fd, "Reward (-2.0 ~ 2.0): ", seen)
         os.write(fd, b"1.25\r")
         second = _read_until(fd, "result 2 of 3", seen)
-        _read_until(fd, "Reward (-2.0 ~ 2.0): ", seen, start=second)
+        prompt = _read_until(fd, "Reward (-2.0 ~ 2.0): ", seen, start=second)
         _wait_for_terminal_read(pid)
         os.write(fd, b"0.5")  # typed, Enter not pressed ...
+        # ... and shown (readline echoes what it has read) before Ctrl-C, as a person sees it: Ctrl-C makes the
+        # line discipline flush unread input, and a readline woken for keys that were flushed waits for the next.
+        _read_until(fd, "0.5", seen, start=prompt)
+        _wait_for_terminal_read(pid)
         os.write(fd, b"\x03")  # ... then Ctrl-C: the terminal's line discipline sends SIGINT
         _read_until(fd, "ratings stored this run", seen)
     finally:
