@@ -74,9 +74,13 @@ bench: $(STAMP)
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/pipeline.py --algorithm grpo
 	$(BIN)/python bench/pipeline.py --algorithm ppo
-	$(BIN)/python bench/algorithms.py --task synth
-	$(BIN)/python bench/algorithms.py --task wordnet
+	# The efficacy benchmark as the README's table was run (about 25 min per seed and task on 2 cores).
+	$(BIN)/python bench/algorithms.py --task synth --arms continued_sft,rank,scst,rloo,grpo,ppo --rl-epochs 2 \
+		--base-override synth.test_fraction=0.15 --override run.log_every=1
+	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,scst,rloo,grpo --rl-epochs 2 \
+		--base-override synth.test_fraction=0.1 --override run.log_every=1
 	$(BIN)/python bench/serve_load.py
+	$(BIN)/python bench/serve_load.py --phases mixed
 	$(BIN)/python bench/ct2_sampling.py
 	$(BIN)/python bench/annotate_load.py
 	$(BIN)/python bench/reward_throughput.py

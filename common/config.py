@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rlt2t.common.families import FAMILIES, PRESETS, check_mixed_precision, family_of
+from rlt2t.common.family_table import FAMILIES, PRESETS, check_mixed_precision, family_of
 
 
 class _Section(BaseModel):

@@ -46,7 +46,6 @@ family-specific shifting inside Hugging Face models matters).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,78 +68,20 @@ from transformers import (
     T5Config,
 )
 
+from rlt2t.common.family_table import (  # noqa: F401 - re-exported: the one place callers ask about families
+    FAMILIES,
+    PRESET_FAMILIES,
+    PRESETS,
+    Family,
+    UnsupportedModelError,
+    check_mixed_precision,
+    family_of,
+    family_of_dir,
+)
+
 log = logging.getLogger("rlt2t.families")
 
 IGNORE_INDEX = -100
-
-# Presets: (d_model, layers, heads, ffn, max positions). `base` is the BART-base shape.
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(d_model=32, layers=1, heads=2, ffn=64, positions=256),
-    "small": dict(d_model=256, layers=3, heads=4, ffn=1024, positions=256),
-    "base": dict(d_model=768, layers=6, heads=12, ffn=3072, positions=1024),
-}
-
-
-class UnsupportedModelError(ValueError):
-    """A model directory or config rlt2t cannot train (unknown architecture, or weights that do not load)."""
-
-
-@dataclass(frozen=True)
-class Family:
-    """What rlt2t needs to know about one encoder–decoder family."""
-
-    name: str
-    model_types: tuple[str, ...]
-    """``config.json`` ``model_type`` values of this family."""
-    learned_positions: bool
-    """Whether ``max_position_embeddings`` bounds source and target lengths (False: relative positions)."""
-    ct2: bool
-    """Whether CTranslate2's converter accepts it."""
-    fp16_safe: bool
-    """False where fp16 activations overflow (T5): fp16 mixed precision is refused."""
-    preset: bool
-    """Whether a from-scratch preset exists (``model.family``)."""
-
-
-FAMILIES: dict[str, Family] = {
-    f.name: f
-    for f in (
-        Family("bart", ("bart",), learned_positions=True, ct2=True, fp16_safe=True, preset=True),
-        Family("mbart", ("mbart",), learned_positions=True, ct2=True, fp16_safe=True, preset=True),
-        Family("marian", ("marian",), learned_positions=True, ct2=True, fp16_safe=True, preset=True),
-        Family("pegasus", ("pegasus",), learned_positions=True, ct2=True, fp16_safe=True, preset=True),
-        Family("t5", ("t5", "mt5", "umt5"), learned_positions=False, ct2=True, fp16_safe=False, preset=True),
-        Family("encoder-decoder", ("encoder-decoder",), learned_positions=True, ct2=False, fp16_safe=True,
-               preset=False),
-    )
-}
-PRESET_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.preset)
-_BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
-
-
-def _supported() -> str:
-    return ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES.values())
-
-
-def family_of(config: PretrainedConfig | dict[str, Any], where: str = "model") -> Family:
-    """The family of a model config (object or ``config.json`` dict); UnsupportedModelError if none."""
-    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
-    family = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
-    if family is None:
-        raise UnsupportedModelError(
-            f"{where}: model_type {model_type!r} is not an encoder-decoder family rlt2t can train "
-            f"(supported: {_supported()})"
-        )
-    return family
-
-
-def family_of_dir(path: str | Path) -> Family:
-    """The family of a model directory, from its ``config.json`` (FileNotFoundError if it has none)."""
-    path = Path(path)
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{path}: not a model directory (no config.json)")
-    return family_of(json.loads(config_path.read_text()), str(path))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,22 +129,6 @@ def decoder_input_ids(labels: Tensor, config: PretrainedConfig) -> Tensor:
     if start is None or pad is None:
         raise ValueError(f"model.config needs decoder_start_token_id and pad_token_id, got {start!r} and {pad!r}")
     return shift_labels(labels, start, pad)
-
-
-def check_mixed_precision(config: PretrainedConfig | dict[str, Any] | str, mixed_precision: str) -> None:
-    """Refuse fp16 for a family whose activations overflow in it (T5: use bf16). ``config`` may be a family name;
-    a model outside the encoder-decoder families (a reward model's or classifier's encoder) is not checked."""
-    if mixed_precision != "fp16":
-        return
-    try:
-        family = FAMILIES[config] if isinstance(config, str) else family_of(config)
-    except UnsupportedModelError:
-        return
-    if not family.fp16_safe:
-        raise ValueError(
-            f"run.mixed_precision=fp16: {family.name}-family models overflow in fp16 (their activations exceed "
-            "65504 and become inf/NaN); use run.mixed_precision=bf16 (or no)"
-        )
 
 
 # --------------------------------------------------------------------------------------------------

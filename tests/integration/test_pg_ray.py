@@ -38,8 +38,9 @@ SETTINGS = ["rl.epochs=2", "rl.train_subset=48", "rl.batch_size=8", "rl.chunk_si
 
 
 LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0"]
-# The resumable variants: one group algorithm, PPO (value head, KL controller), and PPO on LoRA adapters.
-VARIANTS = {"rloo": ("rloo", []), "ppo": ("ppo", []), "ppo-lora": ("ppo", LORA)}
+# The resumable variants: one group algorithm on full weights, and PPO (value head, KL controller) on LoRA
+# adapters (full-weight resume of the same loop: rloo here, rank RL in test_rl_ray.py).
+VARIANTS = {"rloo": ("rloo", []), "ppo-lora": ("ppo", LORA)}
 
 
 def _config(run: Path, algorithm: str, *extra: str):

@@ -58,3 +58,16 @@ def test_the_check_sees_imports_inside_functions(tmp_path):
     module.write_text("def f():\n    from rlt2t.services.client import PolicyClient\n")
     assert _imports(module) == [(2, "rlt2t.services.client")]
     assert _package_of("rlt2t.services.client") == "services" and _package_of("rlt2t.train") == "rlt2t"
+
+
+def test_the_command_line_and_the_config_load_without_torch():
+    """`rlt2t --help`, `rlt2t config` and a config error answer at once: parsing commands and validating a
+    config import neither torch nor transformers (each command imports what it runs when it runs)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rlt2t.cli; from rlt2t.common.config import load_config; load_config(); "
+            "rlt2t.cli.build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
