@@ -114,8 +114,9 @@ ray-up: $(STAMP)
 			--submission-id rlt2t-ray-up-probe-$$(date +%s%N) -- true >/dev/null 2>&1 && exit 0; sleep 1; \
 	done; echo "ray-up: the job API at $(RAY_ADDRESS_LOCAL) did not accept jobs within 60 s" >&2; exit 1
 
+# Stops the head of `make ray-up` (its processes name RAY_TMP), not every Ray on the machine as `ray stop` would.
 ray-down: $(STAMP)
-	$(BIN)/ray stop --force
+	$(BIN)/python -m rlt2t.local_ray stop $(RAY_TMP)
 
 # Submit `rlt2t train` to the head at RAY_ADDRESS (default: the local one from `make ray-up`).
 train-submit: $(STAMP)

@@ -8,12 +8,10 @@ own temp dir, never by name (other engineers run Ray on this machine).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -21,10 +19,10 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from rlt2t.common.checkpoint import latest_complete_checkpoint
+from rlt2t.local_ray import cluster_processes, stop_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -65,33 +63,6 @@ def cluster_state(dashboard: str, env: dict[str, str]) -> dict:
     out = run([sys.executable, "-c", STATE_QUERY, dashboard], env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def cluster_processes(marker: str) -> list[psutil.Process]:
-    """Every process whose command line names ``marker`` (our temp dir), with all their descendants."""
-    found: dict[int, psutil.Process] = {}
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(marker in arg for arg in p.info["cmdline"] or ()):
-                found[p.pid] = p
-                for c in p.children(recursive=True):
-                    found[c.pid] = c
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    found.pop(os.getpid(), None)
-    return list(found.values())
-
-
-def stop_cluster(marker: str) -> None:
-    procs = cluster_processes(marker)
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=15)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(alive, timeout=10)
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

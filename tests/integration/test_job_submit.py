@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlt2t.common.checkpoint import latest_complete_checkpoint
+from rlt2t.local_ray import cluster_processes
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +41,7 @@ def test_submit_tiny_training_job_to_local_head(tmp_path):
         assert job.returncode != 0 and "cannot hold this job" in out, out[-3000:]
         assert "rl.rollout_cpus=1" in out and "but the cluster has 2 in all" in out, out[-3000:]
     finally:
-        assert make("ray-down").returncode == 0
+        assert make("ray-down", f"RAY_TMP={ray_tmp}").returncode == 0
     # `make ray-up` as a user runs it on this machine: a head the default job fits on.
     up = make("ray-up", f"RAY_TMP={ray_tmp}")
     assert up.returncode == 0, up.stdout + up.stderr
@@ -52,6 +53,8 @@ def test_submit_tiny_training_job_to_local_head(tmp_path):
         ckpt = latest_complete_checkpoint(run / "rl" / "checkpoints")
         assert ckpt is not None and ckpt.name == "epoch-0001"
     finally:
-        down = make("ray-down")
+        down = make("ray-down", f"RAY_TMP={ray_tmp}")
+        left = cluster_processes(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert down.returncode == 0
+    assert down.returncode == 0 and "stopped" in down.stdout, down.stdout + down.stderr
+    assert not left, f"`make ray-down` left processes of its cluster: {[p.pid for p in left]}"
