@@ -83,12 +83,13 @@ TASK_SETTINGS = {
 
 # Arm variants, `<algorithm>:<variant>`: the same algorithm with another rollout backend (what an int8
 # CTranslate2 sampler costs or gains against a float32 one, with truncated importance weights), or a gentler
-# update (a quarter of the learning rate; a 4x KL coefficient).
+# update (a quarter of the learning rate; a 4x KL coefficient), or rank RL's sampling (top-k 3, temperature 0.8).
 VARIANTS = {
     "ct2_int8": ["rollout.backend=ct2", "rollout.ct2_compute_type=int8"],
     "ct2_float32": ["rollout.backend=ct2", "rollout.ct2_compute_type=float32"],
     "lr5e-5": ["rl.lr=5e-5"],
     "kl0.2": ["rl.kl.coef=0.2"],
+    "topk3": ["rollout.top_k=3", "rollout.temperature=0.8"],  # sampling closer to the greedy decode, as rank's
 }
 
 

@@ -35,7 +35,7 @@ def cluster_processes(marker: str) -> list[psutil.Process]:
     return list(found.values())
 
 
-def stop_cluster(marker: str, grace_s: float = 15.0) -> int:
+def stop_cluster(marker: str, grace_s: float = 5.0) -> int:
     """Stop the processes of the cluster whose temp dir is ``marker``; returns how many there were."""
     procs = cluster_processes(marker)
     for p in procs:

@@ -78,7 +78,7 @@ def test_deploy_to_two_node_loopback_cluster(tmp_path):
 
     # An SFT checkpoint to serve at once and to start rank RL from; prepared while the cluster starts.
     prep = subprocess.Popen([sys.executable, "-m", "rlt2t.cli", "demo", "--config", "configs/tiny.yaml",
-                             f"run.dir={run_dir}", "rl.enabled=false"], cwd=REPO, env=env,
+                             f"run.dir={run_dir}", "rl.enabled=false", "--no-predict"], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     sft_root = run_dir / "sft" / "checkpoints"
     token = run([RAY, "get-auth-token", "--generate"], env)

@@ -28,7 +28,8 @@ def make(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 def test_submit_tiny_training_job_to_local_head(tmp_path):
     run = tmp_path / "run"
     subprocess.run([sys.executable, "-m", "rlt2t.cli", "demo", "--config", str(REPO / "configs" / "tiny.yaml"),
-                    f"run.dir={run}", "rl.enabled=false"], check=True, capture_output=True, cwd=REPO, timeout=600)
+                    f"run.dir={run}", "rl.enabled=false", "--no-predict"], check=True, capture_output=True, cwd=REPO,
+                   timeout=600)
     ray_tmp = f"/tmp/rlt2t-test-{os.getpid()}"
     # A head too small for the job (2 CPUs; the default job asks for 2.5): it fails at once, naming the
     # settings and the cluster's totals, instead of waiting forever for a worker that never starts.
