@@ -102,11 +102,14 @@ JOB_PYTHON ?= $(abspath $(BIN)/python)
 
 # Token authentication on (Ray's own default from 2.61): the token lives in ~/.ray/auth_token.
 RAY_AUTH_MODE ?= token
+# The head's dashboard agent port: Ray's default, which another Ray on the machine (even an embedded one) may hold.
+RAY_AGENT_PORT ?= 52365
 
 ray-up: $(STAMP)
 	RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/ray get-auth-token --generate > /dev/null
 	RAY_AUTH_MODE=$(RAY_AUTH_MODE) RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/ray start --head --node-ip-address=127.0.0.1 --num-cpus=$(RAY_CPUS) \
-		--include-dashboard=true --dashboard-host=127.0.0.1 --temp-dir=$(RAY_TMP) --disable-usage-stats
+		--include-dashboard=true --dashboard-host=127.0.0.1 --dashboard-agent-listen-port=$(RAY_AGENT_PORT) \
+		--temp-dir=$(RAY_TMP) --disable-usage-stats
 	@# The job API answers before the head's job agent has registered ("No available agent to submit job"):
 	@# wait until a no-op job can be submitted, so a train-submit right after this works.
 	@for i in $$(seq 60); do \

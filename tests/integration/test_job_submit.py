@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +21,24 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def make(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`make ARGS` in its own process group: on a timeout the whole group (`ray job submit` included, which
+    would hold the output pipes open) is killed and the test fails with what it printed."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run(["make", "--no-print-directory", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.Popen(["make", "--no-print-directory", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"make {' '.join(args)}: no end in {timeout} s\n{out[-3000:]}\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
@@ -31,9 +48,10 @@ def test_submit_tiny_training_job_to_local_head(tmp_path):
                     f"run.dir={run}", "rl.enabled=false", "--no-predict"], check=True, capture_output=True, cwd=REPO,
                    timeout=600)
     ray_tmp = f"/tmp/rlt2t-test-{os.getpid()}"
+    agent = f"RAY_AGENT_PORT={free_port()}"  # not Ray's default: another Ray on this machine may hold it
     # A head too small for the job (2 CPUs; the default job asks for 2.5): it fails at once, naming the
     # settings and the cluster's totals, instead of waiting forever for a worker that never starts.
-    up = make("ray-up", f"RAY_TMP={ray_tmp}", "RAY_CPUS=2")
+    up = make("ray-up", f"RAY_TMP={ray_tmp}", "RAY_CPUS=2", agent)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         job = make("train-submit", "TRAIN_CONFIG=configs/tiny.yaml", f"RUN_DIR={run}",
@@ -44,7 +62,7 @@ def test_submit_tiny_training_job_to_local_head(tmp_path):
     finally:
         assert make("ray-down", f"RAY_TMP={ray_tmp}").returncode == 0
     # `make ray-up` as a user runs it on this machine: a head the default job fits on.
-    up = make("ray-up", f"RAY_TMP={ray_tmp}")
+    up = make("ray-up", f"RAY_TMP={ray_tmp}", agent)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         job = make("train-submit", "TRAIN_CONFIG=configs/tiny.yaml", f"RUN_DIR={run}",
