@@ -83,13 +83,15 @@ TASK_SETTINGS = {
 
 # Arm variants, `<algorithm>:<variant>`: the same algorithm with another rollout backend (what an int8
 # CTranslate2 sampler costs or gains against a float32 one, with truncated importance weights), or a gentler
-# update (a quarter of the learning rate; a 4x KL coefficient), or rank RL's sampling (top-k 3, temperature 0.8).
+# update (a quarter of the learning rate; a 4x KL coefficient), rank RL's sampling (top-k 3, temperature 0.8), or
+# LoRA adapters (r = 8) instead of full fine-tuning.
 VARIANTS = {
     "ct2_int8": ["rollout.backend=ct2", "rollout.ct2_compute_type=int8"],
     "ct2_float32": ["rollout.backend=ct2", "rollout.ct2_compute_type=float32"],
     "lr5e-5": ["rl.lr=5e-5"],
     "kl0.2": ["rl.kl.coef=0.2"],
     "topk3": ["rollout.top_k=3", "rollout.temperature=0.8"],  # sampling closer to the greedy decode, as rank's
+    "lora": ["model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16"],  # adapters only, same steps
 }
 
 
