@@ -81,7 +81,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,scst,rloo,grpo --rl-epochs 2 \
 		--base-override synth.test_fraction=0.1 --override run.log_every=1
 	$(BIN)/python bench/serve_load.py
-	$(BIN)/python bench/serve_load.py --phases mixed
+	$(BIN)/python bench/serve_load.py --phases mixed --seconds 90
 	$(BIN)/python bench/ct2_sampling.py
 	$(BIN)/python bench/annotate_load.py
 	$(BIN)/python bench/reward_throughput.py
