@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 from rlt2t.common.config import Config, load_config
 from rlt2t.common.io import atomic_write_json
 from rlt2t.common.waiting import NotYet, wait_until
+from rlt2t.services.deploy_actor import PolicyServerActor, url_host, wait_healthy
 
 NAMESPACE = "rlt2t"
 SERVER_NAME = "rlt2t-policy-server"
@@ -82,8 +83,6 @@ class ClusterAddress:
     @property
     def dashboard_url(self) -> str | None:
         """The job API URL when it follows from the address alone (None: ask the cluster)."""
-        from rlt2t.services.deploy_actor import url_host
-
         return f"{self.scheme}://{url_host(self.host)}:{self.port}" if self.kind == "dashboard" else None
 
 
@@ -149,8 +148,6 @@ def resolve_dashboard_url(address: ClusterAddress) -> str:
     if address.dashboard_url:
         return address.dashboard_url
     from ray.dashboard.utils import ray_address_to_api_server_url, ray_client_address_to_api_server_url
-
-    from rlt2t.services.deploy_actor import url_host
 
     raw = f"ray://{url_host(address.host)}:{address.port}" if address.kind == "client" \
         else f"{url_host(address.host)}:{address.port}"
@@ -260,8 +257,7 @@ def start_policy_server(cfg: Config, *, name: str = SERVER_NAME, namespace: str 
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from rlt2t.groups import ClusterTooSmall, check_cluster
-    from rlt2t.services.deploy_actor import PolicyServerActor
+    from rlt2t.groups import ClusterTooSmall, check_cluster  # Ray and torch: only where the server is placed
 
     ray.init(namespace=namespace, log_to_driver=True)
     actor: Any  # Ray types a handle as the handle or the class itself; its remote calls are untyped
@@ -366,8 +362,6 @@ def up(address: str, *, config_paths: Sequence[str | Path] = (), overrides: Sequ
        python: str = "python", state_path: str | Path = DEFAULT_STATE, working_dir: Path | None = None,
        timeout_s: float = 600.0, name: str = SERVER_NAME) -> DeployState:
     """Submit the training job and start the policy server; returns (and saves) what was started."""
-    from rlt2t.services.deploy_actor import wait_healthy
-
     cfg = load_config(config_paths, overrides)  # fail here, not on the cluster, on a bad key
     working_dir = working_dir or default_working_dir()
     _check_run_dir(cfg)

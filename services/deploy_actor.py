@@ -11,8 +11,6 @@ import uvicorn
 
 from rlt2t.common.config import Config
 from rlt2t.common.waiting import NotYet, wait_until
-from rlt2t.services.http import check_exposure, load_token, uvicorn_config
-from rlt2t.services.policy_app import create_app
 
 
 def url_host(host: str) -> str:
@@ -38,6 +36,11 @@ class PolicyServerActor:
     """uvicorn on ``create_app(cfg)`` in a thread of this actor's process."""
 
     def __init__(self, cfg: Config, *, startup_timeout_s: float = 120.0):
+        # The app (torch, transformers) is imported here, in the actor's process: the launcher and the CLI
+        # import this module for url_host / wait_healthy only.
+        from rlt2t.services.http import check_exposure, load_token, uvicorn_config
+        from rlt2t.services.policy_app import create_app
+
         s = cfg.serve
         check_exposure(s, s.host, load_token(s))
         self._checkpoint_dir = str(cfg.path(s.checkpoint_dir))
