@@ -71,7 +71,9 @@ ALL_ARMS = ("continued_sft", "rank", "scst", "rloo", "grpo", "ppo", "a2c", "nlpo
 # The tasks' shared stages. The synthetic task is the demo's; WordNet definitions need a subword tokenizer,
 # shorter limits and more SFT (its targets are varied natural language).
 TASK_SETTINGS = {
-    "synth": ["synth.size=4000", "pretrain.max_steps=150", "sft.epochs=4"],
+    # 12 SFT epochs run past the validation peak (about epoch 3): the stage keeps its best checkpoint, and from
+    # there likelihood training drifts towards phrasing A, as a converged SFT model does (common.synth).
+    "synth": ["synth.size=4000", "pretrain.max_steps=150", "sft.epochs=12"],
     "wordnet": ["tokenizer.kind=subword", "tokenizer.vocab_size=4000", "data.max_source_len=48",
                 "data.max_target_len=32", "rollout.max_new_tokens=32", "eval.max_new_tokens=32",
                 "pretrain.max_steps=300", "sft.epochs=8", "sft.lr=1e-3"],
@@ -200,12 +202,25 @@ def oracle_scores(cfg: Config) -> dict[str, float]:
             for name, k in (("oracle_likely_A", 0), ("oracle_metric_B", 1))}
 
 
+def phrasings(cfg: Config, label: str) -> dict[str, float]:
+    """Synthetic task: of the concepts the test predictions of ``label`` name, the share phrased A (likelihood's
+    choice) and B or C (the suffix-sharing phrasings the metric prefers), and the share of outputs that open
+    with the prefix token (30 % of the references do)."""
+    from rlt2t.common.synth import build_spec, phrasing_usage
+
+    path = cfg.run_dir / "eval" / f"{label}-test.predictions.jsonl"
+    outputs = [json.loads(line)["prediction"] for line in path.read_text().splitlines()]
+    u = phrasing_usage(build_spec(cfg.tokenizer.num_data_tokens), outputs)
+    said = max(u["A"] + u["B"] + u["C"] + u["other"], 1)
+    return {"A": u["A"] / said, "B_or_C": (u["B"] + u["C"]) / said, "prefix": u["prefix"] / max(u["outputs"], 1)}
+
+
 def mean_std(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
             "n": len(values)}
 
 
-def summarize(sft: dict[int, dict[str, float]], arms: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+def summarize(sft: dict[int, dict[str, Any]], arms: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     seeds = sorted(sft)
     out: dict[str, Any] = {"sft": {"valid_task_score": mean_std([sft[s]["valid_task_score"] for s in seeds]),
                                    "test_task_score": mean_std([sft[s]["test_task_score"] for s in seeds])}}
@@ -214,6 +229,9 @@ def summarize(sft: dict[int, dict[str, float]], arms: dict[str, dict[int, dict[s
                     "test_task_score": mean_std([runs[s]["test"]["task_score"] for s in seeds]),
                     "kl_to_start": mean_std([runs[s]["kl_to_start"] for s in seeds]),
                     "seconds": mean_std([runs[s]["seconds"] for s in seeds])}
+        if all("phrasings" in runs[s] for s in seeds):
+            out[arm]["phrasings"] = {k: mean_std([runs[s]["phrasings"][k] for s in seeds])
+                                     for k in runs[seeds[0]]["phrasings"]}
     if "continued_sft" in arms:
         base = arms["continued_sft"]
         for arm, runs in arms.items():
@@ -233,7 +251,7 @@ def summarize(sft: dict[int, dict[str, float]], arms: dict[str, dict[int, dict[s
     return out
 
 
-def plot(path: Path, task: str, sft: dict[int, dict[str, float]], arms: dict[str, dict[int, dict[str, Any]]]) -> None:
+def plot(path: Path, task: str, sft: dict[int, dict[str, Any]], arms: dict[str, dict[int, dict[str, Any]]]) -> None:
     """Validation task score per RL epoch (0 = the SFT checkpoint), mean ± std over seeds per arm."""
     import matplotlib
 
@@ -289,7 +307,7 @@ def main() -> None:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlt2t-algorithms-") as tmp:
         workdir = (args.workdir or Path(tmp)).resolve()
-        sft: dict[int, dict[str, float]] = {}
+        sft: dict[int, dict[str, Any]] = {}
         results: dict[str, dict[int, dict[str, Any]]] = {arm: {} for arm in arms}
         oracles: dict[str, float] = {}
         try:
@@ -305,11 +323,14 @@ def main() -> None:
                 sft[seed] = {"valid_task_score": _valid_score(probe, sft_ckpt),
                              "test_task_score": eval_job(probe, checkpoint=sft_ckpt, label="sft")["task_score"],
                              "seconds": round(time.perf_counter() - t0, 1)}
-                if args.task == "synth" and not oracles:
-                    oracles = oracle_scores(probe)
+                if args.task == "synth":
+                    sft[seed]["phrasings"] = phrasings(probe, "sft")
+                    oracles = oracles or oracle_scores(probe)
                 for arm in arms:
-                    results[arm][seed] = run_arm(arm_config(base, arm, args), sft_ckpt)
-                    r = results[arm][seed]
+                    cfg = arm_config(base, arm, args)
+                    results[arm][seed] = r = run_arm(cfg, sft_ckpt)
+                    if args.task == "synth":
+                        r["phrasings"] = phrasings(cfg, "last")
                     log.info("%s %s seed %d: valid %.4f test %.4f KL %.3f, %.0f s", args.task, arm, seed,
                              r["valid"][-1]["task_score"], r["test"]["task_score"], r["kl_to_start"], r["seconds"])
         finally:
@@ -320,12 +341,16 @@ def main() -> None:
     print(f"\n{args.task}: task score, mean ± std over seeds {seeds} ({args.rl_epochs} RL epochs of "
           f"{args.train_subset} sources)")
     print(f"  {'SFT checkpoint':>14}: valid {summary['sft']['valid_task_score']['mean']:.4f}  "
-          f"test {summary['sft']['test_task_score']['mean']:.4f}")
+          f"test {summary['sft']['test_task_score']['mean']:.4f}"
+          + (f"  A {statistics.fmean(v['phrasings']['A'] for v in sft.values()):.0%}"
+             if all("phrasings" in v for v in sft.values()) else ""))
     for arm in arms:
         s = summary[arm]
         line = (f"  {arm:>14}: valid {s['valid_task_score']['mean']:.4f} ± {s['valid_task_score']['std']:.4f}  "
                 f"test {s['test_task_score']['mean']:.4f} ± {s['test_task_score']['std']:.4f}  "
                 f"KL {s['kl_to_start']['mean']:.3f}  {s['seconds']['mean']:.0f} s")
+        if "phrasings" in s:
+            line += f"  A {s['phrasings']['A']['mean']:.0%} prefix {s['phrasings']['prefix']['mean']:.0%}"
         if "paired_diff_test" in s:
             d = s["paired_diff_test"]
             line += (f"  | test vs SFT {d['mean']:+.4f} ± {d['std']:.4f} ({d['relative']:+.1%}, "

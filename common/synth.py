@@ -53,7 +53,7 @@ import bisect
 import itertools
 import os
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -309,6 +309,31 @@ def oracle_diagnosis(spec: SynthSpec, source: str, phrasing: int = 0) -> str:
             tokens.append(spec.connector)
         tokens.extend(spec.phrasings[c][phrasing])
     return " ".join(map(str, tokens))
+
+
+def phrasing_usage(spec: SynthSpec, diagnoses: Iterable[str]) -> dict[str, int]:
+    """How often ``diagnoses`` (model outputs or targets) say a concept with phrasing A (likelihood's
+    choice), B or C (the suffix-sharing ones the metric prefers), and how many start with the prefix.
+
+    A concept counts as A when its single token ``a_c`` appears, as B or C when its head ``y_c`` follows
+    that phrasing's opener; a head after any other token counts as ``other``. Returns the counts keyed
+    ``A``, ``B``, ``C``, ``other``, ``prefix`` and ``outputs``.
+    """
+    single = {p[0][0]: c for c, p in enumerate(spec.phrasings)}
+    heads = {p[1][1]: c for c, p in enumerate(spec.phrasings)}
+    counts = dict.fromkeys(("A", "B", "C", "other", "prefix", "outputs"), 0)
+    for text in diagnoses:
+        tokens = [int(t) for t in text.split() if t.isdigit()]
+        counts["outputs"] += 1
+        counts["prefix"] += bool(tokens) and tokens[0] == spec.prefix
+        for i, t in enumerate(tokens):
+            if t in single:
+                counts["A"] += 1
+            elif t in heads:
+                _, b, c = spec.phrasings[heads[t]]
+                opener = tokens[i - 1] if i else None
+                counts["B" if opener == b[0] else "C" if opener == c[0] else "other"] += 1
+    return counts
 
 
 def write_synthetic(

@@ -16,6 +16,7 @@ from rlt2t.common.synth import (
     build_spec,
     generate_synthetic,
     oracle_diagnosis,
+    phrasing_usage,
     write_synthetic,
 )
 
@@ -193,6 +194,21 @@ def test_oracle_mode_is_the_most_frequent_whole_target(spec, sample):
     assert single > 1500
     assert freq == pytest.approx([0.28, 0.21, 0.21], abs=0.04)
     assert freq[0] > max(freq[1], freq[2]) + 0.03
+
+
+def test_phrasing_usage_counts_what_the_targets_and_the_oracles_say(spec, sample):
+    expected = Counter("ABC"[k] for e in sample for _, k in _parse_target(spec, e.target))
+    got = phrasing_usage(spec, [e.target for e in sample])
+    assert {k: got[k] for k in "ABC"} == {k: expected[k] for k in "ABC"}
+    assert got["other"] == 0 and got["outputs"] == len(sample)
+    assert got["prefix"] == sum(_ids(e.target)[:1] == [spec.prefix] for e in sample)
+    for phrasing, name in enumerate("ABC"):
+        oracle = phrasing_usage(spec, [oracle_diagnosis(spec, e.source, phrasing) for e in sample[:50]])
+        assert oracle[name] > 0 and sum(oracle[k] for k in "ABC") == oracle[name] and oracle["prefix"] == 0
+    # a head after a wrong opener is neither B nor C
+    _, b, _ = spec.phrasings[0]
+    assert phrasing_usage(spec, [f"{spec.connector} {b[1]} {b[2]}", f"{b[0]} {b[1]} {b[2]}"]) == {
+        "A": 0, "B": 1, "C": 0, "other": 1, "prefix": 0, "outputs": 2}
 
 
 @pytest.mark.parametrize(
