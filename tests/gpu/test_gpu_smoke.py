@@ -41,9 +41,10 @@ def test_learner_steps_on_cuda_with_mixed_precision(init_dir, precision):
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)  # one precision per Accelerator singleton
-    learner = Learner(ModelConfig(dropout=0.0), None, RLConfig(lr=1e-3, warmup_ratio=0.0, learner_gpus=1),
-                          init_checkpoint=str(init_dir), rank=0, world_size=1, total_steps=4, seed=0,
-                          max_source_len=32, max_target_len=16, mixed_precision=precision)
+    learner = Learner(ModelConfig(dropout=0.0), None,
+                      RLConfig(algorithm="rank", lr=1e-3, warmup_ratio=0.0, learner_gpus=1),
+                      init_checkpoint=str(init_dir), rank=0, world_size=1, total_steps=4, seed=0,
+                      max_source_len=32, max_target_len=16, mixed_precision=precision)
     learner.join("127.0.0.1", 0)
     assert learner.device.type == "cuda"
     assert learner.accelerator.mixed_precision == precision
@@ -76,7 +77,7 @@ def test_two_rank_nccl_ddp_keeps_ranks_identical(init_dir):
 
     ray.init(num_gpus=2, include_dashboard=False, configure_logging=False)
     try:
-        cfg = RLConfig(lr=1e-3, warmup_ratio=0.0, batch_size=16, learners=2, learner_gpus=1)
+        cfg = RLConfig(algorithm="rank", lr=1e-3, warmup_ratio=0.0, batch_size=16, learners=2, learner_gpus=1)
         actor = ray.remote(Learner).options(num_cpus=1, num_gpus=1)
         ranks = [actor.remote(ModelConfig(dropout=0.0), None, cfg, init_checkpoint=str(init_dir), rank=i,
                               world_size=2, total_steps=4, seed=0, max_source_len=32, max_target_len=16,

@@ -49,7 +49,7 @@ def test_two_ddp_ranks_stay_identical_and_match_one_rank(ray_session, ids_tokeni
     policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
     policy.model.save_pretrained(tmp_path / "init")
     policy.tokenizer.save_pretrained(tmp_path / "init")
-    cfg = RLConfig(lr=1e-3, warmup_ratio=0.0, batch_size=16, learners=2)
+    cfg = RLConfig(algorithm="rank", lr=1e-3, warmup_ratio=0.0, batch_size=16, learners=2)
     kwargs = dict(init_checkpoint=str(tmp_path / "init"), total_steps=10, seed=0, max_source_len=32, max_target_len=16)
     actor = ray.remote(Learner).options(num_cpus=1)
     ranks = [actor.remote(ModelConfig(dropout=0.0), None, cfg, rank=i, world_size=2, **kwargs) for i in range(2)]
