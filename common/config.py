@@ -344,7 +344,8 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0.0)
     """Logits are divided by this before sampling (< 1 sharpens, > 1 flattens; the original rank RL used 0.8)."""
     max_new_tokens: int = Field(64, ge=1)
-    """Longest sampled candidate in tokens, EOS included."""
+    """Longest sampled candidate in tokens, EOS included (the policy gradients: at most data.max_target_len; left
+    unset, it is lowered to that)."""
     batch_size: int = Field(32, ge=1)
     """Sources per sampling call (each expands to num_samples decoder rows)."""
     include_gold: bool = True
@@ -754,6 +755,11 @@ class Config(_Section):
         if self.rl.batch_size % self.rl.learners:
             raise ValueError(f"rl.batch_size={self.rl.batch_size} must divide by rl.learners={self.rl.learners}")
         if self.rl.algorithm != "rank":
+            if self.rollout.max_new_tokens > self.data.max_target_len and "max_new_tokens" not in \
+                    self.rollout.model_fields_set:
+                # Left at its default: sample no longer than the learner can train on.
+                object.__setattr__(self, "rollout", self.rollout.model_copy(
+                    update={"max_new_tokens": self.data.max_target_len}))
             if self.rollout.max_new_tokens > self.data.max_target_len:
                 raise ValueError(f"rollout.max_new_tokens={self.rollout.max_new_tokens} exceeds data.max_target_len="
                                  f"{self.data.max_target_len}: the learner trains on the samples' tokens as they are")

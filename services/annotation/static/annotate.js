@@ -345,7 +345,10 @@
   async function start() {
     const pending = readJson(pendingKey);
     if (pending) await send(pending); // from before a reload or a lost connection; same id, so never twice
+    const [text, kind] = [$("status").textContent, $("status").className];
     await load();
+    // render() clears the status for the item it shows: keep the resend's outcome in view instead.
+    if (pending && !$("status").textContent) setStatus(text, kind);
   }
 
   start().catch((error) => setStatus(`Could not load: ${error.message}`, "error"));

@@ -104,6 +104,15 @@ def test_explain_gives_every_key_its_real_default_and_whole_description():
     assert any("`path`)." in line for line in tokenizer_kind[:4])
 
 
+def test_policy_gradient_samples_follow_a_shorter_target_limit_unless_set_explicitly():
+    cfg = load_config(overrides=["data.max_target_len=24"])
+    assert cfg.rl.algorithm == "grpo" and cfg.rollout.max_new_tokens == 24  # the default 64 follows the limit
+    assert load_config(overrides=["data.max_target_len=24", "rl.algorithm=rank"]).rollout.max_new_tokens == 64
+    assert load_config(overrides=["data.max_target_len=24", "rollout.max_new_tokens=16"]).rollout.max_new_tokens == 16
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens=48 exceeds data.max_target_len=24"):
+        load_config(overrides=["data.max_target_len=24", "rollout.max_new_tokens=48"])
+
+
 def test_a_retired_rank_key_names_its_new_home():
     from rlt2t.common.config import ConfigError, load_config
 
