@@ -229,9 +229,10 @@ def summarize(sft: dict[int, dict[str, Any]], arms: dict[str, dict[int, dict[str
                     "test_task_score": mean_std([runs[s]["test"]["task_score"] for s in seeds]),
                     "kl_to_start": mean_std([runs[s]["kl_to_start"] for s in seeds]),
                     "seconds": mean_std([runs[s]["seconds"] for s in seeds])}
+    for name, runs in (("sft", sft), *arms.items()):  # synthetic task: phrasing shares, SFT row included
         if all("phrasings" in runs[s] for s in seeds):
-            out[arm]["phrasings"] = {k: mean_std([runs[s]["phrasings"][k] for s in seeds])
-                                     for k in runs[seeds[0]]["phrasings"]}
+            out[name]["phrasings"] = {k: mean_std([runs[s]["phrasings"][k] for s in seeds])
+                                      for k in runs[seeds[0]]["phrasings"]}
     if "continued_sft" in arms:
         base = arms["continued_sft"]
         for arm, runs in arms.items():
@@ -342,8 +343,7 @@ def main() -> None:
           f"{args.train_subset} sources)")
     print(f"  {'SFT checkpoint':>14}: valid {summary['sft']['valid_task_score']['mean']:.4f}  "
           f"test {summary['sft']['test_task_score']['mean']:.4f}"
-          + (f"  A {statistics.fmean(v['phrasings']['A'] for v in sft.values()):.0%}"
-             if all("phrasings" in v for v in sft.values()) else ""))
+          + (f"  A {summary['sft']['phrasings']['A']['mean']:.0%}" if "phrasings" in summary["sft"] else ""))
     for arm in arms:
         s = summary[arm]
         line = (f"  {arm:>14}: valid {s['valid_task_score']['mean']:.4f} ± {s['valid_task_score']['std']:.4f}  "

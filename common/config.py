@@ -757,9 +757,8 @@ class Config(_Section):
         if self.rl.algorithm != "rank":
             if self.rollout.max_new_tokens > self.data.max_target_len and "max_new_tokens" not in \
                     self.rollout.model_fields_set:
-                # Left at its default: sample no longer than the learner can train on.
-                object.__setattr__(self, "rollout", self.rollout.model_copy(
-                    update={"max_new_tokens": self.data.max_target_len}))
+                # Left unset: sample no longer than the learner trains on.
+                self.rollout.max_new_tokens = self.data.max_target_len
             if self.rollout.max_new_tokens > self.data.max_target_len:
                 raise ValueError(f"rollout.max_new_tokens={self.rollout.max_new_tokens} exceeds data.max_target_len="
                                  f"{self.data.max_target_len}: the learner trains on the samples' tokens as they are")
