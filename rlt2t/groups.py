@@ -281,6 +281,9 @@ class WorkerPool:
         self.cls = cls
         self.what = what or cls.__name__
         self.actors: list[Any] = [remote.remote(*extra, *args, **kwargs) for extra in own]
+        # Ray restarts an actor with its constructor's arguments: an ObjectRef among them (the run's start weights)
+        # must stay referenced here, or a restart after the driver dropped it fails with "object already deleted".
+        self._constructor_args = (own, args, kwargs)
         self.state = PoolState(n)
 
     def wait_started(self, timeout_s: float) -> None:
