@@ -77,9 +77,11 @@ TASK_SETTINGS = {
     "wordnet": ["tokenizer.kind=subword", "tokenizer.vocab_size=4000", "data.max_source_len=48",
                 "data.max_target_len=32", "rollout.max_new_tokens=32", "eval.max_new_tokens=32",
                 "pretrain.max_steps=300", "sft.epochs=8", "sft.lr=1e-3"],
+    # 16 SFT epochs: with 6, validation was still rising by about 0.08 an epoch on every seed, so continued SFT
+    # still had likelihood gains to collect that RL does not target; the stage keeps its best checkpoint.
     "docstrings": ["tokenizer.kind=subword", "tokenizer.vocab_size=4000", "data.max_source_len=48",
                    "data.max_target_len=32", "rollout.max_new_tokens=32", "eval.max_new_tokens=32",
-                   "pretrain.max_steps=300", "sft.epochs=6", "sft.lr=1e-3"],
+                   "pretrain.max_steps=300", "sft.epochs=16", "sft.lr=1e-3"],
 }
 
 
