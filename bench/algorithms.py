@@ -299,6 +299,8 @@ def main() -> None:
     ap.add_argument("--base-override", action="append", default=[], help="key=value for the shared stages")
     ap.add_argument("--nl-size", type=int, default=8000, help="rows of a natural-language task (wordnet, docstrings)")
     ap.add_argument("--no-save", action="store_true", help="print only; leave bench/results/ alone")
+    ap.add_argument("--results-name", default=None,
+                    help="stem of the saved JSON and PNG in bench/results/ (default: algorithms_<task>)")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -370,8 +372,9 @@ def main() -> None:
                "sft": {str(s): v for s, v in sft.items()}, "oracles": oracles,
                "arms": {arm: {str(s): r for s, r in runs.items()} for arm, runs in results.items()},
                "summary": summary, "total_seconds": round(time.perf_counter() - t_start, 1)}
-    plot(RESULTS / f"algorithms_{args.task}.png", args.task, sft, results)
-    print("saved", save(f"algorithms_{args.task}", payload), "and", RESULTS / f"algorithms_{args.task}.png")
+    name = args.results_name or f"algorithms_{args.task}"
+    plot(RESULTS / f"{name}.png", args.task, sft, results)
+    print("saved", save(name, payload), "and", RESULTS / f"{name}.png")
 
 
 def _valid_score(cfg: Config, checkpoint: Path) -> float:
