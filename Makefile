@@ -79,8 +79,8 @@ bench: $(STAMP)
 		--arms continued_sft,rank,scst,rloo,grpo,ppo,scst:topk3 \
 		--base-override synth.test_fraction=0.15 --override run.log_every=1
 	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,rloo,grpo \
-		--rl-epochs 2 --base-override synth.test_fraction=0.1 --override run.log_every=1
-	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,rloo --rl-epochs 6 \
+		--rl-epochs 2 --heldout 3200 --base-override synth.test_fraction=0.1 --override run.log_every=1
+	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,rloo --rl-epochs 6 --heldout 3200 \
 		--base-override synth.test_fraction=0.1 --override run.log_every=1 --results-name algorithms_docstrings_96steps
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/serve_load.py --phases mixed --seconds 90

@@ -18,7 +18,9 @@ checkpoint (greedy, whole test split), the KL to the SFT checkpoint (nats per se
 test source of the final policy at temperature 1), and the wall time; and, per algorithm, the paired
 difference to continued SFT (seed by seed), its ratio to the std of the differences, and the relative gain.
 On the synthetic task the two oracles of rlt2t.common.synth show how far each arm moves from the
-likelihood-optimal phrasing towards the metric-optimal one.
+likelihood-optimal phrasing towards the metric-optimal one. On the docstring task, --heldout N also scores the
+SFT checkpoint and every arm on N pairs that none of the splits drew (the 800-row test split's noise is about
+the size of RL's effect there).
 
 Tasks: `synth` (the demo's synthetic report task, ids tokenizer) and `docstrings` (a function's name and
 arguments → the summary line its authors wrote, from the installed packages: human-written English, a
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import statistics
 import sys
 import tempfile
@@ -49,7 +52,7 @@ from machine_info import RESULTS, save  # noqa: E402
 
 from rlt2t.common.collate import collate_seq2seq, encode_texts  # noqa: E402
 from rlt2t.common.config import Config, load_config  # noqa: E402
-from rlt2t.common.io import atomic_open, atomic_write_json  # noqa: E402
+from rlt2t.common.io import atomic_open, atomic_write_json, atomic_write_jsonl  # noqa: E402
 from rlt2t.common.metrics import get_metric  # noqa: E402
 from rlt2t.common.policy import load_policy  # noqa: E402
 from rlt2t.common.sampling import sample_candidates, stable_seed  # noqa: E402
@@ -192,6 +195,31 @@ def run_arm(cfg: Config, sft_ckpt: Path) -> dict[str, Any]:
     return out
 
 
+def heldout_split(base: Config, rows: int) -> Path:
+    """Docstring task: ``rows`` pairs of the installed packages that none of the run's splits drew, a second and
+    larger test set (on the 800-row test split the evaluation noise is about the size of RL's effect)."""
+    from rlt2t.common.docstrings import PACKAGES, docstring_pairs, package_dirs
+
+    path = base.path(base.data.train).parent / f"heldout{rows}.jsonl"
+    if not path.is_file():
+        used = {e.id for split in ("train", "valid", "test") for e in load_split(base, split)}
+        pool = [r for r in docstring_pairs(package_dirs(PACKAGES)) if r["id"] not in used]
+        if len(pool) < rows:
+            raise ValueError(f"--heldout {rows}: only {len(pool)} pairs are left outside the run's splits")
+        atomic_write_jsonl(path, random.Random(11).sample(pool, rows))
+    return path
+
+
+def heldout_score(cfg: Config, checkpoint: Path, heldout: Path, label: str) -> float:
+    """Greedy task score of ``checkpoint`` on the held-out rows (cached in the run's eval/ directory)."""
+    out = cfg.run_dir / "eval" / f"{label}-test.json"
+    if not out.is_file():
+        held = cfg.model_copy(deep=True)
+        held.data.test = str(heldout)
+        eval_job(held, checkpoint=checkpoint, label=label)
+    return float(json.loads(out.read_text())["task_score"])
+
+
 def oracle_scores(cfg: Config) -> dict[str, float]:
     """Test task score of the synthetic task's two oracles (likely phrasing A, metric-preferred B)."""
     from rlt2t.common.synth import build_spec, oracle_diagnosis
@@ -224,13 +252,15 @@ def mean_std(values: list[float]) -> dict[str, float]:
 
 def summarize(sft: dict[int, dict[str, Any]], arms: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     seeds = sorted(sft)
-    out: dict[str, Any] = {"sft": {"valid_task_score": mean_std([sft[s]["valid_task_score"] for s in seeds]),
-                                   "test_task_score": mean_std([sft[s]["test_task_score"] for s in seeds])}}
+    out: dict[str, Any] = {"sft": {k: mean_std([sft[s][k] for s in seeds]) for k in sft[seeds[0]]
+                                   if k.endswith("task_score")}}
     for arm, runs in arms.items():
         out[arm] = {"valid_task_score": mean_std([runs[s]["valid"][-1]["task_score"] for s in seeds]),
                     "test_task_score": mean_std([runs[s]["test"]["task_score"] for s in seeds]),
                     "kl_to_start": mean_std([runs[s]["kl_to_start"] for s in seeds]),
                     "seconds": mean_std([runs[s]["seconds"] for s in seeds])}
+        if all("heldout_task_score" in runs[s] for s in seeds):
+            out[arm]["heldout_task_score"] = mean_std([runs[s]["heldout_task_score"] for s in seeds])
     for name, runs in (("sft", sft), *arms.items()):  # synthetic task: phrasing shares, SFT row included
         if all("phrasings" in runs[s] for s in seeds):
             out[name]["phrasings"] = {k: mean_std([runs[s]["phrasings"][k] for s in seeds])
@@ -240,8 +270,10 @@ def summarize(sft: dict[int, dict[str, Any]], arms: dict[str, dict[int, dict[str
         for arm, runs in arms.items():
             if arm == "continued_sft":
                 continue
-            for split, get in (("valid", lambda r: r["valid"][-1]["task_score"]),
-                               ("test", lambda r: r["test"]["task_score"])):
+            splits = [("valid", lambda r: r["valid"][-1]["task_score"]), ("test", lambda r: r["test"]["task_score"])]
+            if "heldout_task_score" in out[arm]:
+                splits.append(("heldout", lambda r: r["heldout_task_score"]))
+            for split, get in splits:
                 diffs = [get(runs[s]) - get(base[s]) for s in seeds]
                 d = mean_std(diffs)
                 ref = statistics.fmean(get(base[s]) for s in seeds)
@@ -299,6 +331,8 @@ def main() -> None:
     ap.add_argument("--base-override", action="append", default=[], help="key=value for the shared stages")
     ap.add_argument("--nl-size", type=int, default=8000, help="rows of a natural-language task (wordnet, docstrings)")
     ap.add_argument("--no-save", action="store_true", help="print only; leave bench/results/ alone")
+    ap.add_argument("--heldout", type=int, default=0,
+                    help="docstring task: also score every arm on this many pairs outside the run's splits")
     ap.add_argument("--results-name", default=None,
                     help="stem of the saved JSON and PNG in bench/results/ (default: algorithms_<task>)")
     args = ap.parse_args()
@@ -308,6 +342,8 @@ def main() -> None:
                      or (":" in a and a.split(":", 1)[1] not in VARIANTS))
     if unknown or not seeds:
         ap.error(f"--arms: unknown {unknown} (known: {', '.join(ALL_ARMS)})" if unknown else "--seeds is empty")
+    if args.heldout and args.task != "docstrings":
+        ap.error("--heldout: only the docstring task has pairs outside its splits to draw from")
     setup_logging()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlt2t-algorithms-") as tmp:
@@ -328,12 +364,17 @@ def main() -> None:
                 sft[seed] = {"valid_task_score": _valid_score(probe, sft_ckpt),
                              "test_task_score": eval_job(probe, checkpoint=sft_ckpt, label="sft")["task_score"],
                              "seconds": round(time.perf_counter() - t0, 1)}
+                if args.heldout:
+                    heldout = heldout_split(base, args.heldout)
+                    sft[seed]["heldout_task_score"] = heldout_score(probe, sft_ckpt, heldout, "sft-heldout")
                 if args.task == "synth":
                     sft[seed]["phrasings"] = phrasings(probe, "sft")
                     oracles = oracles or oracle_scores(probe)
                 for arm in arms:
                     cfg = arm_config(base, arm, args)
                     results[arm][seed] = r = run_arm(cfg, sft_ckpt)
+                    if args.heldout:
+                        r["heldout_task_score"] = heldout_score(cfg, Path(r["checkpoint"]), heldout, "last-heldout")
                     if args.task == "synth":
                         r["phrasings"] = phrasings(cfg, "last")
                     log.info("%s %s seed %d: valid %.4f test %.4f KL %.3f, %.0f s", args.task, arm, seed,
@@ -355,10 +396,11 @@ def main() -> None:
                 f"KL {s['kl_to_start']['mean']:.3f}  {s['seconds']['mean']:.0f} s")
         if "phrasings" in s:
             line += f"  A {s['phrasings']['A']['mean']:.0%} prefix {s['phrasings']['prefix']['mean']:.0%}"
-        if "paired_diff_test" in s:
-            d = s["paired_diff_test"]
-            line += (f"  | test vs SFT {d['mean']:+.4f} ± {d['std']:.4f} ({d['relative']:+.1%}, "
-                     f"{d['sigmas'] if d['sigmas'] is None else round(d['sigmas'], 1)} σ)")
+        for split in ("test", "heldout"):
+            if f"paired_diff_{split}" in s:
+                d = s[f"paired_diff_{split}"]
+                line += (f"  | {split} vs SFT {d['mean']:+.4f} ± {d['std']:.4f} ({d['relative']:+.1%}, "
+                         f"{d['sigmas'] if d['sigmas'] is None else round(d['sigmas'], 1)} σ)")
         print(line)
     for name, value in oracles.items():
         print(f"  {name:>14}: test {value:.4f}")
@@ -366,7 +408,7 @@ def main() -> None:
         return
     payload = {"benchmark": "algorithms", "task": args.task,
                "settings": {"seeds": seeds, "arms": arms, "rl_epochs": args.rl_epochs,
-                            "train_subset": args.train_subset, "batch_size": args.batch_size,
+                            "train_subset": args.train_subset, "batch_size": args.batch_size, "heldout": args.heldout,
                             "task_settings": TASK_SETTINGS[args.task], "overrides": args.override,
                             "base_overrides": args.base_override},
                "sft": {str(s): v for s, v in sft.items()}, "oracles": oracles,
