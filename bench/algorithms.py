@@ -366,7 +366,7 @@ def main() -> None:
                              "seconds": round(time.perf_counter() - t0, 1)}
                 if args.heldout:
                     heldout = heldout_split(base, args.heldout)
-                    sft[seed]["heldout_task_score"] = heldout_score(probe, sft_ckpt, heldout, "sft-heldout")
+                    sft[seed]["heldout_task_score"] = heldout_score(probe, sft_ckpt, heldout, f"sft-{heldout.stem}")
                 if args.task == "synth":
                     sft[seed]["phrasings"] = phrasings(probe, "sft")
                     oracles = oracles or oracle_scores(probe)
@@ -374,7 +374,8 @@ def main() -> None:
                     cfg = arm_config(base, arm, args)
                     results[arm][seed] = r = run_arm(cfg, sft_ckpt)
                     if args.heldout:
-                        r["heldout_task_score"] = heldout_score(cfg, Path(r["checkpoint"]), heldout, "last-heldout")
+                        r["heldout_task_score"] = heldout_score(cfg, Path(r["checkpoint"]), heldout,
+                                                              f"last-{heldout.stem}")
                     if args.task == "synth":
                         r["phrasings"] = phrasings(cfg, "last")
                     log.info("%s %s seed %d: valid %.4f test %.4f KL %.3f, %.0f s", args.task, arm, seed,
