@@ -197,10 +197,11 @@ def run_arm(cfg: Config, sft_ckpt: Path) -> dict[str, Any]:
 
 def heldout_split(base: Config, rows: int) -> Path:
     """Docstring task: ``rows`` pairs of the installed packages that none of the run's splits drew, a second and
-    larger test set (on the 800-row test split the evaluation noise is about the size of RL's effect)."""
+    larger test set (on the 800-row test split the evaluation noise is about the size of RL's effect). Every seed
+    draws the same splits, so one file beside the seeds serves them all."""
     from rlt2t.common.docstrings import PACKAGES, docstring_pairs, package_dirs
 
-    path = base.path(base.data.train).parent / f"heldout{rows}.jsonl"
+    path = base.run_dir.parent.parent / f"heldout{rows}.jsonl"
     if not path.is_file():
         used = {e.id for split in ("train", "valid", "test") for e in load_split(base, split)}
         pool = [r for r in docstring_pairs(package_dirs(PACKAGES)) if r["id"] not in used]
