@@ -12,6 +12,9 @@ drive it with fake results (tests/unit/test_scheduler.py).
   are keyed by chunk index: none is lost, none is used twice (checked).
 * At most two learner steps are queued (one running, one waiting), never past a step after which the
   driver must act on the learner (publish weights, checkpoint, stop).
+* Published weights are kept only from the oldest version a chunk may still need
+  (:meth:`EpochScheduler.oldest_needed_version`): the object store and each checkpoint hold a few versions,
+  not one per learner step of the epoch.
 """
 
 from __future__ import annotations
@@ -286,6 +289,15 @@ class EpochScheduler:
         if not self.retries:
             return None
         return max(0.0, min(t for t, _ in self.retries) - self.clock())
+
+    def oldest_needed_version(self) -> int:
+        """The oldest policy version a chunk may still sample with: the smallest (version, NLPO mask version)
+        of the chunks not yet scored (their rollouts, or re-dispatches of them). Once every chunk is scored,
+        the last chunk's: versions only grow along an epoch and into the next, so the next epoch samples with
+        those or later ones. The driver drops the published weights of older versions and leaves them out of
+        checkpoints."""
+        waiting = [c for c in self.chunks if c.index not in self.consumed and c.index not in self.ready]
+        return min((v for c in waiting or self.chunks[-1:] for v in c.versions()), default=self.step)
 
     def blocked_version(self) -> int | None:
         """The version the next chunk waits for, when nothing else can make progress."""

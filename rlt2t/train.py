@@ -174,10 +174,13 @@ class _Publisher:
         # these, so the first rollouts need not wait for the learner (busy with its preflight then).
         self._start: dict[str, torch.Tensor] | None = start_weights
         self._start_version = start_version
+        self._dropped_below = 0
 
     def publish(self, version: int, weights: dict[str, torch.Tensor] | None = None) -> None:
         if version in self.refs:
             return
+        if version < self._dropped_below:  # the learner has moved on: these weights are gone, not the current ones
+            raise RuntimeError(f"rl: policy version {version} is needed after its weights were dropped")
         if weights is None:
             if version == self._start_version and self._start is not None:
                 weights = self._start
@@ -205,6 +208,8 @@ class _Publisher:
         return {v: ray.get(ref) for v, ref in self.refs.items() if v < below}
 
     def prune(self, below: int) -> None:
+        """Drop the versions below ``below`` (EpochScheduler.oldest_needed_version: no chunk needs them)."""
+        self._dropped_below = max(self._dropped_below, below)
         for v in [v for v in self.refs if v < below]:
             del self.refs[v]
 
@@ -349,6 +354,7 @@ class _Job:
                                        rollouts=self.rollouts.state, rewards=self.rewards.state,
                                        max_attempts=r.max_restarts + 1, refresh_every_steps=r.refresh_interval,
                                        save_every_steps=r.save_every_steps, stop_after_steps=stop_after_steps)
+                publisher.prune(below=sched.oldest_needed_version())  # the previous epoch's are no longer needed
                 last = self._run_epoch(sched, publisher, logger, bar, epoch, epoch_start, checkpoint, truncated)
                 step = sched.step
                 result.redispatched += sched.stats.redispatched
@@ -364,7 +370,6 @@ class _Job:
                     log.info("rl epoch %d: %s", epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
                 result.checkpoint = checkpoint(epoch + 1, 0, step, {**last, **scores})
                 result.history.append({"epoch": epoch, **scores})
-                publisher.prune(below=step - r.refresh_interval)  # no later chunk can need them
             result.steps = step
         finally:
             bar.close()
@@ -450,6 +455,7 @@ class _Job:
                     publisher.publish(at)
                 if r.algorithm == "nlpo" and at % r.pg.nlpo_mask_refresh_steps == 0:
                     publisher.publish(at)  # the masking policy of later chunks
+                publisher.prune(below=sched.oldest_needed_version())  # before a checkpoint saves them
                 if at % cfg.run.log_every == 0 or sched.finished:
                     now = time.perf_counter()
                     busy = learner_busy + (now - busy_since if steps else 0.0)

@@ -107,6 +107,43 @@ def test_unordered_mode_takes_chunks_as_they_come_and_counts_it():
     assert sched.stats.out_of_order == 1
 
 
+def test_published_versions_are_needed_until_every_chunk_sampling_with_them_is_scored():
+    sched, clock = make(n_chunks=4, chunk=2, batch=2, ordered=False, versions=[3, 3, 4, 5])
+    assert sched.oldest_needed_version() == 3  # nothing sampled yet
+    sched.rollout_dispatches(published={3, 4, 5})
+    finish(sched, 1)
+    finish(sched, 2)
+    assert sched.oldest_needed_version() == 3  # chunk 0 is still sampling with version 3
+    sched.task_failed("rollout", 0, 0, unavailable=False, error="worker died")
+    assert sched.oldest_needed_version() == 3  # its re-dispatch samples with version 3 again
+    clock.now += 1
+    (retry,) = sched.rollout_dispatches(published={3, 4, 5})
+    assert retry.chunk.version == 3
+    finish(sched, 0)
+    assert sched.oldest_needed_version() == 5  # only chunk 3 samples still
+    finish(sched, 3)
+    # every chunk scored: the last chunk's version (the next epoch samples with it or later ones)
+    assert sched.oldest_needed_version() == 5
+    while sched.next_batch() is not None:
+        sched.step_done()
+    assert sched.oldest_needed_version() == 5
+
+
+def test_an_nlpo_masking_version_is_needed_as_long_as_its_chunk():
+    clock = Clock()
+    chunks = [Chunk(i, [Example(id=f"{i}", source="1", target="2")], version, mask)
+              for i, (version, mask) in enumerate([(9, 0), (10, 10), (11, 10)])]
+    sched = EpochScheduler(chunks, step=10, batch_size=1, learners=1, max_inflight_chunks=8, ordered=True,
+                           rollouts=PoolState(1, clock), rewards=PoolState(1, clock), max_attempts=2, clock=clock)
+    assert sched.oldest_needed_version() == 0
+    sched.rollout_dispatches(published={0, 9, 10, 11})
+    finish(sched, 0)
+    assert sched.oldest_needed_version() == 10
+    finish(sched, 1)
+    finish(sched, 2)
+    assert sched.oldest_needed_version() == 10  # the last chunk's mask: the next epoch's first may share it
+
+
 def test_a_failed_chunk_goes_to_a_healthy_worker_at_once():
     sched, clock = make(n_chunks=1, rollouts=2)
     sched.rollout_dispatches(published={0})
