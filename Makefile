@@ -80,8 +80,12 @@ bench: $(STAMP)
 		--base-override synth.test_fraction=0.15 --override run.log_every=1
 	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,rloo,grpo \
 		--rl-epochs 2 --heldout 3200 --base-override synth.test_fraction=0.1 --override run.log_every=1
-	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,rloo --rl-epochs 6 --heldout 3200 \
+	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,rloo,scst,rloo:topk3 \
+		--rl-epochs 6 --heldout 3200 \
 		--base-override synth.test_fraction=0.1 --override run.log_every=1 --results-name algorithms_docstrings_96steps
+	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,rloo,scst \
+		--rl-epochs 1 --train-subset 3072 --heldout 3200 \
+		--base-override synth.test_fraction=0.1 --override run.log_every=1 --results-name algorithms_docstrings_wide
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/serve_load.py --phases mixed --seconds 90
 	$(BIN)/python bench/ct2_sampling.py
