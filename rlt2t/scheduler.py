@@ -41,6 +41,12 @@ def needed_version(global_step: int, epoch_start: int, refresh: int) -> int:
     return max(0, (global_step // refresh - 1) * refresh)
 
 
+def mask_version(version: int, every: int) -> int:
+    """NLPO: the masking policy's version for a chunk sampled by ``version`` (the mask refreshes every ``every``
+    learner steps)."""
+    return (version // every) * every
+
+
 class ChunkFailed(RuntimeError):
     """A chunk failed more often than the job allows."""
 
@@ -150,6 +156,9 @@ class EpochScheduler:
     refresh_every_steps: int = 0
     save_every_steps: int = 0
     stop_after_steps: int = 0
+    epoch_start: int = 0
+    mask_every: int = 0
+    """NLPO's mask refresh period (0: no masking policy)."""
     max_unavailable: int = 30
     clock: Callable[[], float] = time.monotonic
     stats: EpochStats = field(default_factory=EpochStats)
@@ -291,13 +300,16 @@ class EpochScheduler:
         return max(0.0, min(t for t, _ in self.retries) - self.clock())
 
     def oldest_needed_version(self) -> int:
-        """The oldest policy version a chunk may still sample with: the smallest (version, NLPO mask version)
-        of the chunks not yet scored (their rollouts, or re-dispatches of them). Once every chunk is scored,
-        the last chunk's: versions only grow along an epoch and into the next, so the next epoch samples with
-        those or later ones. The driver drops the published weights of older versions and leaves them out of
-        checkpoints."""
-        waiting = [c for c in self.chunks if c.index not in self.consumed and c.index not in self.ready]
-        return min((v for c in waiting or self.chunks[-1:] for v in c.versions()), default=self.step)
+        """The oldest policy version still needed: by a chunk not yet scored (its rollout, or a re-dispatch of
+        it, which in unordered mode can lag the learner) or by a run resumed from the current step, which plans
+        and samples again from there (:func:`needed_version`, and its NLPO mask). The driver drops the
+        published weights of older versions and leaves them out of checkpoints; later chunks, this epoch's or
+        the next's, need the same versions or later ones."""
+        resumed = needed_version(self.step, self.epoch_start, self.refresh_every_steps)
+        needed = [resumed, mask_version(resumed, self.mask_every)] if self.mask_every else [resumed]
+        needed += [v for c in self.chunks if c.index not in self.consumed and c.index not in self.ready
+                   for v in c.versions()]
+        return min(needed)
 
     def blocked_version(self) -> int | None:
         """The version the next chunk waits for, when nothing else can make progress."""

@@ -55,7 +55,7 @@ from rlt2t.common.types import RolloutSpec
 from rlt2t.common.waiting import NotYet, wait_until
 from rlt2t.groups import LearnerGroup, WorkerPool, check_cluster, init_ray
 from rlt2t.learner.trainer import epoch_order
-from rlt2t.scheduler import Chunk, ChunkFailed, EpochScheduler, needed_version
+from rlt2t.scheduler import Chunk, ChunkFailed, EpochScheduler, mask_version, needed_version
 from rlt2t.services.http import load_token
 from rlt2t.services.remote_workers import HttpRewardWorker, HttpRolloutWorker
 
@@ -353,7 +353,9 @@ class _Job:
                                        max_inflight_chunks=r.max_inflight_chunks, ordered=self._ordered(),
                                        rollouts=self.rollouts.state, rewards=self.rewards.state,
                                        max_attempts=r.max_restarts + 1, refresh_every_steps=r.refresh_interval,
-                                       save_every_steps=r.save_every_steps, stop_after_steps=stop_after_steps)
+                                       save_every_steps=r.save_every_steps, stop_after_steps=stop_after_steps,
+                                       epoch_start=epoch_start,
+                                       mask_every=r.pg.nlpo_mask_refresh_steps if r.algorithm == "nlpo" else 0)
                 publisher.prune(below=sched.oldest_needed_version())  # the previous epoch's are no longer needed
                 last = self._run_epoch(sched, publisher, logger, bar, epoch, epoch_start, checkpoint, truncated)
                 step = sched.step
@@ -393,10 +395,7 @@ class _Job:
         chunks = []
         for i, o in enumerate(range(0, len(chosen), r.chunk_size)):
             version = needed_version(step + o // r.batch_size, epoch_start, r.refresh_interval)
-            mask = None
-            if r.algorithm == "nlpo":
-                n = r.pg.nlpo_mask_refresh_steps
-                mask = (version // n) * n
+            mask = mask_version(version, r.pg.nlpo_mask_refresh_steps) if r.algorithm == "nlpo" else None
             chunks.append(Chunk(i, chosen[o : o + r.chunk_size], version, mask))
         return chunks
 

@@ -76,9 +76,9 @@ def references(ray_session, prepared_run, copy_prepared, tmp_path_factory):
             assert all("value_loss" in r and "explained_variance" in r for r in train)
         assert len({r["kl_coef"] for r in train}) > 1  # the adaptive controller moves β
         out[variant] = (_weights(result.checkpoint), _learner_state(result.checkpoint))
-        # The checkpoint keeps the published weights a resumed run can still need (the last chunk sampled with
-        # version STEPS - 2), not one copy per learner step of the epoch.
-        assert sorted(int(v) for v in load_training_state(result.checkpoint)["published"]) == [STEPS - 2, STEPS - 1]
+        # The checkpoint keeps the published weights a run resumed from it samples with first (one step stale:
+        # STEPS - 1), not one copy per learner step of the epoch.
+        assert sorted(int(v) for v in load_training_state(result.checkpoint)["published"]) == [STEPS - 1]
         if extra == LORA:  # the checkpoints hold adapters; the frozen base is the SFT model, unchanged
             assert (result.checkpoint / "adapter_config.json").is_file()
             sft = _weights(best_or_latest(prepared_run / "sft" / "checkpoints"))

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlt2t.scheduler import needed_version
+from rlt2t.scheduler import mask_version, needed_version
 
 
 def test_epoch_refresh_samples_with_the_epoch_start_weights():
@@ -107,41 +107,80 @@ def test_unordered_mode_takes_chunks_as_they_come_and_counts_it():
     assert sched.stats.out_of_order == 1
 
 
-def test_published_versions_are_needed_until_every_chunk_sampling_with_them_is_scored():
-    sched, clock = make(n_chunks=4, chunk=2, batch=2, ordered=False, versions=[3, 3, 4, 5])
-    assert sched.oldest_needed_version() == 3  # nothing sampled yet
-    sched.rollout_dispatches(published={3, 4, 5})
-    finish(sched, 1)
-    finish(sched, 2)
-    assert sched.oldest_needed_version() == 3  # chunk 0 is still sampling with version 3
-    sched.task_failed("rollout", 0, 0, unavailable=False, error="worker died")
-    assert sched.oldest_needed_version() == 3  # its re-dispatch samples with version 3 again
-    clock.now += 1
-    (retry,) = sched.rollout_dispatches(published={3, 4, 5})
-    assert retry.chunk.version == 3
-    finish(sched, 0)
-    assert sched.oldest_needed_version() == 5  # only chunk 3 samples still
-    finish(sched, 3)
-    # every chunk scored: the last chunk's version (the next epoch samples with it or later ones)
-    assert sched.oldest_needed_version() == 5
-    while sched.next_batch() is not None:
-        sched.step_done()
-    assert sched.oldest_needed_version() == 5
+def _step_chunks(n: int, chunk_steps: int, refresh: int, mask_every: int = 0) -> list[Chunk]:
+    """An epoch's chunks as the driver plans them: each covers ``chunk_steps`` learner steps of one source."""
+    out = []
+    for i in range(n):
+        version = needed_version(i * chunk_steps, 0, refresh)
+        mask = mask_version(version, mask_every) if mask_every else None
+        out.append(Chunk(i, [Example(id=f"{i}-{j}", source="1", target="2") for j in range(chunk_steps)], version,
+                         mask))
+    return out
 
 
-def test_an_nlpo_masking_version_is_needed_as_long_as_its_chunk():
+def _sched(chunks: list[Chunk], refresh: int, ordered: bool = True, mask_every: int = 0):
     clock = Clock()
-    chunks = [Chunk(i, [Example(id=f"{i}", source="1", target="2")], version, mask)
-              for i, (version, mask) in enumerate([(9, 0), (10, 10), (11, 10)])]
-    sched = EpochScheduler(chunks, step=10, batch_size=1, learners=1, max_inflight_chunks=8, ordered=True,
-                           rollouts=PoolState(1, clock), rewards=PoolState(1, clock), max_attempts=2, clock=clock)
-    assert sched.oldest_needed_version() == 0
-    sched.rollout_dispatches(published={0, 9, 10, 11})
+    return EpochScheduler(chunks, step=0, batch_size=1, learners=1, max_inflight_chunks=8, ordered=ordered,
+                          rollouts=PoolState(1, clock), rewards=PoolState(1, clock), max_attempts=3,
+                          refresh_every_steps=refresh, mask_every=mask_every, clock=clock), clock
+
+
+def _train_one_step(sched: EpochScheduler) -> int:
+    assert sched.next_batch() is not None
+    return sched.step_done()
+
+
+def test_a_scored_chunk_keeps_its_version_for_a_run_resumed_before_it_trains():
+    sched, _ = _sched(_step_chunks(6, 1, refresh=1), refresh=1)  # versions 0, 0, 1, 2, 3, 4
+    sched.rollout_dispatches(published={0})
     finish(sched, 0)
-    assert sched.oldest_needed_version() == 10
     finish(sched, 1)
-    finish(sched, 2)
-    assert sched.oldest_needed_version() == 10  # the last chunk's mask: the next epoch's first may share it
+    assert _train_one_step(sched) == 1
+    assert sched.oldest_needed_version() == 0  # chunk 1 trains next: a run resumed here samples it with 0
+    sched.rollout_dispatches(published={0, 1})
+    finish(sched, 2)  # scored ahead of the learner
+    assert _train_one_step(sched) == 2
+    # chunk 2 is scored, but a run resumed at step 2 samples it again with version 1
+    assert sched.oldest_needed_version() == 1
+
+
+def test_a_redispatched_chunk_behind_the_learner_keeps_its_version():
+    sched, clock = _sched(_step_chunks(4, 1, refresh=1), refresh=1, ordered=False)  # versions 0, 0, 1, 2
+    sched.rollout_dispatches(published={0, 1, 2})
+    sched.task_failed("rollout", 0, 0, unavailable=False, error="worker died")
+    for index in (1, 2, 3):
+        finish(sched, index)
+    for _ in range(3):
+        _train_one_step(sched)  # unordered: chunks 1-3 train first
+    assert sched.step == 3 and needed_version(3, 0, 1) == 2
+    assert sched.oldest_needed_version() == 0  # chunk 0's re-dispatch samples with version 0
+    clock.now += 1
+    (retry,) = sched.rollout_dispatches(published={0, 1, 2})
+    finish(sched, retry.chunk.index)
+    assert sched.oldest_needed_version() == 2  # only what a resumed run needs
+
+
+def test_chunks_longer_than_a_refresh_never_drop_a_version_the_learner_has_not_reached():
+    # chunks of 4 steps, refresh every step: versions 0, 3, 7; once chunk 0 is scored the chunks alone would
+    # allow dropping versions 1 and 2 before the learner publishes them
+    sched, _ = _sched(_step_chunks(3, 4, refresh=1), refresh=1)
+    sched.rollout_dispatches(published={0})
+    finish(sched, 0)
+    for step in range(1, 4):
+        assert _train_one_step(sched) == step
+        assert sched.oldest_needed_version() == needed_version(step, 0, 1) <= step
+
+
+def test_an_nlpo_masking_version_is_kept_while_a_chunk_or_a_resumed_run_needs_it():
+    sched, _ = _sched(_step_chunks(14, 1, refresh=1, mask_every=10), refresh=1, mask_every=10)
+    published = set(range(14))
+    sched.rollout_dispatches(published=published)
+    for index in range(14):
+        finish(sched, index)
+    for step in range(1, 14):
+        assert _train_one_step(sched) == step
+        # the resumed run's next chunk samples with step - 1 and masks with the last multiple of 10 below it
+        assert sched.oldest_needed_version() == (0 if step <= 10 else 10)
 
 
 def test_a_failed_chunk_goes_to_a_healthy_worker_at_once():
