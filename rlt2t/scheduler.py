@@ -12,9 +12,9 @@ drive it with fake results (tests/unit/test_scheduler.py).
   are keyed by chunk index: none is lost, none is used twice (checked).
 * At most two learner steps are queued (one running, one waiting), never past a step after which the
   driver must act on the learner (publish weights, checkpoint, stop).
-* Published weights are kept only from the oldest version a chunk may still need
-  (:meth:`EpochScheduler.oldest_needed_version`): the object store and each checkpoint hold a few versions,
-  not one per learner step of the epoch.
+* Published weights are kept only from the oldest version a chunk, or a run resumed from the current step,
+  may still need (:meth:`EpochScheduler.oldest_needed_version`): the object store and each checkpoint hold a
+  few versions, not one per learner step of the epoch.
 """
 
 from __future__ import annotations
