@@ -48,10 +48,10 @@ class Item:
 
 
 def make(n_chunks=4, chunk=2, batch=4, learners=1, inflight=8, ordered=True, rollouts=2, rewards=1, attempts=2,
-         versions=None, **kw) -> tuple[EpochScheduler, Clock]:
+         versions=None, masks=None, **kw) -> tuple[EpochScheduler, Clock]:
     clock = Clock()
     chunks = [Chunk(i, [Example(id=f"{i}-{j}", source="1", target="2") for j in range(chunk)],
-                    (versions or [0] * n_chunks)[i]) for i in range(n_chunks)]
+                    (versions or [0] * n_chunks)[i], masks[i] if masks else None) for i in range(n_chunks)]
     sched = EpochScheduler(chunks, step=0, batch_size=batch, learners=learners, max_inflight_chunks=inflight,
                            ordered=ordered, rollouts=PoolState(rollouts, clock), rewards=PoolState(rewards, clock),
                            max_attempts=attempts, clock=clock, **kw)
@@ -107,22 +107,13 @@ def test_unordered_mode_takes_chunks_as_they_come_and_counts_it():
     assert sched.stats.out_of_order == 1
 
 
-def _step_chunks(n: int, chunk_steps: int, refresh: int, mask_every: int = 0) -> list[Chunk]:
-    """An epoch's chunks as the driver plans them: each covers ``chunk_steps`` learner steps of one source."""
-    out = []
-    for i in range(n):
-        version = needed_version(i * chunk_steps, 0, refresh)
-        mask = mask_version(version, mask_every) if mask_every else None
-        out.append(Chunk(i, [Example(id=f"{i}-{j}", source="1", target="2") for j in range(chunk_steps)], version,
-                         mask))
-    return out
-
-
-def _sched(chunks: list[Chunk], refresh: int, ordered: bool = True, mask_every: int = 0):
-    clock = Clock()
-    return EpochScheduler(chunks, step=0, batch_size=1, learners=1, max_inflight_chunks=8, ordered=ordered,
-                          rollouts=PoolState(1, clock), rewards=PoolState(1, clock), max_attempts=3,
-                          refresh_every_steps=refresh, mask_every=mask_every, clock=clock), clock
+def make_planned(n_chunks: int, chunk_steps: int, refresh: int, mask_every: int = 0, **kw):
+    """An epoch planned as the driver plans it: batches of one source, chunks of ``chunk_steps`` learner steps,
+    each chunk's version (and NLPO mask) that of its first step."""
+    versions = [needed_version(i * chunk_steps, 0, refresh) for i in range(n_chunks)]
+    masks = [mask_version(v, mask_every) for v in versions] if mask_every else None
+    return make(n_chunks=n_chunks, chunk=chunk_steps, batch=1, versions=versions, masks=masks,
+                refresh_every_steps=refresh, mask_every=mask_every, **kw)
 
 
 def _train_one_step(sched: EpochScheduler) -> int:
@@ -131,7 +122,7 @@ def _train_one_step(sched: EpochScheduler) -> int:
 
 
 def test_a_scored_chunk_keeps_its_version_for_a_run_resumed_before_it_trains():
-    sched, _ = _sched(_step_chunks(6, 1, refresh=1), refresh=1)  # versions 0, 0, 1, 2, 3, 4
+    sched, _ = make_planned(6, 1, refresh=1)  # versions 0, 0, 1, 2, 3, 4
     sched.rollout_dispatches(published={0})
     finish(sched, 0)
     finish(sched, 1)
@@ -145,7 +136,7 @@ def test_a_scored_chunk_keeps_its_version_for_a_run_resumed_before_it_trains():
 
 
 def test_a_redispatched_chunk_behind_the_learner_keeps_its_version():
-    sched, clock = _sched(_step_chunks(4, 1, refresh=1), refresh=1, ordered=False)  # versions 0, 0, 1, 2
+    sched, clock = make_planned(4, 1, refresh=1, ordered=False)  # versions 0, 0, 1, 2
     sched.rollout_dispatches(published={0, 1, 2})
     sched.task_failed("rollout", 0, 0, unavailable=False, error="worker died")
     for index in (1, 2, 3):
@@ -163,7 +154,7 @@ def test_a_redispatched_chunk_behind_the_learner_keeps_its_version():
 def test_chunks_longer_than_a_refresh_never_drop_a_version_the_learner_has_not_reached():
     # chunks of 4 steps, refresh every step: versions 0, 3, 7; once chunk 0 is scored the chunks alone would
     # allow dropping versions 1 and 2 before the learner publishes them
-    sched, _ = _sched(_step_chunks(3, 4, refresh=1), refresh=1)
+    sched, _ = make_planned(3, 4, refresh=1)
     sched.rollout_dispatches(published={0})
     finish(sched, 0)
     for step in range(1, 4):
@@ -172,7 +163,7 @@ def test_chunks_longer_than_a_refresh_never_drop_a_version_the_learner_has_not_r
 
 
 def test_an_nlpo_masking_version_is_kept_while_a_chunk_or_a_resumed_run_needs_it():
-    sched, _ = _sched(_step_chunks(14, 1, refresh=1, mask_every=10), refresh=1, mask_every=10)
+    sched, _ = make_planned(14, 1, refresh=1, mask_every=10)
     published = set(range(14))
     sched.rollout_dispatches(published=published)
     for index in range(14):
