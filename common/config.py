@@ -224,6 +224,10 @@ class PolicyGradientConfig(_Section):
     """NLPO: the action space is the top-p tokens of the masking policy."""
     nlpo_mask_refresh_steps: int = Field(10, ge=1)
     """NLPO: the masking policy is a copy of the policy refreshed every N learner steps."""
+    nlpo_leak_coef: float = Field(1.0, ge=0.0)
+    """NLPO: weight of the loss term -log(policy mass inside the mask), token mean. The masked loss does not
+    reach the logits of masked-out tokens; without this term mass drifts outside the mask unseen until a
+    refresh lets it in (one synthetic-benchmark seed in three collapsed that way). 0 turns it off."""
 
 
 class RLConfig(StageConfig):

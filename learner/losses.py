@@ -6,7 +6,7 @@ better sequence `a` and a worse sequence `b` for the same source, weighting the 
 divergence with a decaying factor.
 
 Policy gradient: `kl_estimate` (k1, k2, k3), `group_advantages` (SCST, RLOO, GRPO), `gae`,
-`clipped_policy_loss`, `clipped_value_loss`, `masked_mean` / `masked_whiten`, and the
+`clipped_policy_loss`, `clipped_value_loss`, `masked_mean` / `masked_whiten`, `mask_leak` (NLPO), and the
 `AdaptiveKLController`. "Token mean" everywhere is the sum over valid (mask = 1) tokens divided by their
 count, over the whole batch.
 
@@ -170,6 +170,22 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k3") -> Tensor:
     if kind == "k3":
         return torch.expm1(-d) + d  # exp(-d) - 1 + d, accurate for small d
     raise ValueError(f"kind must be 'k1', 'k2' or 'k3', got {kind!r}")
+
+
+def mask_leak(logits: Tensor, allowed: Tensor) -> Tensor:
+    """-log of the probability the softmax of ``logits`` puts on the ``allowed`` tokens, per position.
+
+    This is KL(q || p) for p = softmax(logits) and q = p restricted to the allowed set and renormalised: 0 when
+    every bit of mass is allowed, growing as mass moves outside. NLPO's loss on masked log-probs is blind to the
+    logits of masked-out tokens; this term is what keeps the policy's mass inside its action space.
+    logits [..., V] (any float dtype, computed in float32), allowed [..., V] bool with at least one True per
+    position; returns [...].
+    """
+    if logits.shape != allowed.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and allowed {tuple(allowed.shape)} must have one shape")
+    scores = logits.float()
+    inside = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.logsumexp(scores, dim=-1) - inside
 
 
 def group_advantages(rewards: Tensor, kind: AdvantageKind, baseline: Tensor | None = None) -> Tensor:

@@ -37,6 +37,7 @@ from rlt2t.learner.losses import (
     gae,
     group_advantages,
     kl_estimate,
+    mask_leak,
     masked_mean,
 )
 from rlt2t.learner.rank_step import IGNORE_INDEX, RankBatch, SharedEncoderRankLoss
@@ -192,10 +193,12 @@ class PolicyGradientObjective:
     def metric_keys(self) -> tuple[str, ...]:
         keys = ["loss", "policy_loss", "reward_mean", "reward_std", "kl_k1", "kl_k3", "kl_seq", "kl_coef",
                 "clip_fraction", "approx_kl", "entropy", "advantage_mean", "advantage_std", "ratio_mean",
-                "ratio_max", "sampler_ratio_mean", "sampler_ratio_max_dev", "kl_k1_stderr", "is_weight_mean",
-                "grad_norm", "optimizer_steps", "tokens", "excluded_tokens"]
+                "ratio_max", "sampler_ratio_mean", "sampler_ratio_max_dev", "sampler_kl", "kl_k1_stderr",
+                "is_weight_mean", "grad_norm", "optimizer_steps", "tokens", "excluded_tokens"]
         if self.algorithm == "scst":
             keys.append("greedy_reward")
+        if self.algorithm == "nlpo":
+            keys.append("mask_leak")
         if self.rl.ppo_like:
             keys += ["value_loss", "value_clip_fraction", "explained_variance"]
         return tuple(keys)
@@ -306,7 +309,7 @@ class PolicyGradientObjective:
         minibatches = min(rl.optimisation_minibatches, run.all_min(size))
         stats: dict[str, list[float]] = {"loss": [], "policy_loss": [], "clip_fraction": [], "approx_kl": [],
                                          "ratio_mean": [], "ratio_max": [], "grad_norm": [], "value_loss": [],
-                                         "value_clip_fraction": []}
+                                         "value_clip_fraction": [], "mask_leak": []}
         steps = 0
         stop = False
         for _ in range(rl.optimisation_epochs):
@@ -333,6 +336,10 @@ class PolicyGradientObjective:
                     stats["value_clip_fraction"].append(value_clip.item())
                 if pg.entropy_coef:
                     loss = loss - pg.entropy_coef * masked_mean(_entropy(out.logits), mb_mask)
+                if action_mask is not None:  # NLPO: keep the policy's mass inside its action space
+                    leak = masked_mean(mask_leak(out.logits, action_mask[rows]), mb_mask)
+                    loss = loss + pg.nlpo_leak_coef * leak
+                    stats["mask_leak"].append(leak.item())
                 stats["grad_norm"].append(run.optimize(loss))
                 steps += 1
                 for key, value in (("loss", loss), ("policy_loss", policy_loss), *st.items()):
@@ -363,6 +370,9 @@ class PolicyGradientObjective:
             "sampler_ratio_mean": float(masked_mean(sampler_ratio, mask)),
             "sampler_ratio_max_dev": (float(torch.where(mask, (sampler_ratio - 1).abs(), 0).max())
                                       if mask.any() else 0.0),
+            # k1 of KL(sampler || learner) under the transform, per token: what staleness or a quantised sampler
+            # can explain of a negative KL estimate (no more than this, in expectation)
+            "sampler_kl": float(masked_mean(-sampler_log_ratio, mask)),
             "is_weight_mean": float(masked_mean(is_weights, mask)),
             "optimizer_steps": float(steps), "tokens": float(mask.sum()),
             "excluded_tokens": float((batch.loss_mask & ~mask).sum()),
@@ -387,24 +397,29 @@ class PolicyGradientObjective:
         return torch.where(mask, out, torch.zeros_like(out))
 
     def _warn(self, metrics: dict[str, float], items: Sequence[ScoredGroup], step: int) -> None:
-        """The warnings peers' trackers show runs dying without (mismatched generation settings)."""
+        """The warnings peers' trackers show runs dying without (mismatched generation settings). ``step`` counts
+        from 0; the messages count from 1, as the step column of the metrics log does."""
         on_policy = all(g.policy_version == step for g in items)
         if on_policy and metrics["sampler_ratio_max_dev"] > ON_POLICY_RATIO_TOLERANCE and "ratio" not in self._warned:
             self._warned.add("ratio")
             log.warning("step %d: on-policy samples, yet the learner's probabilities differ from the sampler's (max "
                         "|ratio - 1| = %.3g): the generation settings differ between sampler and learner "
                         "(rollout.temperature / top_k / top_p), dropout is on, or the sampler is quantised "
-                        "(rollout.ct2_compute_type; truncated importance weights correct for it)", step,
+                        "(rollout.ct2_compute_type; truncated importance weights correct for it)", step + 1,
                         metrics["sampler_ratio_max_dev"])
-        # On-policy samples drawn from the raw policy make k1 an unbiased KL estimate, never negative on average:
-        # below zero by more than its noise, the samples are not from the policy the KL is taken of.
-        negative = metrics["kl_k1"] < -(0.01 + 3 * metrics["kl_k1_stderr"])
-        if on_policy and negative and "kl" not in self._warned:
+        # Samples y of a sampler q give k1 = E_q[log p(y) - log r(y)] = KL(q || r) - KL(q || p) >= -KL(q || p):
+        # on-policy (q = p) never negative on average; a stale or quantised sampler explains at most sampler_kl
+        # of it. Below that by more than its noise, the samples are not from the policy the KL is taken of.
+        # Pipelined runs sample one step stale, so this cannot wait for on-policy steps (it never would).
+        floor = max(metrics["sampler_kl"], 0.0) + 0.01 + 3 * metrics["kl_k1_stderr"]
+        if metrics["kl_k1"] < -floor and "kl" not in self._warned:
             self._warned.add("kl")
-            log.warning("step %d: the KL estimate to the reference is negative (k1 token mean %.4f ± %.4f): the "
-                        "samples do not come from the policy the KL is taken of (rollout.temperature / top_k / "
-                        "top_p other than 1 / 0 / 1 sample a transformed policy, or the reference is not the "
-                        "run's start)", step, metrics["kl_k1"], metrics["kl_k1_stderr"])
+            log.warning("step %d: the KL estimate to the reference is negative (k1 token mean %.4f ± %.4f, beyond "
+                        "the %.4f a stale sampler explains): the samples do not come from the policy the KL is "
+                        "taken of (rollout.temperature / top_k / top_p other than 1 / 0 / 1 sample a transformed "
+                        "policy; NLPO samples inside its masking policy's top-p set, so probability moving outside "
+                        "that set goes unseen until the mask refreshes; or the reference is not the run's start)",
+                        step + 1, metrics["kl_k1"], metrics["kl_k1_stderr"], max(metrics["sampler_kl"], 0.0))
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"kl": self.kl.state_dict()}

@@ -15,6 +15,7 @@ from rlt2t.learner.losses import (
     gae,
     group_advantages,
     kl_estimate,
+    mask_leak,
     masked_mean,
     masked_whiten,
 )
@@ -166,3 +167,16 @@ def test_adaptive_kl_controller_by_hand():
     assert fixed.update(100.0, 64) == 0.3
     with pytest.raises(ValueError, match="target"):
         AdaptiveKLController(0.1, target=0.0, horizon=10)
+
+
+def test_mask_leak_by_hand():
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    logits = probs.log() + 7.0  # a shift changes nothing
+    allowed = torch.tensor([[True, False, True, False], [True, True, True, True]])
+    torch.testing.assert_close(mask_leak(logits, allowed), torch.tensor([-math.log(0.4), 0.0]))
+    # KL(q || p) with q = p restricted to the allowed tokens and renormalised, computed the long way
+    q = torch.where(allowed[0], probs[0], 0.0) / 0.4
+    kl = sum(float(q[v] * (q[v] / probs[0, v]).log()) for v in range(4) if allowed[0, v])
+    assert mask_leak(logits, allowed)[0].item() == pytest.approx(kl)
+    with pytest.raises(ValueError, match="one shape"):
+        mask_leak(logits, allowed[:, :3])
