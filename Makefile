@@ -76,14 +76,14 @@ bench: $(STAMP)
 	$(BIN)/python bench/pipeline.py --algorithm ppo
 	# The efficacy benchmark as the README's tables were run (2 cores: about 20 min a seed for the synthetic task, 25 min a seed and reading for the docstring task, each reading redoes its SFT).
 	$(BIN)/python bench/algorithms.py --task synth --rl-epochs 2 \
-		--arms continued_sft,rank,scst,rloo,grpo,ppo,scst:topk3 \
+		--arms continued_sft,rank,scst,rloo,grpo,ppo,scst:topk3,a2c,nlpo \
 		--base-override synth.test_fraction=0.15 --override run.log_every=1
 	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,rloo,grpo \
 		--rl-epochs 2 --heldout 3200 --base-override synth.test_fraction=0.1 --override run.log_every=1
 	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,rloo,scst,rloo:topk3 \
 		--rl-epochs 6 --heldout 3200 \
 		--base-override synth.test_fraction=0.1 --override run.log_every=1 --results-name algorithms_docstrings_96steps
-	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,rloo,scst \
+	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,rloo,scst,rloo:k16 \
 		--rl-epochs 1 --train-subset 3072 --heldout 3200 \
 		--base-override synth.test_fraction=0.1 --override run.log_every=1 --results-name algorithms_docstrings_wide
 	$(BIN)/python bench/serve_load.py

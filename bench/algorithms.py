@@ -20,7 +20,9 @@ difference to continued SFT (seed by seed), its ratio to the std of the differen
 On the synthetic task the two oracles of rlt2t.common.synth show how far each arm moves from the
 likelihood-optimal phrasing towards the metric-optimal one. On the docstring task, --heldout N also scores the
 SFT checkpoint and every arm on N pairs that none of the splits drew (the 800-row test split's noise is about
-the size of RL's effect there).
+the size of RL's effect there). The SFT checkpoint's headroom (test, and held-out with --heldout): the task
+score of its greedy decode against a reference-free choice among that decode and 6 samples (the consensus, a
+minimum-Bayes-risk pick), against one sample, and against the best of them by the reference (an oracle).
 
 Tasks: `synth` (the demo's synthetic report task, ids tokenizer) and `docstrings` (a function's name and
 arguments → the summary line its authors wrote, from the installed packages: human-written English, a
@@ -90,8 +92,8 @@ TASK_SETTINGS = {
 
 # Arm variants, `<algorithm>:<variant>`: the same algorithm with another rollout backend (what an int8
 # CTranslate2 sampler costs or gains against a float32 one, with truncated importance weights), or a gentler
-# update (a quarter of the learning rate; a 4x KL coefficient), rank RL's sampling (top-k 3, temperature 0.8), or
-# LoRA adapters (r = 8) instead of full fine-tuning.
+# update (a quarter of the learning rate; a 4x KL coefficient), rank RL's sampling (top-k 3, temperature 0.8),
+# LoRA adapters (r = 8) instead of full fine-tuning, or more samples per source.
 VARIANTS = {
     "ct2_int8": ["rollout.backend=ct2", "rollout.ct2_compute_type=int8"],
     "ct2_float32": ["rollout.backend=ct2", "rollout.ct2_compute_type=float32"],
@@ -99,6 +101,7 @@ VARIANTS = {
     "kl0.2": ["rl.kl.coef=0.2"],
     "topk3": ["rollout.top_k=3", "rollout.temperature=0.8"],  # sampling closer to the greedy decode, as rank's
     "lora": ["model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16"],  # adapters only, same steps
+    "k16": ["rollout.num_samples=16"],  # 16 samples per source instead of 6: a less noisy advantage, same sources
 }
 
 
@@ -151,6 +154,19 @@ def train_means(cfg: Config) -> dict[str, float]:
 
 
 @torch.no_grad()
+def _draws(cfg: Config, policy, examples: list, samples: int, tag: str):
+    """Per chunk of 32 examples: (its collated batch, ``samples`` draws per source), drawn at temperature 1 from
+    the whole vocabulary with generators seeded by (run seed, ``tag``, example id, draw)."""
+    for first in range(0, len(examples), 32):
+        chunk = examples[first : first + 32]
+        ids, _ = encode_texts(policy.tokenizer, [e.source for e in chunk], cfg.data.max_source_len)
+        batch = collate_seq2seq(ids, None, policy.tokenizer.pad_token_id)
+        gens = [torch.Generator().manual_seed(stable_seed(cfg.run.seed, tag, e.id, j)) for e in chunk
+                for j in range(samples)]
+        yield batch, sample_candidates(policy.model, batch["input_ids"], batch["attention_mask"], samples, 0, 1.0,
+                                       cfg.rollout.max_new_tokens, gens)
+
+
 def kl_to_start(cfg: Config, final: Path, start: Path, samples: int = 4) -> float:
     """KL(final || start) in nats per sequence: the mean of log p_final(y) - log p_start(y) over ``samples``
     draws y of the final policy (temperature 1, whole vocabulary) per test source."""
@@ -160,14 +176,7 @@ def kl_to_start(cfg: Config, final: Path, start: Path, samples: int = 4) -> floa
     pf.model.eval()
     ps.model.eval()
     total, n = 0.0, 0
-    for first in range(0, len(examples), 32):
-        chunk = examples[first : first + 32]
-        ids, _ = encode_texts(pf.tokenizer, [e.source for e in chunk], cfg.data.max_source_len)
-        batch = collate_seq2seq(ids, None, pf.tokenizer.pad_token_id)
-        gens = [torch.Generator().manual_seed(stable_seed(cfg.run.seed, "kl", e.id, j)) for e in chunk
-                for j in range(samples)]
-        rows = sample_candidates(pf.model, batch["input_ids"], batch["attention_mask"], samples, 0, 1.0,
-                                 cfg.rollout.max_new_tokens, gens)
+    for batch, rows in _draws(cfg, pf, examples, samples, "kl"):
         tokens = [r.token_ids for r in rows]
         lp_start = sequence_logprobs(ps.model, batch["input_ids"], batch["attention_mask"], tokens, samples)
         for r, ls in zip(rows, lp_start, strict=True):
@@ -221,6 +230,53 @@ def heldout_score(cfg: Config, checkpoint: Path, heldout: Path, label: str) -> f
     return float(json.loads(out.read_text())["task_score"])
 
 
+def headroom(cfg: Config, checkpoint: Path, examples: list, label: str, samples: int = 6) -> dict[str, float]:
+    """How much a metric-aware choice among the SFT checkpoint's own outputs gains over its greedy decode.
+
+    Per source: the greedy decode and ``samples`` draws at temperature 1 (whole vocabulary). Task scores of
+    the greedy decodes, of the first draws, of the consensus choice among all of them (the candidate with the
+    highest mean CIDEr-D against the others, ``rlt2t.common.rerank.consensus_scores``: a minimum-Bayes-risk
+    decode under the model's own uncertainty, which needs no reference), and of the best one by the
+    reference (an oracle no policy can match). The consensus gain is what choosing differently among the
+    policy's own outputs finds source by source; a policy gradient can find more where one fix serves many
+    sources (the synthetic task's phrasing). Ties go to the greedy decode. Cached in the run's eval/
+    directory."""
+    import numpy as np
+
+    from rlt2t.common.metrics import CiderD, DocumentFrequency
+    from rlt2t.common.rerank import consensus_scores
+    from rlt2t.learner.evaluate import generate
+
+    out_path = cfg.run_dir / "eval" / f"{label}-headroom.json"
+    if out_path.is_file():
+        return json.loads(out_path.read_text())
+    policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=checkpoint)
+    policy.model.eval()
+    sources = [e.source for e in examples]
+    greedy = generate(policy, sources, max_new_tokens=cfg.eval.max_new_tokens, max_source_len=cfg.data.max_source_len)
+    drawn: list[list[str]] = []
+    with torch.no_grad():
+        for _, rows in _draws(cfg, policy, examples, samples, "headroom"):
+            texts = policy.decode([r.token_ids for r in rows])
+            drawn += [texts[i : i + samples] for i in range(0, len(texts), samples)]
+    refs = [[e.target] for e in examples]
+    # CIDEr-D's document frequencies: the split's references for scoring (as `rlt2t eval` does; a per-source
+    # call would take them from one reference alone), the training targets for the consensus (as predict does).
+    metric = get_metric("task_score", bleu_weight=cfg.metric.bleu_weight, sigma=cfg.metric.cider_sigma,
+                        df=DocumentFrequency.from_references(refs))
+    pools = [[g, *d] for g, d in zip(greedy, drawn, strict=True)]
+    train = [[e.target] for e in load_split(cfg, "train")]
+    agree = CiderD(sigma=cfg.metric.cider_sigma, df=DocumentFrequency.from_references(train))
+    consensus = [pool[int(np.argmax(consensus_scores(pool, range(len(pool)), agree)))] for pool in pools]
+    oracle = [pool[int(np.argmax(metric.per_sample(pool, [ref] * len(pool))))] for pool, ref in zip(pools, refs,
+                                                                                                     strict=True)]
+    result = {"greedy": metric.corpus(greedy, refs), "sample": metric.corpus([d[0] for d in drawn], refs),
+              "consensus": metric.corpus(consensus, refs), "oracle_best": metric.corpus(oracle, refs),
+              "candidates": samples + 1, "rows": len(examples)}
+    atomic_write_json(out_path, result)
+    return result
+
+
 def oracle_scores(cfg: Config) -> dict[str, float]:
     """Test task score of the synthetic task's two oracles (likely phrasing A, metric-preferred B)."""
     from rlt2t.common.synth import build_spec, oracle_diagnosis
@@ -262,6 +318,12 @@ def summarize(sft: dict[int, dict[str, Any]], arms: dict[str, dict[int, dict[str
                     "seconds": mean_std([runs[s]["seconds"] for s in seeds])}
         if all("heldout_task_score" in runs[s] for s in seeds):
             out[arm]["heldout_task_score"] = mean_std([runs[s]["heldout_task_score"] for s in seeds])
+    for split in ("test", "heldout"):  # the SFT checkpoint's headroom (see headroom())
+        if all(f"headroom_{split}" in sft[s] for s in seeds):
+            rows = [sft[s][f"headroom_{split}"] for s in seeds]
+            h = {k: mean_std([r[k] for r in rows]) for k in ("greedy", "sample", "consensus", "oracle_best")}
+            h["consensus_gain"] = mean_std([r["consensus"] / r["greedy"] - 1 for r in rows])
+            out["sft"][f"headroom_{split}"] = h
     for name, runs in (("sft", sft), *arms.items()):  # synthetic task: phrasing shares, SFT row included
         if all("phrasings" in runs[s] for s in seeds):
             out[name]["phrasings"] = {k: mean_std([runs[s]["phrasings"][k] for s in seeds])
@@ -365,9 +427,14 @@ def main() -> None:
                 sft[seed] = {"valid_task_score": _valid_score(probe, sft_ckpt),
                              "test_task_score": eval_job(probe, checkpoint=sft_ckpt, label="sft")["task_score"],
                              "seconds": round(time.perf_counter() - t0, 1)}
+                sft[seed]["headroom_test"] = headroom(probe, sft_ckpt, load_split(probe, "test"), "sft-test")
                 if args.heldout:
                     heldout = heldout_split(base, args.heldout)
                     sft[seed]["heldout_task_score"] = heldout_score(probe, sft_ckpt, heldout, f"sft-{heldout.stem}")
+                    held = probe.model_copy(deep=True)
+                    held.data.test = str(heldout)
+                    sft[seed]["headroom_heldout"] = headroom(held, sft_ckpt, load_split(held, "test"),
+                                                             f"sft-{heldout.stem}")
                 if args.task == "synth":
                     sft[seed]["phrasings"] = phrasings(probe, "sft")
                     oracles = oracles or oracle_scores(probe)
@@ -406,6 +473,13 @@ def main() -> None:
         print(line)
     for name, value in oracles.items():
         print(f"  {name:>14}: test {value:.4f}")
+    for split in ("test", "heldout"):
+        if f"headroom_{split}" in summary["sft"]:
+            h = summary["sft"][f"headroom_{split}"]
+            print(f"  SFT headroom on {split}: greedy {h['greedy']['mean']:.4f}  one sample {h['sample']['mean']:.4f}"
+                  f"  consensus of {sft[seeds[0]][f'headroom_{split}']['candidates']} "
+                  f"{h['consensus']['mean']:.4f} ({h['consensus_gain']['mean']:+.1%} ± "
+                  f"{h['consensus_gain']['std']:.1%})  best by the reference {h['oracle_best']['mean']:.4f}")
     if args.no_save:
         return
     payload = {"benchmark": "algorithms", "task": args.task,
