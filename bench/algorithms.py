@@ -153,7 +153,6 @@ def train_means(cfg: Config) -> dict[str, float]:
     return {k: statistics.fmean(r[k] for r in rows if k in r) for k in keys if any(k in r for r in rows)}
 
 
-@torch.no_grad()
 def _draws(cfg: Config, policy, examples: list, samples: int, tag: str):
     """Per chunk of 32 examples: (its collated batch, ``samples`` draws per source), drawn at temperature 1 from
     the whole vocabulary with generators seeded by (run seed, ``tag``, example id, draw)."""
@@ -167,6 +166,7 @@ def _draws(cfg: Config, policy, examples: list, samples: int, tag: str):
                                        cfg.rollout.max_new_tokens, gens)
 
 
+@torch.no_grad()
 def kl_to_start(cfg: Config, final: Path, start: Path, samples: int = 4) -> float:
     """KL(final || start) in nats per sequence: the mean of log p_final(y) - log p_start(y) over ``samples``
     draws y of the final policy (temperature 1, whole vocabulary) per test source."""
@@ -220,27 +220,32 @@ def heldout_split(base: Config, rows: int) -> Path:
     return path
 
 
+def on_heldout(cfg: Config, heldout: Path) -> Config:
+    """``cfg`` with the held-out rows as its test split."""
+    held = cfg.model_copy(deep=True)
+    held.data.test = str(heldout)
+    return held
+
+
 def heldout_score(cfg: Config, checkpoint: Path, heldout: Path, label: str) -> float:
     """Greedy task score of ``checkpoint`` on the held-out rows (cached in the run's eval/ directory)."""
     out = cfg.run_dir / "eval" / f"{label}-test.json"
     if not out.is_file():
-        held = cfg.model_copy(deep=True)
-        held.data.test = str(heldout)
-        eval_job(held, checkpoint=checkpoint, label=label)
+        eval_job(on_heldout(cfg, heldout), checkpoint=checkpoint, label=label)
     return float(json.loads(out.read_text())["task_score"])
 
 
 def headroom(cfg: Config, checkpoint: Path, examples: list, label: str, samples: int = 6) -> dict[str, float]:
     """How much a metric-aware choice among the SFT checkpoint's own outputs gains over its greedy decode.
 
-    Per source: the greedy decode and ``samples`` draws at temperature 1 (whole vocabulary). Task scores of
-    the greedy decodes, of the first draws, of the consensus choice among all of them (the candidate with the
+    Per source: the greedy decode and ``samples`` draws at temperature 1 (whole vocabulary). Task scores of the
+    greedy decodes, of the first draws, of the consensus choice among all of them (the candidate with the
     highest mean CIDEr-D against the others, ``rlt2t.common.rerank.consensus_scores``: a minimum-Bayes-risk
-    decode under the model's own uncertainty, which needs no reference), and of the best one by the
-    reference (an oracle no policy can match). The consensus gain is what choosing differently among the
-    policy's own outputs finds source by source; a policy gradient can find more where one fix serves many
-    sources (the synthetic task's phrasing). Ties go to the greedy decode. Cached in the run's eval/
-    directory."""
+    decode under the model's own uncertainty, which needs no reference), and of the best one by its sentence
+    task score against the reference (an oracle pick among these candidates). The consensus gain is what
+    choosing differently among the policy's own outputs finds source by source; a policy gradient can find more
+    where one fix serves many sources (the synthetic task's phrasing). Ties go to the greedy decode. Cached in
+    the run's eval/ directory."""
     import numpy as np
 
     from rlt2t.common.metrics import CiderD, DocumentFrequency
@@ -255,10 +260,9 @@ def headroom(cfg: Config, checkpoint: Path, examples: list, label: str, samples:
     sources = [e.source for e in examples]
     greedy = generate(policy, sources, max_new_tokens=cfg.eval.max_new_tokens, max_source_len=cfg.data.max_source_len)
     drawn: list[list[str]] = []
-    with torch.no_grad():
-        for _, rows in _draws(cfg, policy, examples, samples, "headroom"):
-            texts = policy.decode([r.token_ids for r in rows])
-            drawn += [texts[i : i + samples] for i in range(0, len(texts), samples)]
+    for _, rows in _draws(cfg, policy, examples, samples, "headroom"):  # sampling runs without autograd
+        texts = policy.decode([r.token_ids for r in rows])
+        drawn += [texts[i : i + samples] for i in range(0, len(texts), samples)]
     refs = [[e.target] for e in examples]
     # CIDEr-D's document frequencies: the split's references for scoring (as `rlt2t eval` does; a per-source
     # call would take them from one reference alone), the training targets for the consensus (as predict does).
@@ -431,8 +435,7 @@ def main() -> None:
                 if args.heldout:
                     heldout = heldout_split(base, args.heldout)
                     sft[seed]["heldout_task_score"] = heldout_score(probe, sft_ckpt, heldout, f"sft-{heldout.stem}")
-                    held = probe.model_copy(deep=True)
-                    held.data.test = str(heldout)
+                    held = on_heldout(probe, heldout)
                     sft[seed]["headroom_heldout"] = headroom(held, sft_ckpt, load_split(held, "test"),
                                                              f"sft-{heldout.stem}")
                 if args.task == "synth":

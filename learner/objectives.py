@@ -281,6 +281,9 @@ class PolicyGradientObjective:
                 reference = None
                 k1 = k3 = torch.zeros_like(old_raw)
             seq_kl = k1.sum(dim=1)  # [K*B] per sequence
+            # KL(sampler || reference) per sampled token, which is >= 0 on average whatever the sampler's staleness
+            # or quantisation: k1 plus the sampler's log-ratio to the learner (what _warn checks)
+            kl_check = torch.where(mask, old_raw - reference - sampler_log_ratio, 0) if reference is not None else None
             # 2. advantages
             rewards = batch.rewards
             if rl.ppo_like:
@@ -337,8 +340,10 @@ class PolicyGradientObjective:
                 if pg.entropy_coef:
                     loss = loss - pg.entropy_coef * masked_mean(_entropy(out.logits), mb_mask)
                 if action_mask is not None:  # NLPO: keep the policy's mass inside its action space
-                    leak = masked_mean(mask_leak(out.logits, action_mask[rows]), mb_mask)
-                    loss = loss + pg.nlpo_leak_coef * leak
+                    with torch.set_grad_enabled(pg.nlpo_leak_coef > 0):  # logged either way
+                        leak = masked_mean(mask_leak(out.logits, action_mask[rows]), mb_mask)
+                    if pg.nlpo_leak_coef > 0:
+                        loss = loss + pg.nlpo_leak_coef * leak
                     stats["mask_leak"].append(leak.item())
                 stats["grad_norm"].append(run.optimize(loss))
                 steps += 1
@@ -370,8 +375,8 @@ class PolicyGradientObjective:
             "sampler_ratio_mean": float(masked_mean(sampler_ratio, mask)),
             "sampler_ratio_max_dev": (float(torch.where(mask, (sampler_ratio - 1).abs(), 0).max())
                                       if mask.any() else 0.0),
-            # k1 of KL(sampler || learner) under the transform, per token: what staleness or a quantised sampler
-            # can explain of a negative KL estimate (no more than this, in expectation)
+            # k1 of KL(sampler || learner) under the transform, per token: how far the samples are from the
+            # learner's policy (staleness, a quantised sampler)
             "sampler_kl": float(masked_mean(-sampler_log_ratio, mask)),
             "is_weight_mean": float(masked_mean(is_weights, mask)),
             "optimizer_steps": float(steps), "tokens": float(mask.sum()),
@@ -381,7 +386,7 @@ class PolicyGradientObjective:
             metrics["greedy_reward"] = float(batch.greedy_rewards.mean())
         if rl.ppo_like and old_values is not None and returns is not None:
             metrics["explained_variance"] = _explained_variance(old_values, returns, valid)
-        self._warn(metrics, items, step)
+        self._warn(metrics, items, step, kl_check, mask)
         if self.mask_model is not None and (step + 1) % rl.pg.nlpo_mask_refresh_steps == 0:
             self.mask_model.load_state_dict(self.policy.model.state_dict())
         return metrics
@@ -396,7 +401,8 @@ class PolicyGradientObjective:
         out = (values - mean.to(values)) * torch.rsqrt(var.to(values) + 1e-8)
         return torch.where(mask, out, torch.zeros_like(out))
 
-    def _warn(self, metrics: dict[str, float], items: Sequence[ScoredGroup], step: int) -> None:
+    def _warn(self, metrics: dict[str, float], items: Sequence[ScoredGroup], step: int, kl_check: Tensor | None,
+              mask: Tensor) -> None:
         """The warnings peers' trackers show runs dying without (mismatched generation settings). ``step`` counts
         from 0; the messages count from 1, as the step column of the metrics log does."""
         on_policy = all(g.policy_version == step for g in items)
@@ -407,19 +413,25 @@ class PolicyGradientObjective:
                         "(rollout.temperature / top_k / top_p), dropout is on, or the sampler is quantised "
                         "(rollout.ct2_compute_type; truncated importance weights correct for it)", step + 1,
                         metrics["sampler_ratio_max_dev"])
-        # Samples y of a sampler q give k1 = E_q[log p(y) - log r(y)] = KL(q || r) - KL(q || p) >= -KL(q || p):
-        # on-policy (q = p) never negative on average; a stale or quantised sampler explains at most sampler_kl
-        # of it. Below that by more than its noise, the samples are not from the policy the KL is taken of.
-        # Pipelined runs sample one step stale, so this cannot wait for on-policy steps (it never would).
-        floor = max(metrics["sampler_kl"], 0.0) + 0.01 + 3 * metrics["kl_k1_stderr"]
-        if metrics["kl_k1"] < -floor and "kl" not in self._warned:
+        # Samples y of a sampler q give k1 = E_q[log p(y) - log r(y)] = KL(q || r) - KL(q || p): a stale or
+        # quantised sampler pulls k1 below 0 by up to KL(q || p), but k1 + (log q - log p) = log q - log r is
+        # never negative on average (kl_check, on the sampled tokens). Below 0 by more than its noise, the
+        # samples are not from the policy the KL is taken of. Pipelined runs sample one step stale from their
+        # second step on, so this does not wait for on-policy steps.
+        if kl_check is None or "kl" in self._warned or not bool(mask.any()):
+            return
+        n = mask.sum()
+        mean = kl_check.sum() / n
+        stderr = float(((torch.where(mask, kl_check - mean, 0) ** 2).sum() / n).sqrt() / n.sqrt())
+        if float(mean) < -(0.01 + 3 * stderr):
             self._warned.add("kl")
-            log.warning("step %d: the KL estimate to the reference is negative (k1 token mean %.4f ± %.4f, beyond "
-                        "the %.4f a stale sampler explains): the samples do not come from the policy the KL is "
-                        "taken of (rollout.temperature / top_k / top_p other than 1 / 0 / 1 sample a transformed "
-                        "policy; NLPO samples inside its masking policy's top-p set, so probability moving outside "
-                        "that set goes unseen until the mask refreshes; or the reference is not the run's start)",
-                        step + 1, metrics["kl_k1"], metrics["kl_k1_stderr"], max(metrics["sampler_kl"], 0.0))
+            log.warning("step %d: the KL estimate to the reference is negative (k1 token mean %.4f; with the "
+                        "sampler's log-ratio to the learner, %.4f ± %.4f, which staleness cannot make negative): "
+                        "the samples do not come from the policy the KL is taken of (rollout.temperature / top_k / "
+                        "top_p other than 1 / 0 / 1 sample a transformed policy; NLPO samples inside its masking "
+                        "policy's top-p set, so probability moving outside that set goes unseen until the mask "
+                        "refreshes; or the reference log-probs are misaligned with the samples)",
+                        step + 1, metrics["kl_k1"], float(mean), stderr)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"kl": self.kl.state_dict()}
