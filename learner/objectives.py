@@ -366,9 +366,8 @@ class PolicyGradientObjective:
             "ratio_max": max(stats["ratio_max"]),
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "kl_k1": float(masked_mean(k1, valid)), "kl_k3": float(masked_mean(k3, valid)), "kl_seq": mean_seq_kl,
-            # the token mean's standard error: what tells a negative estimate from noise around zero
-            "kl_k1_stderr": float(masked_mean((k1 - masked_mean(k1, valid)) ** 2, valid).sqrt()
-                                  / valid.sum().clamp(min=1).sqrt()),
+            # the token mean's standard error: what tells a negative k1 from noise around zero
+            "kl_k1_stderr": _token_stderr(k1, valid),
             "kl_coef": beta, "entropy": float(entropy),
             "advantage_mean": float(masked_mean(advantages, mask)),
             "advantage_std": float(masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt()),
@@ -418,12 +417,10 @@ class PolicyGradientObjective:
         # never negative on average (kl_check, on the sampled tokens). Below 0 by more than its noise, the
         # samples are not from the policy the KL is taken of. Pipelined runs sample one step stale from their
         # second step on, so this does not wait for on-policy steps.
-        if kl_check is None or "kl" in self._warned or not bool(mask.any()):
+        if kl_check is None or "kl" in self._warned:
             return
-        n = mask.sum()
-        mean = kl_check.sum() / n
-        stderr = float(((torch.where(mask, kl_check - mean, 0) ** 2).sum() / n).sqrt() / n.sqrt())
-        if float(mean) < -(0.01 + 3 * stderr):
+        mean, stderr = float(masked_mean(kl_check, mask)), _token_stderr(kl_check, mask)
+        if mean < -(0.01 + 3 * stderr):
             self._warned.add("kl")
             log.warning("step %d: the KL estimate to the reference is negative (k1 token mean %.4f; with the "
                         "sampler's log-ratio to the learner, %.4f ± %.4f, which staleness cannot make negative): "
@@ -431,7 +428,7 @@ class PolicyGradientObjective:
                         "top_p other than 1 / 0 / 1 sample a transformed policy; NLPO samples inside its masking "
                         "policy's top-p set, so probability moving outside that set goes unseen until the mask "
                         "refreshes; or the reference log-probs are misaligned with the samples)",
-                        step + 1, metrics["kl_k1"], float(mean), stderr)
+                        step + 1, metrics["kl_k1"], mean, stderr)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"kl": self.kl.state_dict()}
@@ -449,6 +446,12 @@ class PolicyGradientObjective:
             head.load_state_dict(state["value_head"])
         if self.mask_model is not None:
             self.mask_model.load_state_dict(state["mask_model"])
+
+
+def _token_stderr(values: Tensor, mask: Tensor) -> float:
+    """Standard error of the token mean of ``values`` over ``mask`` (tokens taken as independent)."""
+    spread = masked_mean((values - masked_mean(values, mask)) ** 2, mask).sqrt()
+    return float(spread / mask.sum().clamp(min=1).sqrt())
 
 
 def _explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
