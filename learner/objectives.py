@@ -184,6 +184,8 @@ class PolicyGradientObjective:
         self.value_clip = math.inf if rl.algorithm == "a2c" else rl.pg.value_clip
         # Used only when a batch arrives without reference log-probs (policy servers do not compute them).
         self.reference = reference
+        # Policy servers send samples without reference log-probs: the learner scores them (a second pass).
+        self.scores_reference = rl.uses_kl and rollout.source == "http"
         self.mask_model: nn.Module | None = None
         if rl.algorithm == "nlpo":
             self.mask_model = copy.deepcopy(policy.model).eval().requires_grad_(False)
@@ -220,13 +222,22 @@ class PolicyGradientObjective:
             labels=torch.randint(0, vocab, (rows, target_len), generator=generator),
             sample_logprobs=torch.zeros(rows, target_len), loss_mask=torch.ones(rows, target_len, dtype=torch.bool),
             rewards=torch.zeros(sources, k),
-            reference_logprobs=torch.zeros(rows, target_len) if self.rl.uses_kl else None,
+            reference_logprobs=(torch.zeros(rows, target_len) if self.rl.uses_kl and not self.scores_reference
+                                else None),
             greedy_rewards=torch.zeros(sources) if self.algorithm == "scst" else None)
 
     def preflight(self, run: StepRunner, batch: GroupBatch) -> None:
+        # What a step holds besides the policy's own pass: NLPO's action mask (the masking policy's forward,
+        # a [K*B, T, V] mask kept through the step) and the learner's reference pass for policy-server samples.
+        action_mask = self._action_mask(batch)
+        if self.rl.uses_kl:
+            self._reference_logprobs(batch)
         out: GroupOutput = run.forward(batch.input_ids, batch.attention_mask, batch.labels, batch.k)
-        logp, raw = _token_logprobs(out.logits, batch.labels, self.transform)
-        loss = -masked_mean(logp + raw, batch.loss_mask)
+        logp, raw = _token_logprobs(out.logits, batch.labels, self.transform, action_mask)
+        kept = batch.loss_mask & torch.isfinite(logp)  # random labels the transform or the mask excludes
+        loss = -masked_mean(torch.where(kept, logp, 0) + raw, kept)
+        if action_mask is not None:
+            loss = loss + masked_mean(mask_leak(out.logits, action_mask), batch.loss_mask)
         if out.values is not None:
             loss = loss + masked_mean(out.values**2, batch.loss_mask)
         loss.backward()

@@ -258,3 +258,31 @@ def test_nlpo_leak_term_keeps_the_policy_mass_inside_the_mask(init_dir):
     # each value is the mean over a step's 4 optimizer steps; the first step's starts from the same weights
     assert leaks[0.0][0] > 0.1  # a top-0.5 mask leaves real mass outside
     assert leaks[10.0][1] < leaks[0.0][1] - 0.05, leaks
+
+
+@pytest.mark.parametrize("algorithm,source", [("nlpo", "ray"), ("grpo", "http")])
+def test_preflight_covers_the_mask_and_reference_passes_and_leaves_training_unchanged(init_dir, algorithm, source):
+    """A step holds more than the policy's pass: NLPO's masking-policy forward and its [K*B, T, V] mask, and,
+    for samples from policy servers (no reference log-probs), the learner's reference pass. The preflight
+    runs them too, so their memory is in the out-of-memory check; afterwards training is bitwise the same."""
+    rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8, source=source)
+    rl = RLConfig(algorithm=algorithm, batch_size=8, lr=3e-3, pg={"target_kl": 0})
+    worker = _rollout(init_dir, RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8),
+                      RolloutSpec.for_algorithm(algorithm, kl=rl.uses_kl and source == "ray", mask_top_p=0.9))
+    groups = _scored(worker)
+    if source == "http":
+        assert all(g.group.reference_logprobs is None for g in groups)  # as a policy server sends them
+    losses = []
+    for preflight in (False, True):
+        learner = _learner(init_dir, rl, rollout)
+        extra = learner.objective.mask_model if algorithm == "nlpo" else learner.objective.reference
+        assert extra is not None
+        calls = []
+        hook = extra.register_forward_hook(lambda m, i, o, calls=calls: calls.append(1))
+        if preflight:
+            stats = learner.preflight()
+            assert len(calls) == 1 and stats["peak_memory_gib"] > 0  # the extra pass ran on the largest batch
+            assert all(p.grad is None for p in learner.policy.model.parameters())
+        hook.remove()
+        losses.append([learner.train_step(groups)["loss"] for _ in range(2)])
+    assert losses[0] == losses[1]
