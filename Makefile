@@ -86,6 +86,9 @@ bench: $(STAMP)
 	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,rloo,scst,rloo:k16 \
 		--rl-epochs 1 --train-subset 3072 --heldout 3200 \
 		--base-override synth.test_fraction=0.1 --override run.log_every=1 --results-name algorithms_docstrings_wide
+	$(BIN)/python bench/algorithms.py --task docstrings --arms continued_sft,continued_sft:lr5e-5,rloo,grpo,scst \
+		--rl-epochs 1 --train-subset 3072 --fresh-sources 3072 --heldout 3200 \
+		--base-override synth.test_fraction=0.1 --override run.log_every=1 --results-name algorithms_docstrings_fresh
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/serve_load.py --phases mixed --seconds 90
 	$(BIN)/python bench/ct2_sampling.py

@@ -16,8 +16,9 @@ Reported per arm, mean ± sample std over seeds: the validation task score after
 first metric.monitor_size validation examples, as the job logs it), the test task score of the last
 checkpoint (greedy, whole test split), the KL to the SFT checkpoint (nats per sequence, from 4 samples per
 test source of the final policy at temperature 1), and the wall time; and, per algorithm, the paired
-difference to continued SFT (seed by seed), its ratio to the std of the differences, and the relative gain.
-On the synthetic task the two oracles of rlt2t.common.synth show how far each arm moves from the
+difference to continued SFT (seed by seed; with variants of it in --arms, such as continued_sft:lr5e-5, to the
+one with the best mean validation score, the one a user would keep), its ratio to the std of the differences,
+and the relative gain. On the synthetic task the two oracles of rlt2t.common.synth show how far each arm moves from the
 likelihood-optimal phrasing towards the metric-optimal one. On the docstring task, --heldout N also scores the
 SFT checkpoint and every arm on N pairs that none of the splits drew (the 800-row test split's noise is about
 the size of RL's effect there). The SFT checkpoint's headroom (test, and held-out with --heldout): the task
@@ -129,7 +130,7 @@ def arm_config(base: Config, arm: str, args: argparse.Namespace) -> Config:
     return load_config(overrides=[
         f"run.dir={base.run_dir.parent / arm.replace(':', '-')}", "run.progress=false", f"run.seed={base.run.seed}",
         *TASK_SETTINGS[args.task], f"tokenizer.path={base.tokenizer_dir}",
-        f"data.train={base.path(base.data.train)}", f"data.valid={base.path(base.data.valid)}",
+        f"data.train={args.rl_sources or base.path(base.data.train)}", f"data.valid={base.path(base.data.valid)}",
         f"data.test={base.path(base.data.test)}", "eval.split=test",
         f"rl.epochs={args.rl_epochs}", f"rl.train_subset={args.train_subset}", f"rl.batch_size={args.batch_size}",
         *arm_overrides(arm), *args.override])
@@ -208,15 +209,31 @@ def heldout_split(base: Config, rows: int) -> Path:
     """Docstring task: ``rows`` pairs of the installed packages that none of the run's splits drew, a second and
     larger test set (on the 800-row test split the evaluation noise is about the size of RL's effect). Every seed
     draws the same splits, so one file beside the seeds serves them all."""
+    return _outside_splits(base, base.run_dir.parent.parent / f"heldout{rows}.jsonl", rows, seed=11, avoid=[],
+                           flag="--heldout")
+
+
+def fresh_sources(base: Config, rows: int, heldout: Path | None) -> Path:
+    """Docstring task: ``rows`` pairs outside the run's splits and the held-out rows, for the RL arms to train on
+    instead of the SFT training split. After 16 SFT epochs the model reproduces its training references (the
+    reward of RLOO's samples there is 2-6x the held-out score of its greedy decode), so a policy gradient there
+    mostly relearns those references; on sources SFT never saw, the reward says how it writes for new inputs."""
+    return _outside_splits(base, base.run_dir.parent.parent / f"fresh{rows}.jsonl", rows, seed=13,
+                           avoid=[heldout] if heldout else [], flag="--fresh-sources")
+
+
+def _outside_splits(base: Config, path: Path, rows: int, *, seed: int, avoid: list[Path], flag: str) -> Path:
+    """``rows`` docstring pairs drawn (with ``seed``) from those outside the run's splits and the files ``avoid``,
+    written once to ``path``."""
     from rlt2t.common.docstrings import PACKAGES, docstring_pairs, package_dirs
 
-    path = base.run_dir.parent.parent / f"heldout{rows}.jsonl"
     if not path.is_file():
         used = {e.id for split in ("train", "valid", "test") for e in load_split(base, split)}
+        used |= {json.loads(line)["id"] for f in avoid for line in f.read_text().splitlines() if line.strip()}
         pool = [r for r in docstring_pairs(package_dirs(PACKAGES)) if r["id"] not in used]
         if len(pool) < rows:
-            raise ValueError(f"--heldout {rows}: only {len(pool)} pairs are left outside the run's splits")
-        atomic_write_jsonl(path, random.Random(11).sample(pool, rows))
+            raise ValueError(f"{flag} {rows}: only {len(pool)} pairs are left outside the run's splits")
+        atomic_write_jsonl(path, random.Random(seed).sample(pool, rows))
     return path
 
 
@@ -332,10 +349,15 @@ def summarize(sft: dict[int, dict[str, Any]], arms: dict[str, dict[int, dict[str
         if all("phrasings" in runs[s] for s in seeds):
             out[name]["phrasings"] = {k: mean_std([runs[s]["phrasings"][k] for s in seeds])
                                       for k in runs[seeds[0]]["phrasings"]}
-    if "continued_sft" in arms:
-        base = arms["continued_sft"]
+    # The baseline: the continued SFT a user would keep, the variant (e.g. continued_sft:lr5e-5) with the best
+    # mean validation score; every other arm is compared with it seed by seed.
+    candidates = [arm for arm in arms if arm.split(":")[0] == "continued_sft"]
+    if candidates:
+        baseline = max(candidates, key=lambda arm: out[arm]["valid_task_score"]["mean"])
+        out["baseline"] = baseline
+        base = arms[baseline]
         for arm, runs in arms.items():
-            if arm == "continued_sft":
+            if arm == baseline:
                 continue
             splits = [("valid", lambda r: r["valid"][-1]["task_score"]), ("test", lambda r: r["test"]["task_score"])]
             if "heldout_task_score" in out[arm]:
@@ -349,7 +371,9 @@ def summarize(sft: dict[int, dict[str, Any]], arms: dict[str, dict[int, dict[str
                 d["per_seed"] = diffs
                 out[arm][f"paired_diff_{split}"] = d
             t = out[arm]["paired_diff_test"]
-            out[arm]["beats_sft_on_test"] = bool(t["sigmas"] is not None and t["sigmas"] > 2 and t["relative"] >= 0.10)
+            if arm not in candidates:
+                out[arm]["beats_sft_on_test"] = bool(t["sigmas"] is not None and t["sigmas"] > 2
+                                                     and t["relative"] >= 0.10)
     return out
 
 
@@ -370,7 +394,8 @@ def plot(path: Path, task: str, sft: dict[int, dict[str, Any]], arms: dict[str, 
         std = curves.std(0, ddof=1) if len(curves) > 1 else np.zeros_like(mean)
         color = plt.cm.tab10(i)
         ax.plot(epochs, mean, marker="o", color=color, label=f"{arm} ({len(curves)} seeds)",
-                linewidth=2.5 if arm == "continued_sft" else 1.5, linestyle="--" if arm == "continued_sft" else "-")
+                linewidth=2.5 if arm.startswith("continued_sft") else 1.5,
+                linestyle="--" if arm.startswith("continued_sft") else "-")
         ax.fill_between(epochs, mean - std, mean + std, color=color, alpha=0.12)
     ax.set_xlabel("RL epoch (0 = the SFT checkpoint)")
     ax.set_ylabel("validation task score (greedy)")
@@ -400,8 +425,12 @@ def main() -> None:
     ap.add_argument("--no-save", action="store_true", help="print only; leave bench/results/ alone")
     ap.add_argument("--heldout", type=int, default=0,
                     help="docstring task: also score every arm on this many pairs outside the run's splits")
+    ap.add_argument("--fresh-sources", type=int, default=0,
+                    help="docstring task: the RL arms train on this many pairs outside the run's splits (and the "
+                         "held-out rows) instead of the SFT training split; --train-subset still caps them")
     ap.add_argument("--results-name", default=None,
                     help="stem of the saved JSON and PNG in bench/results/ (default: algorithms_<task>)")
+    ap.set_defaults(rl_sources=None)  # the RL arms' training file, when --fresh-sources draws one
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -409,8 +438,9 @@ def main() -> None:
                      or (":" in a and a.split(":", 1)[1] not in VARIANTS))
     if unknown or not seeds:
         ap.error(f"--arms: unknown {unknown} (known: {', '.join(ALL_ARMS)})" if unknown else "--seeds is empty")
-    if args.heldout and args.task != "docstrings":
-        ap.error("--heldout: only the docstring task has pairs outside its splits to draw from")
+    for flag in ("heldout", "fresh_sources"):
+        if getattr(args, flag) and args.task != "docstrings":
+            ap.error(f"--{flag.replace('_', '-')}: only the docstring task has pairs outside its splits to draw from")
     setup_logging()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlt2t-algorithms-") as tmp:
@@ -427,13 +457,15 @@ def main() -> None:
                     make_docstring_data(base, size=args.nl_size, seed=7)
                 t0 = time.perf_counter()
                 sft_ckpt = prepare_sft(base)
+                heldout = heldout_split(base, args.heldout) if args.heldout else None
+                if args.fresh_sources:
+                    args.rl_sources = fresh_sources(base, args.fresh_sources, heldout)
                 probe = arm_config(base, "continued_sft", args)
                 sft[seed] = {"valid_task_score": _valid_score(probe, sft_ckpt),
                              "test_task_score": eval_job(probe, checkpoint=sft_ckpt, label="sft")["task_score"],
                              "seconds": round(time.perf_counter() - t0, 1)}
                 sft[seed]["headroom_test"] = headroom(probe, sft_ckpt, load_split(probe, "test"), "sft-test")
-                if args.heldout:
-                    heldout = heldout_split(base, args.heldout)
+                if heldout:
                     sft[seed]["heldout_task_score"] = heldout_score(probe, sft_ckpt, heldout, f"sft-{heldout.stem}")
                     held = on_heldout(probe, heldout)
                     sft[seed]["headroom_heldout"] = headroom(held, sft_ckpt, load_split(held, "test"),
@@ -444,7 +476,7 @@ def main() -> None:
                 for arm in arms:
                     cfg = arm_config(base, arm, args)
                     results[arm][seed] = r = run_arm(cfg, sft_ckpt)
-                    if args.heldout:
+                    if heldout:
                         r["heldout_task_score"] = heldout_score(cfg, Path(r["checkpoint"]), heldout,
                                                               f"last-{heldout.stem}")
                     if args.task == "synth":
@@ -471,7 +503,8 @@ def main() -> None:
         for split in ("test", "heldout"):
             if f"paired_diff_{split}" in s:
                 d = s[f"paired_diff_{split}"]
-                line += (f"  | {split} vs SFT {d['mean']:+.4f} ± {d['std']:.4f} ({d['relative']:+.1%}, "
+                line += (f"  | {split} vs {summary['baseline']} {d['mean']:+.4f} ± {d['std']:.4f} "
+                         f"({d['relative']:+.1%}, "
                          f"{d['sigmas'] if d['sigmas'] is None else round(d['sigmas'], 1)} σ)")
         print(line)
     for name, value in oracles.items():
@@ -488,6 +521,7 @@ def main() -> None:
     payload = {"benchmark": "algorithms", "task": args.task,
                "settings": {"seeds": seeds, "arms": arms, "rl_epochs": args.rl_epochs,
                             "train_subset": args.train_subset, "batch_size": args.batch_size, "heldout": args.heldout,
+                            "fresh_sources": args.fresh_sources,
                             "task_settings": TASK_SETTINGS[args.task], "overrides": args.override,
                             "base_overrides": args.base_override},
                "sft": {str(s): v for s, v in sft.items()}, "oracles": oracles,
