@@ -125,12 +125,15 @@ def base_config(task: str, workdir: Path, seed: int, args: argparse.Namespace) -
         *TASK_SETTINGS[task], *args.base_override])
 
 
-def arm_config(base: Config, arm: str, args: argparse.Namespace) -> Config:
-    """An arm's config: its own run dir beside the base, the base's data and tokenizer."""
+def arm_config(base: Config, arm: str, args: argparse.Namespace, sources: Path | None = None) -> Config:
+    """An arm's config: its own run dir beside the base, the base's data and tokenizer; RL on ``sources``
+    instead of the SFT training split when given (--fresh-sources: the run dir is named after them too, so a
+    reused --workdir never mistakes one reading's cached arm for the other's)."""
+    name = arm.replace(":", "-") + (f"-{sources.stem}" if sources else "")
     return load_config(overrides=[
-        f"run.dir={base.run_dir.parent / arm.replace(':', '-')}", "run.progress=false", f"run.seed={base.run.seed}",
+        f"run.dir={base.run_dir.parent / name}", "run.progress=false", f"run.seed={base.run.seed}",
         *TASK_SETTINGS[args.task], f"tokenizer.path={base.tokenizer_dir}",
-        f"data.train={args.rl_sources or base.path(base.data.train)}", f"data.valid={base.path(base.data.valid)}",
+        f"data.train={sources or base.path(base.data.train)}", f"data.valid={base.path(base.data.valid)}",
         f"data.test={base.path(base.data.test)}", "eval.split=test",
         f"rl.epochs={args.rl_epochs}", f"rl.train_subset={args.train_subset}", f"rl.batch_size={args.batch_size}",
         *arm_overrides(arm), *args.override])
@@ -218,7 +221,8 @@ def fresh_sources(base: Config, rows: int, heldout: Path | None) -> Path:
     instead of the SFT training split. After 16 SFT epochs the model reproduces its training references (the
     reward of RLOO's samples there is 2-6x the held-out score of its greedy decode), so a policy gradient there
     mostly relearns those references; on sources SFT never saw, the reward says how it writes for new inputs."""
-    return _outside_splits(base, base.run_dir.parent.parent / f"fresh{rows}.jsonl", rows, seed=13,
+    name = f"fresh{rows}" + (f"-outside-{heldout.stem}" if heldout else "")  # which rows it avoids, too
+    return _outside_splits(base, base.run_dir.parent.parent / f"{name}.jsonl", rows, seed=13,
                            avoid=[heldout] if heldout else [], flag="--fresh-sources")
 
 
@@ -430,7 +434,6 @@ def main() -> None:
                          "held-out rows) instead of the SFT training split; --train-subset still caps them")
     ap.add_argument("--results-name", default=None,
                     help="stem of the saved JSON and PNG in bench/results/ (default: algorithms_<task>)")
-    ap.set_defaults(rl_sources=None)  # the RL arms' training file, when --fresh-sources draws one
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -458,9 +461,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 sft_ckpt = prepare_sft(base)
                 heldout = heldout_split(base, args.heldout) if args.heldout else None
-                if args.fresh_sources:
-                    args.rl_sources = fresh_sources(base, args.fresh_sources, heldout)
-                probe = arm_config(base, "continued_sft", args)
+                sources = fresh_sources(base, args.fresh_sources, heldout) if args.fresh_sources else None
+                probe = arm_config(base, "continued_sft", args)  # the SFT checkpoint's own readings
                 sft[seed] = {"valid_task_score": _valid_score(probe, sft_ckpt),
                              "test_task_score": eval_job(probe, checkpoint=sft_ckpt, label="sft")["task_score"],
                              "seconds": round(time.perf_counter() - t0, 1)}
@@ -474,7 +476,7 @@ def main() -> None:
                     sft[seed]["phrasings"] = phrasings(probe, "sft")
                     oracles = oracles or oracle_scores(probe)
                 for arm in arms:
-                    cfg = arm_config(base, arm, args)
+                    cfg = arm_config(base, arm, args, sources)
                     results[arm][seed] = r = run_arm(cfg, sft_ckpt)
                     if heldout:
                         r["heldout_task_score"] = heldout_score(cfg, Path(r["checkpoint"]), heldout,

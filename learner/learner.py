@@ -76,6 +76,11 @@ class Objective(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """Models the objective runs besides ``module`` (the reference, NLPO's masking policy), never trained:
+        the learner moves them to its device with ``module``."""
+        ...
+
 
 class BatchTooLarge(RuntimeError):
     """The largest batch a learner rank can receive does not fit in its memory (found by the preflight)."""
@@ -142,6 +147,8 @@ class Learner:
                 raise RuntimeError(f"accelerate sees {acc.num_processes} processes, the learner group has "
                                    f"{self.world_size} ({acc.distributed_type})")
             self.module, self.optimizer = acc.prepare(self.module, self.optimizer)
+            for frozen in self.objective.frozen_modules():
+                frozen.to(acc.device)
             self.accelerator = acc
         return self.accelerator
 

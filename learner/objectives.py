@@ -116,6 +116,9 @@ class RankObjective:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
 
+    def frozen_modules(self) -> list[nn.Module]:
+        return []
+
 
 def _token_logprobs(logits: Tensor, labels: Tensor, transform: dict[str, Any], action_mask: Tensor | None = None
                     ) -> tuple[Tensor, Tensor]:
@@ -227,20 +230,29 @@ class PolicyGradientObjective:
             greedy_rewards=torch.zeros(sources) if self.algorithm == "scst" else None)
 
     def preflight(self, run: StepRunner, batch: GroupBatch) -> None:
-        # What a step holds besides the policy's own pass: NLPO's action mask (the masking policy's forward,
-        # a [K*B, T, V] mask kept through the step) and the learner's reference pass for policy-server samples.
+        # What a step holds at its peak (the first minibatch of step() over the whole batch): the no-grad pass's
+        # [K*B, T, V] logits, still alive while the gradient pass runs; NLPO's action mask (the masking
+        # policy's forward) and its row-indexed copy; the learner's reference pass for policy-server samples;
+        # the entropy bonus's softmax.
         action_mask = self._action_mask(batch)
         if self.rl.uses_kl:
             self._reference_logprobs(batch)
+        rows = torch.arange(batch.labels.shape[0], device=batch.labels.device)
+        with torch.no_grad():
+            held = run.forward(batch.input_ids, batch.attention_mask, batch.labels, batch.k)
         out: GroupOutput = run.forward(batch.input_ids, batch.attention_mask, batch.labels, batch.k)
-        logp, raw = _token_logprobs(out.logits, batch.labels, self.transform, action_mask)
+        allowed = None if action_mask is None else action_mask[rows]
+        logp, raw = _token_logprobs(out.logits, batch.labels, self.transform, allowed)
         kept = batch.loss_mask & torch.isfinite(logp)  # random labels the transform or the mask excludes
         loss = -masked_mean(torch.where(kept, logp, 0) + raw, kept)
-        if action_mask is not None:
-            loss = loss + masked_mean(mask_leak(out.logits, action_mask), batch.loss_mask)
+        if allowed is not None:
+            loss = loss + masked_mean(mask_leak(out.logits, allowed), batch.loss_mask)
+        if self.rl.pg.entropy_coef:
+            loss = loss - self.rl.pg.entropy_coef * masked_mean(_entropy(out.logits), batch.loss_mask)
         if out.values is not None:
             loss = loss + masked_mean(out.values**2, batch.loss_mask)
         loss.backward()
+        del held
 
     # -- one learner step ------------------------------------------------------------------------------------
 
@@ -457,6 +469,9 @@ class PolicyGradientObjective:
             head.load_state_dict(state["value_head"])
         if self.mask_model is not None:
             self.mask_model.load_state_dict(state["mask_model"])
+
+    def frozen_modules(self) -> list[nn.Module]:
+        return [m for m in (self.reference, self.mask_model) if m is not None]
 
 
 def _token_stderr(values: Tensor, mask: Tensor) -> float:

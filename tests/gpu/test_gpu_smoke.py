@@ -61,6 +61,53 @@ def test_learner_steps_on_cuda_with_mixed_precision(init_dir, precision):
     assert ("scaler" in state) == (precision == "fp16")
 
 
+@pytest.mark.parametrize("algorithm,source", [("nlpo", "ray"), ("grpo", "http")])
+def test_policy_gradient_learner_steps_on_cuda_with_its_frozen_models(init_dir, algorithm, source):
+    """A policy-gradient learner on the GPU with the models it runs besides the trained one: NLPO's masking
+    policy, and the reference it scores samples from policy servers with (they send no reference log-probs).
+    Both must sit on the learner's device: preflight, then steps."""
+    import copy
+
+    from accelerate.state import AcceleratorState
+
+    from rlt2t.actors.reward import RewardWorker
+    from rlt2t.actors.rollout import RolloutWorker
+    from rlt2t.common.config import RewardConfig
+    from rlt2t.common.metrics import DocumentFrequency
+    from rlt2t.common.types import RolloutSpec
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    rl = RLConfig(algorithm=algorithm, lr=1e-3, warmup_ratio=0.0, batch_size=8, learner_gpus=1)
+    rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8, source=source)
+    model = ModelConfig(preset="tiny", dropout=0.0)
+    learner = Learner(model, None, rl, rollout, init_checkpoint=str(init_dir), rank=0,
+                      world_size=1, total_steps=4, seed=0, max_source_len=32, max_target_len=16)
+    learner.join("127.0.0.1", 0)
+    assert learner.device.type == "cuda"
+    frozen = learner.objective.frozen_modules()
+    assert len(frozen) == 1 and all(p.device.type == "cuda" for m in frozen for p in m.parameters())
+    stats = learner.preflight()
+    assert stats["peak_memory_gib"] > 0 and not learner.optimizer.state
+    # Samples from a CPU rollout worker (without reference log-probs for the http case, as a policy server)
+    spec = RolloutSpec.for_algorithm(algorithm, kl=rl.uses_kl and source == "ray", mask_top_p=rl.pg.nlpo_top_p)
+    weights = learner.weights()
+    worker = RolloutWorker(model, str(init_dir), RolloutConfig(num_samples=3, top_k=0,
+                           max_new_tokens=8), seed=0, max_source_len=32, spec=spec,
+                           start_weights=weights if spec.reference else None)
+    worker.set_weights(0, weights)
+    if algorithm == "nlpo":
+        worker.mask_model = copy.deepcopy(worker.policy.model)
+        worker.mask_model.load_state_dict(learner.objective.mask_model.state_dict())
+    examples = [Example(id=str(i), source=f"{11 + i} 12 {13 + i}", target=f"14 {15 + i}") for i in range(8)]
+    reward = RewardWorker(RewardConfig(), DocumentFrequency.from_references([[e.target] for e in examples]))
+    groups = reward.score(worker.sample(examples))
+    before = {k: v.clone() for k, v in learner.weights().items()}
+    for _ in range(2):
+        metrics = learner.train_step(groups)
+        assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+    assert any(not torch.equal(before[k], v) for k, v in learner.weights().items()), "no parameter moved"
+
+
 def test_rollout_worker_samples_on_cuda(ids_tokenizer_dir, init_dir):
     from rlt2t.actors.rollout import RolloutWorker
 

@@ -286,3 +286,20 @@ def test_preflight_covers_the_mask_and_reference_passes_and_leaves_training_unch
         hook.remove()
         losses.append([learner.train_step(groups)["loss"] for _ in range(2)])
     assert losses[0] == losses[1]
+
+
+def test_the_frozen_models_follow_the_learner_to_its_device(init_dir, monkeypatch):
+    """The reference (samples from policy servers) and NLPO's masking policy are not part of the trained module
+    that accelerate places; the learner moves them to its device too (on a GPU they stayed on the CPU, and
+    the first step that used them failed on a device mismatch)."""
+    rl = RLConfig(algorithm="nlpo", batch_size=8)
+    learner = _learner(init_dir, rl, RolloutConfig(num_samples=3, max_new_tokens=8, source="http"))
+    frozen = learner.objective.frozen_modules()
+    assert frozen == [learner.objective.reference, learner.objective.mask_model] and None not in frozen
+    moved = []
+    for module in frozen:
+        monkeypatch.setattr(module, "to", lambda device, module=module: moved.append((module, device)) or module)
+    acc = learner._prepare()
+    assert moved == [(module, acc.device) for module in frozen]
+    assert _learner(init_dir, RLConfig(algorithm="grpo", batch_size=8),
+                    RolloutConfig(num_samples=3, max_new_tokens=8)).objective.frozen_modules() == []
