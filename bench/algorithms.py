@@ -16,9 +16,10 @@ Reported per arm, mean ± sample std over seeds: the validation task score after
 first metric.monitor_size validation examples, as the job logs it), the test task score of the last
 checkpoint (greedy, whole test split), the KL to the SFT checkpoint (nats per sequence, from 4 samples per
 test source of the final policy at temperature 1), and the wall time; and, per algorithm, the paired
-difference to continued SFT (seed by seed; with variants of it in --arms, such as continued_sft:lr5e-5, to the
-one with the best mean validation score, the one a user would keep), its ratio to the std of the differences,
-and the relative gain. On the synthetic task the two oracles of rlt2t.common.synth show how far each arm moves from the
+difference (seed by seed) to what likelihood training reaches: of the SFT checkpoint itself and the
+continued-SFT arms (with variants in --arms, such as continued_sft:lr5e-5), the one with the best mean
+validation score, the one a user would keep; its ratio to the std of the differences, and the relative gain.
+On the synthetic task the two oracles of rlt2t.common.synth show how far each arm moves from the
 likelihood-optimal phrasing towards the metric-optimal one. On the docstring task, --heldout N also scores the
 SFT checkpoint and every arm on N pairs that none of the splits drew (the 800-row test split's noise is about
 the size of RL's effect there). The SFT checkpoint's headroom (test, and held-out with --heldout): the task
@@ -353,31 +354,48 @@ def summarize(sft: dict[int, dict[str, Any]], arms: dict[str, dict[int, dict[str
         if all("phrasings" in runs[s] for s in seeds):
             out[name]["phrasings"] = {k: mean_std([runs[s]["phrasings"][k] for s in seeds])
                                       for k in runs[seeds[0]]["phrasings"]}
-    # The baseline: the continued SFT a user would keep, the variant (e.g. continued_sft:lr5e-5) with the best
-    # mean validation score; every other arm is compared with it seed by seed.
-    candidates = [arm for arm in arms if arm.split(":")[0] == "continued_sft"]
-    if candidates:
-        baseline = max(candidates, key=lambda arm: out[arm]["valid_task_score"]["mean"])
-        out["baseline"] = baseline
-        base = arms[baseline]
-        for arm, runs in arms.items():
-            if arm == baseline:
-                continue
-            splits = [("valid", lambda r: r["valid"][-1]["task_score"]), ("test", lambda r: r["test"]["task_score"])]
-            if "heldout_task_score" in out[arm]:
-                splits.append(("heldout", lambda r: r["heldout_task_score"]))
-            for split, get in splits:
-                diffs = [get(runs[s]) - get(base[s]) for s in seeds]
-                d = mean_std(diffs)
-                ref = statistics.fmean(get(base[s]) for s in seeds)
-                d["sigmas"] = d["mean"] / d["std"] if d["std"] > 0 else None
-                d["relative"] = d["mean"] / ref if ref else None
-                d["per_seed"] = diffs
-                out[arm][f"paired_diff_{split}"] = d
-            t = out[arm]["paired_diff_test"]
-            if arm not in candidates:
-                out[arm]["beats_sft_on_test"] = bool(t["sigmas"] is not None and t["sigmas"] > 2
-                                                     and t["relative"] >= 0.10)
+    # The baseline: what likelihood training reaches, as a user would keep it. Of the SFT checkpoint itself
+    # (continued SFT stopped at step 0) and the continued-SFT arms (variants such as continued_sft:lr5e-5
+    # included), the one with the best mean validation score; every other arm is compared with it seed by seed.
+    # Past its validation peak continued SFT can lose score, and beating a baseline that did is no gain. The
+    # target (> 2 σ and >= 10 % on test) must hold against each of them, so that it never hinges on which one
+    # the validation subset's noise chose.
+    start = {s: {"valid": [{"task_score": sft[s]["valid_task_score"]}],
+                 "test": {"task_score": sft[s]["test_task_score"]},
+                 **({"heldout_task_score": sft[s]["heldout_task_score"]} if "heldout_task_score" in sft[s] else {})}
+             for s in seeds}
+    candidates = {"sft": start, **{arm: runs for arm, runs in arms.items() if arm.split(":")[0] == "continued_sft"}}
+    if len(candidates) < 2:
+        return out
+    baseline = max(candidates, key=lambda arm: out[arm]["valid_task_score"]["mean"])
+    out["baseline"] = baseline
+    splits = {"valid": lambda r: r["valid"][-1]["task_score"], "test": lambda r: r["test"]["task_score"],
+              "heldout": lambda r: r["heldout_task_score"]}
+
+    def paired(runs: dict[int, dict[str, Any]], base: dict[int, dict[str, Any]], split: str) -> dict[str, Any]:
+        get = splits[split]
+        diffs = [get(runs[s]) - get(base[s]) for s in seeds]
+        d = mean_std(diffs)
+        ref = statistics.fmean(get(base[s]) for s in seeds)
+        d["sigmas"] = d["mean"] / d["std"] if d["std"] > 0 else None
+        d["relative"] = d["mean"] / ref if ref else None
+        d["per_seed"] = diffs
+        return d
+
+    def meets_target(d: dict[str, Any]) -> bool:
+        return bool(d["sigmas"] is not None and d["sigmas"] > 2 and d["relative"] >= 0.10)
+
+    for arm, runs in arms.items():
+        if arm == baseline:
+            continue
+        for split in splits:
+            if split != "heldout" or ("heldout_task_score" in out[arm] and "heldout_task_score" in out[baseline]):
+                out[arm][f"paired_diff_{split}"] = paired(runs, candidates[baseline], split)
+        if arm not in candidates:
+            each = {name: paired(runs, base, "test") for name, base in candidates.items()}
+            out[arm]["paired_diff_test_each"] = {name: {k: d[k] for k in ("mean", "std", "sigmas", "relative")}
+                                                 for name, d in each.items()}
+            out[arm]["beats_sft_on_test"] = all(meets_target(d) for d in each.values())
     return out
 
 
@@ -412,6 +430,52 @@ def plot(path: Path, task: str, sft: dict[int, dict[str, Any]], arms: dict[str, 
     plt.close(fig)
 
 
+def print_summary(task: str, seeds: list[int], rl_epochs: int, train_subset: int, sft: dict[int, dict[str, Any]],
+                  arms: list[str], oracles: dict[str, float], summary: dict[str, Any]) -> None:
+    """The benchmark's table on stdout: each arm's scores and its paired difference to the baseline."""
+    print(f"\n{task}: task score, mean ± std over seeds {seeds} ({rl_epochs} RL epochs of "
+          f"{train_subset} sources)")
+    print(f"  {'SFT checkpoint':>14}: valid {summary['sft']['valid_task_score']['mean']:.4f}  "
+          f"test {summary['sft']['test_task_score']['mean']:.4f}"
+          + (f"  A {summary['sft']['phrasings']['A']['mean']:.0%}" if "phrasings" in summary["sft"] else ""))
+    for arm in arms:
+        s = summary[arm]
+        line = (f"  {arm:>14}: valid {s['valid_task_score']['mean']:.4f} ± {s['valid_task_score']['std']:.4f}  "
+                f"test {s['test_task_score']['mean']:.4f} ± {s['test_task_score']['std']:.4f}  "
+                f"KL {s['kl_to_start']['mean']:.3f}  {s['seconds']['mean']:.0f} s")
+        if "phrasings" in s:
+            line += f"  A {s['phrasings']['A']['mean']:.0%} prefix {s['phrasings']['prefix']['mean']:.0%}"
+        for split in ("test", "heldout"):
+            if f"paired_diff_{split}" in s:
+                d = s[f"paired_diff_{split}"]
+                line += (f"  | {split} vs {summary['baseline']} {d['mean']:+.4f} ± {d['std']:.4f} "
+                         f"({d['relative']:+.1%}, "
+                         f"{d['sigmas'] if d['sigmas'] is None else round(d['sigmas'], 1)} σ)")
+        print(line)
+    for name, value in oracles.items():
+        print(f"  {name:>14}: test {value:.4f}")
+    for split in ("test", "heldout"):
+        if f"headroom_{split}" in summary["sft"]:
+            h = summary["sft"][f"headroom_{split}"]
+            print(f"  SFT headroom on {split}: greedy {h['greedy']['mean']:.4f}  one sample {h['sample']['mean']:.4f}"
+                  f"  consensus of {sft[seeds[0]][f'headroom_{split}']['candidates']} "
+                  f"{h['consensus']['mean']:.4f} ({h['consensus_gain']['mean']:+.1%} ± "
+                  f"{h['consensus_gain']['std']:.1%})  best by the reference {h['oracle_best']['mean']:.4f}")
+
+
+def resummarize(path: Path) -> None:
+    """Recompute a saved result's summary (and its `beats_sft_on_test` flags) from its per-seed readings."""
+    payload = json.loads(path.read_text())
+    sft = {int(s): v for s, v in payload["sft"].items()}
+    arms = {arm: {int(s): r for s, r in runs.items()} for arm, runs in payload["arms"].items()}
+    payload["summary"] = summary = summarize(sft, arms)
+    settings = payload["settings"]
+    print_summary(payload["task"], sorted(sft), settings["rl_epochs"], settings["train_subset"], sft, list(arms),
+                  payload["oracles"], summary)
+    atomic_write_json(path, payload)
+    print("rewrote", path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=sorted(TASK_SETTINGS), default="synth")
@@ -434,7 +498,13 @@ def main() -> None:
                          "held-out rows) instead of the SFT training split; --train-subset still caps them")
     ap.add_argument("--results-name", default=None,
                     help="stem of the saved JSON and PNG in bench/results/ (default: algorithms_<task>)")
+    ap.add_argument("--resummarize", type=Path, default=None, metavar="JSON",
+                    help="run nothing: recompute a saved result's summary from its per-seed readings, print it and "
+                         "rewrite the file (after a change to the summary's rules)")
     args = ap.parse_args()
+    if args.resummarize:
+        resummarize(args.resummarize)
+        return
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = sorted(a for a in arms if a.split(":")[0] not in ALL_ARMS
@@ -490,34 +560,7 @@ def main() -> None:
 
             ray.shutdown()
     summary = summarize(sft, results)
-    print(f"\n{args.task}: task score, mean ± std over seeds {seeds} ({args.rl_epochs} RL epochs of "
-          f"{args.train_subset} sources)")
-    print(f"  {'SFT checkpoint':>14}: valid {summary['sft']['valid_task_score']['mean']:.4f}  "
-          f"test {summary['sft']['test_task_score']['mean']:.4f}"
-          + (f"  A {summary['sft']['phrasings']['A']['mean']:.0%}" if "phrasings" in summary["sft"] else ""))
-    for arm in arms:
-        s = summary[arm]
-        line = (f"  {arm:>14}: valid {s['valid_task_score']['mean']:.4f} ± {s['valid_task_score']['std']:.4f}  "
-                f"test {s['test_task_score']['mean']:.4f} ± {s['test_task_score']['std']:.4f}  "
-                f"KL {s['kl_to_start']['mean']:.3f}  {s['seconds']['mean']:.0f} s")
-        if "phrasings" in s:
-            line += f"  A {s['phrasings']['A']['mean']:.0%} prefix {s['phrasings']['prefix']['mean']:.0%}"
-        for split in ("test", "heldout"):
-            if f"paired_diff_{split}" in s:
-                d = s[f"paired_diff_{split}"]
-                line += (f"  | {split} vs {summary['baseline']} {d['mean']:+.4f} ± {d['std']:.4f} "
-                         f"({d['relative']:+.1%}, "
-                         f"{d['sigmas'] if d['sigmas'] is None else round(d['sigmas'], 1)} σ)")
-        print(line)
-    for name, value in oracles.items():
-        print(f"  {name:>14}: test {value:.4f}")
-    for split in ("test", "heldout"):
-        if f"headroom_{split}" in summary["sft"]:
-            h = summary["sft"][f"headroom_{split}"]
-            print(f"  SFT headroom on {split}: greedy {h['greedy']['mean']:.4f}  one sample {h['sample']['mean']:.4f}"
-                  f"  consensus of {sft[seeds[0]][f'headroom_{split}']['candidates']} "
-                  f"{h['consensus']['mean']:.4f} ({h['consensus_gain']['mean']:+.1%} ± "
-                  f"{h['consensus_gain']['std']:.1%})  best by the reference {h['oracle_best']['mean']:.4f}")
+    print_summary(args.task, seeds, args.rl_epochs, args.train_subset, sft, arms, oracles, summary)
     if args.no_save:
         return
     payload = {"benchmark": "algorithms", "task": args.task,
