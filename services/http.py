@@ -33,8 +33,10 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
+import anyio
+import anyio.to_thread
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
@@ -52,6 +54,7 @@ from rlt2t.services.batching import ClientGone, Overloaded
 from rlt2t.services.schemas import ErrorResponse, Health
 
 log = logging.getLogger("rlt2t.services.http")
+T = TypeVar("T")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 OPEN_PATHS = ("/healthz",)
@@ -63,11 +66,13 @@ OpenApiResponses: TypeAlias = dict[int | str, dict[str, Any]]
 """A route's documented error answers (FastAPI's ``responses=``): status -> model and description."""
 
 UNAUTHORIZED: OpenApiResponses = {401: {"model": ErrorResponse, "description": "Missing or wrong bearer token"}}
+_RETRY_AFTER = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
 OVERLOADED: OpenApiResponses = {
     503: {"model": ErrorResponse, "description": "Queue full, deadline passed (serve.request_timeout_s) "
-          "or shutting down; retry after the Retry-After header's seconds",
-          "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}}}
-NOT_READY: OpenApiResponses = {503: {"model": ErrorResponse, "description": "Not ready"}}
+          "or shutting down; retry after the Retry-After header's seconds", "headers": _RETRY_AFTER}}
+NOT_READY: OpenApiResponses = {
+    503: {"model": ErrorResponse, "description": "Not ready; retry after the Retry-After header's seconds",
+          "headers": _RETRY_AFTER}}
 BODY_REFUSED: OpenApiResponses = {
     408: {"model": ErrorResponse, "description": "Body not received within serve.body_timeout_s"},
     413: {"model": ErrorResponse, "description": "Body larger than serve.max_body_bytes"},
@@ -87,8 +92,18 @@ def load_token(serve: ServeConfig, base_dir: str | Path | None = None) -> str | 
         token = path.read_text(encoding="utf-8").strip()
         if not token:
             raise ValueError(f"serve.token_file: {path} is empty")
-        return token
-    return os.environ.get(serve.token_env, "").strip() or None
+        return _header_safe(token, f"serve.token_file ({path})")
+    token = os.environ.get(serve.token_env, "").strip()
+    return _header_safe(token, f"${serve.token_env}") if token else None
+
+
+def _header_safe(token: str, where: str) -> str:
+    """A token a client can send: HTTP header values are ASCII, so any other character would make every
+    request fail with 401 (and most clients refuse to send it)."""
+    if bad := [c for c in token if not "!" <= c <= "~"]:
+        raise ValueError(f"{where}: the bearer token holds {bad[0]!r}; use printable ASCII without spaces "
+                         "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    return token
 
 
 def check_exposure(serve: ServeConfig, host: str, token: str | None) -> None:
@@ -102,6 +117,22 @@ def check_exposure(serve: ServeConfig, host: str, token: str | None) -> None:
     if not loopback and token is None and not serve.allow_unauthenticated:
         raise ValueError(f"serve.host={host} would expose the server beyond this machine without a bearer token: "
                          f"set serve.token_file or ${serve.token_env} (or serve.allow_unauthenticated=true)")
+
+
+class CheckThread:
+    """Runs a request's text checks, which tokenize every text, on one worker thread: off the event loop, so
+    a large request never stalls the others or ``/healthz``, and one request at a time, as the tokenizer
+    they use must not be borrowed by two threads at once."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # made on the loop that uses it (tests run one app on several loops)
+            self._loop, self._limiter = loop, anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
 
 def bearer_ok(authorization: str | None, expected: bytes) -> bool:
@@ -306,9 +337,10 @@ class _ObserveRequests:
             self.metrics.observe(scope, status, time.perf_counter() - start)
 
 
-def add_common_routes(app: FastAPI, metrics: ServiceMetrics, ready, protected: list[Any]) -> None:
+def add_common_routes(app: FastAPI, metrics: ServiceMetrics, ready, protected: list[Any],
+                      retry_after_s: int = 1) -> None:
     """``/healthz`` (GET and HEAD, no auth), ``/readyz`` and ``/metrics``; ``ready()`` says whether the app
-    can serve."""
+    can serve, and a 503 from ``/readyz`` says to retry after ``retry_after_s`` seconds."""
 
     async def healthz() -> Health:
         """Liveness: the process answers."""
@@ -323,7 +355,7 @@ def add_common_routes(app: FastAPI, metrics: ServiceMetrics, ready, protected: l
     async def readyz():
         """Readiness: a model (or the metric registry) is loaded and requests are accepted."""
         if not ready():
-            return JSONResponse({"detail": "not ready"}, status_code=503)
+            return JSONResponse({"detail": "not ready"}, status_code=503, headers={"Retry-After": str(retry_after_s)})
         return Health(status="ready")
 
     @app.get("/metrics", response_class=PlainTextResponse, dependencies=protected, tags=["ops"],

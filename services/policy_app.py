@@ -55,6 +55,7 @@ from rlt2t.services.http import (
     BODY_REFUSED,
     OVERLOADED,
     UNAUTHORIZED,
+    CheckThread,
     OpenApiResponses,
     ServiceMetrics,
     add_common_routes,
@@ -195,7 +196,9 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     app.state.batcher, app.state.watcher, app.state.metrics = batcher, watcher, metrics
     install_error_handlers(app, metrics)
     install_middleware(app, metrics, serve, token)
-    add_common_routes(app, metrics, lambda: batcher.backend is not None and not batcher.stopping, protected)
+    add_common_routes(app, metrics, lambda: batcher.backend is not None and not batcher.stopping, protected,
+                      retry_after_s=max(1, math.ceil(serve.reload_interval_s)))
+    checks = CheckThread()
 
     # -- validation shared by the routes -------------------------------------------------------------
 
@@ -211,17 +214,21 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         # EOS takes one position: a text of n tokens is n + 1 ids on the encoder or decoder side.
         return min(serve.max_tokens_per_source, loaded().max_positions - 1)
 
-    def check_texts(field: str, texts: Sequence[str]) -> list[int]:
-        """Each text under the token rule and the length limit; returns their token counts."""
+    def check_texts(field: str, texts: Sequence[str], listed: bool = True) -> list[int]:
+        """Each text under the token rule and the length limit; returns their token counts. Text by text, so
+        that a request is refused at its first bad text without tokenizing the rest. Run it on the check
+        thread (``checks.run``): it tokenizes."""
         backend, limit = loaded(), token_limit()
+        counts = []
         for i, text in enumerate(texts):
+            loc = ("body", field, i) if listed else ("body", field)
             if (problem := backend.check_text(text)) is not None:
-                raise field_error(("body", field, i), problem, text)
-        counts = backend.count_tokens(texts)
-        for i, n in enumerate(counts):
+                raise field_error(loc, problem, text)
+            (n,) = backend.count_tokens([text])
             if n > limit:
-                raise field_error(("body", field, i), f"{n} tokens; at most {limit} per text "
+                raise field_error(loc, f"{n} tokens; at most {limit} per text "
                                   "(serve.max_tokens_per_source and the model's positions)")
+            counts.append(n)
         return counts
 
     def check_cost(costs: Sequence[int], product: str) -> list[int]:
@@ -270,7 +277,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             check_count("beam_size", req.beam_size, serve.max_candidates_per_source, "beams")
             check_count("num_candidates", req.num_candidates, req.beam_size, "hypotheses (beam_size)")
         check_new_tokens(req.max_new_tokens)
-        counts = check_texts("sources", req.sources)
+        counts = await checks.run(check_texts, "sources", req.sources)
         rows, what = (req.beam_size, "beams") if req.mode == "beam" else (req.num_candidates, "candidates")
         costs = sampling_costs(counts, rows, req.max_new_tokens, what)
         # Only the settings a mode uses go into the batching key, so e.g. beam requests that differ in an
@@ -307,8 +314,8 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         check_count("num_samples", num_samples, serve.max_candidates_per_source, "samples per source")
         max_new = req.max_new_tokens if req.max_new_tokens is not None else r.max_new_tokens
         check_new_tokens(max_new)
-        counts = check_texts("sources", req.sources)
-        check_texts("references", req.references)
+        counts = await checks.run(check_texts, "sources", req.sources)
+        await checks.run(check_texts, "references", req.references)
         check_top_p(req.top_p)
         costs = sampling_costs(counts, num_samples, max_new, "samples")
         sampling = Sampling(mode="sample", num_candidates=num_samples,
@@ -336,13 +343,8 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     async def score(req: ScoreRequest, request: Request) -> ScoreResponse:
         """Teacher-forced log-probs of each target given the source."""
         check_count("targets", len(req.targets), serve.max_candidates_per_source, "targets")
-        backend, limit = loaded(), token_limit()
-        if (problem := backend.check_text(req.source)) is not None:
-            raise field_error(("body", "source"), problem, req.source)
-        (n_source,) = backend.count_tokens([req.source])
-        if n_source > limit:
-            raise field_error(("body", "source"), f"{n_source} tokens; at most {limit} per text")
-        counts = check_texts("targets", req.targets)
+        (n_source,) = await checks.run(check_texts, "source", [req.source], False)
+        counts = await checks.run(check_texts, "targets", req.targets)
         cost = check_cost([sum(n_source + n + 1 for n in counts)],
                           f"{len(counts)} targets x ({n_source} source tokens + {sum(counts) / len(counts):.0f} "
                           "target tokens on average + 1)")

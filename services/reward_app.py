@@ -45,6 +45,7 @@ from rlt2t.services.http import (
     BODY_REFUSED,
     OVERLOADED,
     UNAUTHORIZED,
+    CheckThread,
     ServiceMetrics,
     add_common_routes,
     auth_dependencies,
@@ -150,12 +151,27 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
     install_middleware(app, metrics, serve, token)
     add_common_routes(app, metrics, lambda: not batcher.stopping, protected)
 
+    checks = CheckThread()
+
     def check_text(loc: tuple, text: str) -> None:
-        if check_tokens is not None and (problem := check_tokens(text)) is not None:
-            raise field_error(loc, problem, text)
         n = len(text.split())
         if n > serve.max_tokens_per_source:
             raise field_error(loc, f"{n} tokens; at most {serve.max_tokens_per_source} (serve.max_tokens_per_source)")
+        if check_tokens is not None and (problem := check_tokens(text)) is not None:
+            raise field_error(loc, problem, text)
+
+    def check_texts(req: RewardRequest) -> None:
+        """Every text of a request, on the check thread (``checks.run``): the token rule tokenizes."""
+        for i, text in enumerate(req.candidates):
+            check_text(("body", "candidates", i), text)
+        for i, text in enumerate(req.sources or ()):
+            check_text(("body", "sources", i), text)
+        for i, given in enumerate(req.references or ()):
+            if isinstance(given, str):
+                check_text(("body", "references", i), given)
+            else:
+                for j, text in enumerate(given):
+                    check_text(("body", "references", i, j), text)
 
     @app.post("/v1/reward", response_model=RewardResponse, dependencies=protected, tags=["reward"],
               responses={**(UNAUTHORIZED if token else {}), **OVERLOADED, **BODY_REFUSED})
@@ -182,16 +198,7 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
         if len(set(req.metrics)) != len(req.metrics):
             raise field_error(("body", "metrics"), "metric names repeat")
         refs = [[r] if isinstance(r, str) else list(r) for r in req.references] if req.references is not None else None
-        for i, text in enumerate(req.candidates):
-            check_text(("body", "candidates", i), text)
-        for i, text in enumerate(req.sources or ()):
-            check_text(("body", "sources", i), text)
-        for i, given in enumerate(req.references or ()):
-            if isinstance(given, str):
-                check_text(("body", "references", i), given)
-            else:
-                for j, text in enumerate(given):
-                    check_text(("body", "references", i, j), text)
+        await checks.run(check_texts, req)
 
         sources = list(req.sources) if req.sources is not None else [None] * n
         item_refs = refs if refs is not None else [None] * n

@@ -200,6 +200,47 @@ def test_bad_pairs_and_score_requests_name_the_field(client):
     assert r.status_code == 422
 
 
+def test_a_request_is_refused_at_its_first_long_text_without_tokenizing_the_rest(client, monkeypatch):
+    backend = client.app.state.batcher.backend
+    seen: list[str] = []
+    real = backend.check_text
+    monkeypatch.setattr(backend, "check_text", lambda text: seen.append(text) or real(text))
+    long = " ".join(["3"] * 41)  # the tiny config's limit is 40 tokens
+    r = client.post("/v1/candidates", json={"sources": ["11 12", long, "13", "14"]})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "sources", 1]
+    assert seen == ["11 12", long]
+
+
+def test_text_checks_run_off_the_event_loop(client, monkeypatch):
+    """A request whose texts take long to check (a large body: tokenizing 4 MiB takes seconds) leaves the
+    server answering others, /healthz included, while it is checked."""
+    import threading
+
+    backend = client.app.state.batcher.backend
+    real, entered, answered = backend.check_text, threading.Event(), threading.Event()
+    released: list[bool] = []
+
+    def slow_check(text: str):
+        entered.set()
+        # released once /healthz has answered; on the event loop, this wait would hold /healthz until it ran out
+        released.append(answered.wait(20))
+        return real(text)
+
+    monkeypatch.setattr(backend, "check_text", slow_check)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(r=client.post("/v1/candidates", json={"sources": ["11 12"],
+                                                                                          "max_new_tokens": 2})))
+    t.start()
+    try:
+        assert entered.wait(30)
+        assert client.get("/healthz").status_code == 200
+        assert "r" not in result  # the checked request is still waiting for its check
+    finally:
+        answered.set()
+        t.join(60)
+    assert result["r"].status_code == 200 and released == [True]
+
+
 def test_model_info_health_and_metrics(client, checkpoint_root):
     info = client.get("/v1/model").json()
     assert info["version"] == 0 and info["checkpoint"] == str(checkpoint_root / "epoch-0001")
@@ -231,6 +272,17 @@ def test_bearer_token_from_env_guards_every_route_but_healthz(serve_cfg, checkpo
         assert ok.status_code == 200
 
 
+@pytest.mark.parametrize("token", ["s3crét", "two words", "tab\there"])
+def test_a_token_no_client_can_send_is_refused_at_start(serve_cfg, checkpoint_root, tmp_path, monkeypatch, token):
+    monkeypatch.setenv("RLT2T_API_TOKEN", token)
+    with pytest.raises(ValueError, match=r"\$RLT2T_API_TOKEN: the bearer token holds"):
+        create_app(serve_cfg, checkpoint_dir=checkpoint_root)
+    (tmp_path / "token").write_text(token + "\n", encoding="utf-8")
+    serve_cfg.serve.token_file = str(tmp_path / "token")
+    with pytest.raises(ValueError, match="serve.token_file .*: the bearer token holds"):
+        create_app(serve_cfg, checkpoint_dir=checkpoint_root)
+
+
 def test_token_file_takes_precedence(serve_cfg, checkpoint_root, tmp_path, monkeypatch):
     monkeypatch.setenv("RLT2T_API_TOKEN", "from-env")
     (tmp_path / "token").write_text("from-file\n")
@@ -257,7 +309,8 @@ def test_waits_for_the_first_checkpoint_with_503s(serve_cfg, tmp_path, tiny_poli
     cfg = serve_cfg.model_copy(update={"serve": serve_cfg.serve.model_copy(update={"reload_interval_s": 0.05})})
     with TestClient(create_app(cfg, checkpoint_dir=root)) as c:
         assert c.get("/healthz").status_code == 200
-        assert c.get("/readyz").status_code == 503
+        r = c.get("/readyz")
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"  # ceil(reload_interval_s), at least 1
         for r in (c.get("/v1/model"), c.post("/v1/candidates", json={"sources": ["11 12"]}),
                   c.post("/v1/score", json={"source": "11", "targets": ["12"]})):
             assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, r.text
