@@ -187,10 +187,17 @@ class KLConfig(_Section):
 
     coef: float = Field(0.05, ge=0.0)
     """β: the KL coefficient (initial value when adaptive). 0 turns the KL term off (no reference scoring)."""
-    target: float | None = None
+    target: float | None = Field(None, gt=0.0)
     """Adaptive controller (Ziegler et al.): target KL per sequence in nats; null keeps β fixed."""
     horizon: int = Field(10000, ge=1)
     """Adaptive controller horizon, in sequences."""
+
+    @model_validator(mode="after")
+    def _adaptive_needs_a_start(self) -> KLConfig:
+        if self.target is not None and self.coef == 0:
+            raise ValueError("rl.kl.target: the adaptive controller scales β and cannot move it off rl.kl.coef=0; "
+                             "give rl.kl.coef a starting value > 0 (or drop the target)")
+        return self
 
 
 class PolicyGradientConfig(_Section):
@@ -262,7 +269,8 @@ class RLConfig(StageConfig):
     reward_workers: int = Field(1, ge=1)
     """Reward actors scoring candidates with the reward."""
     chunk_size: int = Field(32, ge=1)
-    """Sources per rollout task (the unit of work re-dispatched when a worker dies)."""
+    """Sources per rollout task (the unit of work re-dispatched when a worker dies). It must divide
+    rl.batch_size; left unset, the largest divisor of rl.batch_size up to 32."""
     max_inflight_chunks: int = Field(8, ge=1)
     """Bound on rollout chunks sampled ahead of the learner (the queue bound)."""
     deterministic: bool | None = None
@@ -271,7 +279,10 @@ class RLConfig(StageConfig):
     learner_gpus: float = Field(0.0, ge=0.0)
     """GPUs per learner rank (placement group bundles)."""
     rollout_gpus: float = Field(0.0, ge=0.0)
-    """GPU fraction per rollout worker."""
+    """GPU fraction per rollout worker; with one, it samples on the GPU (the torch backend)."""
+    reward_gpus: float = Field(0.0, ge=0.0)
+    """GPU fraction per reward worker, for learned reward terms on ``reward.device`` (without one, Ray hides
+    the GPUs from it and `auto` runs them on the CPU)."""
     learner_cpus: float = Field(1.0, gt=0.0)
     """CPUs per learner rank."""
     rollout_cpus: float = Field(1.0, gt=0.0)
@@ -758,6 +769,14 @@ class Config(_Section):
                     )
         if self.rl.batch_size % self.rl.learners:
             raise ValueError(f"rl.batch_size={self.rl.batch_size} must divide by rl.learners={self.rl.learners}")
+        if self.rl.batch_size % self.rl.chunk_size:
+            # No chunk may straddle two learner steps: a run resumed between them would cut it elsewhere and
+            # sample part of it with another policy version.
+            if "chunk_size" in self.rl.model_fields_set:
+                raise ValueError(f"rl.chunk_size={self.rl.chunk_size} must divide rl.batch_size={self.rl.batch_size}"
+                                 ", so that no chunk straddles two learner steps (a run resumed between them would "
+                                 "sample part of it with another policy version)")
+            self.rl.chunk_size = max(d for d in range(1, self.rl.chunk_size + 1) if self.rl.batch_size % d == 0)
         if self.rl.algorithm != "rank":
             if self.rollout.max_new_tokens > self.data.max_target_len and "max_new_tokens" not in \
                     self.rollout.model_fields_set:

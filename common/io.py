@@ -94,11 +94,14 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
 
 
 class JsonlAppender:
-    """Append-only JSONL log (metrics); each line is flushed so a crash loses at most the last line."""
+    """Append-only JSONL log (metrics); each line is flushed so a crash loses at most the last line. A line
+    a crash left unfinished is cut off when the log is opened again (a resumed run), so the next row does
+    not run into it and every line stays JSON."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.dropped_partial_line = _drop_partial_last_line(self.path)
         self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - long-lived handle
 
     def write(self, row: dict) -> None:
@@ -113,3 +116,25 @@ class JsonlAppender:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _drop_partial_last_line(path: Path) -> bool:
+    """Truncate ``path`` after its last newline when bytes follow it (a write a crash cut short)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return False
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - 1))
+        if f.read(1) == b"\n":
+            return False
+        block, end = 1 << 16, size  # find the last newline, reading backwards
+        while end > 0:
+            start = max(0, end - block)
+            f.seek(start)
+            chunk = f.read(end - start)
+            if (i := chunk.rfind(b"\n")) >= 0:
+                f.truncate(start + i + 1)
+                return True
+            end = start
+        f.truncate(0)
+        return True

@@ -25,7 +25,12 @@ def plot_curves(metrics_jsonl: str | Path, out_png: str | Path, title: str = "",
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
+    rows = []
+    for line in Path(metrics_jsonl).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line a crash cut short: the curves are drawn from the others
+            continue
     if not rows:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)

@@ -45,6 +45,9 @@ class RunLogger:
         self.dir = Path(log_dir)
         self.stage = stage
         self._jsonl = JsonlAppender(self.dir / "metrics.jsonl")
+        if self._jsonl.dropped_partial_line:
+            logging.getLogger("rlt2t.tracking").warning("%s: cut off a line a crash left unfinished",
+                                                        self._jsonl.path)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -340,7 +340,7 @@ class PolicyGradientObjective:
         stop = False
         for _ in range(rl.optimisation_epochs):
             order = torch.randperm(size, generator=generator) if minibatches > 1 else torch.arange(size)
-            for part in order.chunk(minibatches):
+            for part in order.tensor_split(minibatches):  # exactly that many (chunk may give fewer)
                 part = part.to(batch.input_ids.device)
                 mb = batch.select(part)
                 rows = (torch.arange(k, device=part.device).unsqueeze(1) * size + part.unsqueeze(0)).reshape(-1)

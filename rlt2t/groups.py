@@ -79,7 +79,8 @@ def job_demands(cfg: Config, *, policy_server: bool = False) -> list[Demand]:
                len(cfg.rollout.urls) if http_rollout else r.rollout_workers,
                {"CPU": 0.1} if http_rollout else bundle(r.rollout_cpus, r.rollout_gpus, dict(r.rollout_resources))),
         Demand(f"rl.reward_workers={r.reward_workers} x " + ("0.1 CPU (HTTP)" if http_reward else
-               f"rl.reward_cpus={r.reward_cpus:g}"), r.reward_workers, {"CPU": 0.1 if http_reward else r.reward_cpus}),
+               f"(rl.reward_cpus={r.reward_cpus:g}, rl.reward_gpus={r.reward_gpus:g})"), r.reward_workers,
+               {"CPU": 0.1} if http_reward else bundle(r.reward_cpus, r.reward_gpus, {})),
     ]
     if policy_server:
         s = cfg.serve

@@ -20,6 +20,7 @@ drive it with fake results (tests/unit/test_scheduler.py).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -162,6 +163,10 @@ class EpochScheduler:
     max_unavailable: int = 30
     clock: Callable[[], float] = time.monotonic
     stats: EpochStats = field(default_factory=EpochStats)
+    trained_ids: list[str] = field(default_factory=list)
+    """Example ids of this epoch that finished learner steps trained on (those of a resumed run's checkpoint
+    first), in step order: what a run resumed mid-epoch must not train on again. Without deterministic mode
+    they are not a prefix of the epoch's order (chunks reach the learner as they come)."""
 
     def __post_init__(self) -> None:
         self.next_submit = 0
@@ -171,6 +176,7 @@ class EpochScheduler:
         self.retries: list[tuple[float, int]] = []  # (clock time, chunk index)
         self.queue: list[Any] = []  # scored items in consumption order, not yet in a learner batch
         self.steps_queued = 0  # learner steps handed out and not yet done
+        self._queued_ids: deque[list[str]] = deque()  # the example ids of each queued step, oldest first
 
     # -- rollouts and rewards ----------------------------------------------------------------------------------
 
@@ -230,9 +236,10 @@ class EpochScheduler:
     # -- the learner --------------------------------------------------------------------------------------------
 
     def needs_driver_after(self, n: int) -> bool:
-        """Whether the driver acts on the learner right after its n-th step (publish, checkpoint, stop): no
-        later step may be queued behind that one, or it would run first."""
+        """Whether the driver acts on the learner right after its n-th step (publish weights or NLPO's masking
+        policy, checkpoint, stop): no later step may be queued behind that one, or it would run first."""
         return bool((self.refresh_every_steps and n % self.refresh_every_steps == 0)
+                    or (self.mask_every and n % self.mask_every == 0)  # NLPO publishes its masking policy
                     or (self.save_every_steps and n % self.save_every_steps == 0)
                     or (self.stop_after_steps and n >= self.stop_after_steps))
 
@@ -269,6 +276,7 @@ class EpochScheduler:
             # are repeated to give each rank one.
             items = [items[i % size] for i in range(self.learners)]
         self.steps_queued += 1
+        self._queued_ids.append([item.example_id for item in items[:size]])
         self.stats.items_used += size
         return LearnerBatch(items, at, size, sum(staleness) / size, max(staleness))
 
@@ -277,6 +285,7 @@ class EpochScheduler:
         if self.steps_queued < 1:
             raise RuntimeError("step_done without a queued learner step")
         self.steps_queued -= 1
+        self.trained_ids += self._queued_ids.popleft()
         self.step += 1
         return self.step
 

@@ -23,7 +23,7 @@ import math
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -233,6 +233,9 @@ class _Job:
         """The learner group, rollout and reward pools, and the driver's checkpoint writer; nothing
         outlives a failed start (a standing cluster must not keep placement groups or actors)."""
         r = cfg.rl
+        if cfg.reward.source != "http" and cfg.reward.device == "cuda" and not r.reward_gpus:
+            raise ValueError("reward.device=cuda: the RL job's reward workers have no GPU; give them one with "
+                             "rl.reward_gpus (e.g. 0.25), or set reward.device=auto")
         learners = rollouts = rewards = None
         try:
             learners = LearnerGroup(cfg, start, total_steps, reference_checkpoint=init)
@@ -254,7 +257,7 @@ class _Job:
                                       resources=r.rollout_resources,
                                       args=(cfg.model, str(cfg.tokenizer_dir), cfg.rollout),
                                       kwargs=dict(seed=cfg.run.seed, max_source_len=cfg.data.max_source_len, spec=spec,
-                                                  start_weights=start_ref),
+                                                  start_weights=start_ref, device="cuda" if r.rollout_gpus else "cpu"),
                                       what=f"the rollout workers (rl.rollout_workers={r.rollout_workers}, "
                                            f"rl.rollout_cpus={r.rollout_cpus:g}, rl.rollout_gpus={r.rollout_gpus:g}, "
                                            f"rl.rollout_resources={dict(r.rollout_resources)})")
@@ -263,10 +266,10 @@ class _Job:
                                      max_restarts=r.max_restarts, args=(cfg.reward.url, cfg.reward),
                                      kwargs=dict(token=token), what="HTTP reward workers")
             else:
-                rewards = WorkerPool(RewardWorker, r.reward_workers, num_cpus=r.reward_cpus, num_gpus=0,
+                rewards = WorkerPool(RewardWorker, r.reward_workers, num_cpus=r.reward_cpus, num_gpus=r.reward_gpus,
                                      max_restarts=r.max_restarts, args=(cfg.reward, df), kwargs={},
                                      what=f"the reward workers (rl.reward_workers={r.reward_workers}, "
-                                          f"rl.reward_cpus={r.reward_cpus:g})")
+                                          f"rl.reward_cpus={r.reward_cpus:g}, rl.reward_gpus={r.reward_gpus:g})")
             writer_policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=start, trainable_adapters=True)
             if cfg.model.lora.enabled and not is_lora(writer_policy.model):
                 writer_policy.model = apply_lora(writer_policy.model, cfg.model.lora, seed=cfg.run.seed)
@@ -293,6 +296,7 @@ class _Job:
             # rollout workers do, so the servers sample from the context the learner trains on.
             examples = truncate_sources(examples, self.writer_policy, cfg.data.max_source_len)
         step, epoch0 = 0, 0
+        trained: list[str] | None = None  # the resumed epoch's trained ids, when its run consumed out of order
         start_weights = policy_weights(self.writer_policy.model)
         publisher = _Publisher(self.learners, self.writer_policy, published_dir if http_rollout else None,
                                start_weights, resume_from.step if resume_from else 0)
@@ -303,6 +307,7 @@ class _Job:
             for v, w in sorted(state["published"].items()):
                 publisher.publish(int(v), w)
             step, epoch0 = resume_from.step, resume_from.meta["epoch"]
+            trained = resume_from.meta.get("trained_in_epoch")
             log.info("rl: resuming from %s (step %d, epoch %d)", resume_from.path, step, epoch0)
         log.info("rl: %s on %d sources, %d steps/epoch, %d steps, batch %d, K %d", r.algorithm, len(examples),
                  steps_per_epoch, total_steps, r.batch_size, cfg.rollout.num_samples)
@@ -311,7 +316,8 @@ class _Job:
                    else None, dynamic_ncols=True)
         result = TrainResult(checkpoint=Path(self.writer_policy.origin), steps=step)
 
-        def checkpoint(epoch: int, batch_in_epoch: int, at: int, metrics: dict[str, float]) -> Path:
+        def checkpoint(epoch: int, batch_in_epoch: int, at: int, metrics: dict[str, float],
+                       trained_in_epoch: list[str] | None = None) -> Path:
             load_weights(self.writer_policy.model, self.learners.weights())
             name = checkpoint_name(epoch=epoch) if batch_in_epoch == 0 else checkpoint_name(step=at)
             if batch_in_epoch == 0 and "monitor" in metrics:
@@ -321,7 +327,8 @@ class _Job:
                                    meta={"stage": STAGE, "algorithm": r.algorithm, "init": str(self.init),
                                          "epoch": epoch, "batch_in_epoch": batch_in_epoch, "policy_version": at,
                                          "metrics": metrics,
-                                         "best": best.meta(), "total_steps": total_steps},
+                                         "best": best.meta(), "total_steps": total_steps,
+                                         **({"trained_in_epoch": trained_in_epoch} if trained_in_epoch else {})},
                                    training_state={"learners": self.learners.training_states(),
                                                    "published": publisher.kept(below=at)})
             prune_checkpoints(ckpt_root, r.keep_last, protect=best.protect())
@@ -337,7 +344,7 @@ class _Job:
                 if step >= total_steps:
                     break
                 epoch_start = epoch * steps_per_epoch
-                chunks = self._plan(examples, epoch, epoch_start, step, steps_per_epoch, total_steps)
+                chunks = self._plan(examples, epoch, epoch_start, step, steps_per_epoch, total_steps, trained)
                 if r.refresh_interval == 0:
                     publisher.publish(epoch_start)
                 for c in chunks:
@@ -355,7 +362,9 @@ class _Job:
                                        max_attempts=r.max_restarts + 1, refresh_every_steps=r.refresh_interval,
                                        save_every_steps=r.save_every_steps, stop_after_steps=stop_after_steps,
                                        epoch_start=epoch_start,
-                                       mask_every=r.pg.nlpo_mask_refresh_steps if r.algorithm == "nlpo" else 0)
+                                       mask_every=r.pg.nlpo_mask_refresh_steps if r.algorithm == "nlpo" else 0,
+                                       trained_ids=list(trained or ()))
+                trained = None  # later epochs start afresh
                 publisher.prune(below=sched.oldest_needed_version())  # the previous epoch's are no longer needed
                 last = self._run_epoch(sched, publisher, logger, bar, epoch, epoch_start, checkpoint, truncated)
                 step = sched.step
@@ -376,8 +385,11 @@ class _Job:
         finally:
             bar.close()
             logger.close()
-            plot_curves(logger.dir / "metrics.jsonl", logger.dir / "curves.png",
-                        title=f"RL ({r.algorithm}): {cfg.run_dir}")
+            try:  # the curves must never replace the run's result, or hide the error it failed with
+                plot_curves(logger.dir / "metrics.jsonl", logger.dir / "curves.png",
+                            title=f"RL ({r.algorithm}): {cfg.run_dir}")
+            except Exception as e:
+                log.warning("rl: could not draw %s: %s", logger.dir / "curves.png", e)
         return result
 
     def _ordered(self) -> bool:
@@ -385,13 +397,22 @@ class _Job:
         return d if d is not None else not torch.cuda.is_available()
 
     def _plan(self, examples: list[Example], epoch: int, epoch_start: int, step: int, steps_per_epoch: int,
-              total_steps: int) -> list[Chunk]:
-        """This epoch's chunks from the learner's position on, each with the version that samples it."""
+              total_steps: int, trained: Collection[str] | None = None) -> list[Chunk]:
+        """This epoch's chunks from the learner's position on, each with the version that samples it.
+        ``trained``: the ids this epoch already trained on, from a checkpoint of a run without deterministic
+        mode (it consumed chunks as they came); otherwise the epoch's order up to ``step`` is what was used."""
         r = self.cfg.rl
         first_batch = step - epoch_start
-        order = epoch_order(len(examples), self.cfg.run.seed, epoch)[first_batch * r.batch_size:]
         last_batch = min(steps_per_epoch, total_steps - epoch_start)
-        chosen = [examples[i] for i in order][: (last_batch - first_batch) * r.batch_size]
+        order = epoch_order(len(examples), self.cfg.run.seed, epoch)[: last_batch * r.batch_size]
+        if trained is None:
+            chosen = [examples[i] for i in order[first_batch * r.batch_size:]]
+        else:
+            chosen = [examples[i] for i in order if examples[i].id not in trained]
+            if len(order) - len(chosen) != len(trained) or len(trained) != first_batch * r.batch_size:
+                raise RuntimeError(f"rl: the checkpoint's epoch {epoch} trained on {len(trained)} sources, of which "
+                                   f"{len(order) - len(chosen)} are in this epoch's order at step {step}: it was "
+                                   "written for other data, rl.batch_size or run.seed")
         chunks = []
         for i, o in enumerate(range(0, len(chosen), r.chunk_size)):
             version = needed_version(step + o // r.batch_size, epoch_start, r.refresh_interval)
@@ -400,7 +421,7 @@ class _Job:
         return chunks
 
     def _run_epoch(self, sched: EpochScheduler, publisher: _Publisher, logger: RunLogger, bar: Any, epoch: int,
-                   epoch_start: int, checkpoint: Callable[[int, int, int, dict[str, float]], Path],
+                   epoch_start: int, checkpoint: Callable[[int, int, int, dict[str, float], list[str] | None], Path],
                    truncated: int) -> dict[str, float]:
         """Sample → score → learn over one epoch's chunks, overlapping rollouts with learner steps."""
         cfg, r = self.cfg, self.cfg.rl
@@ -468,7 +489,9 @@ class _Job:
                 if not math.isfinite(metrics["loss"]):
                     raise FloatingPointError(f"rl: loss is {metrics['loss']} at step {at}; lower rl.lr")
                 if r.save_every_steps and at % r.save_every_steps == 0 and not sched.finished:
-                    checkpoint(epoch, at - epoch_start, at, last)
+                    # Out of order, the epoch's trained sources are not a prefix of its order: the checkpoint
+                    # names them, so a resumed run neither skips nor repeats any.
+                    checkpoint(epoch, at - epoch_start, at, last, None if sched.ordered else sched.trained_ids)
                 continue
             kind, index, worker = pending.pop(ref)
             try:

@@ -206,7 +206,8 @@ def test_unordered_mode_with_a_dead_worker_uses_every_pair_once(ray_session, cop
     complete, so the learner receives them out of dataset order.
     """
     run = copy_prepared(tmp_path / "unordered")
-    cfg = _config(run, "rl.deterministic=false", "rl.rollout_workers=2", "rl.epochs=1", "rl.chunk_size=4")
+    cfg = _config(run, "rl.deterministic=false", "rl.rollout_workers=2", "rl.epochs=1", "rl.chunk_size=4",
+                  "rl.save_every_steps=2", "rl.keep_last=5")
     job, box = _start_in_thread(cfg)
     killed = None
     deadline = time.time() + 600
@@ -220,6 +221,26 @@ def test_unordered_mode_with_a_dead_worker_uses_every_pair_once(ray_session, cop
     assert result.redispatched >= 1
     assert result.items_used == 96 and result.steps == 6
     assert result.out_of_order >= 1, "the re-dispatched chunk should have arrived after later ones"
+
+    # Killed after step 2 (its checkpoint the newest): the checkpoint names the sources steps 1-2 trained on,
+    # which out of order are not the epoch's first 32, and the resumed run trains on the other 64, each once.
+    import shutil
+
+    from rlt2t.common.checkpoint import read_checkpoint
+
+    ckpts = run / "rl" / "checkpoints"
+    trained = read_checkpoint(ckpts / "step-000002").meta["trained_in_epoch"]
+    assert len(trained) == len(set(trained)) == 32
+    assert read_checkpoint(ckpts / "step-000004").meta["trained_in_epoch"][:32] == trained
+    resumed_run = tmp_path / "unordered-resumed"
+    shutil.copytree(run, resumed_run)
+    for name in ("epoch-0001", "step-000004"):
+        shutil.rmtree(resumed_run / "rl" / "checkpoints" / name)
+    again = _run_rank(_config(resumed_run, "rl.deterministic=false", "rl.rollout_workers=2", "rl.epochs=1",
+                              "rl.chunk_size=4", "rl.save_every_steps=1", "rl.keep_last=5"), resume=True)
+    assert again.items_used == 64 and again.steps == 6
+    through_step_5 = read_checkpoint(resumed_run / "rl" / "checkpoints" / "step-000005").meta["trained_in_epoch"]
+    assert through_step_5[:32] == trained and len(set(through_step_5)) == 80  # none trained twice
 
 
 def test_http_rollout_and_reward_sources_train_through_live_servers(ray_session, copy_prepared, tmp_path,

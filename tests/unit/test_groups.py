@@ -34,3 +34,10 @@ def test_a_deployed_policy_server_counts_too():
     check_fits(job_demands(cfg), {"CPU": 3.0}, {"CPU": 3.0})
     with pytest.raises(ClusterTooSmall, match=r"the policy server \(serve.num_cpus=1"):
         check_fits(job_demands(cfg, policy_server=True), {"CPU": 3.0}, {"CPU": 3.0})
+
+
+def test_reward_workers_with_a_gpu_count_in_the_jobs_gpus():
+    cfg = load_config(overrides=["rl.reward_gpus=0.5", "rl.reward_workers=2"])
+    with pytest.raises(ClusterTooSmall, match=r"GPU: the job asks for 1 \(rl.reward_workers=2 x \(rl.reward_cpus=0.5, "
+                                              r"rl.reward_gpus=0.5\)\)"):
+        check_fits(job_demands(cfg), {"CPU": 8.0}, {"CPU": 8.0})

@@ -128,6 +128,21 @@ def test_every_algorithm_trains_and_logs(init_dir, algorithm):
     assert metrics["kl_coef"] != 0.1  # the adaptive controller moved it
 
 
+@pytest.mark.parametrize("shard", [5, 4])
+def test_ranks_with_uneven_shards_take_the_same_number_of_optimizer_steps(init_dir, shard):
+    """An epoch's tail splits unevenly (9 sources over 2 ranks: 5 and 4). DDP all-reduces every backward, so
+    both ranks must take rl.pg.minibatches steps: 5 sources in 3 parts is [2, 2, 1], and 4 must be [2, 1, 1]
+    (torch.chunk gave [2, 2], one step short, and the ranks' collectives no longer matched)."""
+    rollout = RolloutConfig(num_samples=2, top_k=0, max_new_tokens=6)
+    rl = RLConfig(algorithm="ppo", batch_size=9, learners=2, kl={"coef": 0.0},
+                  pg={"epochs": 1, "minibatches": 3, "target_kl": 0.0})
+    learner = _learner(init_dir, rl, rollout)
+    learner.all_min = lambda value: 4  # what the all-reduce over both ranks' shard sizes (5, 4) returns
+    metrics = learner.train_step(_scored(_rollout(init_dir, rollout, RolloutSpec.for_algorithm("ppo", kl=False)),
+                                         EXAMPLES[:shard]))
+    assert metrics["optimizer_steps"] == 3
+
+
 def test_ppo_state_round_trip_continues_bitwise(init_dir):
     """Value head, KL controller, optimizer, schedule and RNG all come back: the next step is identical."""
     rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8)

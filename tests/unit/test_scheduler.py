@@ -289,3 +289,63 @@ def test_an_epoch_that_ends_with_chunks_unused_is_an_error():
     sched.step_done()
     with pytest.raises(RuntimeError, match="1 of 2 chunks unused"):
         sched.check_complete()
+
+
+def test_no_step_is_queued_behind_an_nlpo_mask_refresh():
+    """The driver publishes the masking policy after every nlpo_mask_refresh_steps-th step: a step queued
+    behind it would run first, and the weights shipped as that version would be the next step's."""
+    sched, _ = make_planned(6, 1, refresh=4, mask_every=2)
+    sched.rollout_dispatches(published={0, 4})
+    for index in range(6):
+        finish(sched, index)
+    assert _train_one_step(sched) == 1
+    assert sched.next_batch() is not None  # step 2 queued (the one after step 1 runs)
+    assert sched.next_batch() is None  # nothing behind step 2: its weights become mask version 2
+    assert sched.step_done() == 2 and sched.next_batch() is not None
+
+
+def _planned_by_the_driver(ordered: bool, trained=None, step=0):
+    from types import SimpleNamespace
+
+    from rlt2t.common.config import load_config
+    from rlt2t.train import _Job
+
+    cfg = load_config(["tiny"], ["rl.batch_size=4", "rl.chunk_size=4", "rl.algorithm=grpo", "rl.refresh_every_steps=1"])
+    examples = [Example(id=str(i), source=f"s{i}", target=f"t{i}") for i in range(16)]
+    chunks = _Job._plan(SimpleNamespace(cfg=cfg), examples, 0, 0, step, 4, 8, trained)
+    sched = EpochScheduler(chunks, step=step, batch_size=4, learners=1, max_inflight_chunks=8, ordered=ordered,
+                           rollouts=PoolState(1), rewards=PoolState(1), max_attempts=3, refresh_every_steps=1,
+                           save_every_steps=1, trained_ids=list(trained or ()))
+    return chunks, sched
+
+
+def test_a_run_without_deterministic_mode_resumes_mid_epoch_with_nothing_lost_or_trained_twice():
+    """Out of order, a step trains on whichever chunk was scored first: the checkpoint names the ids trained
+    (``trained_ids``), and the resumed run plans the epoch's other sources, each once."""
+    chunks, sched = _planned_by_the_driver(ordered=False)
+    epoch = [e.id for c in chunks for e in c.examples]
+    sched.rollout_dispatches({0, 1, 2})
+    finish(sched, 2)  # a fast worker: chunk 2 trains at step 0, then chunk 0
+    assert _train_one_step(sched) == 1
+    finish(sched, 0)
+    assert _train_one_step(sched) == 2
+    trained = list(sched.trained_ids)
+    assert trained == [e.id for e in chunks[2].examples + chunks[0].examples]
+    # killed here; the run resumes from the step-2 checkpoint
+    resumed, sched2 = _planned_by_the_driver(ordered=False, trained=trained, step=2)
+    rest = [e.id for c in resumed for e in c.examples]
+    assert sorted(trained + rest, key=int) == sorted(epoch, key=int)  # every source once
+    sched2.rollout_dispatches({0, 1, 2})
+    for index in range(len(resumed)):
+        finish(sched2, index)
+    _train_one_step(sched2)
+    assert sched2.trained_ids[:8] == trained and len(set(sched2.trained_ids)) == 12
+    # a checkpoint's list that does not fit this epoch (other data, batch size or seed) is refused
+    with pytest.raises(RuntimeError, match="written for other data"):
+        _planned_by_the_driver(ordered=False, trained=["0", "1", "2", "99"], step=1)
+
+
+def test_in_deterministic_mode_the_resumed_plan_is_the_rest_of_the_epochs_order():
+    chunks, _ = _planned_by_the_driver(ordered=True)
+    resumed, _ = _planned_by_the_driver(ordered=True, step=2)
+    assert [e.id for c in resumed for e in c.examples] == [e.id for c in chunks[2:] for e in c.examples]

@@ -35,11 +35,14 @@ def test_yaml_then_overrides_later_wins(tmp_path):
         ("tokenizer.kind=words", "tokenizer.kind"),
         ("sft", "expected key.path=value"),
         ("sft.lr.x=1", "sft.lr"),
+        ("rl.kl.target=0", "rl.kl.target"),
+        ("rl.chunk_size=24", "rl.chunk_size=24 must divide rl.batch_size=32"),
+        ("rl.kl.coef=0 rl.kl.target=6", "rl.kl.target: the adaptive controller scales β and cannot move it off"),
     ],
 )
 def test_bad_values_name_the_key(override, needle):
     with pytest.raises(ConfigError) as err:
-        load_config(overrides=[override])
+        load_config(overrides=override.split(" "))
     assert needle in str(err.value)
 
 
@@ -121,3 +124,9 @@ def test_a_retired_rank_key_names_its_new_home():
     assert "rank.epochs: moved to rl.epochs" in str(err.value)
     assert "rank.loss_weight: moved to rl.rank.loss_weight" in str(err.value)
     assert load_config(overrides=["rl.epochs=3", "rl.rank.loss_weight=0.5"]).rl.rank.loss_weight == 0.5
+
+
+@pytest.mark.parametrize(("batch", "chunk"), [(32, 32), (48, 24), (8, 8), (100, 25)])
+def test_an_unset_chunk_size_divides_the_batch(batch, chunk):
+    """No rollout chunk straddles two learner steps, so a run resumed at any step cuts the same chunks."""
+    assert load_config(overrides=[f"rl.batch_size={batch}"]).rl.chunk_size == chunk

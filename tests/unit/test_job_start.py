@@ -1,0 +1,51 @@
+"""What the RL job asks Ray for when it starts its workers (rlt2t.train._Job.start), with Ray's pieces faked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import rlt2t.train as train
+from rlt2t.common.config import load_config
+from rlt2t.common.types import RolloutSpec
+
+
+class _Stop(Exception):
+    pass
+
+
+def _started_pools(monkeypatch, overrides: list[str]) -> dict[str, dict]:
+    """The keyword arguments of each worker pool the job builds (the job stops after the reward pool)."""
+    seen: dict[str, dict] = {}
+
+    def pool(cls, n, **kw):
+        seen[cls.__name__] = kw
+        if cls.__name__ == "RewardWorker":
+            raise _Stop
+        return SimpleNamespace(shutdown=lambda: None)
+
+    monkeypatch.setattr(train, "LearnerGroup", lambda *a, **k: SimpleNamespace(shutdown=lambda: None))
+    monkeypatch.setattr(train, "WorkerPool", pool)
+    cfg = load_config(["tiny"], overrides)
+    with pytest.raises(_Stop):
+        train._Job.start(cfg, RolloutSpec.for_algorithm("grpo", kl=False), start=Path("start"), init=Path("init"),
+                         total_steps=1, df=None)
+    return seen
+
+
+def test_rollout_workers_given_a_gpu_sample_on_it(monkeypatch):
+    pools = _started_pools(monkeypatch, ["rl.rollout_gpus=0.25", "rl.reward_gpus=0.5"])
+    assert pools["RolloutWorker"]["num_gpus"] == 0.25 and pools["RolloutWorker"]["kwargs"]["device"] == "cuda"
+    assert pools["RewardWorker"]["num_gpus"] == 0.5
+    pools = _started_pools(monkeypatch, [])
+    assert pools["RolloutWorker"]["kwargs"]["device"] == "cpu" and pools["RewardWorker"]["num_gpus"] == 0
+
+
+def test_learned_rewards_on_cuda_need_a_gpu_for_the_reward_workers(monkeypatch):
+    monkeypatch.setattr(train, "LearnerGroup", lambda *a, **k: pytest.fail("started before the check"))
+    cfg = load_config(["tiny"], ["reward.device=cuda"])
+    with pytest.raises(ValueError, match="reward.device=cuda.*rl.reward_gpus"):
+        train._Job.start(cfg, RolloutSpec.for_algorithm("grpo", kl=False), start=Path("start"), init=Path("init"),
+                         total_steps=1, df=None)
