@@ -777,6 +777,7 @@ class Config(_Section):
                                  ", so that no chunk straddles two learner steps (a run resumed between them would "
                                  "sample part of it with another policy version)")
             self.rl.chunk_size = max(d for d in range(1, self.rl.chunk_size + 1) if self.rl.batch_size % d == 0)
+            self.rl.model_fields_set.discard("chunk_size")  # still unset: derived again for another batch size
         if self.rl.algorithm != "rank":
             if self.rollout.max_new_tokens > self.data.max_target_len and "max_new_tokens" not in \
                     self.rollout.model_fields_set:

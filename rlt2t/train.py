@@ -233,7 +233,8 @@ class _Job:
         """The learner group, rollout and reward pools, and the driver's checkpoint writer; nothing
         outlives a failed start (a standing cluster must not keep placement groups or actors)."""
         r = cfg.rl
-        if cfg.reward.source != "http" and cfg.reward.device == "cuda" and not r.reward_gpus:
+        learned = [t for t in cfg.reward.terms if t.kind in ("reward_model", "classifier")]
+        if cfg.reward.source != "http" and learned and cfg.reward.device == "cuda" and not r.reward_gpus:
             raise ValueError("reward.device=cuda: the RL job's reward workers have no GPU; give them one with "
                              "rl.reward_gpus (e.g. 0.25), or set reward.device=auto")
         learners = rollouts = rewards = None
@@ -296,7 +297,7 @@ class _Job:
             # rollout workers do, so the servers sample from the context the learner trains on.
             examples = truncate_sources(examples, self.writer_policy, cfg.data.max_source_len)
         step, epoch0 = 0, 0
-        trained: list[str] | None = None  # the resumed epoch's trained ids, when its run consumed out of order
+        trained: list[str] | None = None  # the ids the resumed epoch trained on (None: its order's prefix)
         start_weights = policy_weights(self.writer_policy.model)
         publisher = _Publisher(self.learners, self.writer_policy, published_dir if http_rollout else None,
                                start_weights, resume_from.step if resume_from else 0)
@@ -307,7 +308,7 @@ class _Job:
             for v, w in sorted(state["published"].items()):
                 publisher.publish(int(v), w)
             step, epoch0 = resume_from.step, resume_from.meta["epoch"]
-            trained = resume_from.meta.get("trained_in_epoch")
+            trained = state.get("trained_in_epoch")  # absent from checkpoints of epoch ends and older versions
             log.info("rl: resuming from %s (step %d, epoch %d)", resume_from.path, step, epoch0)
         log.info("rl: %s on %d sources, %d steps/epoch, %d steps, batch %d, K %d", r.algorithm, len(examples),
                  steps_per_epoch, total_steps, r.batch_size, cfg.rollout.num_samples)
@@ -317,7 +318,7 @@ class _Job:
         result = TrainResult(checkpoint=Path(self.writer_policy.origin), steps=step)
 
         def checkpoint(epoch: int, batch_in_epoch: int, at: int, metrics: dict[str, float],
-                       trained_in_epoch: list[str] | None = None) -> Path:
+                       trained_in_epoch: Sequence[str] = ()) -> Path:
             load_weights(self.writer_policy.model, self.learners.weights())
             name = checkpoint_name(epoch=epoch) if batch_in_epoch == 0 else checkpoint_name(step=at)
             if batch_in_epoch == 0 and "monitor" in metrics:
@@ -327,10 +328,10 @@ class _Job:
                                    meta={"stage": STAGE, "algorithm": r.algorithm, "init": str(self.init),
                                          "epoch": epoch, "batch_in_epoch": batch_in_epoch, "policy_version": at,
                                          "metrics": metrics,
-                                         "best": best.meta(), "total_steps": total_steps,
-                                         **({"trained_in_epoch": trained_in_epoch} if trained_in_epoch else {})},
+                                         "best": best.meta(), "total_steps": total_steps},
                                    training_state={"learners": self.learners.training_states(),
-                                                   "published": publisher.kept(below=at)})
+                                                   "published": publisher.kept(below=at),
+                                                   "trained_in_epoch": list(trained_in_epoch)})
             prune_checkpoints(ckpt_root, r.keep_last, protect=best.protect())
             return path
 
@@ -344,6 +345,9 @@ class _Job:
                 if step >= total_steps:
                     break
                 epoch_start = epoch * steps_per_epoch
+                if trained is None:  # the epoch's order up to the step (deterministic mode, or a checkpoint
+                    # written before checkpoints named the ids): as a list, so later checkpoints name them all
+                    trained = self._trained_prefix(examples, epoch, step - epoch_start)
                 chunks = self._plan(examples, epoch, epoch_start, step, steps_per_epoch, total_steps, trained)
                 if r.refresh_interval == 0:
                     publisher.publish(epoch_start)
@@ -363,8 +367,8 @@ class _Job:
                                        save_every_steps=r.save_every_steps, stop_after_steps=stop_after_steps,
                                        epoch_start=epoch_start,
                                        mask_every=r.pg.nlpo_mask_refresh_steps if r.algorithm == "nlpo" else 0,
-                                       trained_ids=list(trained or ()))
-                trained = None  # later epochs start afresh
+                                       trained_ids=list(trained))
+                trained = []  # later epochs start afresh
                 publisher.prune(below=sched.oldest_needed_version())  # the previous epoch's are no longer needed
                 last = self._run_epoch(sched, publisher, logger, bar, epoch, epoch_start, checkpoint, truncated)
                 step = sched.step
@@ -396,23 +400,27 @@ class _Job:
         d = self.cfg.rl.deterministic
         return d if d is not None else not torch.cuda.is_available()
 
+    def _trained_prefix(self, examples: list[Example], epoch: int, batches: int) -> list[str]:
+        """The ids of the epoch's first ``batches`` batches in its order: what a run that consumed chunks in
+        dataset order trained on."""
+        order = epoch_order(len(examples), self.cfg.run.seed, epoch)[: batches * self.cfg.rl.batch_size]
+        return [examples[i].id for i in order]
+
     def _plan(self, examples: list[Example], epoch: int, epoch_start: int, step: int, steps_per_epoch: int,
-              total_steps: int, trained: Collection[str] | None = None) -> list[Chunk]:
-        """This epoch's chunks from the learner's position on, each with the version that samples it.
-        ``trained``: the ids this epoch already trained on, from a checkpoint of a run without deterministic
-        mode (it consumed chunks as they came); otherwise the epoch's order up to ``step`` is what was used."""
+              total_steps: int, trained: Collection[str] = ()) -> list[Chunk]:
+        """This epoch's chunks from the learner's position on, each with the version that samples it: its
+        sources but the ``trained`` ones (those the checkpoint resumed from names; without deterministic mode
+        they are not the order's prefix, chunks having reached the learner as they came)."""
         r = self.cfg.rl
         first_batch = step - epoch_start
         last_batch = min(steps_per_epoch, total_steps - epoch_start)
         order = epoch_order(len(examples), self.cfg.run.seed, epoch)[: last_batch * r.batch_size]
-        if trained is None:
-            chosen = [examples[i] for i in order[first_batch * r.batch_size:]]
-        else:
-            chosen = [examples[i] for i in order if examples[i].id not in trained]
-            if len(order) - len(chosen) != len(trained) or len(trained) != first_batch * r.batch_size:
-                raise RuntimeError(f"rl: the checkpoint's epoch {epoch} trained on {len(trained)} sources, of which "
-                                   f"{len(order) - len(chosen)} are in this epoch's order at step {step}: it was "
-                                   "written for other data, rl.batch_size or run.seed")
+        done = set(trained)
+        chosen = [examples[i] for i in order if examples[i].id not in done]
+        if len(order) - len(chosen) != len(done) or len(done) != first_batch * r.batch_size:
+            raise RuntimeError(f"rl: the checkpoint's epoch {epoch} trained on {len(done)} sources, of which "
+                               f"{len(order) - len(chosen)} are in this epoch's order at step {step}: it was "
+                               "written for other data, rl.batch_size or run.seed")
         chunks = []
         for i, o in enumerate(range(0, len(chosen), r.chunk_size)):
             version = needed_version(step + o // r.batch_size, epoch_start, r.refresh_interval)
@@ -421,7 +429,7 @@ class _Job:
         return chunks
 
     def _run_epoch(self, sched: EpochScheduler, publisher: _Publisher, logger: RunLogger, bar: Any, epoch: int,
-                   epoch_start: int, checkpoint: Callable[[int, int, int, dict[str, float], list[str] | None], Path],
+                   epoch_start: int, checkpoint: Callable[[int, int, int, dict[str, float], Sequence[str]], Path],
                    truncated: int) -> dict[str, float]:
         """Sample → score → learn over one epoch's chunks, overlapping rollouts with learner steps."""
         cfg, r = self.cfg, self.cfg.rl
@@ -491,7 +499,7 @@ class _Job:
                 if r.save_every_steps and at % r.save_every_steps == 0 and not sched.finished:
                     # Out of order, the epoch's trained sources are not a prefix of its order: the checkpoint
                     # names them, so a resumed run neither skips nor repeats any.
-                    checkpoint(epoch, at - epoch_start, at, last, None if sched.ordered else sched.trained_ids)
+                    checkpoint(epoch, at - epoch_start, at, last, sched.trained_ids)
                 continue
             kind, index, worker = pending.pop(ref)
             try:

@@ -226,12 +226,12 @@ def test_unordered_mode_with_a_dead_worker_uses_every_pair_once(ray_session, cop
     # which out of order are not the epoch's first 32, and the resumed run trains on the other 64, each once.
     import shutil
 
-    from rlt2t.common.checkpoint import read_checkpoint
+    from rlt2t.common.checkpoint import load_training_state
 
     ckpts = run / "rl" / "checkpoints"
-    trained = read_checkpoint(ckpts / "step-000002").meta["trained_in_epoch"]
+    trained = load_training_state(ckpts / "step-000002")["trained_in_epoch"]
     assert len(trained) == len(set(trained)) == 32
-    assert read_checkpoint(ckpts / "step-000004").meta["trained_in_epoch"][:32] == trained
+    assert load_training_state(ckpts / "step-000004")["trained_in_epoch"][:32] == trained
     resumed_run = tmp_path / "unordered-resumed"
     shutil.copytree(run, resumed_run)
     for name in ("epoch-0001", "step-000004"):
@@ -239,7 +239,7 @@ def test_unordered_mode_with_a_dead_worker_uses_every_pair_once(ray_session, cop
     again = _run_rank(_config(resumed_run, "rl.deterministic=false", "rl.rollout_workers=2", "rl.epochs=1",
                               "rl.chunk_size=4", "rl.save_every_steps=1", "rl.keep_last=5"), resume=True)
     assert again.items_used == 64 and again.steps == 6
-    through_step_5 = read_checkpoint(resumed_run / "rl" / "checkpoints" / "step-000005").meta["trained_in_epoch"]
+    through_step_5 = load_training_state(resumed_run / "rl" / "checkpoints" / "step-000005")["trained_in_epoch"]
     assert through_step_5[:32] == trained and len(set(through_step_5)) == 80  # none trained twice
 
 

@@ -45,7 +45,9 @@ def test_rollout_workers_given_a_gpu_sample_on_it(monkeypatch):
 
 def test_learned_rewards_on_cuda_need_a_gpu_for_the_reward_workers(monkeypatch):
     monkeypatch.setattr(train, "LearnerGroup", lambda *a, **k: pytest.fail("started before the check"))
-    cfg = load_config(["tiny"], ["reward.device=cuda"])
+    cfg = load_config(["tiny"], ["reward.device=cuda", "reward.terms=[{kind: reward_model, path: rm}]"])
     with pytest.raises(ValueError, match="reward.device=cuda.*rl.reward_gpus"):
         train._Job.start(cfg, RolloutSpec.for_algorithm("grpo", kl=False), start=Path("start"), init=Path("init"),
                          total_steps=1, df=None)
+    # metrics alone run on the CPU whatever reward.device says: no GPU needed
+    assert _started_pools(monkeypatch, ["reward.device=cuda"])["RewardWorker"]["num_gpus"] == 0

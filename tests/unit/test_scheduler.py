@@ -312,7 +312,10 @@ def _planned_by_the_driver(ordered: bool, trained=None, step=0):
 
     cfg = load_config(["tiny"], ["rl.batch_size=4", "rl.chunk_size=4", "rl.algorithm=grpo", "rl.refresh_every_steps=1"])
     examples = [Example(id=str(i), source=f"s{i}", target=f"t{i}") for i in range(16)]
-    chunks = _Job._plan(SimpleNamespace(cfg=cfg), examples, 0, 0, step, 4, 8, trained)
+    job = SimpleNamespace(cfg=cfg)
+    if trained is None:  # as the driver does for a checkpoint without the list: the order's prefix
+        trained = _Job._trained_prefix(job, examples, 0, step)
+    chunks = _Job._plan(job, examples, 0, 0, step, 4, 8, trained)
     sched = EpochScheduler(chunks, step=step, batch_size=4, learners=1, max_inflight_chunks=8, ordered=ordered,
                            rollouts=PoolState(1), rewards=PoolState(1), max_attempts=3, refresh_every_steps=1,
                            save_every_steps=1, trained_ids=list(trained or ()))
@@ -347,5 +350,13 @@ def test_a_run_without_deterministic_mode_resumes_mid_epoch_with_nothing_lost_or
 
 def test_in_deterministic_mode_the_resumed_plan_is_the_rest_of_the_epochs_order():
     chunks, _ = _planned_by_the_driver(ordered=True)
-    resumed, _ = _planned_by_the_driver(ordered=True, step=2)
+    resumed, sched = _planned_by_the_driver(ordered=True, step=2)
     assert [e.id for c in resumed for e in c.examples] == [e.id for c in chunks[2:] for e in c.examples]
+    # the next checkpoint names every source of the epoch trained so far, those before the resume included,
+    # so a later resume is right in either mode
+    sched.rollout_dispatches({0, 1, 2})
+    finish(sched, 0)
+    _train_one_step(sched)
+    assert sched.trained_ids == [e.id for c in chunks[:3] for e in c.examples]
+    again, _ = _planned_by_the_driver(ordered=False, trained=sched.trained_ids, step=3)
+    assert [e.id for c in again for e in c.examples] == [e.id for c in chunks[3:] for e in c.examples]
