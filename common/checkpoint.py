@@ -193,9 +193,12 @@ def load_training_state(path: str | Path) -> dict[str, Any]:
 
 
 def prune_checkpoints(root: str | Path, keep_last: int, protect: set[Path] | frozenset = frozenset()) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints (and never those in ``protect``)."""
+    """Delete all but the newest ``keep_last`` complete checkpoints (and never those in ``protect``).
+    Protected checkpoints are matched by name under ``root``: a run resumed with its directory spelled
+    otherwise (relative, absolute, moved) still keeps its best one."""
     infos = complete_checkpoints(root)
-    doomed = [i.path for i in infos[: max(0, len(infos) - keep_last)] if i.path not in protect]
+    keep = {Path(p).name for p in protect}
+    doomed = [i.path for i in infos[: max(0, len(infos) - keep_last)] if i.path.name not in keep]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
         log.info("removed old checkpoint %s", p)

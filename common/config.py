@@ -30,8 +30,15 @@ class ConfigError(ValueError):
 
 
 class RunConfig(_Section):
-    dir: str = "runs/demo"
+    dir: str = Field("runs/demo", min_length=1, pattern=r"\S")
     """Output directory of the run: data, tokenizer, checkpoints, logs and reports go under it."""
+
+    @model_validator(mode="after")
+    def _a_directory_of_its_own(self) -> RunConfig:
+        if Path(self.dir.strip()) in (Path("."), Path("/")) or Path(self.dir).expanduser() == Path.home():
+            raise ValueError(f"run.dir={self.dir!r}: the run needs a directory of its own (it writes data/, "
+                             "checkpoints and logs under it, and `--fresh` deletes it)")
+        return self
     seed: int = 1234
     """Seed for every random choice (data order, noise, dropout, sampling)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

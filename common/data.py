@@ -164,6 +164,8 @@ def _parse_jsonl_line(
         row = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(path, lineno, None, f"not valid JSON ({e.msg}, column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # an integer of > 4300 digits, nesting deeper than the stack
+        raise DataError(path, lineno, None, f"not valid JSON here ({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(row, dict):
         raise DataError(path, lineno, None, f"expected a JSON object, got {type(row).__name__}")
 
@@ -375,7 +377,7 @@ def import_competition_csv(
     # A bad byte becomes U+FFFD and then fails the integer-token check with its line and column named.
     with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
         reader = csv.reader(f)
-        for cells in reader:
+        for cells in _csv_rows(reader, path_str):
             lineno = reader.line_num
             if not cells or (len(cells) == 1 and not cells[0].strip()):
                 continue
@@ -431,6 +433,27 @@ def export_competition_csv(
     return len(ids)
 
 
+def _csv_rows(reader: Any, path: str) -> Iterator[list[str]]:
+    """The reader's rows, its own errors (a field over the csv module's size limit, a NUL byte) named with
+    the file and line."""
+    while True:
+        try:
+            yield next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            raise DataError(path, reader.line_num, None, f"not readable as CSV ({e})") from None
+
+
+def _split_sizes(n: int, valid_fraction: float, test_fraction: float, what: str) -> tuple[int, int]:
+    """Rows of valid and test out of ``n``: at least one for a positive fraction, and train keeps one."""
+    n_valid = max(1, round(n * valid_fraction)) if valid_fraction > 0 else 0
+    n_test = max(1, round(n * test_fraction)) if test_fraction > 0 else 0
+    if n - n_valid - n_test < 1:
+        raise ValueError(f"{what}: {n} item(s) are too few for a train split plus {n_valid} valid and {n_test} test")
+    return n_valid, n_test
+
+
 def split_examples(
     items: Sequence[T], valid_fraction: float, test_fraction: float, seed: int
 ) -> tuple[list[T], list[T], list[T]]:
@@ -445,12 +468,7 @@ def split_examples(
     if valid_fraction + test_fraction >= 1.0:
         raise ValueError(f"valid_fraction + test_fraction must be < 1, got {valid_fraction + test_fraction}")
     n = len(items)
-    n_valid = max(1, round(n * valid_fraction)) if valid_fraction > 0 else 0
-    n_test = max(1, round(n * test_fraction)) if test_fraction > 0 else 0
-    if n - n_valid - n_test < 1:
-        raise ValueError(
-            f"items: {n} item(s) are too few for a train split plus {n_valid} valid and {n_test} test"
-        )
+    n_valid, n_test = _split_sizes(n, valid_fraction, test_fraction, "items")
     order = list(range(n))
     random.Random(seed).shuffle(order)
     valid_idx = sorted(order[:n_valid])
@@ -475,9 +493,8 @@ def write_sampled_task(out_dir: str | os.PathLike, rows: Sequence[dict[str, Any]
     for name, frac in (("valid_fraction", valid_fraction), ("test_fraction", test_fraction)):
         if not 0.0 <= frac < 0.5:
             raise ValueError(f"{name} must be in [0, 0.5), got {frac}")
+    n_valid, n_test = _split_sizes(size, valid_fraction, test_fraction, "size")
     picked = random.Random(seed).sample(list(rows), size)
-    n_valid = max(1, round(size * valid_fraction)) if valid_fraction else 0
-    n_test = max(1, round(size * test_fraction)) if test_fraction else 0
     splits = {"valid": picked[:n_valid], "test": picked[n_valid : n_valid + n_test],
               "train": picked[n_valid + n_test :]}
     out = Path(out_dir)

@@ -17,6 +17,15 @@ from pathlib import Path
 from typing import IO, Any
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it; set straight back
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # once, at import: setting it to read it would race with threads creating files
+
+
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):  # not every filesystem allows opening a directory
         fd = os.open(path, os.O_RDONLY)
@@ -33,6 +42,9 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes the file owner-only; a plain open() would honour the umask (a run directory shared by
+        # a group, a server running as another user, must read what is written here)
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
             yield f
             f.flush()
@@ -74,14 +86,15 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
+    old = path.parent / f".old-{path.name}-{os.getpid()}"
     try:
+        os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes it owner-only (see atomic_open)
         yield tmp
         for sub in tmp.rglob("*"):
             if sub.is_file():
                 with open(sub, "rb") as f:
                     os.fsync(f.fileno())
         if path.exists():
-            old = path.parent / f".old-{path.name}-{os.getpid()}"
             os.replace(path, old)
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
@@ -89,6 +102,8 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
             os.replace(tmp, path)
         _fsync_dir(path.parent)
     except BaseException:
+        if old.exists() and not path.exists():  # interrupted between the two renames: the old one goes back
+            os.replace(old, path)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 

@@ -68,9 +68,14 @@ def _lines(path: str | os.PathLike) -> Iterable[tuple[int, str]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"preference file not found: {path}")
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
-            text = raw.rstrip("\n").rstrip("\r")
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (Excel's exports)
+                raw = raw[3:]
+            try:
+                text = raw.decode("utf-8").rstrip("\n").rstrip("\r")
+            except UnicodeDecodeError as e:
+                raise DataError(path, number, None, f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
             if text.strip():
                 yield number, text
 

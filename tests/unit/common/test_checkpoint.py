@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,17 @@ def test_best_checkpoint_keeps_the_highest_score_across_a_resume(tmp_path):
     assert (resumed.score, resumed.path) == (0.6, tmp_path / "epoch-0003")
     assert resumed.protect() == {tmp_path / "epoch-0003"}
     assert not resumed.offer(0.6, tmp_path / "epoch-0004")  # a tie keeps the earlier one
+
+
+def test_the_best_checkpoint_survives_a_resume_that_spells_the_run_directory_otherwise(tiny_policy, tmp_path,
+                                                                                      monkeypatch):
+    """Best recorded under a relative run.dir, the run resumed with an absolute one (or moved): the best
+    checkpoint is still protected from pruning."""
+    root = tmp_path / "runs" / "demo" / "sft" / "checkpoints"
+    for i in (1, 2, 3):
+        _save(root, tiny_policy, f"epoch-{i:04d}", i)
+    monkeypatch.chdir(tmp_path)
+    best_as_recorded = Path("runs/demo/sft/checkpoints/epoch-0001")
+    removed = prune_checkpoints(root, keep_last=1, protect={best_as_recorded})
+    assert [p.name for p in removed] == ["epoch-0002"]
+    assert (root / "epoch-0001").is_dir() and (root / "epoch-0003").is_dir()

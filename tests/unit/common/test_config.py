@@ -37,6 +37,9 @@ def test_yaml_then_overrides_later_wins(tmp_path):
         ("sft.lr.x=1", "sft.lr"),
         ("rl.kl.target=0", "rl.kl.target"),
         ("rl.chunk_size=24", "rl.chunk_size=24 must divide rl.batch_size=32"),
+        ("run.dir=", "run.dir"),  # e.g. an unset $RUN_DIR: `--fresh` would delete the working directory
+        ("run.dir=.", "run.dir='.': the run needs a directory of its own"),
+        ("run.dir=/", "run.dir='/': the run needs a directory of its own"),
         ("rl.kl.coef=0 rl.kl.target=6", "rl.kl.target: the adaptive controller scales β and cannot move it off"),
     ],
 )

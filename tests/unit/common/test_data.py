@@ -309,3 +309,39 @@ def test_split_tiny_inputs_get_one_row_per_split():
 def test_split_validates_arguments(n, valid, test, match):
     with pytest.raises(ValueError, match=match):
         split_examples(list(range(n)), valid, test, seed=0)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_sampled_task_too_small_for_its_splits_is_refused(tmp_path, size):
+    """The docstring and WordNet tasks draw `size` rows: train must keep one after valid and test."""
+    from rlt2t.common.data import write_sampled_task
+
+    rows = [{"id": str(i), "source": f"s{i}", "target": f"t{i}"} for i in range(10)]
+    with pytest.raises(ValueError, match=f"size: {size} item\\(s\\) are too few for a train split"):
+        write_sampled_task(tmp_path, rows, size, 7, 0.05, 0.05, "meta.json", {})
+    assert not list(tmp_path.iterdir())
+    paths = write_sampled_task(tmp_path, rows, 3, 7, 0.05, 0.05, "meta.json", {})
+    assert [len(paths[k].read_text().splitlines()) for k in ("train", "valid", "test")] == [1, 1, 1]
+
+
+@pytest.mark.parametrize(("line", "match"), [
+    ('{"id": ' + "9" * 5000 + ', "source": "1", "target": "2"}', r":1: not valid JSON here \(ValueError"),
+    ('{"id": "a", "source": ' + "[" * 100000 + "]" * 100000 + ', "target": "2"}',
+     r":1: not valid JSON here \(RecursionError"),
+])
+def test_json_the_parser_refuses_is_named_with_its_line(tmp_path, line, match):
+    from rlt2t.common.data import DataError, load_examples
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(DataError, match=match):
+        load_examples(path)
+
+
+def test_a_csv_field_over_the_csv_modules_limit_is_named_with_its_line(tmp_path):
+    from rlt2t.common.data import DataError, import_competition_csv
+
+    path = tmp_path / "big.csv"
+    path.write_text("1,2\n3," + "4 " * 80000 + "\n")
+    with pytest.raises(DataError, match=r"big.csv:2: not readable as CSV \(field larger than field limit"):
+        import_competition_csv(path)

@@ -85,6 +85,18 @@ def test_bad_lines_name_file_line_and_field(tmp_path, reader, text, match):
     assert str(e.value).startswith(str(path))
 
 
+def test_a_byte_order_mark_is_dropped_and_a_bad_byte_is_named_with_its_line(tmp_path):
+    lists = tmp_path / "lists.tsv"
+    lists.write_bytes(b"\xef\xbb\xbfsrc\ta\tb\n")
+    assert read_rank_lists(lists)[0].source == "src"
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_bytes(b'\xef\xbb\xbf{"source": "s", "chosen": "a", "rejected": "b"}\n')
+    assert len(read_pairs(pairs)) == 1
+    lists.write_bytes(b"src\ta\tb\ns\xe9c\ta\tb\n")  # Latin-1, not UTF-8
+    with pytest.raises(DataError, match=r"lists.tsv:2: not valid UTF-8"):
+        read_rank_lists(lists)
+
+
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.tsv"):
         load_preferences(rank_lists=[tmp_path / "nope.tsv"])

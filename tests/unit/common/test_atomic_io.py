@@ -1,0 +1,49 @@
+"""Atomic writes: the modes a plain write would give, and nothing lost when a replace is interrupted."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rlt2t.common import io
+from rlt2t.common.io import atomic_directory, atomic_write_text
+
+
+@pytest.fixture
+def group_umask(monkeypatch):
+    """A umask that lets the group read (as on a shared run directory), for this test only."""
+    old = os.umask(0o027)
+    monkeypatch.setattr(io, "_UMASK", 0o027)  # read once at import
+    yield
+    os.umask(old)
+
+
+def test_written_files_and_directories_honour_the_umask_not_owner_only(tmp_path, group_umask):
+    atomic_write_text(tmp_path / "a.txt", "x")
+    with atomic_directory(tmp_path / "d") as d:
+        (d / "f").write_text("y")
+    plain = tmp_path / "plain.txt"
+    plain.write_text("z")
+    os.mkdir(tmp_path / "plain_dir")
+    assert (tmp_path / "a.txt").stat().st_mode & 0o777 == plain.stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "d").stat().st_mode & 0o777 == (tmp_path / "plain_dir").stat().st_mode & 0o777 == 0o750
+
+
+def test_an_interrupted_directory_replace_puts_the_old_one_back(tmp_path, monkeypatch):
+    target = tmp_path / "final"
+    with atomic_directory(target) as d:
+        (d / "v").write_text("1")
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:  # the old one has been moved aside; the new one is not in place yet
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(io.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt), atomic_directory(target) as d:
+        (d / "v").write_text("2")
+    assert (target / "v").read_text() == "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
