@@ -68,10 +68,27 @@ def shrink_vocabulary(input_dir: str | Path, vocab_size: int, out_dir: str | Pat
     return Path(out_dir)
 
 
-def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path) -> Path:
-    """Uniform average of the weights of several checkpoints of one model, any family (floating tensors only)."""
+def check_out_dir(out_dir: str | Path, inputs: Sequence[str | Path], *, force: bool = False,
+                  flag: str = "--out") -> None:
+    """Refuse an output directory that equals, contains or lies inside one of ``inputs`` (it would replace what
+    is read, or land among it), and an existing one unless ``force``."""
+    out = Path(out_dir).expanduser().resolve()
+    for given in inputs:
+        src = Path(given).expanduser().resolve()
+        if out == src or out in src.parents or src in out.parents:
+            where = "is" if out == src else "contains" if out in src.parents else "is inside"
+            raise ValueError(f"{flag} {out_dir} {where} the input {given}: give a directory of its own")
+    if out.exists() and not force:
+        raise FileExistsError(f"{flag} {out_dir} already exists (pass --force to replace it)")
+
+
+def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, *, force: bool = False) -> Path:
+    """Uniform average of the weights of several checkpoints of one model, any family (floating tensors only).
+
+    ``out_dir`` must not be, contain or lie inside an input; an existing one is replaced only with ``force``."""
     if len(paths) < 2:
         raise ValueError(f"averaging needs at least 2 checkpoints, got {len(paths)}")
+    check_out_dir(out_dir, paths, force=force)
     family = family_of_dir(paths[0])
     base = load_model(paths[0])
     total = {k: v.detach().clone().double() for k, v in base.state_dict().items() if v.is_floating_point()}

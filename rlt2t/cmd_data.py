@@ -44,17 +44,33 @@ def cmd_data_import(args) -> None:
     from rlt2t.common.data import import_competition_csv, split_examples, write_examples
 
     cfg = load_cfg(args)
-    examples = import_competition_csv(args.input, on_error=cfg.data.on_error)
     out = Path(args.out)
+    owned = ("test",) if args.unlabeled else ("train", "valid", "test")  # the split files this import replaces
+    _check_import_out(out, owned, args.force)
+    examples = import_competition_csv(args.input, on_error=cfg.data.on_error)
     if args.unlabeled:
         write_examples(out / "test.jsonl", examples)
         print(f"test: {out / 'test.jsonl'} ({len(examples)} rows)")
         return
     parts = split_examples(examples, args.valid_fraction, args.test_fraction, cfg.run.seed)
-    for split, rows in zip(("train", "valid", "test"), parts, strict=True):
+    for split, rows in zip(owned, parts, strict=True):
+        path = out / f"{split}.jsonl"
         if rows:
-            write_examples(out / f"{split}.jsonl", rows)
-            print(f"{split}: {out / f'{split}.jsonl'} ({len(rows)} rows)")
+            write_examples(path, rows)
+            print(f"{split}: {path} ({len(rows)} rows)")
+        elif path.exists():  # an earlier import's split: its rows may now be in train
+            path.unlink()
+            print(f"{split}: {path} removed (no {split} rows in this import)")
+
+
+def _check_import_out(out: Path, splits: tuple[str, ...], force: bool) -> None:
+    """Refuse an --out that is a file, or that holds split files of an earlier import unless --force."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file, not a directory")
+    existing = [str(out / f"{s}.jsonl") for s in splits if (out / f"{s}.jsonl").exists()]
+    if existing and not force:
+        raise FileExistsError(f"--out {out} already holds {', '.join(existing)} (pass --force to replace them; "
+                              "split files this import does not write are then removed)")
 
 
 def cmd_data_validate(args) -> None:
@@ -117,7 +133,11 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("--out", required=True, help="output directory for train/valid/test JSONL")
     p.add_argument("--valid-fraction", type=float, default=0.05)
     p.add_argument("--test-fraction", type=float, default=0.0)
-    p.add_argument("--unlabeled", action="store_true", help="the file is a test set without diagnoses")
+    p.add_argument("--unlabeled", action="store_true",
+                   help="the file is a test set without diagnoses (writes test.jsonl only; import it after the "
+                        "labeled file, whose import owns train/valid/test)")
+    p.add_argument("--force", action="store_true",
+                   help="replace existing split files in --out (a labeled import removes the ones it does not write)")
     p.set_defaults(fn=cmd_data_import)
     p = data.add_parser("validate", help="check JSONL files (and their tokens against the run's tokenizer)")
     config_args(p)

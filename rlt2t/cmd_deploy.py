@@ -21,7 +21,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
             if not args.address:
                 raise deploy.DeployError("address: set RAY_ADDRESS or --address (e.g. http://127.0.0.1:8265)")
             st = deploy.up(args.address, config_paths=args.config, overrides=args.overrides, python=args.python,
-                           state_path=args.state, timeout_s=args.timeout, working_dir=args.working_dir)
+                           state_path=args.state, timeout_s=args.timeout, working_dir=args.working_dir,
+                           name=args.name)
             print(f"dashboard:     {st.dashboard_url}")
             print(f"train job:     {st.train_job_id}   "
                   f"(ray job logs --address {st.dashboard_url} -f {st.train_job_id})")
@@ -32,7 +33,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
             return deploy.status(args.address, state_path=args.state, wait=args.wait, timeout_s=args.timeout)
         if args.deploy_command == "down":
             deploy.down(args.address, state_path=args.state, python=args.python, timeout_s=args.timeout,
-                        working_dir=args.working_dir)
+                        working_dir=args.working_dir, name=args.name)
             return 0
         if args.deploy_command == "serve-start":
             url = deploy.start_policy_server(load_config(args.config, args.overrides), name=args.name,
@@ -67,6 +68,9 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     q.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server to be healthy")
     q.add_argument("--working-dir", default=None, type=_path,
                    help="directory uploaded with the jobs (default: this checkout, or the current directory)")
+    q.add_argument("--name", default=SERVER_NAME,
+                   help="name of the server actor (its placement group is NAME-pg); give each deployment on a "
+                        "shared cluster its own")
 
     q = cmds.add_parser("status", help="job status and server health")
     common(q)
@@ -78,6 +82,9 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     q.add_argument("--python", default=None, help="interpreter of the teardown job (default: the one of up)")
     q.add_argument("--timeout", type=float, default=120.0)
     q.add_argument("--working-dir", default=None, type=_path, help="directory uploaded with the teardown job")
+    q.add_argument("--name", default=None,
+                   help="server actor to stop when there is no state file (default: the one the state file "
+                        f"records; without a state file nothing is stopped unless named, e.g. {SERVER_NAME})")
 
     # Run on the cluster by the launcher and teardown jobs.
     q = cmds.add_parser("serve-start", help="(run by the launcher job on the cluster) start the server actor")

@@ -39,13 +39,14 @@ def cmd_convert_model(args) -> None:
 
 def cmd_average(args) -> None:
     from rlt2t.common.checkpoint import complete_checkpoints
-    from rlt2t.common.convert import average_checkpoints
+    from rlt2t.common.convert import average_checkpoints, check_out_dir
 
     paths = list(args.checkpoints)
     if args.dir:
+        check_out_dir(args.out, [args.dir], force=args.force)  # not into the checkpoint root it reads
         infos = complete_checkpoints(args.dir)
         paths += [i.path for i in infos[-args.last :]]
-    print(average_checkpoints(paths, args.out))
+    print(average_checkpoints(paths, args.out, force=args.force))
 
 
 def cmd_demo(args) -> None:
@@ -111,12 +112,15 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("checkpoints", nargs="*", help="checkpoint directories")
     p.add_argument("--dir", default=None, help="a checkpoint root: average its newest --last complete ones")
     p.add_argument("--last", type=int, default=3)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="output model directory (not inside or around an input)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out directory")
     p.set_defaults(fn=cmd_average)
 
     p = sub.add_parser("demo", help="the whole pipeline on the embedded default (synthetic data, small model)")
     config_args(p)
-    p.add_argument("--fresh", action="store_true", help="delete run.dir first instead of resuming it")
+    p.add_argument("--fresh", action="store_true",
+                   help="delete the demo's outputs in run.dir (data, tokenizer, stages, eval, logs, exports) "
+                        "first instead of resuming them; refused for the current directory or a parent of it")
     p.add_argument("--no-predict", dest="predict", action="store_false",
                    help="skip the CTranslate2 export and ensemble prediction at the end")
     p.set_defaults(fn=cmd_demo)

@@ -2,7 +2,7 @@
 
     rlt2t deploy up     [--address URL] [--config FILE ...] run.dir=/shared/runs/exp1 [key=value ...]
     rlt2t deploy status [--wait]
-    rlt2t deploy down
+    rlt2t deploy down   [--name SERVER]
 
 Everything goes through the cluster's job API (the dashboard address, port 8265 by default), so a laptop
 needs nothing but that port (``ray dashboard cluster.yaml`` or ``kubectl port-forward`` forward it):
@@ -14,7 +14,8 @@ needs nothing but that port (``ray dashboard cluster.yaml`` or ``kubectl port-fo
   waits, inside the cluster, until the server's ``/healthz`` answers, prints its URL and exits; the actor
   outlives it. ``up`` writes what it started to a state file (``.deploy/state.json``).
 * ``down`` stops the training job, then a teardown job kills the actor and removes its placement group.
-  Running it twice is harmless.
+  Running it twice is harmless. Without the state file it stops nothing unless ``--name`` names the server
+  (the default name may be another run's server on a shared cluster).
 
 The training job and the server read and write ``run.dir`` on whichever node they land: on a real
 cluster it must be shared storage (EFS, NFS, a ReadWriteMany volume) mounted at the same path everywhere.
@@ -254,7 +255,7 @@ def start_policy_server(cfg: Config, *, name: str = SERVER_NAME, namespace: str 
     An already running server of that name is reused, so `up` can be repeated.
     """
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from rlt2t.groups import ClusterTooSmall, check_cluster  # Ray and torch: only where the server is placed
@@ -276,12 +277,15 @@ def start_policy_server(cfg: Config, *, name: str = SERVER_NAME, namespace: str 
             raise DeployError(str(e)) from None
         s = cfg.serve
         bundle = {"CPU": s.num_cpus, **({"GPU": s.num_gpus} if s.num_gpus else {}), **s.resources}
+        remove_stale_placement_group(name, namespace)
         pg = placement_group([bundle], strategy="STRICT_PACK", name=f"{name}-pg", lifetime="detached")
         try:
             ray.get(pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)  # detached: left pending, it would hold the name and block every retry
             raise DeployError(f"no node offers the policy server's resources {bundle} within {timeout_s:.0f}s "
-                              "(serve.num_cpus / serve.num_gpus / serve.resources)") from None
+                              "(serve.num_cpus / serve.num_gpus / serve.resources); its placement group "
+                              "was removed") from None
         actor = ray.remote(PolicyServerActor).options(
             name=name, namespace=namespace, lifetime="detached", max_restarts=3,
             num_cpus=s.num_cpus, num_gpus=s.num_gpus, resources=dict(s.resources),
@@ -289,6 +293,48 @@ def start_policy_server(cfg: Config, *, name: str = SERVER_NAME, namespace: str 
                                                                  placement_group_bundle_index=0),
         ).remote(cfg, startup_timeout_s=timeout_s)
     return ray.get(actor.healthy_url.remote(timeout_s), timeout=timeout_s + 30)
+
+
+def remove_stale_placement_group(name: str, namespace: str = NAMESPACE, timeout_s: float = 60.0) -> None:
+    """Remove a ``{name}-pg`` that an earlier launch left behind (it timed out, or died before its actor
+    started) and no live actor runs in, so a new one of that name can be created; DeployError when live
+    actors still hold it. Runs where the server is placed, with Ray initialised."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    group = f"{name}-pg"
+    try:
+        pg = get_placement_group(group)
+    except ValueError:
+        return  # none: the usual case
+    holders = live_actors_in(pg.id.hex(), namespace)
+    if holders:
+        raise DeployError(f"placement group {group!r} already exists and live actors run in it ({', '.join(holders)})"
+                          f": stop them first (`rlt2t deploy down --name {name}` or `make undeploy`), or deploy "
+                          "under another name (`rlt2t deploy up --name ...`)")
+    print(f"removing placement group {group!r} left by an earlier launch (no live actor holds it)", flush=True)
+    remove_placement_group(pg)
+
+    def released() -> None:  # removal is asynchronous: the name is free once the lookup fails
+        try:
+            get_placement_group(group)
+        except ValueError:
+            return
+        raise NotYet("the placement group's name is still taken")
+
+    wait_until(released, timeout_s=timeout_s, interval_s=0.2, what=f"placement group {group!r} removed",
+               error=DeployError)
+
+
+def live_actors_in(placement_group_id: str, namespace: str = NAMESPACE) -> list[str]:
+    """Names (or ids) of the actors not dead in a placement group, by Ray's state API."""
+    from ray.util.state import list_actors
+
+    try:
+        actors = list_actors(filters=[("placement_group_id", "=", placement_group_id)], limit=1000)
+    except Exception as e:  # the state API is the dashboard's: unreachable, or a version mismatch
+        raise DeployError(f"cannot list the actors of placement group {placement_group_id} to check that it is "
+                          f"unused ({e}); remove it by hand (`ray list placement-groups`) if it is") from None
+    return [a.name or a.actor_id for a in actors if a.state != "DEAD"]
 
 
 def stop_policy_server(name: str = SERVER_NAME, namespace: str = NAMESPACE, timeout_s: float = 60.0) -> bool:
@@ -444,16 +490,25 @@ def status(address: str | None, *, state_path: str | Path = DEFAULT_STATE, wait:
 
 
 def down(address: str | None, *, state_path: str | Path = DEFAULT_STATE, python: str | None = None,
-         working_dir: Path | None = None, timeout_s: float = 120.0) -> None:
-    """Stop the training job, kill the server actor and its placement group; harmless when nothing runs."""
+         working_dir: Path | None = None, timeout_s: float = 120.0, name: str | None = None) -> None:
+    """Stop the training job, kill the server actor and its placement group; harmless when nothing runs.
+
+    The server is the one the state file names; without a state file only a server named by ``name`` is
+    stopped (the default name may be another run's server on a shared cluster)."""
     state = read_state(state_path)
+    if state is None and name is None:
+        print(f"nothing to stop: no {state_path}, so nothing was deployed from here; no server was touched "
+              f"(to stop one anyway, name it: `rlt2t deploy down --name {SERVER_NAME} --address URL`)")
+        return
+    if state is not None and name is not None and name != state.server_name:
+        raise DeployError(f"--name {name!r}: {state_path} records the server {state.server_name!r}; "
+                          "drop --name, or pass another --state")
     if address:
         dashboard = resolve_dashboard_url(parse_address(address))
     elif state:
         dashboard = state.dashboard_url
     else:
-        print(f"nothing to stop: no {state_path} and no address given")
-        return
+        raise DeployError(f"--name {name}: no {state_path} to take the cluster from; set RAY_ADDRESS or --address")
     client = job_client(dashboard)
     for job_id in (state.train_job_id, state.serve_job_id) if state else ():
         if not job_id:
@@ -467,7 +522,8 @@ def down(address: str | None, *, state_path: str | Path = DEFAULT_STATE, python:
         except RuntimeError as e:  # the job is unknown to this cluster (e.g. the head was restarted)
             print(f"job {job_id}: {e}")
     working_dir = working_dir or default_working_dir()
-    name = state.server_name if state else SERVER_NAME
+    name = state.server_name if state else name
+    assert name is not None, "refused above without a state file or --name"
     py = python or (state.python if state else "python")
     teardown = _submit(client, teardown_entrypoint(py, name=name), kind="teardown", working_dir=working_dir)
     result = wait_job(client, teardown, timeout_s)

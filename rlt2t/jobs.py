@@ -13,6 +13,7 @@ writes under ``run.dir``:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from pathlib import Path
@@ -218,9 +219,43 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
     return result.metrics
 
 
+# What `rlt2t demo` writes under run.dir, all that `demo --fresh` deletes: anything else there (annotations,
+# feedback rounds, reward models, the user's own files) is kept.
+FRESH_ENTRIES = ("config", "data", "tokenizer", "pretrain", "sft", "rl", "eval", "logs", "export", "predict")
+
+
+def _check_deletable_run_dir(cfg: Config) -> Path:
+    """run.dir resolved; ValueError when it is the filesystem root, the home directory, the current directory
+    or a parent of one of these (``run.dir=`` or ``run.dir=..`` would otherwise wipe the user's files)."""
+    run_dir = cfg.run_dir.expanduser().resolve()
+    protected = {"the filesystem root": Path(run_dir.anchor), "the current directory": Path.cwd().resolve()}
+    with contextlib.suppress(RuntimeError):  # no home directory to protect
+        protected["the home directory"] = Path.home().resolve()
+    for what, path in protected.items():
+        if run_dir == path or run_dir in path.parents:
+            rel = "" if run_dir == path else " or a parent of it"
+            raise ValueError(f"run.dir={cfg.run.dir!r} resolves to {run_dir}, {what}{rel}: --fresh deletes "
+                             "the run's outputs there; give the run its own directory, e.g. run.dir=runs/demo")
+    return run_dir
+
+
 def clean_run(cfg: Config) -> None:
-    if cfg.run_dir.exists():
-        shutil.rmtree(cfg.run_dir)
+    """Delete the stage outputs of the run (``FRESH_ENTRIES`` under run.dir) so the demo starts over.
+
+    Refuses a run.dir that is the current directory, the home directory, the root or a parent of one of them;
+    only the known entries go (a symlink among them is unlinked, never followed), everything else stays."""
+    run_dir = _check_deletable_run_dir(cfg)
+    if not run_dir.is_dir():
+        return
+    for name in FRESH_ENTRIES:
+        entry = run_dir / name
+        if entry.is_symlink() or entry.is_file():
+            entry.unlink()
+        elif entry.is_dir():
+            shutil.rmtree(entry)
+    kept = sorted(p.name for p in run_dir.iterdir())
+    if kept:
+        log.info("--fresh: kept %s in %s (not written by the demo)", ", ".join(kept), run_dir)
 
 
 def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, stop_after_steps: int = 0):

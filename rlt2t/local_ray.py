@@ -17,16 +17,26 @@ import sys
 import psutil
 
 
+def names_dir(arg: str, marker: str) -> bool:
+    """True when a command-line argument is ``marker`` or a path inside it, alone or as ``--opt=<path>``;
+    ``/tmp/rlt2t-ray`` does not name ``/tmp/rlt2t-ray-alice/...`` (another user's cluster)."""
+    marker = marker.rstrip("/") or "/"
+    values = [arg, arg.split("=", 1)[1]] if arg.startswith("-") and "=" in arg else [arg]
+    return any(v == marker or v.startswith(marker + "/") for v in values)
+
+
 def cluster_processes(marker: str) -> list[psutil.Process]:
-    """Every process whose command line names ``marker`` (a cluster's temp dir), with all their descendants;
-    never this process or its ancestors (``make ray-down RAY_TMP=DIR`` names the dir too)."""
+    """Every process whose command line names ``marker`` (a cluster's temp dir, see :func:`names_dir`), with all
+    their descendants; never this process or its ancestors (``make ray-down RAY_TMP=DIR`` names the dir too),
+    nor a process this user may not signal (another user's: only root could stop it)."""
     found: dict[int, psutil.Process] = {}
+    my_uids = {os.getuid(), os.geteuid()}
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if any(marker in arg for arg in p.info["cmdline"] or ()):
-                found[p.pid] = p
-                for c in p.children(recursive=True):
-                    found[c.pid] = c
+            if any(names_dir(arg, marker) for arg in p.info["cmdline"] or ()):
+                for q in (p, *p.children(recursive=True)):
+                    if _may_signal(q, my_uids):
+                        found[q.pid] = q
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     me = psutil.Process()
@@ -35,15 +45,26 @@ def cluster_processes(marker: str) -> list[psutil.Process]:
     return list(found.values())
 
 
+def _may_signal(p: psutil.Process, my_uids: set[int]) -> bool:
+    """What kill(2) allows: root anything, else a process whose real or saved uid is our real or effective one."""
+    if 0 in my_uids:
+        return True
+    try:
+        uids = p.uids()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    return bool(my_uids & {uids.real, uids.saved})
+
+
 def stop_cluster(marker: str, grace_s: float = 5.0) -> int:
     """Stop the processes of the cluster whose temp dir is ``marker``; returns how many there were."""
     procs = cluster_processes(marker)
     for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             p.send_signal(signal.SIGTERM)
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
     for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             p.kill()
     psutil.wait_procs(alive, timeout=10)
     return len(procs)

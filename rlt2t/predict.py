@@ -202,6 +202,7 @@ def predict(
         raise ValueError("--generators: give at least one export directory")
     if not scorers:
         raise ValueError("--scorers: give at least one export directory")
+    check_out_path(out_path)  # before any decoding, not after it
     examples = read_inputs(input_path, cfg.data.on_error)
     if not examples:
         raise ValueError(f"--input {input_path}: no inputs")
@@ -295,6 +296,22 @@ def predict(
              np.mean([len(c) for c in candidates]), mode, out_path)
     return PredictResult(ids=ids, predictions=predictions, csv_path=out_path, jsonl_path=jsonl_path, rerank=mode,
                          mean_candidates=float(np.mean([len(c) for c in candidates])), metrics=metrics)
+
+
+def check_out_path(out_path: str | Path) -> None:
+    """ValueError naming --out when the CSV or the candidates JSONL beside it cannot be written as a file there."""
+    out = Path(out_path)
+    if out.is_dir() or not out.name:
+        raise ValueError(f"--out {out_path}: is a directory; give the CSV file to write "
+                         f"(e.g. --out {out / 'predictions.csv'})")
+    jsonl = out.with_name(out.stem + ".candidates.jsonl")
+    if jsonl.is_dir():
+        raise ValueError(f"--out {out_path}: the candidates file beside it, {jsonl}, is a directory")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if parent.exists() and not parent.is_dir():
+        raise ValueError(f"--out {out_path}: {parent} is a file, not a directory to write into")
 
 
 def _json_float(x: float) -> float | None:

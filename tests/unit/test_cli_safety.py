@@ -1,0 +1,179 @@
+"""Commands that delete or replace files refuse what is not theirs: `demo --fresh` (clean_run), `average --out`,
+`predict --out` and `data import-csv`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlt2t.jobs as jobs
+from rlt2t.cli import main
+from rlt2t.common.config import load_config
+from rlt2t.common.convert import average_checkpoints
+from rlt2t.jobs import clean_run
+
+DEMO_OUTPUTS = ("config", "data", "tokenizer", "pretrain", "sft", "rl", "eval", "logs", "export", "predict")
+
+
+def _cfg(run_dir: str | Path):
+    return load_config(["tiny"], [f"run.dir={run_dir}"])
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- demo --fresh -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("run_dir", ["..", "../..", "{cwd}", "{cwd}/sub/..", "./sub/.."])
+def test_fresh_refuses_the_current_directory_and_its_parents(tmp_path, monkeypatch, run_dir):
+    cwd = tmp_path / "work" / "repo"
+    cwd.mkdir(parents=True)
+    (cwd / "precious.txt").write_text("keep")
+    monkeypatch.chdir(cwd)
+    with pytest.raises(ValueError, match=r"run\.dir=.*current directory"):
+        clean_run(_cfg(run_dir.format(cwd=cwd)))
+    assert (cwd / "precious.txt").read_text() == "keep"
+
+
+def test_fresh_refuses_the_home_directory_and_its_parents(tmp_path, monkeypatch):
+    home = tmp_path / "home" / "me"
+    home.mkdir(parents=True)
+    (home / "notes.txt").write_text("keep")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path.parent)  # not the cwd check that refuses
+    for run_dir in (f"{home}/sub/..", home.parent):  # home itself: the config refuses it already
+        with pytest.raises(ValueError, match="home directory"):
+            clean_run(_cfg(run_dir))
+    assert (home / "notes.txt").exists()
+
+
+def test_fresh_deletes_only_the_demo_outputs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "demo"
+    for name in DEMO_OUTPUTS:
+        if name != "data":
+            (run / name).mkdir(parents=True)
+            (run / name / "f").write_text("old")
+    shared = tmp_path / "shared-data"
+    shared.mkdir()
+    (shared / "train.jsonl").write_text("{}")
+    (run / "data").symlink_to(shared)  # a linked data dir: the link goes, never what it points to
+    (run / "annotate").mkdir()
+    (run / "annotate" / "annotations.db").write_text("human work")
+    (run / "notes.md").write_text("mine")
+
+    clean_run(_cfg("runs/demo"))
+    assert sorted(p.name for p in run.iterdir()) == ["annotate", "notes.md"]
+    assert (shared / "train.jsonl").exists()
+    clean_run(_cfg(tmp_path / "missing"))  # nothing there: nothing to do
+
+
+def test_demo_fresh_with_the_current_directory_exits_2_before_any_stage(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "precious.txt").write_text("keep")
+    monkeypatch.setattr(jobs, "prepare_sft", lambda cfg: pytest.fail("a stage ran"))
+    code, _, err = _cli(capsys, "demo", "--fresh", "--config", "tiny", f"run.dir={tmp_path}")
+    assert code == 2 and err.startswith(f"rlt2t demo: error: run.dir='{tmp_path}'") and "current directory" in err
+    assert (tmp_path / "precious.txt").exists()
+
+
+# --- average --out ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def checkpoint_root(tmp_path, tiny_policy) -> Path:
+    """A checkpoint root with two model directories (epoch-0001, epoch-0002) of the tiny policy."""
+    root = tmp_path / "sft" / "checkpoints"
+    for i in (1, 2):
+        with torch.no_grad():
+            for p in tiny_policy.model.parameters():
+                p.fill_(float(i))
+        tiny_policy.model.save_pretrained(root / f"epoch-000{i}")
+        tiny_policy.tokenizer.save_pretrained(root / f"epoch-000{i}")
+    return root
+
+
+def test_average_refuses_an_out_that_is_contains_or_lies_inside_an_input(checkpoint_root):
+    inputs = [checkpoint_root / "epoch-0001", checkpoint_root / "epoch-0002"]
+    for out, what in ((inputs[0], "is the input"), (checkpoint_root, "contains the input"),
+                      (checkpoint_root.parent, "contains the input"), (inputs[1] / "avg", "is inside the input")):
+        with pytest.raises(ValueError, match=f"--out .*{what}"):
+            average_checkpoints(inputs, out, force=True)  # --force does not lift it
+    assert sorted(p.name for p in checkpoint_root.iterdir()) == ["epoch-0001", "epoch-0002"]
+    assert not (inputs[1] / "avg").exists()
+
+
+def test_average_refuses_an_existing_out_unless_force(checkpoint_root, tmp_path, capsys):
+    inputs = [str(checkpoint_root / "epoch-0001"), str(checkpoint_root / "epoch-0002")]
+    out = tmp_path / "avg"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    code, _, err = _cli(capsys, "average", *inputs, "--out", str(out))
+    assert code == 2 and err.startswith("rlt2t average: error: --out") and "--force" in err
+    assert (out / "mine.txt").exists()
+    code, printed, _ = _cli(capsys, "average", *inputs, "--out", str(out), "--force")
+    assert code == 0 and printed.strip() == str(out) and (out / "config.json").is_file()
+    assert not (out / "mine.txt").exists()
+
+
+def test_average_out_inside_the_dir_it_reads_is_refused_even_with_force(checkpoint_root, capsys):
+    code, _, err = _cli(capsys, "average", "--dir", str(checkpoint_root), "--last", "2",
+                        "--out", str(checkpoint_root / "avg"), "--force")
+    assert code == 2 and "--out" in err and "is inside" in err
+    code, _, err = _cli(capsys, "average", "--dir", str(checkpoint_root), "--out", str(checkpoint_root), "--force")
+    assert code == 2 and "--out" in err
+    assert sorted(p.name for p in checkpoint_root.iterdir()) == ["epoch-0001", "epoch-0002"]
+
+
+# --- predict --out ----------------------------------------------------------------------------------------
+
+def test_predict_refuses_a_directory_out_before_decoding(tmp_path, capsys, monkeypatch):
+    import rlt2t.predict as predict
+
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text(json.dumps({"id": "1", "source": "1 2 3"}) + "\n")
+    monkeypatch.setattr(predict, "resolve_model", lambda *a: pytest.fail("models resolved before --out was checked"))
+    code, _, err = _cli(capsys, "predict", "--config", "tiny", "--generators", "g", "--scorers", "s",
+                        "--input", str(inputs), "--out", str(tmp_path))
+    assert code == 2 and err.startswith("rlt2t predict: error: --out") and "is a directory" in err
+    (tmp_path / "file").write_text("")
+    code, _, err = _cli(capsys, "predict", "--config", "tiny", "--generators", "g", "--scorers", "s",
+                        "--input", str(inputs), "--out", str(tmp_path / "file" / "pred.csv"))
+    assert code == 2 and "--out" in err and "is a file" in err
+
+
+# --- data import-csv --------------------------------------------------------------------------------------
+
+def _csv(path: Path, n: int) -> str:
+    path.write_text("".join(f"{i},{i} {i + 1} 7,{i + 2},{i % 3}\n" for i in range(n)))
+    return str(path)
+
+
+def test_import_csv_refuses_to_overwrite_and_force_removes_stale_splits(tmp_path, capsys):
+    out = tmp_path / "data"
+    code, _, _ = _cli(capsys, "data", "import-csv", "--input", _csv(tmp_path / "a.csv", 40), "--out", str(out),
+                      "--valid-fraction", "0.1", "--test-fraction", "0.1")
+    assert code == 0 and {p.name for p in out.iterdir()} == {"train.jsonl", "valid.jsonl", "test.jsonl"}
+    before = (out / "train.jsonl").read_bytes()
+
+    code, _, err = _cli(capsys, "data", "import-csv", "--input", _csv(tmp_path / "b.csv", 30), "--out", str(out))
+    assert code == 2 and err.startswith("rlt2t data: error: --out") and "--force" in err
+    assert (out / "train.jsonl").read_bytes() == before
+
+    # --force with no test split: the old test.jsonl (rows now in train) is removed, not left to leak
+    code, printed, _ = _cli(capsys, "data", "import-csv", "--input", str(tmp_path / "b.csv"), "--out", str(out),
+                            "--valid-fraction", "0.1", "--force")
+    assert code == 0 and "test.jsonl removed" in printed
+    assert {p.name for p in out.iterdir()} == {"train.jsonl", "valid.jsonl"}
+    rows = sum(len(p.read_text().splitlines()) for p in out.iterdir())
+    assert rows == 30
+
+    # an unlabeled test set beside them owns test.jsonl only
+    code, _, _ = _cli(capsys, "data", "import-csv", "--input", _csv(tmp_path / "t.csv", 5), "--out", str(out),
+                      "--unlabeled")
+    assert code == 0 and {p.name for p in out.iterdir()} == {"train.jsonl", "valid.jsonl", "test.jsonl"}
