@@ -173,8 +173,10 @@ def best_or_latest(ckpt_root: Path) -> Path:
     if latest is None:
         raise FileNotFoundError(f"{ckpt_root}: no complete checkpoint")
     best = (complete_checkpoint(latest).meta.get("best") or {}).get("path")
-    if best and read_checkpoint(best) is not None:
-        return Path(best)
+    # By name under this root: the recorded path is spelled as the run.dir of the run that wrote it (relative,
+    # or a place the run has since moved from).
+    if best and read_checkpoint(ckpt_root / Path(best).name) is not None:
+        return ckpt_root / Path(best).name
     return latest
 
 

@@ -119,3 +119,14 @@ def test_the_best_checkpoint_survives_a_resume_that_spells_the_run_directory_oth
     removed = prune_checkpoints(root, keep_last=1, protect={best_as_recorded})
     assert [p.name for p in removed] == ["epoch-0002"]
     assert (root / "epoch-0001").is_dir() and (root / "epoch-0003").is_dir()
+
+
+def test_the_best_checkpoint_is_found_after_the_run_directory_moved(tiny_policy, tmp_path):
+    from rlt2t.jobs import best_or_latest
+
+    old_root = tmp_path / "old" / "sft" / "checkpoints"
+    _save(old_root, tiny_policy, "epoch-0001", 1)
+    _save(old_root, tiny_policy, "epoch-0002", 2, meta={"best": {"score": 0.9, "path": str(old_root / "epoch-0001")}})
+    shutil.move(str(tmp_path / "old"), str(tmp_path / "new"))
+    assert best_or_latest(tmp_path / "new" / "sft" / "checkpoints") == tmp_path / "new" / "sft" / "checkpoints" / \
+        "epoch-0001"
