@@ -50,7 +50,9 @@ class RolloutWorker:
     Version 0 is the policy ``load_policy`` builds (from ``model_cfg``, initial weights seeded with
     ``seed``); :meth:`set_weights` installs the learner's weights under a new version. Results are a
     function of (weights, seed, version, example ids) and the sampling config alone, on a given device
-    type: CUDA generators draw other numbers than CPU ones.
+    type: CUDA generators draw other numbers than CPU ones. With the torch backend each example's samples
+    depend on its own id; CTranslate2 seeds a whole call, so there they depend on the ids of the
+    ``rollout.batch_size`` sub-chunk it belongs to (a chunk re-dispatched whole samples the same again).
     """
 
     def __init__(

@@ -88,6 +88,11 @@ _SKIP_FILES = {STATE_FILE, MARKER}
 # --------------------------------------------------------------------------------------------------
 
 
+UNUSED_ROW = "<rlt2t_unused_"
+"""Name prefix of the exported rows the tokenizer has no token for (row ``len(tokenizer) + i`` is
+``<rlt2t_unused_i>``)."""
+
+
 def _exact_vocabulary(model, tokenizer) -> list[str]:
     """One token name per output-embedding row, in id order: the tokenizer's tokens, then unique placeholders
     for rows it has no name for (T5 checkpoints pad their vocabulary to a multiple of 128). The stock loaders
@@ -100,7 +105,7 @@ def _exact_vocabulary(model, tokenizer) -> list[str]:
     if len(tokens) > rows:
         raise ValueError(f"the tokenizer has {len(tokens)} tokens but the model only {rows} embedding rows "
                          "(resize the model with `rlt2t convert-model --vocab-size`)")
-    return tokens + [f"<rlt2t_unused_{i}>" for i in range(rows - len(tokens))]
+    return tokens + [f"{UNUSED_ROW}{i}>" for i in range(rows - len(tokens))]
 
 
 class _ExactStart:
@@ -177,7 +182,8 @@ class _InMemoryConverter(TransformersConverter):
 def _convert(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path, quantization: str) -> None:
     # A copy: the loader sets config fields, and CT2's int8 quantisation scales the float32 arrays it is given in
     # place, which for float32 parameters share memory with the live model.
-    _InMemoryConverter(copy.deepcopy(model), tokenizer).convert(str(out), quantization=quantization, force=True)
+    # A CPU copy: CTranslate2 reads the tensors' host memory (a rollout worker's model may live on a GPU).
+    _InMemoryConverter(copy.deepcopy(model).cpu(), tokenizer).convert(str(out), quantization=quantization, force=True)
 
 
 def _export_info(source: str, source_sha256: str | None, quantization: str, model, tokenizer) -> dict:
@@ -340,6 +346,13 @@ class Ct2Policy:
         ctranslate2.set_random_seed(seed % (1 << 32))  # CT2 takes an unsigned 32-bit seed
         self.translator = ctranslate2.Translator(str(self.export_dir), **self._translator_args)
 
+    def token_ids(self, tokens: Sequence[str]) -> list[int]:
+        """The row ids of tokens CTranslate2 returned: the tokenizer's ids, and for the rows it has no token
+        for (``<rlt2t_unused_i>``, e.g. T5's padding to a multiple of 128) their own row, not ``<unk>``."""
+        named = len(self.tokenizer.get_vocab())
+        return [named + int(t[len(UNUSED_ROW):-1]) if t.startswith(UNUSED_ROW) else i
+                for t, i in zip(tokens, tokens_to_ids(self.tokenizer, tokens), strict=True)]
+
     def source_tokens(self, sources: Sequence[str]) -> list[list[str]]:
         """Token strings of each source, EOS included, truncated like training (``encode_texts``)."""
         ids, _ = encode_texts(self.tokenizer, sources, self.max_source_len)
@@ -406,7 +419,7 @@ class Ct2Policy:
         for result in results:
             hyps = []
             for tokens, score in zip(result.hypotheses, result.scores, strict=True):
-                ids = tokens_to_ids(self.tokenizer, tokens)
+                ids = self.token_ids(tokens)
                 if forced_eos is not None and (not ids or ids[-1] != self.eos_id):
                     ids.append(forced_eos)
                 text = " ".join(decode_ids(self.tokenizer, ids, skip_special_tokens=True).split())
@@ -533,7 +546,7 @@ def sample_ct2_logprobs(
         if len(result.hypotheses) != k:
             raise RuntimeError(f"CTranslate2 returned {len(result.hypotheses)} samples for source {i}, expected {k}")
         for tokens, step_logits in zip(result.hypotheses, result.logits, strict=True):
-            ids = tokens_to_ids(ct2.tokenizer, tokens)
+            ids = ct2.token_ids(tokens)
             raw_lp: list[float] = []
             sample_lp: list[float] = []
             if ids:

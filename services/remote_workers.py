@@ -70,7 +70,7 @@ class HttpRolloutWorker:
             self._wait_for_version(version)
             response = self.client.candidates(
                 [ex.source for ex in chunk], mode="sample", num_candidates=cfg.num_samples, top_k=cfg.top_k,
-                temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
+                top_p=cfg.top_p, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
             if response.policy_version != version:
                 log.warning("policy server %s answered with version %d; chunk wanted %d", self.url,
                             response.policy_version, version)

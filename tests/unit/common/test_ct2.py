@@ -267,3 +267,30 @@ def test_sampler_from_state_dict_tracks_published_weights(policy, ids_tokenizer_
     assert (tmp_path / "v2" / EXPORT_INFO).is_file() and read_export_info(int8.export_dir)["quantization"] == "int8"
     with pytest.raises(ValueError, match="compute_type: unknown"):
         ct2_sampler_from_state_dict(worker, None, tmp_path, "int3")
+
+
+def test_sampled_rows_the_tokenizer_has_no_name_for_keep_their_own_ids(ids_tokenizer_dir, tmp_path):
+    """A model with more output rows than its tokenizer has tokens (T5 pads to a multiple of 128; a model grown
+    by `convert-model --vocab-size`): a sampled extra row comes back as that row's id, not as <unk>, so the
+    sampler's log-probs are those of the tokens the learner trains on."""
+    from rlt2t.common.ct2 import ct2_sampler_from_state_dict, sample_ct2_logprobs
+    from rlt2t.common.scoring import sequence_logprobs
+
+    pol = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    named = len(pol.tokenizer)
+    pol.model.resize_token_embeddings(named + 8, mean_resizing=False)
+    pol.model.eval()
+    with torch.no_grad():
+        pol.model.final_logits_bias[0, named:] = 4.0  # make the unnamed rows likely
+    ct2 = ct2_sampler_from_state_dict(pol, None, tmp_path, "float32", max_source_len=16)
+    sources = ["12 7 33", "5 6 40 41"]
+    rows = sample_ct2_logprobs(ct2, sources, 4, 0, 1.0, 6, seed=1)
+    ids = [r.token_ids for r in rows]
+    assert any(i >= named for seq in ids for i in seq)  # extra rows were drawn
+    assert pol.tokenizer.unk_token_id not in {i for seq in ids for i in seq}
+    enc, _ = encode_texts(pol.tokenizer, sources, 16)
+    batch = collate_seq2seq(enc, None, pol.tokenizer.pad_token_id)
+    learner = sequence_logprobs(pol.model, batch["input_ids"], batch["attention_mask"], ids, 4)
+    for row, ref in zip(rows, learner, strict=True):
+        drawn = row.sample_logprobs[:-1] if row.forced else row.sample_logprobs
+        assert max(abs(a - b) for a, b in zip(drawn, ref)) < 1e-4

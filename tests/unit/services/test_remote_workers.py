@@ -37,13 +37,14 @@ def test_rollout_waits_for_the_published_version_and_builds_candidate_sets():
         requests.append(body)
         return httpx.Response(200, json=_candidates_response(body["sources"], body["num_candidates"], 3))
 
-    cfg = RolloutConfig(num_samples=3, top_k=3, temperature=0.8, max_new_tokens=8, timeout_s=30)
+    cfg = RolloutConfig(num_samples=3, top_k=3, top_p=0.9, temperature=0.8, max_new_tokens=8, timeout_s=30)
     worker = HttpRolloutWorker("http://policy", cfg, seed=5, poll_s=0.0, token="s3cret",
                                transport=httpx.MockTransport(handler))
     sets = worker.sample_version(2, None, EXAMPLES)
     assert len(polls) == 3 and len(requests) == 1  # polled the cheap route, sampled once
     assert polls[0] == "Bearer s3cret"
     assert requests[0]["mode"] == "sample" and requests[0]["top_k"] == 3 and requests[0]["num_candidates"] == 3
+    assert requests[0]["top_p"] == 0.9 and requests[0]["temperature"] == 0.8  # the rollout's sampling, all of it
     assert [s.policy_version for s in sets] == [3, 3]
     expected = candidate_set(EXAMPLES[0].id, EXAMPLES[0].source, EXAMPLES[0].target, ["0 0", "0 1", "0 0"],
                              include_gold=True, seed=5, version=3)
