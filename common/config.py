@@ -718,7 +718,8 @@ class AnnotateConfig(_Section):
     shuffle_candidates: bool = True
     """Show each annotator the candidates in their own fixed random order (against position bias)."""
     max_annotators_per_item: int = Field(0, ge=0)
-    """Stop offering an item once this many annotators finished it (0: everyone annotates everything)."""
+    """Stop offering an item once this many annotators judged it (ranked or rated; skips do not count; 0: everyone
+    annotates everything)."""
     max_candidates_per_item: int = Field(16, ge=1, le=256)
     """Most candidates one item may hold (a longer list in a candidates file is an error)."""
     max_text_chars: int = Field(10_000, ge=1)

@@ -32,6 +32,7 @@ from urllib.parse import parse_qs, quote
 
 import jinja2
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
@@ -40,6 +41,9 @@ from rlt2t.common.config import Config
 from rlt2t.services.annotation import export
 from rlt2t.services.annotation.agreement import agreement
 from rlt2t.services.annotation.schemas import (
+    MAX_ID,
+    MAX_OFFSET,
+    PAGE_SIZE,
     AdminSummary,
     AnnotationList,
     AnnotationView,
@@ -293,19 +297,21 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
         return annotate_page(request, None)
 
     @app.get("/items/{item_id}", response_class=HTMLResponse, include_in_schema=False)
-    def item_page(request: Request, item_id: int) -> Response:
+    def item_page(request: Request, item_id: int = PathParam(ge=-MAX_ID, le=MAX_ID)) -> Response:
         return annotate_page(request, item_id)
 
     @app.get("/history", response_class=HTMLResponse, include_in_schema=False)
-    def history(request: Request, annotator: str | None = None, page: int = Query(0, ge=0)) -> Response:
+    def history(request: Request, annotator: str | None = None,
+                page: int = Query(0, ge=0, le=MAX_OFFSET // PAGE_SIZE)) -> Response:
         who = page_user(request)
         if who is None:
             return to_login(request)
-        rows, total = store.annotations(who.annotator, annotator=annotator, offset=page * 50, limit=50)
+        rows, total = store.annotations(who.annotator, annotator=annotator, offset=page * PAGE_SIZE,
+                                        limit=PAGE_SIZE)
         sources = {r.item_id: store.item(r.item_id).source for r in rows}
         return render("history.html", me=who.annotator, csrf=who.csrf, rows=rows, total=total, page=page,
                       sources=sources, annotator=annotator if who.annotator.is_admin else None,
-                      more=(page + 1) * 50 < total)
+                      more=(page + 1) * PAGE_SIZE < total)
 
     @app.get("/admin", response_class=HTMLResponse, include_in_schema=False)
     def admin_page(request: Request) -> Response:
@@ -333,7 +339,8 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
 
     @app.get("/api/items/{item_id}", response_model=ItemView, tags=["annotation"],
              responses={**ERRORS, 404: {"model": ErrorResponse, "description": "No such item"}})
-    def get_item(item_id: int, who: Principal = Depends(api_user)) -> ItemView:  # noqa: B008
+    def get_item(item_id: int = PathParam(ge=-MAX_ID, le=MAX_ID),
+                 who: Principal = Depends(api_user)) -> ItemView:  # noqa: B008
         """One item with the caller's own annotation of it."""
         return item_view(store.item(item_id), who.annotator)
 
@@ -359,7 +366,7 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
                                   progress=progress_of(who.annotator))
 
     @app.get("/api/annotations", response_model=AnnotationList, tags=["annotation"], responses=ERRORS)
-    def list_annotations(annotator: str | None = None, offset: int = Query(0, ge=0),
+    def list_annotations(annotator: str | None = None, offset: int = Query(0, ge=0, le=MAX_OFFSET),
                          limit: int = Query(50, ge=1, le=500),
                          who: Principal = Depends(api_user)) -> AnnotationList:  # noqa: B008
         """The caller's annotations, newest first (an admin: everyone's, or `annotator`'s)."""
@@ -368,7 +375,8 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
 
     @app.get("/api/annotations/{annotation_id}", response_model=AnnotationView, tags=["annotation"],
              responses={**ERRORS, 404: {"model": ErrorResponse, "description": "No such annotation of yours"}})
-    def get_annotation(annotation_id: int, who: Principal = Depends(api_user)) -> AnnotationView:  # noqa: B008
+    def get_annotation(annotation_id: int = PathParam(ge=-MAX_ID, le=MAX_ID),
+                       who: Principal = Depends(api_user)) -> AnnotationView:  # noqa: B008
         """One annotation: the caller's own (an admin: anyone's); any other answers 404."""
         return _annotation_view(store.annotation(annotation_id, who.annotator))
 

@@ -27,6 +27,15 @@ def distinct(texts: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(texts))
 
 
+def _encodable(text: str, path: str, lineno: int, field: str, what: str = "") -> None:
+    """A lone surrogate (``"\\ud800"`` in JSON) parses into a str that no database or file can store as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(path, lineno, field, f"{what}not encodable as UTF-8 ({e.reason} {text[e.start]!r} at "
+                                             f"character {e.start})") from None
+
+
 def _candidate_texts(value: object, path: str, lineno: int) -> list[str]:
     if not isinstance(value, list):
         raise DataError(path, lineno, "candidates", f"expected a list, got {type(value).__name__}")
@@ -37,6 +46,7 @@ def _candidate_texts(value: object, path: str, lineno: int) -> list[str]:
         if not isinstance(c, str):
             raise DataError(path, lineno, "candidates", f"candidate {k}: expected a string or an object with a "
                                                         f"string 'text', got {type(c).__name__}")
+        _encodable(c, path, lineno, "candidates", f"candidate {k}: ")
         texts.append(c)
     return texts
 
@@ -62,6 +72,7 @@ def read_candidates(path: str | os.PathLike, *, max_candidates: int, max_chars: 
             if not isinstance(source, str) or not source.strip():
                 raise DataError(path, lineno, "source", "missing or empty" if source is None or isinstance(source, str)
                                 else f"expected a string, got {type(source).__name__}")
+            _encodable(source, path, lineno, "source")
             if "candidates" not in row:
                 raise DataError(path, lineno, "candidates", "missing")
             texts = distinct(_candidate_texts(row["candidates"], path, lineno))
@@ -74,9 +85,10 @@ def read_candidates(path: str | os.PathLike, *, max_candidates: int, max_chars: 
             if too_long:
                 where = "source" if too_long[0] == 0 else "candidates"
                 raise DataError(path, lineno, where, f"longer than {max_chars} characters (annotate.max_text_chars)")
-            ext_id = row.get("id")
-            yield NewItem(source=source, candidates=texts, origin=os.path.basename(path),
-                          ext_id=None if ext_id is None else str(ext_id)[:200])
+            ext_id = None if row.get("id") is None else str(row["id"])[:200]
+            if ext_id is not None:
+                _encodable(ext_id, path, lineno, "id")
+            yield NewItem(source=source, candidates=texts, origin=os.path.basename(path), ext_id=ext_id)
 
 
 def sample_items(client: PolicyClient, examples: Sequence[Example], *, num_candidates: int, top_k: int,

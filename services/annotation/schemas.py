@@ -13,7 +13,17 @@ MAX_CANDIDATES = 256
 """Hard cap on a list in a submission (annotate.max_candidates_per_item is at most this)."""
 NOTE_MAX_CHARS = 2000
 
+MAX_ID = 2**63 - 1
+"""Ids are 64-bit signed integers in the database: a larger one in a request is a 422, not a driver overflow."""
+MAX_OFFSET = 10**9
+"""Bound on a list's offset (far beyond any annotation count; SQLite's integers end at MAX_ID)."""
+PAGE_SIZE = 50
+"""Rows per page of /history."""
+
 SubmissionId = Annotated[str, StringConstraints(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+DbId = Annotated[int, Field(ge=-MAX_ID, le=MAX_ID)]
+"""An item, candidate or annotation id as a request gives it (a 64-bit integer; one that names nothing is a 404
+or a 422 of the store's checks)."""
 
 
 class _Request(BaseModel):
@@ -36,7 +46,7 @@ class Progress(_Response):
 
 
 class CandidateRating(_Request):
-    candidate_id: int
+    candidate_id: DbId
     """A candidate of the item."""
     rating: float
     """Within [annotate.rating_min, annotate.rating_max]."""
@@ -83,11 +93,11 @@ class SubmissionRequest(_Request):
 
     submission_id: SubmissionId
     """Client-generated unique id (e.g. a UUID): makes a retried or doubled submission harmless."""
-    item_id: int
+    item_id: DbId
     action: Literal["rank", "rate", "skip"]
     """`rank`: `order` is every candidate id best first; `rate`: `ratings` of some or all candidates (merged
     with earlier ones); `skip`: the item leaves the queue unjudged."""
-    order: list[int] = Field(default_factory=list, max_length=MAX_CANDIDATES)
+    order: list[DbId] = Field(default_factory=list, max_length=MAX_CANDIDATES)
     ratings: list[CandidateRating] = Field(default_factory=list, max_length=MAX_CANDIDATES)
     flagged: bool = False
     """Mark the item as problematic (bad source, broken candidates); flagged items stay out of exports."""

@@ -430,14 +430,17 @@ class Store:
                     row.origin)
 
     def _queue(self, annotator: Annotator, max_per_item: int):
-        """Item ids in ``annotator``'s queue: not finished by them, and (with a cap) not finished by enough others."""
+        """Item ids in ``annotator``'s queue: not finished by them, and (with a cap) not judged by enough others.
+
+        The cap counts judgements (ranked, rated) only: an item others skipped still needs its judgements. Two
+        annotators served one item at once may both judge it (nothing is reserved)."""
         mine = annotations_table.alias("mine")
         query = (select(items.c.id)
                  .outerjoin(mine, and_(mine.c.item_id == items.c.id, mine.c.annotator_id == annotator.id))
                  .where(or_(mine.c.id.is_(None), mine.c.status.notin_(DONE))))
         if max_per_item > 0:
             finished = (select(func.count()).select_from(annotations_table)
-                        .where(annotations_table.c.item_id == items.c.id, annotations_table.c.status.in_(DONE))
+                        .where(annotations_table.c.item_id == items.c.id, annotations_table.c.status.in_(JUDGED))
                         .scalar_subquery())
             # An item this annotator already started stays theirs to finish.
             query = query.where(or_(mine.c.id.is_not(None), finished < max_per_item))

@@ -285,14 +285,13 @@
     }
   }
 
+  // What a submission says, without its id: a pending one still matches the screen when these are equal.
+  function content(p) {
+    return JSON.stringify([p.item_id, p.action, p.order || [], p.ratings || [], Boolean(p.flagged), p.note || ""]);
+  }
+
   async function submit(action) {
     if (!item || busy) return;
-    const pending = readJson(pendingKey);
-    if (pending && pending.item_id === item.item_id) {
-      // The last try of this item never got an answer: resend it under the same id.
-      if (await send(pending)) await afterSubmit();
-      return;
-    }
     const payload = {
       submission_id: newSubmissionId(), item_id: item.item_id, action,
       flagged, note: flagged ? $("note").value : "",
@@ -305,6 +304,17 @@
         return;
       }
       payload.ratings = Object.entries(ratings).map(([id, rating]) => ({ candidate_id: Number(id), rating }));
+    }
+    const pending = readJson(pendingKey);
+    if (pending && pending.item_id === item.item_id) {
+      if (content(pending) === content(payload)) {
+        // The last try of this item never got an answer and the screen still shows it: resend under its id.
+        if (await send(pending)) await afterSubmit();
+        return;
+      }
+      // The screen changed since that try: settle it first under its own id (applied at most once, and a late
+      // copy of it can no longer land after the new one), then send what the screen shows under a new id.
+      if (!(await send(pending)) && readJson(pendingKey)) return; // still unsent: keep it, try again later
     }
     localStorage.setItem(pendingKey, JSON.stringify(payload));
     if (await send(payload)) await afterSubmit();
