@@ -26,26 +26,65 @@ class Encoded:
     truncated_targets: int = 0
 
 
-def encode_texts(tok: PreTrainedTokenizerBase, texts: Sequence[str], max_len: int) -> tuple[list[list[int]], int]:
+def encode_texts(tok: PreTrainedTokenizerBase, texts: Sequence[str], max_len: int, *, target: bool = False
+                 ) -> tuple[list[list[int]], int]:
     """Tokenize with the tokenizer's special tokens, truncating content (never those tokens: EOS, a language code,
-    [CLS]) to ``max_len``; returns ids and #truncated."""
-    full = tok(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
+    [CLS]) to ``max_len``; returns ids and #truncated.
+
+    ``target``: texts the decoder produces, encoded with the tokenizer's target template where it has one
+    (:func:`uses_target_template`: mBART's ``text </s> tgt_lang`` rather than the source's ``text </s> src_lang``).
+    """
+    target = target and uses_target_template(tok)
+    full = _tokenize(tok, list(texts), target)
     out, truncated = [], 0
     affixes = None
     for ids in full:
         if len(ids) > max_len:
             truncated += 1
-            prefix, suffix = affixes = affixes or template_affixes(tok)
-            keep = max(max_len - prefix - suffix, 0)
-            ids = ids[:prefix] + ids[prefix : prefix + keep] + ids[len(ids) - suffix :]
+            affixes = affixes or (_target_affixes(tok) if target else template_affixes(tok))
+            ids = cut_ids(ids, max_len, affixes)
         out.append(ids)
     return out, truncated
 
 
+def cut_ids(ids: Sequence[int], max_len: int, affixes: tuple[int, int]) -> list[int]:
+    """``ids`` cut to ``max_len`` by dropping content from the end, keeping the template's ``affixes`` (how many
+    special tokens lead and trail it, see ``template_affixes``): an EOS or language code survives any cut."""
+    ids = list(ids)
+    if len(ids) <= max_len:
+        return ids
+    prefix, suffix = affixes
+    keep = max(max_len - prefix - suffix, 0)
+    return ids[:prefix] + ids[prefix : prefix + keep] + ids[len(ids) - suffix :]
+
+
+def uses_target_template(tok: PreTrainedTokenizerBase) -> bool:
+    """Whether targets need their own template: a language-code tokenizer (mBART) with a target language (saved
+    with it, or ``model.tgt_lang``, which ``prepare_model`` sets). Every other tokenizer encodes both sides alike."""
+    return getattr(tok, "tgt_lang", None) is not None
+
+
+def _tokenize(tok: PreTrainedTokenizerBase, texts: list[str], target: bool) -> list[list[int]]:
+    if target:
+        return tok(text_target=texts, add_special_tokens=True, truncation=False)["input_ids"]
+    return tok(texts, add_special_tokens=True, truncation=False)["input_ids"]
+
+
+def _target_affixes(tok: PreTrainedTokenizerBase) -> tuple[int, int]:
+    """``template_affixes`` of the target template."""
+    empty, one = _tokenize(tok, ["", "a"], True)
+    prefix = 0
+    while prefix < len(empty) and prefix < len(one) and empty[prefix] == one[prefix]:
+        prefix += 1
+    return prefix, len(empty) - prefix
+
+
 def encode_examples(tok: PreTrainedTokenizerBase, sources: Sequence[str], targets: Sequence[str],
                     max_source_len: int, max_target_len: int, what: str = "data") -> Encoded:
+    """Sources with the source template, targets with the target one (they differ for mBART with language
+    codes: labels end with the target language, as the decoder start names it), each cut to its limit."""
     src, ts = encode_texts(tok, sources, max_source_len)
-    tgt, tt = encode_texts(tok, targets, max_target_len)
+    tgt, tt = encode_texts(tok, targets, max_target_len, target=True)
     if ts or tt:
         log.warning("%s: truncated %d sources to %d tokens and %d targets to %d tokens",
                     what, ts, max_source_len, tt, max_target_len)

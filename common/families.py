@@ -16,7 +16,8 @@ bart            bart               decoding starts from ``</s>`` (``decoder_star
 mbart           mbart              pre-norm; language codes: ``model.src_lang`` sets the tokenizer's
                                    source language (its template adds the code to every text rlt2t
                                    encodes), ``model.tgt_lang`` becomes the decoder start token (mBART-25's
-                                   convention); without codes (a from-scratch preset) it starts from
+                                   convention) and the target template's code (labels end with it);
+                                   without codes (a from-scratch preset) it starts from
                                    ``</s>`` like BART
 marian          marian             decoding starts from ``<pad>`` (the last row in opus-mt checkpoints);
                                    static sinusoidal positions (``max_position_embeddings`` is still the
@@ -59,6 +60,7 @@ from transformers import (
     AutoModelForSeq2SeqLM,
     BartConfig,
     EncoderDecoderModel,
+    GenerationConfig,
     MarianConfig,
     MBartConfig,
     PegasusConfig,
@@ -113,6 +115,14 @@ def vocab_size(config: PretrainedConfig) -> int:
     if family_of(config).name == "encoder-decoder":
         return int(config.decoder.vocab_size)
     return int(config.vocab_size)
+
+
+def decoder_hidden_size(config: PretrainedConfig) -> int:
+    """Width of the decoder's final hidden states (what a value or reward head reads): ``d_model``, or the BERT
+    decoder's ``hidden_size`` for a warm start (an EncoderDecoderConfig has neither itself)."""
+    if family_of(config).name == "encoder-decoder":
+        return int(config.decoder.hidden_size)
+    return int(config.d_model)
 
 
 def shift_labels(labels: Tensor, decoder_start_token_id: int, pad_token_id: int) -> Tensor:
@@ -275,12 +285,28 @@ def _lang_id(tokenizer: PreTrainedTokenizerBase, code: str) -> int | None:
     return i if isinstance(i, int) and i != tokenizer.unk_token_id else None
 
 
+GENERATION_IDS = ("decoder_start_token_id", "bos_token_id", "eos_token_id", "pad_token_id", "forced_bos_token_id",
+                  "forced_eos_token_id")
+"""The special ids a generation config keeps (:func:`generation_config`); every other setting is ours to pass."""
+
+
+def generation_config(ids: Any, **settings: Any) -> GenerationConfig:
+    """A fresh GenerationConfig holding only the special ids of ``ids`` (a mapping, or a generation config to
+    read them from) and ``settings`` (num_beams, max_new_tokens, ...): nothing a loaded checkpoint's generation
+    config sets besides its ids reaches decoding."""
+    if not isinstance(ids, dict):
+        ids = {key: getattr(ids, key, None) for key in GENERATION_IDS}
+    return GenerationConfig(**{key: ids.get(key) for key in GENERATION_IDS}, **settings)
+
+
 def prepare_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, tgt_lang: str | None = None) -> None:
     """The family's decoding conventions, applied in place to ``model.config`` and its generation config.
 
-    ``tgt_lang`` (mBART) becomes the decoder start token. An encoder–decoder warm start gets its special ids
-    from the tokenizer when its config lacks them. The generation config follows the model config (the
-    sampler, ``generate`` and the CTranslate2 export all read one of the two).
+    ``tgt_lang`` (mBART) becomes the decoder start token and the tokenizer's target language (so targets end
+    with the code the decoder starts from). An encoder–decoder warm start gets its special ids from the
+    tokenizer when its config lacks them. The generation config is replaced by one holding only the special
+    ids, those of the model config where both have them (the sampler, ``generate`` and the CTranslate2 export
+    all read one of the two): decoding settings a checkpoint ships are dropped.
     """
     config = model.config
     family = family_of(config)
@@ -307,10 +333,16 @@ def prepare_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
             stack.embed_positions.weight.requires_grad_(False)
     gen = model.generation_config
     if gen is not None:
-        for key in ("decoder_start_token_id", "eos_token_id", "pad_token_id"):
-            setattr(gen, key, getattr(config, key))
+        ids = {key: getattr(gen, key, None) for key in GENERATION_IDS}
+        ids.update({key: getattr(config, key) for key in ("decoder_start_token_id", "eos_token_id", "pad_token_id")})
         if getattr(config, "forced_bos_token_id", None) is None:
-            gen.forced_bos_token_id = None
+            ids["forced_bos_token_id"] = None
+        # A checkpoint's generation_config.json may carry decoding settings (bart-base: no_repeat_ngram_size=3,
+        # min_length, length_penalty, ...). The RL sampler ignores them; generate would apply them, so evaluation
+        # and the validation monitor would score a different decoder than the one RL trains. Keep the ids only.
+        model.generation_config = generation_config(ids)
+    if tgt_lang is not None and hasattr(tokenizer, "tgt_lang"):
+        tokenizer.tgt_lang = tgt_lang  # targets are then encoded with its template (``encode_texts(target=True)``)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -381,6 +413,17 @@ def _bert_layers(decoder: PreTrainedModel) -> Sequence[Any]:
     if not all(hasattr(layer, "crossattention") for layer in layers):
         raise UnsupportedModelError(f"{type(decoder).__name__}: decoder layers without cross-attention")
     return layers
+
+
+def decoder_stack(model: PreTrainedModel) -> nn.Module:
+    """The decoder without its LM head: called with ``input_ids``, ``attention_mask``, ``encoder_hidden_states``
+    (see :func:`cross_attention_states`) and ``encoder_attention_mask``, its ``last_hidden_state`` is the
+    decoder's final hidden states. ``get_decoder()`` is that stack in every family but a warm start, where it is
+    the BERT decoder with its LM head (its output holds logits only); its base model is the stack."""
+    decoder = model.get_decoder()
+    if family_of(model.config).name == "encoder-decoder":
+        return getattr(decoder, decoder.base_model_prefix, decoder)
+    return decoder
 
 
 def cross_attention_states(model: PreTrainedModel, hidden: Tensor) -> Tensor:

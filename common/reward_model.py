@@ -35,6 +35,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrai
 from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir
 from rlt2t.common.collate import encode_texts, pad
 from rlt2t.common.config import ModelConfig
+from rlt2t.common.families import cross_attention_states, decoder_hidden_size, decoder_stack
 from rlt2t.common.io import atomic_write_json
 from rlt2t.common.policy import load_policy
 from rlt2t.common.tokenization import load_tokenizer
@@ -130,10 +131,11 @@ class RewardModel(nn.Module):
             return self.backbone(**batch).logits[:, 0].float()
         model = self.backbone
         states = model.get_encoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-                                     ).last_hidden_state  # [G, S, H]
+                                     ).last_hidden_state  # [G, S, H_enc]
+        states = cross_attention_states(model, states)  # [G, S, H]: a warm start may project them
         rows = batch["row_source"]
         dec_mask = batch["decoder_attention_mask"]
-        hidden = model.get_decoder()(
+        hidden = decoder_stack(model)(
             input_ids=batch["decoder_input_ids"], attention_mask=dec_mask,
             encoder_hidden_states=states[rows], encoder_attention_mask=batch["attention_mask"][rows],
         ).last_hidden_state  # [N, T, H]
@@ -205,7 +207,7 @@ def init_reward_model(init: str | Path, *, max_source_len: int, max_candidate_le
     torch.manual_seed(seed)
     if spec.kind == "seq2seq":
         backbone, tokenizer = _seq2seq_backbone(path, dropout)
-        head = nn.Linear(backbone.config.hidden_size, 1)
+        head = nn.Linear(decoder_hidden_size(backbone.config), 1)
         nn.init.normal_(head.weight, std=0.02)
         nn.init.zeros_(head.bias)
         return RewardModel(backbone, tokenizer, spec, head)
@@ -227,7 +229,7 @@ def load_reward_model(path: str | os.PathLike[str], *, dropout: float = 0.0,
     spec = RewardModelSpec(raw["kind"], int(raw["max_source_len"]), int(raw["max_candidate_len"]))
     if spec.kind == "seq2seq":
         backbone, tokenizer = _seq2seq_backbone(path, dropout)
-        head = nn.Linear(backbone.config.hidden_size, 1)
+        head = nn.Linear(decoder_hidden_size(backbone.config), 1)
         head.load_state_dict(load_file(str(path / HEAD_FILE)))
         model = RewardModel(backbone, tokenizer, spec, head)
     elif spec.kind == "encoder":

@@ -40,9 +40,9 @@ def rank_batch(
         if value < 2:
             raise ValueError(f"{name} must be >= 2 (one token and EOS), got {value}")
     sources, n_src = encode_texts(tokenizer, [p.source for p in pairs], max_source_len)
-    gold, n_gold = encode_texts(tokenizer, [p.reference for p in pairs], max_target_len)
+    gold, n_gold = encode_texts(tokenizer, [p.reference for p in pairs], max_target_len, target=True)
     # a and b are tokenised together so that one pad() call gives them a common length.
-    both, n_pair = encode_texts(tokenizer, [p.a for p in pairs] + [p.b for p in pairs], max_target_len)
+    both, n_pair = encode_texts(tokenizer, [p.a for p in pairs] + [p.b for p in pairs], max_target_len, target=True)
     if n_src or n_gold or n_pair:
         log.debug("rank batch: truncated %d sources, %d references, %d candidates", n_src, n_gold, n_pair)
     seq2seq = collate_seq2seq(sources, gold, tokenizer.pad_token_id)

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import EvalConfig, MetricConfig
 from rlt2t.common.data import Example, targets_of
+from rlt2t.common.families import decoder_input_ids, generation_config, positions_or
 from rlt2t.common.metrics import available_metrics, get_metric
 from rlt2t.common.policy import Policy
 from rlt2t.common.scoring import token_scores
@@ -31,7 +32,8 @@ def generate(policy: Policy, sources: Sequence[str], *, num_beams: int = 1, max_
              batch_size: int = 64, max_source_len: int = 128, progress: bool = False) -> list[str]:
     """Greedy (num_beams=1) or beam decoding of ``sources``; returns texts in input order.
 
-    Sources are batched by length (less padding), results put back in order.
+    Sources are batched by length (less padding), results put back in order. Decoding uses a fresh generation
+    config (``families.generation_config``): the model's special ids and these arguments, nothing else.
     """
     model = policy.model
     was_training = model.training
@@ -44,13 +46,16 @@ def generate(policy: Policy, sources: Sequence[str], *, num_beams: int = 1, max_
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: list[str] = [""] * len(ids)
     pad_id = policy.tokenizer.pad_token_id
+    # Only the family's special ids and these settings: what a loaded generation_config.json adds
+    # (no_repeat_ngram_size, min_length, length_penalty, ...) the RL sampler ignores, and so does this.
+    settings = generation_config(generator.generation_config, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                                 do_sample=False, early_stopping=num_beams > 1)
     for start in tqdm(range(0, len(order), batch_size), desc="decode", disable=not progress, leave=False):
         chunk = order[start : start + batch_size]
         batch = collate_seq2seq([ids[i] for i in chunk], None, pad_id)
         gen = generator.generate(
             input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-            num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False,
-            early_stopping=num_beams > 1,
+            generation_config=settings,
         )
         for i, text in zip(chunk, policy.decode(gen), strict=True):
             out[i] = text
@@ -96,7 +101,8 @@ def reference_perplexity(policy: Policy, sources: Sequence[str], targets: Sequen
     """Perplexity of the references under the model, with teacher forcing: exp(Σ NLL / Σ tokens).
 
     Corpus-level and token-weighted (every target token counts once, EOS included; sources and targets are
-    tokenised as in training, targets cut at ``max_target_len``, default the model's positions): the
+    tokenised and fed as in training: targets cut at ``max_target_len`` (``data.max_target_len``; default the
+    model's positions, if it has a limit), decoder inputs from ``families.decoder_input_ids``): the
     exponential of the mean cross-entropy over all reference tokens, not a mean of per-sentence perplexities.
     Lower is better; it says how likely the model finds the gold outputs, which RL moving away from the
     reference distribution raises (the seeds' DailyDialog table: 40.91 supervised, 44.03 after PPO).
@@ -109,12 +115,15 @@ def reference_perplexity(policy: Policy, sources: Sequence[str], targets: Sequen
     device = next(model.parameters()).device
     tok = policy.tokenizer
     src, _ = encode_texts(tok, sources, max_source_len)
-    tgt, _ = encode_texts(tok, targets, max_target_len or model.config.max_position_embeddings)
+    tgt, _ = encode_texts(tok, targets, max_target_len or positions_or(model.config), target=True)
     nll, count = 0.0, 0
     for start in range(0, len(src), batch_size):
         batch = collate_seq2seq(src[start : start + batch_size], tgt[start : start + batch_size], tok.pad_token_id)
+        # The decoder inputs of training, not the model's own shift of the labels (mBART's starts from the
+        # last label token, the language code, rather than the decoder start).
+        batch["decoder_input_ids"] = decoder_input_ids(batch["labels"], model.config)
         batch = {k: v.to(device) for k, v in batch.items()}
-        logits = model(**batch).logits  # [B, T, V]; labels shifted right inside the model
+        logits = model(**batch).logits  # [B, T, V]
         scores = token_scores(logits, batch["labels"], "logprobs")  # [B, T], 0 at padding
         nll -= float(scores.double().sum())
         count += int((batch["labels"] != -100).sum())
@@ -145,8 +154,11 @@ def classifier_params(cfg: EvalConfig, examples: Sequence[Example]) -> dict[str,
 
 
 def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metric: MetricConfig,
-             max_source_len: int, progress: bool = False) -> EvalResult:
-    """Decode ``examples`` with the policy and score against their targets: the columns ``cfg.metrics``."""
+             max_source_len: int, progress: bool = False, *, max_target_len: int | None = None) -> EvalResult:
+    """Decode ``examples`` with the policy and score against their targets: the columns ``cfg.metrics``.
+
+    ``max_target_len`` (``data.max_target_len``) cuts the references of the perplexity column as training cut
+    its targets; None: the model's position limit."""
     if cfg.limit:
         examples = examples[: cfg.limit]
     targets = [e.target for e in examples if e.target is not None]
@@ -161,7 +173,7 @@ def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metri
     if "perplexity" in names:
         values["perplexity"] = reference_perplexity(policy, [e.source for e in examples], targets,
                                                     batch_size=cfg.batch_size,
-                                                    max_source_len=max_source_len)
+                                                    max_source_len=max_source_len, max_target_len=max_target_len)
     return EvalResult({n: values[n] for n in names}, hyps)
 
 

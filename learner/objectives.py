@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from rlt2t.common.config import RLConfig, RolloutConfig
+from rlt2t.common.families import decoder_hidden_size
 from rlt2t.common.lora import is_lora, reference_policy
 from rlt2t.common.policy import Policy
 from rlt2t.common.sampling import warp_logits
@@ -175,7 +176,7 @@ class PolicyGradientObjective:
         self.rl, self.policy, self.seed = rl, policy, seed
         self.algorithm = rl.algorithm
         self.k = rollout.num_samples
-        head = ValueHead(policy.model.config.d_model) if rl.ppo_like else None
+        head = ValueHead(decoder_hidden_size(policy.model.config)) if rl.ppo_like else None
         self.module: nn.Module = GroupPolicy(policy.model, head)
         self.module.eval()
         self.transform = {"temperature": rollout.temperature, "top_k": rollout.top_k, "top_p": rollout.top_p}

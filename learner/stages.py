@@ -12,12 +12,12 @@ from accelerate import Accelerator
 from transformers import PretrainedConfig
 
 from rlt2t.common.checkpoint import CheckpointInfo
-from rlt2t.common.collate import collate_seq2seq
+from rlt2t.common.collate import collate_seq2seq, cut_ids
 from rlt2t.common.config import LoraConfig, PretrainConfig, RunConfig, SFTConfig
-from rlt2t.common.families import decoder_input_ids
+from rlt2t.common.families import decoder_input_ids, max_positions
 from rlt2t.common.lora import apply_lora, is_lora
 from rlt2t.common.policy import Policy
-from rlt2t.common.tokenization import sentinel_ids
+from rlt2t.common.tokenization import sentinel_ids, template_affixes
 from rlt2t.learner.augment import augment_tokens
 from rlt2t.learner.fgm import FGM
 from rlt2t.learner.noising import DenoisingDataset
@@ -26,14 +26,21 @@ from rlt2t.learner.trainer import StageResult, train_stage
 
 
 class SFTDataset:
-    """Encoded (source, target) pairs; sources optionally augmented (delete / repeat), seeded per (epoch, index)."""
+    """Encoded (source, target) pairs; sources optionally augmented (delete / repeat), seeded per (epoch, index).
+
+    Repeats lengthen a source, and sources come cut to the limit already: an augmented one is cut again to
+    ``max_source_len`` (None: no limit), keeping the template's special tokens (``affixes``, as
+    ``encode_texts`` does), or it would run past the model's position table.
+    """
 
     def __init__(self, sources: Sequence[list[int]], targets: Sequence[list[int]], *, augment_prob: float,
-                 protected_ids: set[int], seed: int):
+                 protected_ids: set[int], seed: int, max_source_len: int | None = None,
+                 affixes: tuple[int, int] = (0, 1)):
         if len(sources) != len(targets):
             raise ValueError(f"{len(sources)} sources but {len(targets)} targets")
         self.sources, self.targets = sources, targets
         self.augment_prob, self.protected_ids, self.seed = augment_prob, frozenset(protected_ids), seed
+        self.max_source_len, self.affixes = max_source_len, affixes
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -47,6 +54,8 @@ class SFTDataset:
         if self.augment_prob > 0:
             rng = np.random.default_rng(np.random.SeedSequence([self.seed, self.epoch, i]))
             src = augment_tokens(src, rng, prob=self.augment_prob, protected_ids=self.protected_ids)
+            if self.max_source_len is not None:
+                src = cut_ids(src, self.max_source_len, self.affixes)
         return {"input_ids": src, "labels": self.targets[i]}
 
 
@@ -119,11 +128,12 @@ def with_lora(policy: Policy, lora: LoraConfig, seed: int) -> Policy:
 
 def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list[int]], cfg: SFTConfig,
             run: RunConfig, out_dir: Path, resume_from: CheckpointInfo | None = None, evaluate=None,
-            lora: LoraConfig | None = None) -> StageResult:
+            lora: LoraConfig | None = None, max_source_len: int | None = None) -> StageResult:
     """Supervised fine-tuning: CE (+ R-drop, augmentation, FGM as configured), best checkpoint by the monitor.
 
     With ``lora.enabled`` only LoRA adapters train (``rlt2t.common.lora``) and checkpoints hold the adapters
-    plus the training state; resume from one with ``load_lora_policy``.
+    plus the training state; resume from one with ``load_lora_policy``. ``max_source_len``
+    (``data.max_source_len``) bounds augmented sources; None: the model's position limit.
     """
     if lora is not None and lora.enabled:
         if cfg.fgm_epsilon > 0:
@@ -132,7 +142,8 @@ def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list
         policy = with_lora(policy, lora, seed=run.seed)
     tok = policy.tokenizer
     dataset = SFTDataset(sources, targets, augment_prob=cfg.augment_prob, protected_ids=set(tok.all_special_ids),
-                         seed=run.seed)
+                         seed=run.seed, max_source_len=max_source_len or max_positions(policy.model.config),
+                         affixes=template_affixes(tok))
     return train_stage(stage="sft", cfg=cfg, run=run, model=policy.model, tokenizer=tok, dataset=dataset,
                        collate=make_collate(tok.pad_token_id, policy.model.config),
                        step_fn=make_sft_step(cfg, policy.model), out_dir=out_dir, resume_from=resume_from,

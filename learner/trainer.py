@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from rlt2t.common.checkpoint import (
     BestCheckpoint,
@@ -79,6 +79,32 @@ def make_accelerator(run: RunConfig) -> Accelerator:
     return Accelerator(cpu=cpu, mixed_precision="no" if cpu else run.mixed_precision)
 
 
+def model_config(model: torch.nn.Module) -> PretrainedConfig | None:
+    """The config the fp16 guard checks: the model's own (a policy, a classifier) or, for a reward model (which
+    has no ``config``), its backbone's; None when neither has one."""
+    config = getattr(model, "config", None)
+    if config is None:
+        config = getattr(getattr(model, "backbone", None), "config", None)
+    return config
+
+
+def scaler_state(accelerator: Accelerator) -> dict[str, Any]:
+    """The fp16 gradient scaler's state for the training state ({} without a scaler: CPU, bf16, fp32). Its
+    loss scale is found over thousands of steps; a resume that restarted it would skip steps to overflow again
+    and leave the trajectory of the uninterrupted run."""
+    scaler = accelerator.scaler
+    return {"scaler": scaler.state_dict()} if scaler is not None else {}
+
+
+def load_scaler_state(accelerator: Accelerator, state: dict[str, Any]) -> None:
+    """Restore :func:`scaler_state` when both the checkpoint and this run have a scaler (a run resumed under
+    another ``run.mixed_precision`` starts its own)."""
+    if accelerator.scaler is not None and "scaler" in state:
+        accelerator.scaler.load_state_dict(state["scaler"])
+    elif accelerator.scaler is not None:
+        log.warning("resuming under fp16 from a checkpoint without gradient-scaler state: the loss scale restarts")
+
+
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     """The example order of an epoch: a permutation depending only on (seed, epoch)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
@@ -111,7 +137,7 @@ def train_stage(
         raise ValueError(f"{stage}: the training set is empty")
     out_dir = Path(out_dir)
     ckpt_root = out_dir / "checkpoints"
-    config = getattr(model, "config", None)  # a policy's; reward models and classifiers wrap their own encoders
+    config = model_config(model)
     if config is not None:
         check_mixed_precision(config, run.mixed_precision)  # T5 in fp16 overflows: refused at start
     accelerator = make_accelerator(run)
@@ -135,6 +161,7 @@ def train_stage(
         state = load_training_state(resume_from.path)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        load_scaler_state(accelerator, state)
         set_rng_state(state["rng"])
         step = resume_from.step
         start_epoch, skip_batches = resume_from.meta["epoch"], resume_from.meta["batch_in_epoch"]
@@ -153,7 +180,7 @@ def train_stage(
         path = save_checkpoint(
             ckpt_root, name, model=accelerator.unwrap_model(model), tokenizer=tokenizer, step=step, meta=meta,
             training_state={"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                            "rng": rng_state()},
+                            "rng": rng_state(), **scaler_state(accelerator)},
         )
         protect = best.protect()
         prune_checkpoints(ckpt_root, cfg.keep_last, protect=protect | {path})

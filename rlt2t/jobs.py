@@ -164,7 +164,7 @@ def sft_job(cfg: Config, resume: bool = False, init: str | Path | None = None):
                                  max_source_len=cfg.data.max_source_len, max_new_tokens=cfg.eval.max_new_tokens)
 
     return run_sft(policy, enc.sources, enc.targets, cfg.sft, cfg.run, cfg.run_dir / "sft", resume_from=info,
-                   evaluate=evaluate, lora=cfg.model.lora)
+                   evaluate=evaluate, lora=cfg.model.lora, max_source_len=cfg.data.max_source_len)
 
 
 def best_or_latest(ckpt_root: Path) -> Path:
@@ -209,7 +209,8 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
     ckpt = resolve_model_dir(checkpoint) if checkpoint else best_or_latest(cfg.run_dir / "sft" / "checkpoints")
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt)  # an adapter checkpoint loads merged
     examples = load_split(cfg, cfg.eval.split)
-    result = evaluate(policy, examples, cfg.eval, cfg.metric, cfg.data.max_source_len, progress=cfg.run.progress)
+    result = evaluate(policy, examples, cfg.eval, cfg.metric, cfg.data.max_source_len, progress=cfg.run.progress,
+                      max_target_len=cfg.data.max_target_len)
     label = label or f"{ckpt.parent.parent.name}-{ckpt.name}"
     out = cfg.run_dir / "eval"
     atomic_write_json(out / f"{label}-{cfg.eval.split}.json",

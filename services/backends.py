@@ -236,7 +236,7 @@ class TorchBackend:
         src_ids, _ = encode_texts(self.tokenizer, sources, self.max_positions)
         out: list[list[Scored]] = []
         for i, ts in enumerate(targets):
-            label_ids, _ = encode_texts(self.tokenizer, ts, self.max_positions)
+            label_ids, _ = encode_texts(self.tokenizer, ts, self.max_positions, target=True)
             lps = self.teacher_forced([src_ids[i]] * len(label_ids), label_ids)
             out.append([Scored(lab, lp) for lab, lp in zip(label_ids, lps, strict=True)])
         return out
