@@ -117,3 +117,17 @@ def test_evaluate_hook_keeps_best(tmp_path, ids_tokenizer_dir):
     names = sorted(p.name for p in root.iterdir())
     assert names == ["epoch-0002", "epoch-0003"], "best (epoch 2) must survive keep_last=1"
     assert read_checkpoint(result.checkpoint).meta["best"]["score"] == 0.9
+
+
+def test_resuming_with_a_longer_schedule_is_refused_not_run_at_the_floor_rate(tmp_path, ids_tokenizer_dir):
+    """A finished stage resumed with more epochs: its restored scheduler keeps the old length, so the extra
+    steps would all run at the floor learning rate. Refused, naming the settings."""
+    mc = ModelConfig(preset="tiny", dropout=0.0)
+    policy = load_policy(mc, ids_tokenizer_dir, seed=0)
+    src, tgt = _task(policy.tokenizer, n=32)
+    run_sft(policy, src, tgt, _sft_cfg(epochs=1, save_every_steps=0), _run(tmp_path, "r"), tmp_path / "r")
+    last = read_checkpoint(latest_complete_checkpoint(tmp_path / "r" / "checkpoints"))
+    again = load_policy(mc, ids_tokenizer_dir, checkpoint=last.path)
+    with pytest.raises(ValueError, match=r"sft: .* schedule of 2 steps, these settings give 4 \(sft.epochs"):
+        run_sft(again, src, tgt, _sft_cfg(epochs=2, save_every_steps=0), _run(tmp_path, "r"), tmp_path / "r",
+                resume_from=last)
