@@ -286,8 +286,10 @@ def _lang_id(tokenizer: PreTrainedTokenizerBase, code: str) -> int | None:
 
 
 GENERATION_IDS = ("decoder_start_token_id", "bos_token_id", "eos_token_id", "pad_token_id", "forced_bos_token_id",
-                  "forced_eos_token_id")
-"""The special ids a generation config keeps (:func:`generation_config`); every other setting is ours to pass."""
+                  "forced_eos_token_id", "bad_words_ids")
+"""The special ids a generation config keeps (:func:`generation_config`); every other setting is ours to pass.
+``bad_words_ids`` is a model's ban on rows it must never emit (opus-mt checkpoints ban ``<pad>``, the row their
+decoder starts from)."""
 
 
 def generation_config(ids: Any, **settings: Any) -> GenerationConfig:

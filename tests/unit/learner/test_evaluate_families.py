@@ -70,3 +70,17 @@ def test_a_checkpoints_decoding_settings_do_not_reach_evaluation(family_dirs, tm
     for beams in (1, 2):
         assert generate(b, sources, num_beams=beams, max_new_tokens=30) == \
             generate(a, sources, num_beams=beams, max_new_tokens=30)
+
+
+def test_a_models_ban_on_rows_it_must_never_emit_is_kept(family_dirs, tmp_path):
+    """opus-mt checkpoints ban <pad> (the row their decoder starts from) with bad_words_ids: that is part of the
+    model, not a decoding preference, and survives while the checkpoint's other settings are dropped."""
+    shipped = tmp_path / "marian-ban"
+    shutil.copytree(family_dirs["marian"], shipped)
+    gen_file = shipped / "generation_config.json"
+    gen = json.loads(gen_file.read_text())
+    gen.update(bad_words_ids=[[gen["pad_token_id"]]], num_beams=4)
+    gen_file.write_text(json.dumps(gen))
+    policy = load_policy(ModelConfig(preset=None, path=str(shipped), dropout=0.0))
+    assert policy.model.generation_config.bad_words_ids == [[gen["pad_token_id"]]]
+    assert policy.model.generation_config.num_beams in (None, 1)
