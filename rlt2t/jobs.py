@@ -250,8 +250,10 @@ def clean_run(cfg: Config) -> None:
     run_dir = _check_deletable_run_dir(cfg)
     if not run_dir.is_dir():
         return
-    for name in FRESH_ENTRIES:
-        entry = run_dir / name
+    # with what a killed atomic write of one of them left beside it (rlt2t.common.io: .tmp-NAME-*, .old-NAME-*)
+    leftovers = [p for name in FRESH_ENTRIES for pattern in (f".tmp-{name}-*", f".old-{name}-*")
+                 for p in run_dir.glob(pattern)]
+    for entry in [run_dir / name for name in FRESH_ENTRIES] + leftovers:
         if entry.is_symlink() or entry.is_file():
             entry.unlink()
         elif entry.is_dir():

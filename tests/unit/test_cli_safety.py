@@ -67,6 +67,8 @@ def test_fresh_deletes_only_the_demo_outputs(tmp_path, monkeypatch):
     (run / "annotate").mkdir()
     (run / "annotate" / "annotations.db").write_text("human work")
     (run / "notes.md").write_text("mine")
+    (run / ".tmp-tokenizer-123").mkdir()  # a killed atomic write's leftovers
+    (run / ".old-export-456").mkdir()
 
     clean_run(_cfg("runs/demo"))
     assert sorted(p.name for p in run.iterdir()) == ["annotate", "notes.md"]
