@@ -73,6 +73,10 @@ def test_read_candidates_accepts_strings_objects_and_predict_output(tmp_path):
     ('{"source": "s", "candidates": []}', "3: field 'candidates': empty list"),
     ('{"source": "s", "candidates": ["1", "2", "3", "4", "5"]}', "3: field 'candidates': 5 distinct candidates"),
     ('{"source": "s", "candidates": ["' + "x" * 101 + '"]}', "3: field 'candidates': longer than 100"),
+    (r'{"source": "bad \ud800", "candidates": ["a", "b"]}', "3: field 'source': not encodable as UTF-8"),
+    (r'{"source": "s", "candidates": ["a", {"text": "\udfff b"}]}',
+     "3: field 'candidates': candidate 1: not encodable as UTF-8"),
+    (r'{"id": "\ud800", "source": "s", "candidates": ["a"]}', "3: field 'id': not encodable as UTF-8"),
 ])
 def test_read_candidates_names_file_line_and_field(tmp_path, line, where):
     path = tmp_path / "bad.jsonl"

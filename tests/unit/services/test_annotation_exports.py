@@ -13,11 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rlt2t.common.config import load_config
-from rlt2t.common.data import DataError
 from rlt2t.common.preferences import read_pairs, read_rank_lists, read_ratings
 from rlt2t.services.annotation import export
 from rlt2t.services.annotation.app import create_app
-from rlt2t.services.annotation.items import read_candidates
 from rlt2t.services.annotation.store import NewItem, Store, Submission
 
 STATIC = Path(__file__).resolve().parents[3] / "services" / "annotation" / "static" / "annotate.js"
@@ -144,20 +142,6 @@ def test_history_page_number_is_bounded(store, tmp_path):
 
 
 # --- candidates files ----------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("line, where", [
-    (r'{"source": "bad \ud800", "candidates": ["a", "b"]}', "2: field 'source': not encodable as UTF-8"),
-    (r'{"source": "s", "candidates": ["a", {"text": "\udfff b"}]}',
-     "2: field 'candidates': candidate 1: not encodable as UTF-8"),
-    (r'{"id": "\ud800", "source": "s", "candidates": ["a"]}', "2: field 'id': not encodable as UTF-8"),
-])
-def test_read_candidates_names_a_lone_surrogate(tmp_path, line, where):
-    path = tmp_path / "c.jsonl"
-    path.write_text('{"source": "ok \\ud83d\\ude00", "candidates": ["a", "b"]}\n' + line + "\n")
-    with pytest.raises(DataError) as e:
-        list(read_candidates(path, max_candidates=4, max_chars=100))
-    assert str(e.value).startswith(f"{path}:{where}")
 
 
 # --- the queue's cap -----------------------------------------------------------------------------------------
