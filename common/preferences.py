@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,6 +181,18 @@ def load_preferences(rank_lists: Sequence[str | os.PathLike] = (), pairs: Sequen
     for p in ratings:
         groups += read_ratings(p)
     return groups
+
+
+def check_preference_texts(groups: Sequence[PreferenceGroup], check_text: Callable[[str], str | None]) -> None:
+    """Every source and candidate under a tokenizer's token rule (``text_checker``): a special token such as
+    ``</s>`` in a text would reach the reward model as a control token (and the reward server refuses it).
+    DataError at the group's ``origin`` (for ratings, the source's first line)."""
+    for g in groups:
+        path, _, line = g.origin.rpartition(":")
+        texts = [("source", g.source), *((f"candidate {i}", c) for i, c in enumerate(g.candidates, start=1))]
+        for field, text in texts:
+            if (problem := check_text(text)) is not None:
+                raise DataError(path, int(line) if line.isdigit() else 0, field, problem)
 
 
 def split_by_source(groups: Sequence[PreferenceGroup], valid_fraction: float, seed: int

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint, resolve_model_dir
 from rlt2t.common.config import Config
-from rlt2t.common.preferences import load_preferences, split_by_source
+from rlt2t.common.preferences import check_preference_texts, load_preferences, split_by_source
 from rlt2t.common.reward_model import init_reward_model, load_reward_model
-from rlt2t.common.tokenization import load_tokenizer
+from rlt2t.common.tokenization import load_tokenizer, text_checker
 from rlt2t.jobs import best_or_latest, save_run_config
 from rlt2t.learner.classifier import check_labels, init_classifier, read_labelled, train_classifier
 from rlt2t.learner.reward_model import train_reward_model
@@ -62,6 +62,7 @@ def reward_model_job(cfg: Config, resume: bool = False) -> StageResult:
         model = init_reward_model(init, max_source_len=rm.max_source_len, max_candidate_len=rm.max_candidate_len,
                                   dropout=rm.dropout, seed=cfg.run.seed)
         info = None
+    check_preference_texts(groups, text_checker(model.tokenizer))  # the backbone's token rule, as the server's
     model.train()
     return train_reward_model(model, train, valid, rm, cfg.run, out_dir, resume_from=info)
 

@@ -112,3 +112,17 @@ def test_split_keeps_each_source_on_one_side_and_is_seeded(tmp_path):
     assert split_by_source(groups, 0.25, seed=3) == (train, valid)
     assert split_by_source(groups, 0.25, seed=4) != (train, valid)
     assert split_by_source(groups, 0.0, seed=3) == (groups, [])
+
+
+def test_texts_under_the_tokenizers_token_rule(tmp_path, ids_tokenizer_dir):
+    """A special token in a preference text would reach the reward model as a control token: refused, named."""
+    from rlt2t.common.preferences import check_preference_texts
+    from rlt2t.common.tokenization import load_tokenizer, text_checker
+
+    check = text_checker(load_tokenizer(ids_tokenizer_dir))
+    lists = tmp_path / "lists.tsv"
+    lists.write_text("12 13\t14\t15\n12 14\t16 </s>\t17\n")
+    groups = read_rank_lists(lists)
+    check_preference_texts(groups[:1], check)  # fine
+    with pytest.raises(DataError, match=r"lists.tsv:2: field 'candidate 1': special token"):
+        check_preference_texts(groups, check)
