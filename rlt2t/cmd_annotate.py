@@ -168,10 +168,17 @@ def cmd_export(args) -> None:
                             annotator=args.annotator)
     finally:
         store.close()
+    dropped = [f"{n} {what}" for n, what in ((counts.dropped_candidates, "blank or repeated candidates"),
+                                             (counts.dropped_lists, "rankings left with < 2"))
+               if n]
     print(f"{out / FILES['ranks']}: {counts.rank_lists} rank lists"
-          + (f" ({counts.cleaned} texts had tabs or line breaks, now spaces)" if counts.cleaned else ""))
+          + (f" ({counts.cleaned} texts had tabs or line breaks, now spaces)" if counts.cleaned else "")
+          + (f"; left out: {', '.join(dropped)}" if dropped else ""))
     print(f"{out / FILES['pairs']}: {counts.pairs} pairs")
-    print(f"{out / FILES['ratings']}: {counts.ratings} ratings")
+    print(f"{out / FILES['ratings']}: {counts.ratings} ratings"
+          + (f" ({counts.merged_ratings} more averaged in: one row per source and candidate)"
+             if counts.merged_ratings else "")
+          + (f"; left out: {counts.dropped_ratings} of blank texts" if counts.dropped_ratings else ""))
 
 
 def cmd_agreement(args) -> None:

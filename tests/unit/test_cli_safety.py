@@ -179,3 +179,21 @@ def test_import_csv_refuses_to_overwrite_and_force_removes_stale_splits(tmp_path
     code, _, _ = _cli(capsys, "data", "import-csv", "--input", _csv(tmp_path / "t.csv", 5), "--out", str(out),
                       "--unlabeled")
     assert code == 0 and {p.name for p in out.iterdir()} == {"train.jsonl", "valid.jsonl", "test.jsonl"}
+
+
+def test_annotate_export_says_what_it_left_out_and_merged(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import rlt2t.services.annotation.export as export
+    import rlt2t.services.annotation.store as store
+    from rlt2t.cmd_annotate import cmd_export
+
+    counts = export.ExportCounts(rank_lists=3, pairs=5, ratings=4, dropped_candidates=2, dropped_lists=1,
+                                 merged_ratings=6, dropped_ratings=1)
+    monkeypatch.setattr(store, "open_store", lambda cfg: SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(export, "export_all", lambda *a, **k: counts)
+    cmd_export(SimpleNamespace(config=[], overrides=[f"run.dir={tmp_path}"], out=str(tmp_path / "x"),
+                               include_flagged=False, annotator=None))
+    out = capsys.readouterr().out
+    assert "3 rank lists; left out: 2 blank or repeated candidates, 1 rankings left with < 2" in out
+    assert "4 ratings (6 more averaged in: one row per source and candidate); left out: 1 of blank texts" in out
