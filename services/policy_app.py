@@ -343,8 +343,10 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     async def score(req: ScoreRequest, request: Request) -> ScoreResponse:
         """Teacher-forced log-probs of each target given the source."""
         check_count("targets", len(req.targets), serve.max_candidates_per_source, "targets")
-        (n_source,) = await checks.run(check_texts, "source", [req.source], False)
-        counts = await checks.run(check_texts, "targets", req.targets)
+        def check_source_and_targets() -> tuple[int, list[int]]:  # one trip to the check thread
+            return check_texts("source", [req.source], False)[0], check_texts("targets", req.targets)
+
+        n_source, counts = await checks.run(check_source_and_targets)
         cost = check_cost([sum(n_source + n + 1 for n in counts)],
                           f"{len(counts)} targets x ({n_source} source tokens + {sum(counts) / len(counts):.0f} "
                           "target tokens on average + 1)")
