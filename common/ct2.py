@@ -325,6 +325,7 @@ class Ct2Policy:
         if batch_type not in ("examples", "tokens"):
             raise ValueError(f"batch_type must be 'examples' or 'tokens', got {batch_type!r}")
         self.tokenizer = load_tokenizer(self.export_dir)
+        self._named_rows = len(self.tokenizer.get_vocab())  # rows past these are <rlt2t_unused_i> (token_ids)
         self._translator_args = dict(device=device, compute_type=compute_type, inter_threads=inter_threads,
                                      intra_threads=intra_threads)
         self.max_batch_size = max_batch_size
@@ -349,7 +350,7 @@ class Ct2Policy:
     def token_ids(self, tokens: Sequence[str]) -> list[int]:
         """The row ids of tokens CTranslate2 returned: the tokenizer's ids, and for the rows it has no token
         for (``<rlt2t_unused_i>``, e.g. T5's padding to a multiple of 128) their own row, not ``<unk>``."""
-        named = len(self.tokenizer.get_vocab())
+        named = self._named_rows
         return [named + int(t[len(UNUSED_ROW):-1]) if t.startswith(UNUSED_ROW) else i
                 for t, i in zip(tokens, tokens_to_ids(self.tokenizer, tokens), strict=True)]
 

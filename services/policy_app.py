@@ -196,8 +196,9 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     app.state.batcher, app.state.watcher, app.state.metrics = batcher, watcher, metrics
     install_error_handlers(app, metrics)
     install_middleware(app, metrics, serve, token)
+    not_loaded_retry_s = max(1, math.ceil(serve.reload_interval_s))  # until the first checkpoint loads
     add_common_routes(app, metrics, lambda: batcher.backend is not None and not batcher.stopping, protected,
-                      retry_after_s=max(1, math.ceil(serve.reload_interval_s)))
+                      retry_after_s=not_loaded_retry_s)
     checks = CheckThread()
 
     # -- validation shared by the routes -------------------------------------------------------------
@@ -206,8 +207,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         """The backend the next batch runs on; 503 (Retry-After) while no checkpoint has been loaded."""
         b = batcher.backend
         if b is None:
-            raise Overloaded(f"no complete checkpoint under {watch_root} yet",
-                             max(1, math.ceil(serve.reload_interval_s)))
+            raise Overloaded(f"no complete checkpoint under {watch_root} yet", not_loaded_retry_s)
         return b
 
     def token_limit() -> int:
