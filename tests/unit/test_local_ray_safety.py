@@ -30,8 +30,9 @@ SLEEPER = "import time; time.sleep(120)"
     ("--temp-dir=/var/tmp/rlt2t-ray/x", False),
 ])
 def test_an_argument_names_the_dir_only_as_a_path(monkeypatch, arg, named):
+    me = local_ray.os.getuid()  # a process of this user, whoever runs the tests
     proc = SimpleNamespace(pid=10**7, info={"cmdline": ["python", arg]}, children=lambda recursive: [],
-                           uids=lambda: SimpleNamespace(real=0, effective=0, saved=0))
+                           uids=lambda: SimpleNamespace(real=me, effective=me, saved=me))
     monkeypatch.setattr(local_ray.psutil, "process_iter", lambda attrs: [proc])
     assert bool(cluster_processes("/tmp/rlt2t-ray")) is named
 

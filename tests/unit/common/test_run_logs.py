@@ -32,7 +32,7 @@ def test_a_log_that_is_only_a_torn_line_starts_empty(tmp_path):
     assert path.read_text() == '{"step": 1}\n'
 
 
-def test_curves_are_drawn_from_the_lines_that_parse(tmp_path, caplog):
+def test_curves_are_drawn_from_the_lines_that_parse(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "train", "step": 2, "lo\n'
                     '{"kind": "train", "step": 3, "loss": 1.0}\n')
