@@ -41,7 +41,7 @@ def encode_texts(tok: PreTrainedTokenizerBase, texts: Sequence[str], max_len: in
     for ids in full:
         if len(ids) > max_len:
             truncated += 1
-            affixes = affixes or (_target_affixes(tok) if target else template_affixes(tok))
+            affixes = affixes or template_affixes(tok, target=target)
             ids = cut_ids(ids, max_len, affixes)
         out.append(ids)
     return out, truncated
@@ -68,15 +68,6 @@ def _tokenize(tok: PreTrainedTokenizerBase, texts: list[str], target: bool) -> l
     if target:
         return tok(text_target=texts, add_special_tokens=True, truncation=False)["input_ids"]
     return tok(texts, add_special_tokens=True, truncation=False)["input_ids"]
-
-
-def _target_affixes(tok: PreTrainedTokenizerBase) -> tuple[int, int]:
-    """``template_affixes`` of the target template."""
-    empty, one = _tokenize(tok, ["", "a"], True)
-    prefix = 0
-    while prefix < len(empty) and prefix < len(one) and empty[prefix] == one[prefix]:
-        prefix += 1
-    return prefix, len(empty) - prefix
 
 
 def encode_examples(tok: PreTrainedTokenizerBase, sources: Sequence[str], targets: Sequence[str],

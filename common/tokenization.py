@@ -112,11 +112,15 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
-def template_affixes(tok: PreTrainedTokenizerBase) -> tuple[int, int]:
+def template_affixes(tok: PreTrainedTokenizerBase, *, target: bool = False) -> tuple[int, int]:
     """How many special tokens ``tok(text)`` puts before and after every text: (0, 1) for ``text </s>`` (ours,
-    BART, T5, Marian, Pegasus), (0, 2) for mBART-25's ``text </s> en_XX``, (1, 1) for BERT's ``[CLS] text [SEP]``."""
-    empty = tok("", add_special_tokens=True)["input_ids"]
-    one = tok("a", add_special_tokens=True)["input_ids"]
+    BART, T5, Marian, Pegasus), (0, 2) for mBART-25's ``text </s> en_XX``, (1, 1) for BERT's ``[CLS] text [SEP]``.
+    ``target``: of the target template, ``tok(text_target=text)`` (mBART's ``text </s> tgt_lang``)."""
+    def encode(text: str) -> list[int]:
+        encoded = tok(text_target=text, add_special_tokens=True) if target else tok(text, add_special_tokens=True)
+        return cast(list[int], encoded["input_ids"])
+
+    empty, one = encode(""), encode("a")
     prefix = 0
     while prefix < len(empty) and prefix < len(one) and empty[prefix] == one[prefix]:
         prefix += 1
