@@ -8,7 +8,9 @@ Unknown keys, wrong types and impossible values fail with a message naming the k
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +27,24 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
+def shared_directory(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is no place of its own for a run, or None: it resolves to the filesystem root, the home
+    directory or the current directory, or to a parent of one of them (``..``). The one rule of ``run.dir``,
+    checked when a config is loaded and again before ``demo --fresh`` deletes anything."""
+    try:
+        resolved = Path(path).expanduser().resolve()
+    except RuntimeError:  # ~user with no such user: a literal name, nothing shared
+        return None
+    protected = {"the filesystem root": Path(resolved.anchor)}
+    for what, place in (("the current directory", Path.cwd), ("the home directory", Path.home)):
+        with contextlib.suppress(OSError, RuntimeError):  # a deleted cwd, no home directory: nothing to protect
+            protected[what] = place().resolve()
+    for what, place in protected.items():
+        if resolved == place or resolved in place.parents:
+            return f"resolves to {resolved}, {what}" + ("" if resolved == place else " or a parent of it")
+    return None
+
+
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the offending key."""
 
@@ -35,9 +55,9 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _a_directory_of_its_own(self) -> RunConfig:
-        if Path(self.dir.strip()) in (Path("."), Path("/")) or Path(self.dir).expanduser() == Path.home():
-            raise ValueError(f"run.dir={self.dir!r}: the run needs a directory of its own (it writes data/, "
-                             "checkpoints and logs under it, and `--fresh` deletes it)")
+        if (problem := shared_directory(self.dir)) is not None:
+            raise ValueError(f"run.dir={self.dir!r} {problem}: the run needs a directory of its own (it writes "
+                             "data/, checkpoints and logs under it); e.g. run.dir=runs/demo")
         return self
     seed: int = 1234
     """Seed for every random choice (data order, noise, dropout, sampling)."""

@@ -13,7 +13,6 @@ writes under ``run.dir``:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 from pathlib import Path
@@ -27,7 +26,7 @@ from rlt2t.common.checkpoint import (
     resolve_model_dir,
 )
 from rlt2t.common.collate import encode_examples
-from rlt2t.common.config import Config, config_to_yaml
+from rlt2t.common.config import Config, config_to_yaml, shared_directory
 from rlt2t.common.data import Example, load_examples, targets_of
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from rlt2t.common.lora import load_lora_policy
@@ -229,17 +228,12 @@ FRESH_ENTRIES = ("config", "data", "tokenizer", "pretrain", "sft", "rl", "eval",
 
 def _check_deletable_run_dir(cfg: Config) -> Path:
     """run.dir resolved; ValueError when it is the filesystem root, the home directory, the current directory
-    or a parent of one of these (``run.dir=`` or ``run.dir=..`` would otherwise wipe the user's files)."""
-    run_dir = cfg.run_dir.expanduser().resolve()
-    protected = {"the filesystem root": Path(run_dir.anchor), "the current directory": Path.cwd().resolve()}
-    with contextlib.suppress(RuntimeError):  # no home directory to protect
-        protected["the home directory"] = Path.home().resolve()
-    for what, path in protected.items():
-        if run_dir == path or run_dir in path.parents:
-            rel = "" if run_dir == path else " or a parent of it"
-            raise ValueError(f"run.dir={cfg.run.dir!r} resolves to {run_dir}, {what}{rel}: --fresh deletes "
-                             "the run's outputs there; give the run its own directory, e.g. run.dir=runs/demo")
-    return run_dir
+    or a parent of one of these (``run.dir=..`` would otherwise wipe the user's files). The config refuses these
+    already; checked again here, where the files go, in case the process has since changed directory."""
+    if (problem := shared_directory(cfg.run.dir)) is not None:
+        raise ValueError(f"run.dir={cfg.run.dir!r} {problem}: --fresh deletes the run's outputs there; give the "
+                         "run its own directory, e.g. run.dir=runs/demo")
+    return cfg.run_dir.expanduser().resolve()
 
 
 def clean_run(cfg: Config) -> None:

@@ -53,6 +53,17 @@ def test_fresh_refuses_the_home_directory_and_its_parents(tmp_path, monkeypatch)
     assert (home / "notes.txt").exists()
 
 
+def test_fresh_checks_again_where_it_deletes(tmp_path, monkeypatch):
+    # The config is checked where it was loaded; a process that has since moved into run.dir is refused too.
+    run = tmp_path / "run"
+    (run / "sft").mkdir(parents=True)
+    cfg = _cfg(run)
+    monkeypatch.chdir(run)
+    with pytest.raises(ValueError, match=r"the current directory: --fresh deletes"):
+        clean_run(cfg)
+    assert (run / "sft").is_dir()
+
+
 def test_fresh_deletes_only_the_demo_outputs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "runs" / "demo"
@@ -81,7 +92,8 @@ def test_demo_fresh_with_the_current_directory_exits_2_before_any_stage(tmp_path
     (tmp_path / "precious.txt").write_text("keep")
     monkeypatch.setattr(jobs, "prepare_sft", lambda cfg: pytest.fail("a stage ran"))
     code, _, err = _cli(capsys, "demo", "--fresh", "--config", "tiny", f"run.dir={tmp_path}")
-    assert code == 2 and err.startswith(f"rlt2t demo: error: run.dir='{tmp_path}'") and "current directory" in err
+    assert code == 2 and err.startswith("rlt2t demo: error: invalid config")
+    assert f"run.dir='{tmp_path}' resolves to" in err and "the current directory" in err
     assert (tmp_path / "precious.txt").exists()
 
 

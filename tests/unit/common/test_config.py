@@ -38,8 +38,11 @@ def test_yaml_then_overrides_later_wins(tmp_path):
         ("rl.kl.target=0", "rl.kl.target"),
         ("rl.chunk_size=24", "rl.chunk_size=24 must divide rl.batch_size=32"),
         ("run.dir=", "run.dir"),  # e.g. an unset $RUN_DIR: `--fresh` would delete the working directory
-        ("run.dir=.", "run.dir='.': the run needs a directory of its own"),
-        ("run.dir=/", "run.dir='/': the run needs a directory of its own"),
+        ("run.dir=.", "run.dir='.' resolves to"),
+        ("run.dir=/", "run.dir='/' resolves to /, the filesystem root: the run needs a directory of its own"),
+        ("run.dir=//", "the filesystem root"),
+        ("run.dir=..", "the current directory or a parent of it"),
+        ("run.dir=runs/..", "the current directory: the run needs a directory of its own"),
         ("rl.kl.coef=0 rl.kl.target=6", "rl.kl.target: the adaptive controller scales β and cannot move it off"),
     ],
 )
@@ -133,3 +136,14 @@ def test_a_retired_rank_key_names_its_new_home():
 def test_an_unset_chunk_size_divides_the_batch(batch, chunk):
     """No rollout chunk straddles two learner steps, so a run resumed at any step cuts the same chunks."""
     assert load_config(overrides=[f"rl.batch_size={batch}"]).rl.chunk_size == chunk
+
+
+def test_run_dir_rule_without_a_home_directory(monkeypatch):
+    # No HOME and no passwd entry: Path.home() raises RuntimeError; the config must still load (it is built
+    # at import time, in every command and Ray actor), and ~nosuchuser is a literal directory name.
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert load_config(overrides=["run.dir=runs/x"]).run.dir == "runs/x"
+    assert load_config(overrides=["run.dir=~nosuchuser_rlt2t/runs"]).run.dir == "~nosuchuser_rlt2t/runs"
