@@ -119,8 +119,9 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p = sub.add_parser("demo", help="the whole pipeline on the embedded default (synthetic data, small model)")
     config_args(p)
     p.add_argument("--fresh", action="store_true",
-                   help="delete the demo's outputs in run.dir (data, tokenizer, stages, eval, logs, exports) "
-                        "first instead of resuming them; refused for the current directory or a parent of it")
+                   help="delete the demo's outputs in run.dir (its synthetic data, tokenizer, stages, eval, logs, "
+                        "exports) first instead of resuming them; data the demo did not write stays; refused for "
+                        "the root, home, the current directory or a parent of one")
     p.add_argument("--no-predict", dest="predict", action="store_false",
                    help="skip the CTranslate2 export and ensemble prediction at the end")
     p.set_defaults(fn=cmd_demo)

@@ -74,7 +74,8 @@ def test_fresh_deletes_only_the_demo_outputs(tmp_path, monkeypatch):
     shared = tmp_path / "shared-data"
     shared.mkdir()
     (shared / "train.jsonl").write_text("{}")
-    (run / "data").symlink_to(shared)  # a linked data dir: the link goes, never what it points to
+    (shared / "synth_meta.json").write_text("{}")
+    (run / "data").symlink_to(shared)  # a linked data dir of the demo's task: the link goes, never its target
     (run / "annotate").mkdir()
     (run / "annotate" / "annotations.db").write_text("human work")
     (run / "notes.md").write_text("mine")
@@ -85,6 +86,19 @@ def test_fresh_deletes_only_the_demo_outputs(tmp_path, monkeypatch):
     assert sorted(p.name for p in run.iterdir()) == ["annotate", "notes.md"]
     assert (shared / "train.jsonl").exists()
     clean_run(_cfg(tmp_path / "missing"))  # nothing there: nothing to do
+
+
+def test_fresh_keeps_data_the_demo_did_not_write(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "exp1"
+    (run / "data").mkdir(parents=True)
+    (run / "data" / "train.jsonl").write_text('{"id": "1", "source": "a", "target": "b"}\n')  # import-csv's
+    (run / "sft").mkdir()
+    clean_run(_cfg("runs/exp1"))
+    assert (run / "data" / "train.jsonl").exists() and not (run / "sft").exists()
+    (run / "data" / "synth_meta.json").write_text("{}")  # the demo's synthetic task: regenerated, so it goes
+    clean_run(_cfg("runs/exp1"))
+    assert not (run / "data").exists()
 
 
 def test_demo_fresh_with_the_current_directory_exits_2_before_any_stage(tmp_path, monkeypatch, capsys):
