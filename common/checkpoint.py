@@ -49,6 +49,19 @@ class CheckpointInfo:
     meta: dict[str, Any]
 
 
+def check_schedule_length(stage: str, resume_from: CheckpointInfo, total_steps: int, settings: str,
+                          restart: str) -> None:
+    """ValueError when ``resume_from`` was written for a learning-rate schedule of another length than
+    ``total_steps``: the restored scheduler keeps its own length, so a longer run would train its extra steps at
+    the floor rate, and a resumed RL epoch would sample other sources than the checkpoint's. ``settings`` names
+    what sets the length, ``restart`` how to start the stage over."""
+    planned = resume_from.meta.get("total_steps")
+    if planned is not None and planned != total_steps:
+        raise ValueError(f"{stage}: {resume_from.path} belongs to a schedule of {planned} steps, these settings "
+                         f"give {total_steps} ({settings} or the data changed); resume with the settings it was "
+                         f"trained with, or start the stage over ({restart})")
+
+
 def weights_checksum(model_dir: str | Path) -> str:
     """sha256 over a model directory's weight files (safetensors / bin, by name; the training state and the
     marker are not weights): the one identity of a set of weights (export provenance, served version, caches)."""

@@ -28,6 +28,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from rlt2t.common.checkpoint import (
     BestCheckpoint,
     CheckpointInfo,
+    check_schedule_length,
     checkpoint_name,
     load_training_state,
     prune_checkpoints,
@@ -158,13 +159,8 @@ def train_stage(
     step, start_epoch, skip_batches = 0, 0, 0
     best = BestCheckpoint.from_meta(resume_from.meta if resume_from is not None else None)
     if resume_from is not None:
-        planned = resume_from.meta.get("total_steps")
-        if planned is not None and planned != total_steps:
-            # The restored scheduler would keep the old length: extra steps at the floor learning rate.
-            raise ValueError(f"{stage}: {resume_from.path} belongs to a schedule of {planned} steps, these settings "
-                             f"give {total_steps} ({stage}.epochs, {stage}.max_steps, {stage}.batch_size or the data "
-                             "changed); resume with the settings it was trained with, or start the stage over "
-                             "(another run.dir, or `rlt2t demo --fresh`)")
+        check_schedule_length(stage, resume_from, total_steps, f"{stage}.epochs, {stage}.max_steps, "
+                              f"{stage}.batch_size", f"remove {out_dir} or train into another directory")
         state = load_training_state(resume_from.path)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])

@@ -38,6 +38,7 @@ from rlt2t.actors.rollout import RolloutWorker
 from rlt2t.common.checkpoint import (
     BestCheckpoint,
     CheckpointInfo,
+    check_schedule_length,
     checkpoint_name,
     load_training_state,
     prune_checkpoints,
@@ -85,6 +86,9 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
     examples = _subset(cfg, train_set)
     steps_per_epoch = math.ceil(len(examples) / r.batch_size)
     total_steps = r.epochs * steps_per_epoch if not r.max_steps else min(r.max_steps, r.epochs * steps_per_epoch)
+    if resume_from is not None:  # before any actor starts: the learners restore the scheduler
+        check_schedule_length(STAGE, resume_from, total_steps, "rl.epochs, rl.max_steps, rl.batch_size, "
+                              "rl.train_subset", f"remove {out_dir}, or `rlt2t demo --fresh` for the demo's run")
     spec = RolloutSpec.for_algorithm(r.algorithm, kl=r.uses_kl, mask_top_p=r.pg.nlpo_top_p)
     init_ray(cfg)
     check_cluster(cfg)
@@ -308,7 +312,7 @@ class _Job:
             for v, w in sorted(state["published"].items()):
                 publisher.publish(int(v), w)
             step, epoch0 = resume_from.step, resume_from.meta["epoch"]
-            trained = state.get("trained_in_epoch")  # absent from checkpoints of epoch ends and older versions
+            trained = state.get("trained_in_epoch")  # [] at an epoch's end; absent from older versions
             log.info("rl: resuming from %s (step %d, epoch %d)", resume_from.path, step, epoch0)
         log.info("rl: %s on %d sources, %d steps/epoch, %d steps, batch %d, K %d", r.algorithm, len(examples),
                  steps_per_epoch, total_steps, r.batch_size, cfg.rollout.num_samples)

@@ -51,3 +51,18 @@ def test_learned_rewards_on_cuda_need_a_gpu_for_the_reward_workers(monkeypatch):
                          total_steps=1, df=None)
     # metrics alone run on the CPU whatever reward.device says: no GPU needed
     assert _started_pools(monkeypatch, ["reward.device=cuda"])["RewardWorker"]["num_gpus"] == 0
+
+
+def test_a_resume_with_another_schedule_length_is_refused_before_ray_starts(monkeypatch, tmp_path):
+    # The learners restore the scheduler with its old length: more epochs would run at the floor rate, and a
+    # larger rl.max_steps made the epoch's plan blame the data. Refused first, naming the settings.
+    from rlt2t.common.checkpoint import CheckpointInfo
+    from rlt2t.common.data import Example
+
+    monkeypatch.setattr(train, "init_ray", lambda cfg: pytest.fail("Ray started"))
+    cfg = load_config(["tiny"], [f"run.dir={tmp_path / 'run'}", "rl.epochs=2", "rl.batch_size=4"])
+    examples = [Example(str(i), f"s {i}", f"t {i}") for i in range(8)]
+    finished = CheckpointInfo(tmp_path / "epoch-0001", 2, {"epoch": 1, "total_steps": 2})
+    with pytest.raises(ValueError, match=r"rl: .*epoch-0001 belongs to a schedule of 2 steps, these settings give 4 "
+                                         r"\(rl.epochs, rl.max_steps"):
+        train.train(cfg, examples, [], init=tmp_path / "init", resume_from=finished)
