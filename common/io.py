@@ -36,15 +36,17 @@ def _fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
-    """Open ``path`` for writing; the file appears under its name only if the block succeeds."""
+def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8", *,
+                private: bool = False) -> Iterator[IO[Any]]:
+    """Open ``path`` for writing; the file appears under its name only if the block succeeds. ``private``: the
+    owner alone may read it, from its first byte (secrets); otherwise the umask decides, as for open()."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         # mkstemp makes the file owner-only; a plain open() would honour the umask (a run directory shared by
         # a group, a server running as another user, must read what is written here)
-        os.fchmod(fd, 0o666 & ~_UMASK)
+        os.fchmod(fd, 0o600 if private else 0o666 & ~_UMASK)
         with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
             yield f
             f.flush()
@@ -57,8 +59,8 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
         raise
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    with atomic_open(path) as f:
+def atomic_write_text(path: str | os.PathLike, text: str, *, private: bool = False) -> None:
+    with atomic_open(path, private=private) as f:
         f.write(text)
 
 

@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import ipaddress
 import logging
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -70,8 +69,7 @@ def cmd_add_user(args) -> None:
     finally:
         store.close()
     if args.token_file:
-        atomic_write_text(args.token_file, token + "\n")
-        os.chmod(args.token_file, 0o600)
+        atomic_write_text(args.token_file, token + "\n", private=True)  # owner-only before it has a name
         print(f"annotate: token of {args.name} written to {args.token_file}")
     else:
         print(token)

@@ -30,6 +30,20 @@ def test_written_files_and_directories_honour_the_umask_not_owner_only(tmp_path,
     assert (tmp_path / "d").stat().st_mode & 0o777 == (tmp_path / "plain_dir").stat().st_mode & 0o777 == 0o750
 
 
+def test_a_private_file_is_owner_only_before_it_has_its_name(tmp_path, group_umask, monkeypatch):
+    # A token file: readable by the group for no moment, not even between the rename and a later chmod.
+    modes = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        modes.append(os.stat(src).st_mode & 0o777)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(io.os, "replace", replace)
+    atomic_write_text(tmp_path / "alice.token", "secret\n", private=True)
+    assert modes == [0o600] and (tmp_path / "alice.token").stat().st_mode & 0o777 == 0o600
+
+
 def test_an_interrupted_directory_replace_puts_the_old_one_back(tmp_path, monkeypatch):
     target = tmp_path / "final"
     with atomic_directory(target) as d:
