@@ -173,11 +173,15 @@ def best_or_latest(ckpt_root: Path) -> Path:
     if latest is None:
         raise FileNotFoundError(f"{ckpt_root}: no complete checkpoint")
     best = (complete_checkpoint(latest).meta.get("best") or {}).get("path")
-    # By name under this root: the recorded path is spelled as the run.dir of the run that wrote it (relative,
-    # or a place the run has since moved from).
-    if best and read_checkpoint(ckpt_root / Path(best).name) is not None:
-        return ckpt_root / Path(best).name
-    return latest
+    found = _by_name(ckpt_root, best) if best else None
+    return found or latest
+
+
+def _by_name(ckpt_root: Path, recorded: str) -> Path | None:
+    """The complete checkpoint of ``recorded``'s name under ``ckpt_root``, or None. Recorded paths are spelled
+    as the run.dir of the run that wrote them (relative, or a place the run has since moved from)."""
+    path = ckpt_root / Path(recorded).name
+    return path if read_checkpoint(path) is not None else None
 
 
 def export_job(cfg: Config, checkpoint: str | Path, out: str | Path | None = None, *,
@@ -264,6 +268,19 @@ def clean_run(cfg: Config) -> None:
         log.info("--fresh: kept %s in %s (not written by the demo)", ", ".join(kept), run_dir)
 
 
+def _recorded_start(cfg: Config, recorded: str) -> Path:
+    """The start an RL run recorded, found again after the run moved (an SFT checkpoint of the run: by name under
+    its sft/checkpoints); FileNotFoundError naming --init when it is gone."""
+    if Path(recorded).exists():
+        return Path(recorded)
+    moved = _by_name(cfg.run_dir / "sft" / "checkpoints", recorded)
+    if moved is None:
+        raise FileNotFoundError(f"rl: the run started from {recorded}, which no longer exists (nor a checkpoint of "
+                                f"that name under {cfg.run_dir / 'sft' / 'checkpoints'}); pass --init with the "
+                                "model it started from: it is the KL's reference policy")
+    return moved
+
+
 def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, stop_after_steps: int = 0):
     """RL on Ray (``rl.algorithm``) from the run's best SFT checkpoint (or ``init``); ``resume`` continues the
     newest checkpoint of the run's RL stage."""
@@ -279,7 +296,7 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     if init:
         start = resolve_model_dir(init)
     elif resumed is not None and resumed.meta.get("init"):
-        start = Path(resumed.meta["init"])  # the reference policy of the KL stays the run's start
+        start = _recorded_start(cfg, resumed.meta["init"])  # the reference policy of the KL stays the run's start
     else:
         start = best_or_latest(cfg.run_dir / "sft" / "checkpoints")
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest or start)

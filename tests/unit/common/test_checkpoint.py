@@ -130,3 +130,18 @@ def test_the_best_checkpoint_is_found_after_the_run_directory_moved(tiny_policy,
     shutil.move(str(tmp_path / "old"), str(tmp_path / "new"))
     assert best_or_latest(tmp_path / "new" / "sft" / "checkpoints") == tmp_path / "new" / "sft" / "checkpoints" / \
         "epoch-0001"
+
+
+def test_a_resumed_rl_run_finds_its_start_after_the_run_directory_moved(tiny_policy, tmp_path):
+    # The RL checkpoint records the SFT checkpoint it started from (the KL's reference) as spelled then.
+    from rlt2t.common.config import load_config
+    from rlt2t.jobs import _recorded_start
+
+    old_root = tmp_path / "old" / "sft" / "checkpoints"
+    _save(old_root, tiny_policy, "epoch-0002", 2)
+    recorded = str(old_root / "epoch-0002")
+    shutil.move(str(tmp_path / "old"), str(tmp_path / "new"))
+    cfg = load_config(["tiny"], [f"run.dir={tmp_path / 'new'}"])
+    assert _recorded_start(cfg, recorded) == tmp_path / "new" / "sft" / "checkpoints" / "epoch-0002"
+    with pytest.raises(FileNotFoundError, match="pass --init"):
+        _recorded_start(cfg, str(tmp_path / "elsewhere" / "epoch-0009"))
