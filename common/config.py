@@ -36,9 +36,9 @@ def shared_directory(path: str | os.PathLike) -> str | None:
     except RuntimeError:  # ~user with no such user: a literal name, nothing shared
         return None
     protected = {"the filesystem root": Path(resolved.anchor)}
-    for what, place in (("the current directory", Path.cwd), ("the home directory", Path.home)):
+    for what, where in (("the current directory", Path.cwd), ("the home directory", Path.home)):
         with contextlib.suppress(OSError, RuntimeError):  # a deleted cwd, no home directory: nothing to protect
-            protected[what] = place().resolve()
+            protected[what] = where().resolve()
     for what, place in protected.items():
         if resolved == place or resolved in place.parents:
             return f"resolves to {resolved}, {what}" + ("" if resolved == place else " or a parent of it")
