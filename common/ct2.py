@@ -48,6 +48,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ctranslate2
 import ctranslate2.converters.transformers as ct2_transformers
@@ -183,7 +184,18 @@ def _convert(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, out: Pa
     # A copy: the loader sets config fields, and CT2's int8 quantisation scales the float32 arrays it is given in
     # place, which for float32 parameters share memory with the live model.
     # A CPU copy: CTranslate2 reads the tensors' host memory (a rollout worker's model may live on a GPU).
-    _InMemoryConverter(copy.deepcopy(model).cpu(), tokenizer).convert(str(out), quantization=quantization, force=True)
+    _InMemoryConverter(cpu_copy(model), tokenizer).convert(str(out), quantization=quantization, force=True)
+
+
+def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` whose tensors are copied straight into host memory (deepcopy then ``.cpu()``
+    would first clone every tensor where it lives: twice the model on a GPU); tied weights stay tied."""
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in memo:
+            host = t.detach().to("cpu", copy=True)
+            memo[id(t)] = torch.nn.Parameter(host, t.requires_grad) if isinstance(t, torch.nn.Parameter) else host
+    return copy.deepcopy(model, memo)
 
 
 def _export_info(source: str, source_sha256: str | None, quantization: str, model, tokenizer) -> dict:

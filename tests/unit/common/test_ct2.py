@@ -20,6 +20,7 @@ from rlt2t.common.config import ModelConfig
 from rlt2t.common.ct2 import (
     EXPORT_INFO,
     Ct2Policy,
+    cpu_copy,
     ct2_sampler_from_state_dict,
     export_ct2,
     read_export_info,
@@ -294,3 +295,22 @@ def test_sampled_rows_the_tokenizer_has_no_name_for_keep_their_own_ids(ids_token
     for row, ref in zip(rows, learner, strict=True):
         drawn = row.sample_logprobs[:-1] if row.forced else row.sample_logprobs
         assert max(abs(a - b) for a, b in zip(drawn, ref[: len(drawn)], strict=True)) < 1e-4
+
+
+def test_the_export_copy_goes_straight_to_host_memory(policy, monkeypatch):
+    # deepcopy(model).cpu() first cloned every tensor on its device (twice a GPU worker's model); the copy must
+    # never deep-copy a tensor where it lives, must not share memory with the live model (int8 quantises in
+    # place), and keeps tied weights tied.
+    def no_device_clone(self, memo):
+        raise AssertionError("a tensor was deep-copied on its own device")
+
+    monkeypatch.setattr(torch.Tensor, "__deepcopy__", no_device_clone)
+    monkeypatch.setattr(torch.nn.Parameter, "__deepcopy__", no_device_clone)
+    model = policy.model
+    copied = cpu_copy(model)
+    monkeypatch.undo()
+    live, new = dict(model.named_parameters()), dict(copied.named_parameters())
+    assert live.keys() == new.keys() and all(torch.equal(live[k], new[k]) for k in live)
+    assert all(live[k].data_ptr() != new[k].data_ptr() for k in live)
+    assert copied.get_input_embeddings().weight is copied.get_output_embeddings().weight
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
