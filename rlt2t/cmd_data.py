@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,22 +46,50 @@ def cmd_data_import(args) -> None:
 
     cfg = load_cfg(args)
     out = Path(args.out)
+    test_path = out / "test.jsonl"
+    # A labeled import without test rows leaves the test set of an --unlabeled import alone (the order the
+    # help gives: labeled first, then the unlabeled test file; a labeled re-import must not delete it).
+    unlabeled_test = _unlabeled_file(test_path)
+    keep_test = not args.unlabeled and args.test_fraction == 0 and unlabeled_test
     owned = ("test",) if args.unlabeled else ("train", "valid", "test")  # the split files this import replaces
-    _check_import_out(out, owned, args.force)
+    _check_import_out(out, tuple(s for s in owned if not (keep_test and s == "test")), args.force)
     examples = import_competition_csv(args.input, on_error=cfg.data.on_error)
     if args.unlabeled:
-        write_examples(out / "test.jsonl", examples)
-        print(f"test: {out / 'test.jsonl'} ({len(examples)} rows)")
+        write_examples(test_path, examples)
+        print(f"test: {test_path} ({len(examples)} rows)")
         return
     parts = split_examples(examples, args.valid_fraction, args.test_fraction, cfg.run.seed)
     for split, rows in zip(owned, parts, strict=True):
         path = out / f"{split}.jsonl"
         if rows:
             write_examples(path, rows)
-            print(f"{split}: {path} ({len(rows)} rows)")
-        elif path.exists():  # an earlier import's split: its rows may now be in train
+            note = "; it replaced an --unlabeled import's test set" if split == "test" and unlabeled_test else ""
+            print(f"{split}: {path} ({len(rows)} rows{note})")
+        elif split == "test" and keep_test:
+            print(f"test: {path} kept (an --unlabeled import's test set; this import has no test rows: "
+                  "--test-fraction 0)")
+        elif path.exists():  # an earlier labeled import's split: its rows may now be in train
             path.unlink()
             print(f"{split}: {path} removed (no {split} rows in this import)")
+
+
+def _unlabeled_file(path: Path) -> bool:
+    """Whether ``path`` is a JSONL file of inputs without targets (what an --unlabeled import writes; a labeled
+    import's rows all have one)."""
+    if not path.is_file():
+        return False
+    rows = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    if not isinstance(row, dict) or row.get("target") is not None:
+                        return False
+                    rows += 1
+    except (OSError, ValueError):
+        return False
+    return rows > 0
 
 
 def _check_import_out(out: Path, splits: tuple[str, ...], force: bool) -> None:
@@ -70,7 +99,8 @@ def _check_import_out(out: Path, splits: tuple[str, ...], force: bool) -> None:
     existing = [str(out / f"{s}.jsonl") for s in splits if (out / f"{s}.jsonl").exists()]
     if existing and not force:
         raise FileExistsError(f"--out {out} already holds {', '.join(existing)} (pass --force to replace them; "
-                              "split files this import does not write are then removed)")
+                              "split files this import does not write are then removed, except the test.jsonl "
+                              "of an --unlabeled import)")
 
 
 def cmd_data_validate(args) -> None:
@@ -137,7 +167,8 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
                    help="the file is a test set without diagnoses (writes test.jsonl only; import it after the "
                         "labeled file, whose import owns train/valid/test)")
     p.add_argument("--force", action="store_true",
-                   help="replace existing split files in --out (a labeled import removes the ones it does not write)")
+                   help="replace existing split files in --out (a labeled import removes the ones it does not "
+                        "write, but keeps the test.jsonl of an --unlabeled import unless it has test rows itself)")
     p.set_defaults(fn=cmd_data_import)
     p = data.add_parser("validate", help="check JSONL files (and their tokens against the run's tokenizer)")
     config_args(p)

@@ -12,7 +12,8 @@ needs nothing but that port (``ray dashboard cluster.yaml`` or ``kubectl port-fo
   ``serve.num_gpus`` and ``serve.resources`` (``rlt2t.services.deploy_actor``), running uvicorn on
   ``create_app`` in a thread, once the cluster is checked to hold it and the training job. The launcher
   waits, inside the cluster, until the server's ``/healthz`` answers, prints its URL and exits; the actor
-  outlives it. ``up`` writes what it started to a state file (``.deploy/state.json``).
+  outlives it. ``up`` writes what it started to a state file (``.deploy/state.json``); while that file
+  records a server under another name (one not brought down), ``up`` refuses rather than orphan it.
 * ``down`` stops the training job, then a teardown job kills the actor and removes its placement group.
   Running it twice is harmless. Without the state file it stops nothing unless ``--name`` names the server
   (the default name may be another run's server on a shared cluster).
@@ -411,13 +412,22 @@ def up(address: str, *, config_paths: Sequence[str | Path] = (), overrides: Sequ
     cfg = load_config(config_paths, overrides)  # fail here, not on the cluster, on a bad key
     working_dir = working_dir or default_working_dir()
     _check_run_dir(cfg)
+    previous = read_state(state_path)
+    if previous and previous.server_name != name:
+        # `down` deletes the state file once it has stopped the server, so one still here records a server that
+        # may still run (a detached actor and placement group outlive the jobs). Overwriting it would orphan
+        # that server: `down` would stop only the new one and refuse --name for the old one.
+        raise DeployError(
+            f"--name {name!r}: {state_path} still records the server {previous.server_name!r} (run.dir="
+            f"{previous.run_dir}, {previous.dashboard_url}), which was not brought down; stop it first "
+            f"(`rlt2t deploy down --state {state_path}`, or `rlt2t deploy down --state {state_path} --name "
+            f"{previous.server_name}`), or deploy {name!r} beside it with its own --state file")
     addr = parse_address(address)
     if not addr.is_loopback:
         print(f"warning: {addr.host} is not this machine: run.dir={cfg.run.dir} and serve.checkpoint_dir must be "
               "on storage shared by every node (the server reads checkpoints the learner writes)", file=sys.stderr)
     dashboard = resolve_dashboard_url(addr)
     client = job_client(dashboard)
-    previous = read_state(state_path)
     if previous and previous.train_job_id:
         running = False
         with contextlib.suppress(RuntimeError):  # a job this cluster does not know is not running

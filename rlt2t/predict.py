@@ -24,6 +24,7 @@ best candidate by the task score).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,7 +203,7 @@ def predict(
         raise ValueError("--generators: give at least one export directory")
     if not scorers:
         raise ValueError("--scorers: give at least one export directory")
-    check_out_path(out_path)  # before any decoding, not after it
+    check_out_path(out_path, input_path)  # before any decoding, not after it
     examples = read_inputs(input_path, cfg.data.on_error)
     if not examples:
         raise ValueError(f"--input {input_path}: no inputs")
@@ -298,8 +299,9 @@ def predict(
                          mean_candidates=float(np.mean([len(c) for c in candidates])), metrics=metrics)
 
 
-def check_out_path(out_path: str | Path) -> None:
-    """ValueError naming --out when the CSV or the candidates JSONL beside it cannot be written as a file there."""
+def check_out_path(out_path: str | Path, input_path: str | Path | None = None) -> None:
+    """ValueError naming --out when the CSV or the candidates JSONL beside it cannot be written as a file there,
+    or when either of them is the ``--input`` file (writing it would replace the inputs with the predictions)."""
     out = Path(out_path)
     if out.is_dir() or not out.name:
         raise ValueError(f"--out {out_path}: is a directory; give the CSV file to write "
@@ -307,11 +309,29 @@ def check_out_path(out_path: str | Path) -> None:
     jsonl = out.with_name(out.stem + ".candidates.jsonl")
     if jsonl.is_dir():
         raise ValueError(f"--out {out_path}: the candidates file beside it, {jsonl}, is a directory")
+    if input_path is not None:
+        if _same_file(out, Path(input_path)):
+            raise ValueError(f"--out {out_path}: is the --input file {input_path}; writing the predictions there "
+                             "would replace the inputs: give another --out")
+        if _same_file(jsonl, Path(input_path)):
+            raise ValueError(f"--out {out_path}: the candidates file beside it, {jsonl}, is the --input file "
+                             f"{input_path}; writing it would replace the inputs: give --out another name")
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if parent.exists() and not parent.is_dir():
         raise ValueError(f"--out {out_path}: {parent} is a file, not a directory to write into")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: the same inode when both exist (links included), else the same resolved
+    path (symlinks followed as far as they exist)."""
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError):  # a symlink loop, an unreadable parent: not provably the same
+        return False
 
 
 def _json_float(x: float) -> float | None:

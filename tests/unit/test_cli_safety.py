@@ -175,6 +175,35 @@ def test_predict_refuses_a_directory_out_before_decoding(tmp_path, capsys, monke
     assert code == 2 and "--out" in err and "is a file" in err
 
 
+def test_predict_refuses_an_out_or_candidates_file_that_is_the_input_before_decoding(tmp_path, capsys, monkeypatch):
+    import rlt2t.predict as predict
+
+    monkeypatch.setattr(predict, "resolve_model", lambda *a: pytest.fail("models resolved before --out was checked"))
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text(json.dumps({"id": "1", "source": "1 2 3"}) + "\n")
+    (tmp_path / "link.jsonl").symlink_to(inputs)
+    candidates_of_in = tmp_path / "in.candidates.jsonl"
+    candidates_of_in.write_text(json.dumps({"id": "1", "source": "1 2 3"}) + "\n")  # --out in.jsonl writes it
+    before = {p.name: p.read_bytes() for p in (inputs, candidates_of_in)}
+    monkeypatch.chdir(tmp_path)
+    for input_, out, what in (
+        (inputs, inputs, "is the --input file"),
+        (inputs, "./sub/../in.jsonl", "is the --input file"),
+        (inputs, tmp_path / "link.jsonl", "is the --input file"),  # a symlink to it
+        (candidates_of_in, tmp_path / "in.csv", "the candidates file beside it"),  # in.csv's: in.candidates.jsonl
+    ):
+        code, _, err = _cli(capsys, "predict", "--config", "tiny", "--generators", "g", "--scorers", "s",
+                            "--input", str(input_), "--out", str(out))
+        assert code == 2 and err.startswith("rlt2t predict: error: --out"), err
+        assert what in err and "--input" in err
+    assert {p.name: p.read_bytes() for p in (inputs, candidates_of_in)} == before
+
+    # the check itself: an --out that does not exist yet but resolves to the input; a distinct file passes
+    with pytest.raises(ValueError, match="--out .*is the --input file"):
+        predict.check_out_path(tmp_path / "new" / ".." / "in.jsonl", inputs)
+    predict.check_out_path(tmp_path / "pred.csv", inputs)
+
+
 # --- data import-csv --------------------------------------------------------------------------------------
 
 def _csv(path: Path, n: int) -> str:
@@ -186,7 +215,7 @@ def test_import_csv_refuses_to_overwrite_and_force_removes_stale_splits(tmp_path
     out = tmp_path / "data"
     code, _, _ = _cli(capsys, "data", "import-csv", "--input", _csv(tmp_path / "a.csv", 40), "--out", str(out),
                       "--valid-fraction", "0.1", "--test-fraction", "0.1")
-    assert code == 0 and {p.name for p in out.iterdir()} == {"train.jsonl", "valid.jsonl", "test.jsonl"}
+    assert code == 0 and {p.name for p in out.glob("*.jsonl")} == {"train.jsonl", "valid.jsonl", "test.jsonl"}
     before = (out / "train.jsonl").read_bytes()
 
     code, _, err = _cli(capsys, "data", "import-csv", "--input", _csv(tmp_path / "b.csv", 30), "--out", str(out))
@@ -197,14 +226,49 @@ def test_import_csv_refuses_to_overwrite_and_force_removes_stale_splits(tmp_path
     code, printed, _ = _cli(capsys, "data", "import-csv", "--input", str(tmp_path / "b.csv"), "--out", str(out),
                             "--valid-fraction", "0.1", "--force")
     assert code == 0 and "test.jsonl removed" in printed
-    assert {p.name for p in out.iterdir()} == {"train.jsonl", "valid.jsonl"}
-    rows = sum(len(p.read_text().splitlines()) for p in out.iterdir())
+    assert {p.name for p in out.glob("*.jsonl")} == {"train.jsonl", "valid.jsonl"}
+    rows = sum(len(p.read_text().splitlines()) for p in out.glob("*.jsonl"))
     assert rows == 30
 
     # an unlabeled test set beside them owns test.jsonl only
     code, _, _ = _cli(capsys, "data", "import-csv", "--input", _csv(tmp_path / "t.csv", 5), "--out", str(out),
                       "--unlabeled")
-    assert code == 0 and {p.name for p in out.iterdir()} == {"train.jsonl", "valid.jsonl", "test.jsonl"}
+    assert code == 0 and {p.name for p in out.glob("*.jsonl")} == {"train.jsonl", "valid.jsonl", "test.jsonl"}
+
+
+def _unlabeled_csv(path: Path, n: int) -> str:
+    path.write_text("".join(f"t{i},{i} {i + 1} 7\n" for i in range(n)))
+    return str(path)
+
+
+def test_a_labeled_reimport_keeps_the_unlabeled_test_set(tmp_path, capsys):
+    out = tmp_path / "data"
+    labeled, unlabeled = _csv(tmp_path / "train.csv", 40), _unlabeled_csv(tmp_path / "test.csv", 5)
+    assert _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out))[0] == 0
+    assert _cli(capsys, "data", "import-csv", "--input", unlabeled, "--out", str(out), "--unlabeled")[0] == 0
+    test = (out / "test.jsonl").read_bytes()
+
+    # re-import the labeled file with another --valid-fraction: train/valid replaced, the test set kept
+    code, printed, _ = _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out),
+                            "--valid-fraction", "0.2", "--force")
+    assert code == 0 and "removed" not in printed
+    assert "test.jsonl kept" in printed and "--unlabeled" in printed
+    assert (out / "test.jsonl").read_bytes() == test
+    assert len((out / "valid.jsonl").read_text().splitlines()) == 8
+
+    # without --force only train/valid are in the way: the test set is not this import's to replace
+    code, _, err = _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out))
+    assert code == 2 and str(out / "train.jsonl") in err and str(out / "test.jsonl") not in err
+
+    # a labeled import with test rows of its own does replace it (with --force), and says so
+    code, printed, _ = _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out),
+                            "--test-fraction", "0.1", "--force")
+    assert code == 0 and "replaced an --unlabeled import's test set" in printed
+    assert all("target" in json.loads(line) for line in (out / "test.jsonl").read_text().splitlines())
+
+    # ... and that test.jsonl is then the labeled import's: a later one without test rows removes it
+    code, printed, _ = _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out), "--force")
+    assert code == 0 and "test.jsonl removed" in printed and not (out / "test.jsonl").exists()
 
 
 def test_annotate_export_says_what_it_left_out_and_merged(tmp_path, monkeypatch, capsys):

@@ -163,3 +163,48 @@ def test_a_group_live_actors_still_run_in_is_kept_and_the_error_says_what_to_do(
     with pytest.raises(DeployError, match=r"other-server.*deploy down --name rlt2t-policy-server"):
         _start()
     assert ray.removed == [] and ray.created == []
+
+
+# --- up with a state file that records another server ----------------------------------------------------------
+
+class ServingJobs(FakeJobs):
+    """FakeJobs whose launcher jobs print the server's URL, as the real one does."""
+
+    def get_job_logs(self, job_id: str) -> str:
+        if "-serve-" in job_id:
+            return f"{deploy.URL_MARKER}http://10.0.0.5:8000\n"
+        return super().get_job_logs(job_id)
+
+
+@pytest.fixture
+def serving(monkeypatch) -> ServingJobs:
+    client = ServingJobs()
+    monkeypatch.setattr(deploy, "job_client", lambda url: client)
+    monkeypatch.setattr(deploy, "resolve_dashboard_url", lambda address: DASHBOARD)
+    monkeypatch.setattr(deploy, "wait_healthy", lambda *a, **k: None)
+    return client
+
+
+def _up(state, name: str) -> int:
+    return main(["deploy", "up", "--address", DASHBOARD, "--state", str(state), "--name", name, "run.dir=/shared/r"])
+
+
+def test_up_under_another_name_refuses_while_the_state_file_records_a_server(serving, tmp_path, capsys):
+    state = tmp_path / "state.json"
+    assert _up(state, "srv-a") == 0  # its training job then finishes (the fake's jobs all succeed at once)
+    submitted = list(serving.submitted)
+    capsys.readouterr()
+
+    assert _up(state, "srv-b") == 1, "srv-a would be orphaned: its actor outlives its jobs"
+    err = capsys.readouterr().err
+    assert "--name 'srv-b'" in err and "'srv-a'" in err and "deploy down" in err and "--name srv-a" in err
+    assert serving.submitted == submitted, "nothing submitted for srv-b"
+    assert deploy.read_state(state).server_name == "srv-a"
+
+    # `up` again under the same name is what it was: the launcher reuses that server
+    assert _up(state, "srv-a") == 0 and deploy.read_state(state).server_name == "srv-a"
+
+    # once srv-a is down (the state file gone), srv-b may go up
+    assert main(["deploy", "down", "--state", str(state)]) == 0
+    assert serving.submitted[-1].endswith("deploy serve-stop --name srv-a") and not state.exists()
+    assert _up(state, "srv-b") == 0 and deploy.read_state(state).server_name == "srv-b"
