@@ -364,11 +364,11 @@ def summarize(sft: dict[int, dict[str, Any]], arms: dict[str, dict[int, dict[str
                  "test": {"task_score": sft[s]["test_task_score"]},
                  **({"heldout_task_score": sft[s]["heldout_task_score"]} if "heldout_task_score" in sft[s] else {})}
              for s in seeds}
+    # Without a continued-SFT arm the checkpoint is the only candidate: the paired differences are against it,
+    # and there is no verdict (the target asks for continued SFT too).
     candidates = {"sft": start, **{arm: runs for arm, runs in arms.items() if arm.split(":")[0] == "continued_sft"}}
-    if len(candidates) < 2:
-        return out
     baseline = max(candidates, key=lambda arm: out[arm]["valid_task_score"]["mean"])
-    out["baseline"] = baseline
+    out["baseline"], out["baseline_candidates"] = baseline, list(candidates)
     splits = {"valid": lambda r: r["valid"][-1]["task_score"], "test": lambda r: r["test"]["task_score"],
               "heldout": lambda r: r["heldout_task_score"]}
 
@@ -391,7 +391,7 @@ def summarize(sft: dict[int, dict[str, Any]], arms: dict[str, dict[int, dict[str
         for split in splits:
             if split != "heldout" or ("heldout_task_score" in out[arm] and "heldout_task_score" in out[baseline]):
                 out[arm][f"paired_diff_{split}"] = paired(runs, candidates[baseline], split)
-        if arm not in candidates:
+        if arm not in candidates and len(candidates) > 1:
             each = {name: paired(runs, base, "test") for name, base in candidates.items()}
             out[arm]["paired_diff_test_each"] = {name: {k: d[k] for k in ("mean", "std", "sigmas", "relative")}
                                                  for name, d in each.items()}

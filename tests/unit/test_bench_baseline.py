@@ -88,7 +88,9 @@ def test_the_target_must_hold_against_every_likelihood_checkpoint_not_only_the_c
     assert out["grpo"]["beats_sft_on_test"] is False
 
 
-def test_without_a_continued_sft_arm_there_is_no_baseline(summarize):
+def test_without_a_continued_sft_arm_the_start_is_the_baseline_and_there_is_no_verdict(summarize):
     sft = {1: _sft(1.0, 1.0), 2: _sft(1.0, 1.0)}
-    out = summarize(sft, {"grpo": {s: _run(1.3, 1.4) for s in sft}})
-    assert "baseline" not in out and "paired_diff_test" not in out["grpo"]
+    out = summarize(sft, {"grpo": {1: _run(1.3, 1.4), 2: _run(1.3, 1.5)}})
+    assert out["baseline"] == "sft" and out["baseline_candidates"] == ["sft"]
+    assert out["grpo"]["paired_diff_test"]["per_seed"] == pytest.approx([0.4, 0.5])
+    assert "beats_sft_on_test" not in out["grpo"]  # the target asks for continued SFT as well
