@@ -37,6 +37,7 @@ from rlt2t.common.types import ScoredGroup, ScoredPair
 from rlt2t.learner.evaluate import generate, metric_table
 from rlt2t.learner.objectives import StepRunner, build_objective
 from rlt2t.learner.schedule import linear_warmup_decay
+from rlt2t.learner.trainer import load_scaler_state, scaler_state
 
 log = logging.getLogger("rlt2t.learner")
 
@@ -271,17 +272,15 @@ class Learner:
         """A snapshot (deep copy: optimizer.state_dict() aliases the live moment tensors)."""
         acc = self._prepare()
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "rng": rng_state(), "steps": self.steps, "objective": self.objective.state_dict()}
-        if acc.scaler is not None:
-            state["scaler"] = acc.scaler.state_dict()
+                 "rng": rng_state(), "steps": self.steps, "objective": self.objective.state_dict(),
+                 **scaler_state(acc)}
         return copy.deepcopy(state)
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         acc = self._prepare()
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if acc.scaler is not None and "scaler" in state:
-            acc.scaler.load_state_dict(state["scaler"])
+        load_scaler_state(acc, state)
         set_rng_state(state["rng"])
         self.steps = state["steps"]
         self.objective.load_state_dict(state.get("objective", {}))
