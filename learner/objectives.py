@@ -282,7 +282,9 @@ class PolicyGradientObjective:
     def step(self, run: StepRunner, batch: GroupBatch, items: Sequence[ScoredGroup], step: int) -> dict[str, float]:
         rl, pg = self.rl, self.rl.pg
         size, k = batch.rewards.shape
-        valid = batch.labels != IGNORE_INDEX
+        # The tokens the sampler drew: padding and an EOS it forced at the length limit are no action of the
+        # policy (probability 1 under the sampling process): no KL term, no reward position, no value target.
+        valid = batch.loss_mask
         # 1. the batch's starting policy, without gradient
         action_mask = self._action_mask(batch)
         with torch.no_grad():
