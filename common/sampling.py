@@ -194,7 +194,9 @@ def sample_candidates(
             scores = warp_logits(logits, temperature, top_k, top_p)
             uniforms = torch.stack([torch.rand(scores.shape[-1], generator=generators[r], device=device,
                                                dtype=scores.dtype) for r in rows])
-            # U = 0 gives G = -inf: that token is simply never picked.
+            # U = 0 (rand's range is [0, 1)) would give G = -inf: where it fell on the one token the filters left,
+            # every score was -inf and argmax drew token 0 at log-prob -inf. The smallest normal float instead.
+            uniforms = uniforms.clamp(min=torch.finfo(uniforms.dtype).tiny)
             tokens = (scores - torch.log(-torch.log(uniforms))).argmax(dim=-1)
             drawn = scores.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
         raw_chosen = raw.gather(-1, tokens[:, None])[:, 0].tolist()

@@ -35,3 +35,21 @@ def test_rows_named_between_steps_stop_and_the_rest_sample_as_before(tiny_policy
         assert after.token_ids == before.token_ids[: len(after.token_ids)]
         assert after.logprobs == pytest.approx(before.logprobs[: len(after.logprobs)], abs=1e-5)
     assert len(calls) == 19  # once between every two of the 20 steps
+
+
+def test_a_zero_uniform_on_the_only_allowed_token_still_draws_it(tiny_policy, monkeypatch):
+    # torch.rand draws from [0, 1): a 0 on the one token top-k=1 leaves made every score -inf, and argmax then
+    # returned token 0 at log-prob -inf (about once in 2^24 such steps).
+    model, tok = tiny_policy.model.eval(), tiny_policy.tokenizer
+    ids, _ = encode_texts(tok, ["1 2 3"], 64)
+    batch = collate_seq2seq(ids, None, tok.pad_token_id)
+    real_rand = torch.rand
+
+    def greedy_args():
+        return model, batch["input_ids"], batch["attention_mask"], 1, 1, 1.0, 4, [torch.Generator().manual_seed(0)]
+
+    expected = sample_candidates(*greedy_args())[0]
+    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.zeros_like(real_rand(*a, **kw)))
+    zeros = sample_candidates(*greedy_args())[0]
+    assert zeros.token_ids == expected.token_ids and 0 not in zeros.token_ids[:1]
+    assert all(lp > float("-inf") for lp in zeros.logprobs)
