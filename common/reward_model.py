@@ -2,11 +2,13 @@
 
 - ``seq2seq``: an encoder-decoder policy (loaded through :func:`rlt2t.common.policy.load_policy`, so a
   reward model can start from the SFT checkpoint). The source goes through the encoder, the candidate
-  through the decoder (decoder start token, the candidate's tokens, EOS), and a linear head reads the
-  decoder's final hidden state at the candidate's last token: r = w·h + b. A batch encodes each distinct
-  source once and gives its states to all of its candidates.
+  through the decoder (the decoder start token, then the candidate encoded as the policy's labels are: its
+  tokens, EOS and, for mBART, the target language code), each cut to its own limit (``max_source_len``,
+  ``max_candidate_len``), and a linear head reads the decoder's final hidden state at the candidate's last
+  token: r = w·h + b. A batch encodes each distinct source once and gives its states to all of its candidates.
 - ``encoder``: any local encoder or sequence-classification directory (BERT, MiniLM, RoBERTa, ...) as a
-  one-label sequence classifier over the text pair (source, candidate); r is its logit.
+  one-label sequence classifier over the text pair (source, candidate), each cut to its own limit before
+  they are paired (special tokens kept); r is its logit.
 
 A saved reward model is a Hugging Face model directory of the backbone (``from_pretrained`` works on it),
 its tokenizer, ``rlt2t_reward_model.json`` (kind and lengths) and, for ``seq2seq``, the head in
@@ -30,7 +32,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    BatchEncoding,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir
 from rlt2t.common.collate import encode_texts, pad
@@ -38,7 +46,7 @@ from rlt2t.common.config import ModelConfig
 from rlt2t.common.families import cross_attention_states, decoder_hidden_size, decoder_stack
 from rlt2t.common.io import atomic_write_json
 from rlt2t.common.policy import load_policy
-from rlt2t.common.tokenization import load_tokenizer
+from rlt2t.common.tokenization import load_tokenizer, template_affixes
 
 SPEC_FILE = "rlt2t_reward_model.json"
 HEAD_FILE = "reward_head.safetensors"
@@ -106,13 +114,12 @@ class RewardModel(nn.Module):
             raise ValueError(f"{len(sources)} sources for {len(candidates)} candidates")
         tok, spec = self.tokenizer, self.spec
         if spec.kind == "encoder":
-            enc = tok(list(sources), list(candidates), truncation="longest_first", padding=True,
-                      max_length=spec.max_source_len + spec.max_candidate_len, return_tensors="pt")
-            return {k: enc[k] for k in self._encoder_inputs if k in enc}
+            return self._encode_pairs(sources, candidates)
         index: dict[str, int] = {}
         row_source = [index.setdefault(s, len(index)) for s in sources]
         src_ids, _ = encode_texts(tok, list(index), spec.max_source_len)
-        cand_ids, _ = encode_texts(tok, list(candidates), spec.max_candidate_len)
+        # The candidate is decoder text: the target template, as the policy's labels (mBART: ``text </s> tgt_lang``).
+        cand_ids, _ = encode_texts(tok, list(candidates), spec.max_candidate_len, target=True)
         start = self.backbone.config.decoder_start_token_id
         dec = [[start, *ids] for ids in cand_ids]
         input_ids, dec_ids = pad(src_ids, tok.pad_token_id), pad(dec, tok.pad_token_id)
@@ -124,6 +131,32 @@ class RewardModel(nn.Module):
             "decoder_input_ids": dec_ids,
             "decoder_attention_mask": _length_mask(dec, dec_ids.shape[1]),
         }
+
+    def _encode_pairs(self, sources: Sequence[str], candidates: Sequence[str]) -> dict[str, Tensor]:
+        """The encoder kind's text pairs, each field cut to its own limit as ``encode_texts`` cuts a text alone:
+        at most ``max_source_len`` (``max_candidate_len``) minus the tokenizer's special tokens around one text
+        of content, dropped from the end of that field, then paired with the tokenizer's pair template
+        (``[CLS] source [SEP] candidate [SEP]``). A short candidate leaves the source no longer, a long source
+        cuts no candidate token."""
+        tok, spec = self.tokenizer, self.spec
+        specials = sum(template_affixes(tok))
+        budget = (max(spec.max_source_len - specials, 0), max(spec.max_candidate_len - specials, 0))
+        enc = tok(list(sources), list(candidates), truncation=False, return_special_tokens_mask=True)
+        fields = [k for k in self._encoder_inputs if k in enc]
+        rows: dict[str, list[list[int]]] = {k: [] for k in fields}
+        for i in range(len(candidates)):
+            used = [0, 0]
+            keep = []
+            for pos, field in enumerate(_pair_fields(tok, enc, i, sources[i])):
+                if field is not None:  # content of the source (0) or the candidate (1); None: a special token
+                    used[field] += 1
+                    if used[field] > budget[field]:
+                        continue
+                keep.append(pos)
+            for k in fields:
+                rows[k].append([enc[k][i][pos] for pos in keep])
+        padded = tok.pad(rows, padding=True, return_tensors="pt")
+        return {k: padded[k] for k in fields}
 
     def forward(self, **batch: Tensor) -> Tensor:
         """Rewards [N] (float32) of the batch ``encode`` made."""
@@ -178,6 +211,20 @@ class RewardModel(nn.Module):
             save_file({k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()},
                       str(out_dir / HEAD_FILE))
         atomic_write_json(out_dir / SPEC_FILE, {"format": "rlt2t.reward_model", "version": 1, **asdict(self.spec)})
+
+
+def _pair_fields(tok: PreTrainedTokenizerBase, enc: BatchEncoding, row: int, source: str) -> list[int | None]:
+    """Per token of pair ``row`` of ``enc``: 0 for the source's content, 1 for the candidate's, None for a special
+    token. A fast tokenizer says so itself; for a Python one, the first content tokens (as many as the source
+    has alone) are the source's."""
+    if enc.is_fast:
+        return list(enc.sequence_ids(row))
+    left = len(tok(source, add_special_tokens=False)["input_ids"])
+    fields: list[int | None] = []
+    for special in enc["special_tokens_mask"][row]:
+        fields.append(None if special else 0 if left > 0 else 1)
+        left -= not special
+    return fields
 
 
 def _length_mask(seqs: Sequence[Sequence[int]], width: int) -> Tensor:

@@ -33,6 +33,7 @@ from rlt2t.common.checkpoint import complete_checkpoint, latest_complete_checkpo
 from rlt2t.common.collate import IGNORE_INDEX, collate_seq2seq, encode_texts, pad
 from rlt2t.common.config import Config, ModelConfig, RewardModelTerm, RolloutConfig
 from rlt2t.common.data import Example
+from rlt2t.common.families import decoder_input_ids
 from rlt2t.common.io import atomic_write_json, atomic_write_jsonl
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.preferences import write_rank_lists
@@ -120,9 +121,13 @@ def sample_and_kl(policy: Policy, reference: Policy, sources: Sequence[str], *, 
             if forced is not None and len(r.token_ids) == max_new_tokens:
                 labels[i, len(r.token_ids) - 1] = IGNORE_INDEX  # forced, not drawn
         inputs = {"input_ids": batch["input_ids"].repeat_interleave(k, 0),
-                  "attention_mask": batch["attention_mask"].repeat_interleave(k, 0), "labels": labels}
-        logp = policy.model(**inputs).logits.float().log_softmax(-1)
-        logq = reference.model(**inputs).logits.float().log_softmax(-1)
+                  "attention_mask": batch["attention_mask"].repeat_interleave(k, 0)}
+        # Decoder inputs as every training step builds them ([decoder start] + the row's tokens), not from
+        # labels= (mBART's own shift would start a row from its last token, not the decoder start).
+        logp = policy.model(**inputs, decoder_input_ids=decoder_input_ids(labels, policy.model.config)
+                            ).logits.float().log_softmax(-1)
+        logq = reference.model(**inputs, decoder_input_ids=decoder_input_ids(labels, reference.model.config)
+                               ).logits.float().log_softmax(-1)
         per_step = (logp.exp() * (logp - logq)).sum(-1)  # [N, T] exact KL of each step's next-token distribution
         valid = labels != IGNORE_INDEX
         kl_sum += float(per_step[valid].sum())

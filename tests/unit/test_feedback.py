@@ -1,13 +1,15 @@
 """Pieces of the feedback loop: the scripted annotator, the token it prefers, and the KL estimate against a
-hand computation."""
+hand computation (on every decoder-start convention: mBART starts from a language code, not a shifted label)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import ModelConfig
 from rlt2t.common.policy import load_policy
+from rlt2t.common.sampling import sample_candidates, stable_seed
 from rlt2t.feedback import ScriptedAnnotator, choose_token, preference_stats, sample_and_kl
 
 
@@ -48,3 +50,40 @@ def test_kl_is_zero_against_itself_and_matches_a_hand_computation(ids_tokenizer_
             expected.append(float((p.exp() * (p - q)).sum()))
     assert two["kl_per_sequence"] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
     assert two["kl_per_token"] == pytest.approx(two["kl_per_sequence"], rel=1e-5)  # one counted token each
+
+
+@pytest.mark.parametrize("family", ["mbart", "bart", "t5"])
+def test_kl_steps_are_conditioned_on_the_decoder_start_and_the_drawn_prefix(family_dirs, family):
+    """Each drawn token's step KL, recomputed one prefix at a time from ``[decoder_start] + y<t``. mBART's
+    own shift of ``labels=`` starts a row from its last label instead (a content token where the forced EOS is
+    masked), so this failed for mBART while the estimate went through ``labels=``."""
+    cfg = ModelConfig(preset=None, dropout=0.0)
+    new = load_policy(cfg, checkpoint=family_dirs[family])
+    ref = load_policy(cfg, checkpoint=family_dirs[family])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in ref.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    sources, k, limit = ["alpha beta gamma", "red green blue stone river"], 3, 4
+    _, kl = sample_and_kl(new, ref, sources, k=k, max_new_tokens=limit, max_source_len=32, seed=5)
+    # The same draws (sample_and_kl's seeding), then an independent per-step computation.
+    ids, _ = encode_texts(new.tokenizer, sources, 32)
+    batch = collate_seq2seq(ids, None, new.tokenizer.pad_token_id)
+    generators = [torch.Generator().manual_seed(stable_seed(5, "sample-kl", i, j))
+                  for i in range(len(sources)) for j in range(k)]
+    rows = sample_candidates(new.model, batch["input_ids"], batch["attention_mask"], k, 0, 1.0, limit, generators)
+    start = new.model.config.decoder_start_token_id
+    assert family != "mbart" or start == new.tokenizer.convert_tokens_to_ids("en_XX")
+    total, counted = 0.0, 0
+    with torch.no_grad():
+        for n, row in enumerate(rows):
+            src = torch.tensor([ids[n // k]])
+            for t in range(len(row.token_ids) - row.forced):  # a forced EOS was not drawn
+                dec = torch.tensor([[start, *row.token_ids[:t]]])
+                p = new.model(input_ids=src, decoder_input_ids=dec).logits[0, -1].float().log_softmax(-1)
+                q = ref.model(input_ids=src, decoder_input_ids=dec).logits[0, -1].float().log_softmax(-1)
+                total += float((p.exp() * (p - q)).sum())
+                counted += 1
+    assert counted > len(rows)  # some rows have drawn tokens after the first
+    assert kl["tokens_per_sequence"] == pytest.approx(counted / len(rows))
+    assert kl["kl_per_sequence"] == pytest.approx(total / len(rows), rel=1e-4, abs=1e-7)
