@@ -197,7 +197,8 @@ class RolloutWorker:
                     policy_version=self._version,
                     reference_logprobs=None if reference is None else tuple(
                         tuple(x) for x in reference[i * k : (i + 1) * k]),
-                    greedy=None if greedy is None else normalize_text(greedy[i])))
+                    greedy=None if greedy is None else normalize_text(greedy[i]),
+                    mask_version=self._mask_version if self.mask_model is not None else None))
         return out
 
     def _chunks(self, examples: Sequence[Example]) -> Iterator[tuple[Sequence[Example], dict[str, Tensor]]]:

@@ -115,6 +115,9 @@ class SampledGroup:
     """Per sample and token, the raw log-prob under the frozen reference policy (None: not asked for)."""
     greedy: str | None = None
     """The source's greedy decode (SCST's baseline; None unless asked for)."""
+    mask_version: int | None = None
+    """NLPO: the policy version of the masking policy whose top-p set the samples were drawn in (the learner
+    masks with those same weights); None without a mask, or one the driver did not version."""
 
     def __post_init__(self) -> None:
         k = len(self.candidates)
@@ -144,6 +147,10 @@ class ScoredGroup:
     @property
     def policy_version(self) -> int:
         return self.group.policy_version
+
+    @property
+    def mask_version(self) -> int | None:
+        return self.group.mask_version
 
     @property
     def example_id(self) -> str:

@@ -35,7 +35,7 @@ from rlt2t.common.lora import apply_lora, is_lora, policy_weights
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.types import ScoredGroup, ScoredPair
 from rlt2t.learner.evaluate import generate, metric_table
-from rlt2t.learner.objectives import StepRunner, build_objective
+from rlt2t.learner.objectives import PolicyGradientObjective, StepRunner, build_objective
 from rlt2t.learner.schedule import linear_warmup_decay
 from rlt2t.learner.trainer import load_scaler_state, scaler_state
 
@@ -217,12 +217,20 @@ class Learner:
                 "target_tokens": tgt_len, "peak_memory_gib": peak_gib}
 
     # --- training ------------------------------------------------------------------------------------------
-    def train_step(self, items: Sequence[ScoredPair] | Sequence[ScoredGroup]) -> dict[str, float]:
+    def train_step(self, items: Sequence[ScoredPair] | Sequence[ScoredGroup], mask_versions: Sequence[int] = (),
+                   *mask_weights: dict[str, torch.Tensor]) -> dict[str, float]:
         """One learner step on this rank's shard (the objective may take several optimizer steps); returns
         scalars averaged over ranks (``step_s``: the seconds this step computed, excluding the metrics
-        all-reduce and the wait for the call)."""
+        all-reduce and the wait for the call). NLPO: ``mask_versions`` and ``mask_weights`` (one per version,
+        top-level arguments so that Ray resolves them) are the masking policies of the shard's groups that this
+        rank does not hold (``rlt2t.groups.LearnerGroup`` keeps track)."""
         t0 = time.perf_counter()
         acc = self._prepare()
+        if mask_versions:
+            if not isinstance(self.objective, PolicyGradientObjective) or len(mask_weights) != len(mask_versions):
+                raise ValueError(f"masking-policy versions {list(mask_versions)} with {len(mask_weights)} weights "
+                                 f"for a {type(self.objective).__name__}")
+            self.objective.receive_masks(dict(zip(mask_versions, mask_weights, strict=True)))
         batch = self.objective.collate(items, max_source_len=self.max_source_len,
                                        max_target_len=self.max_target_len).to(acc.device)
         metrics = self.objective.step(self, batch, items, self.steps)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from rlt2t.common.config import RLConfig, RolloutConfig
 from rlt2t.common.families import decoder_hidden_size
-from rlt2t.common.lora import is_lora, reference_policy
+from rlt2t.common.lora import is_lora, load_weights, reference_policy
 from rlt2t.common.policy import Policy
 from rlt2t.common.sampling import warp_logits
 from rlt2t.common.scoring import token_scores
@@ -190,7 +190,12 @@ class PolicyGradientObjective:
         self.reference = reference
         # Policy servers send samples without reference log-probs: the learner scores them (a second pass).
         self.scores_reference = rl.uses_kl and rollout.source == "http"
+        # NLPO's masking policy: one model whose weights are those of the version each group was sampled under
+        # (SampledGroup.mask_version), sent by the driver with the step (receive_masks); the sampler and the
+        # learner mask with the same weights by construction, whatever the pipeline's lag.
         self.mask_model: nn.Module | None = None
+        self._mask_loaded: int | None = None  # the version in mask_model (None: unknown, e.g. just resumed)
+        self._masks: dict[int, dict[str, Tensor]] = {}
         if rl.algorithm == "nlpo":
             self.mask_model = copy.deepcopy(policy.model).eval().requires_grad_(False)
         self._warned: set[str] = set()
@@ -257,12 +262,45 @@ class PolicyGradientObjective:
 
     # -- one learner step ------------------------------------------------------------------------------------
 
-    def _action_mask(self, batch: GroupBatch) -> Tensor | None:
+    def receive_masks(self, weights: Mapping[int, dict[str, Tensor]]) -> None:
+        """NLPO: the masking-policy weights of the versions the next step's groups were sampled under that this
+        learner does not hold (the driver sends each version once)."""
+        self._masks = dict(weights)
+
+    def _load_mask(self, version: int | None) -> None:
+        if version is None or version == self._mask_loaded:  # None: a group the driver did not version
+            return
+        if version not in self._masks:
+            raise RuntimeError(f"nlpo: a group was sampled under masking-policy version {version}, whose weights "
+                               f"the learner was not sent (it holds version {self._mask_loaded})")
+        assert self.mask_model is not None
+        load_weights(self.mask_model, self._masks.pop(version))
+        self._mask_loaded = version
+
+    def _action_mask(self, batch: GroupBatch, items: Sequence[ScoredGroup] = ()) -> Tensor | None:
+        """NLPO's allowed tokens per row [K*B, T, V], each group's from the masking policy it was sampled under."""
         if self.mask_model is None:
             return None
+        size = batch.rewards.shape[0]
+        versions = [g.mask_version for g in items] if len(items) == size else [None] * size
+        mask: Tensor | None = None
         with torch.no_grad():
-            logits = group_forward(self.mask_model, batch.input_ids, batch.attention_mask, batch.labels, batch.k).logits
-        return top_p_mask(logits, self.rl.pg.nlpo_top_p)
+            for version in sorted(set(versions), key=lambda v: -1 if v is None else v):  # the driver's order
+                self._load_mask(version)
+                sources = torch.tensor([i for i, v in enumerate(versions) if v == version],
+                                       device=batch.input_ids.device)
+                part = batch.select(sources) if len(sources) < size else batch
+                logits = group_forward(self.mask_model, part.input_ids, part.attention_mask, part.labels,
+                                       batch.k).logits
+                allowed = top_p_mask(logits, self.rl.pg.nlpo_top_p)
+                if part is batch:
+                    return allowed
+                if mask is None:
+                    mask = torch.zeros(batch.labels.shape[0], *allowed.shape[1:], dtype=torch.bool,
+                                       device=allowed.device)
+                rows = (torch.arange(batch.k, device=sources.device).unsqueeze(1) * size + sources).reshape(-1)
+                mask[rows] = allowed
+        return mask
 
     def _reference_logprobs(self, batch: GroupBatch) -> Tensor:
         if batch.reference_logprobs is not None:
@@ -286,7 +324,7 @@ class PolicyGradientObjective:
         # policy (probability 1 under the sampling process): no KL term, no reward position, no value target.
         valid = batch.loss_mask
         # 1. the batch's starting policy, without gradient
-        action_mask = self._action_mask(batch)
+        action_mask = self._action_mask(batch, items)
         with torch.no_grad():
             out = run.forward(batch.input_ids, batch.attention_mask, batch.labels, k)
             old_logp, old_raw = _token_logprobs(out.logits, batch.labels, self.transform, action_mask)
@@ -412,8 +450,6 @@ class PolicyGradientObjective:
         if rl.ppo_like and old_values is not None and returns is not None:
             metrics["explained_variance"] = _explained_variance(old_values, returns, valid)
         self._warn(metrics, items, step, kl_check, mask)
-        if self.mask_model is not None and (step + 1) % rl.pg.nlpo_mask_refresh_steps == 0:
-            self.mask_model.load_state_dict(self.policy.model.state_dict())
         return metrics
 
     def _whiten(self, run: StepRunner, values: Tensor, mask: Tensor) -> Tensor:
@@ -461,17 +497,14 @@ class PolicyGradientObjective:
         head = getattr(self.module, "value_head", None)
         if head is not None:
             state["value_head"] = {k: v.detach().cpu().clone() for k, v in head.state_dict().items()}
-        if self.mask_model is not None:
-            state["mask_model"] = {k: v.detach().cpu().clone() for k, v in self.mask_model.state_dict().items()}
-        return state
+        return state  # NLPO's masking policy is not state: each step comes with the weights its groups need
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.kl.load_state_dict(state["kl"])
         head = getattr(self.module, "value_head", None)
         if head is not None:
             head.load_state_dict(state["value_head"])
-        if self.mask_model is not None:
-            self.mask_model.load_state_dict(state["mask_model"])
+        self._mask_loaded = None  # (a checkpoint's "mask_model", from before masks came with the steps, is unused)
 
     def frozen_modules(self) -> list[nn.Module]:
         return [m for m in (self.reference, self.mask_model) if m is not None]

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,6 +155,7 @@ class LearnerGroup:
         self.ranks: list[Any] = []
         self._preflight: list[ray.ObjectRef] = []
         self._loading: list[ray.ObjectRef] = []  # resumed training states, sent and not yet confirmed
+        self._masks_held: list[int | None] = [None] * cfg.rl.learners  # NLPO: each rank's masking-policy version
         try:
             self._start(cfg, init_checkpoint, total_steps, reference_checkpoint)
         except BaseException:
@@ -226,11 +227,35 @@ class LearnerGroup:
             refs, self._loading = self._loading, []
             self._get(refs)
 
-    def train_step_async(self, items: Sequence[ScoredPair] | Sequence[ScoredGroup]) -> list[ray.ObjectRef]:
-        """Shard a global batch over the ranks (rank i takes items i, i+N, ...)."""
+    def train_step_async(self, items: Sequence[ScoredPair] | Sequence[ScoredGroup],
+                         published: Mapping[int, ray.ObjectRef] | None = None) -> list[ray.ObjectRef]:
+        """Shard a global batch over the ranks (rank i takes items i, i+N, ...). NLPO: each rank is also sent the
+        ``published`` weights of the masking policies its groups were sampled under, those it does not hold."""
         self._settle()
         n = len(self.ranks)
-        return [rank.train_step.remote(list(items[i::n])) for i, rank in enumerate(self.ranks)]
+        refs = []
+        for i, rank in enumerate(self.ranks):
+            shard: list[ScoredPair | ScoredGroup] = list(items[i::n])
+            versions = self._masks_to_send(i, shard)
+            if not versions:
+                refs.append(rank.train_step.remote(shard))
+            elif published is None:
+                raise ValueError(f"nlpo: groups sampled under masking-policy versions {versions}: pass the "
+                                 "published weights")
+            else:
+                refs.append(rank.train_step.remote(shard, versions, *(published[v] for v in versions)))
+        return refs
+
+    def _masks_to_send(self, rank: int, shard: Sequence[ScoredPair | ScoredGroup]) -> list[int]:
+        """The masking-policy versions of ``shard`` that ``rank`` will load and does not hold, in the order it
+        loads them (ascending, as PolicyGradientObjective._action_mask does); records the one it ends with."""
+        wanted = sorted({g.mask_version for g in shard if isinstance(g, ScoredGroup) and g.mask_version is not None})
+        send = []
+        for v in wanted:
+            if v != self._masks_held[rank]:
+                send.append(v)
+                self._masks_held[rank] = v
+        return send
 
     def result(self, refs: list[ray.ObjectRef]) -> dict[str, float]:
         return self._get(refs)[0]  # scalars are already averaged over ranks
@@ -247,6 +272,7 @@ class LearnerGroup:
         if len(states) != len(self.ranks):
             raise ValueError(f"checkpoint has {len(states)} learner states, the job has {len(self.ranks)} ranks "
                              "(rl.learners must match to resume exactly)")
+        self._masks_held = [None] * len(self.ranks)  # the resumed ranks hold none (masks are not learner state)
         # Not waited for: queued behind the preflight, so the first rollouts need not wait for either.
         # Each rank runs its calls in order, and _settle confirms the load before the state is used.
         self._loading = [r.load_training_state.remote(s) for r, s in zip(self.ranks, states, strict=True)]

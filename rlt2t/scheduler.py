@@ -311,13 +311,17 @@ class EpochScheduler:
     def oldest_needed_version(self) -> int:
         """The oldest policy version still needed: by a chunk not yet scored (its rollout, or a re-dispatch of
         it, which in unordered mode can lag the learner) or by a run resumed from the current step, which plans
-        and samples again from there (:func:`needed_version`, and its NLPO mask). The driver drops the
+        and samples again from there (:func:`needed_version`, and its NLPO mask), or, NLPO, by the masking policy
+        of scored groups that no learner step has taken yet. The driver drops the
         published weights of older versions and leaves them out of checkpoints; later chunks, this epoch's or
         the next's, need the same versions or later ones."""
         resumed = needed_version(self.step, self.epoch_start, self.refresh_every_steps)
         needed = [resumed, mask_version(resumed, self.mask_every)] if self.mask_every else [resumed]
         needed += [v for c in self.chunks if c.index not in self.consumed and c.index not in self.ready
                    for v in c.versions()]
+        if self.mask_every:  # scored groups not yet in a learner step: the step is sent their masking policies
+            needed += [c.mask_version for c in self.chunks if c.index in self.ready and c.mask_version is not None]
+            needed += [item.mask_version for item in self.queue if item.mask_version is not None]
         return min(needed)
 
     def blocked_version(self) -> int | None:

@@ -459,7 +459,8 @@ class _Job:
             while (batch := sched.next_batch()) is not None:
                 if not steps:
                     busy_since = time.perf_counter()
-                steps.append((self.learners.train_step_async(batch.items), batch))
+                # NLPO: the learner masks each group with the masking policy it was sampled under
+                steps.append((self.learners.train_step_async(batch.items, publisher.refs), batch))
             waitable = list(pending) + (steps[0][0] if steps else [])
             if not waitable:
                 wait = sched.retry_wait()

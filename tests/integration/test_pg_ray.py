@@ -228,7 +228,8 @@ def test_a_policy_gradient_trains_through_live_policy_and_reward_servers(ray_ses
 
 def test_nlpo_ships_its_masking_policy_to_the_rollout_workers(ray_session, copy_prepared, tmp_path):
     """NLPO's chunks carry a second version, the masking policy's, which the rollout workers load from the object
-    store beside the policy's: the job runs through, with the masking policy refreshed every 2 steps."""
+    store beside the policy's, and the learner steps are sent for the groups they train on: the job runs
+    through, with the masking policy refreshed every 2 steps."""
     run = copy_prepared(tmp_path / "nlpo")
     result = rl_job(_config(run, "nlpo", "rl.epochs=1", "rl.train_subset=32", "rl.pg.nlpo_mask_refresh_steps=2",
                             "rl.pg.nlpo_top_p=0.9"))
@@ -237,4 +238,6 @@ def test_nlpo_ships_its_masking_policy_to_the_rollout_workers(ray_session, copy_
     train = [r for r in rows if r.get("kind", "train") == "train"]
     # the sampler masked as the learner does: on-policy samples agree with the learner's masked log-probs
     assert all(r["sampler_ratio_max_dev"] < 1e-3 for r in train if r["staleness_max"] == 0)
-    assert "mask_model" in _learner_state(result.checkpoint)
+    # the learner masks with the weights each step is sent (those its groups were sampled under): no copy of
+    # its own to refresh or checkpoint
+    assert "mask_model" not in _learner_state(result.checkpoint)

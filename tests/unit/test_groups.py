@@ -41,3 +41,23 @@ def test_reward_workers_with_a_gpu_count_in_the_jobs_gpus():
     with pytest.raises(ClusterTooSmall, match=r"GPU: the job asks for 1 \(rl.reward_workers=2 x \(rl.reward_cpus=0.5, "
                                               r"rl.reward_gpus=0.5\)\)"):
         check_fits(job_demands(cfg), {"CPU": 8.0}, {"CPU": 8.0})
+
+
+def test_each_learner_rank_is_sent_a_masking_policy_once_in_the_order_it_loads_them(monkeypatch):
+    from types import SimpleNamespace
+
+    import rlt2t.groups as groups
+
+    group = object.__new__(groups.LearnerGroup)  # only the bookkeeping: no Ray
+    group._masks_held = [None, None]
+    monkeypatch.setattr(groups, "ScoredGroup", SimpleNamespace)  # the fakes stand in for scored groups
+
+    def shard(*versions):
+        return [SimpleNamespace(mask_version=v) for v in versions]
+
+    assert group._masks_to_send(0, shard(0, 0)) == [0]
+    assert group._masks_to_send(0, shard(0)) == []  # held
+    assert group._masks_to_send(1, shard(0, 10)) == [0, 10]  # another rank holds its own
+    assert group._masks_to_send(1, shard(0, 10)) == [0, 10]  # it ends with 10 loaded: 0 is sent again
+    assert group._masks_to_send(0, shard(10, None)) == [10]
+    assert group._masks_held == [10, 10]

@@ -5,6 +5,7 @@ on-policy (ratio 1), every algorithm must train, and the learner state must roun
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -273,6 +274,35 @@ def test_nlpo_leak_term_keeps_the_policy_mass_inside_the_mask(init_dir):
     # each value is the mean over a step's 4 optimizer steps; the first step's starts from the same weights
     assert leaks[0.0][0] > 0.1  # a top-0.5 mask leaves real mass outside
     assert leaks[10.0][1] < leaks[0.0][1] - 0.05, leaks
+
+
+def test_nlpo_learner_masks_each_group_with_the_masking_policy_it_was_sampled_under(init_dir):
+    """Groups of one batch sampled under two masking-policy versions (a pipelined run lags the learner across a
+    mask refresh): the learner, sent both versions' weights, masks each group with its own, so on-policy every
+    ratio is 1. With one mask for the whole batch the other version's groups would be off."""
+    rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
+    rl = RLConfig(algorithm="nlpo", batch_size=8, lr=3e-3, pg={"nlpo_top_p": 0.5, "target_kl": 0})
+    worker = _rollout(init_dir, rollout, RolloutSpec.for_algorithm("nlpo", kl=rl.uses_kl, mask_top_p=0.5))
+    learner = _learner(init_dir, rl, rollout)
+    start = {k: v.clone() for k, v in worker.policy.model.state_dict().items()}
+    gen = torch.Generator().manual_seed(5)
+    other = {k: v + 0.5 * torch.randn(v.shape, generator=gen) if v.is_floating_point() and v.dim() >= 2 else v
+             for k, v in start.items()}  # a masking policy far from the start: its top-p sets differ
+    old = worker.sample_version(0, start, EXAMPLES[:4], mask_version=0, mask_weights=start)
+    new = worker.sample_version(0, start, EXAMPLES[4:], mask_version=10, mask_weights=other)
+    reward = RewardWorker(RewardConfig(), DocumentFrequency.from_references([[e.target] for e in EXAMPLES]))
+    groups = reward.score(old) + reward.score(new)
+    assert {g.mask_version for g in groups} == {0, 10}
+    with pytest.raises(RuntimeError, match="masking-policy version 10, whose weights the learner was not sent"):
+        learner.train_step(groups, [0], start)
+    learner = _learner(init_dir, rl, rollout)
+    metrics = learner.train_step(groups, [0, 10], start, other)
+    assert metrics["sampler_ratio_max_dev"] < 1e-4, metrics["sampler_ratio_max_dev"]
+    assert metrics["excluded_tokens"] == 0
+    # the same groups masked with one policy (the learner's start copy) for all: the later version's are off
+    unversioned = [dataclasses.replace(g, group=dataclasses.replace(g.group, mask_version=None)) for g in groups]
+    one_mask = _learner(init_dir, rl, rollout).train_step(unversioned)
+    assert one_mask["sampler_ratio_max_dev"] > 0.01 or one_mask["excluded_tokens"] > 0
 
 
 @pytest.mark.parametrize("algorithm,source", [("nlpo", "ray"), ("grpo", "http")])

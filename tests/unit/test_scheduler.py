@@ -45,6 +45,7 @@ class Item:
 
     example_id: str
     policy_version: int
+    mask_version: int | None = None
 
 
 def make(n_chunks=4, chunk=2, batch=4, learners=1, inflight=8, ordered=True, rollouts=2, rewards=1, attempts=2,
@@ -59,7 +60,7 @@ def make(n_chunks=4, chunk=2, batch=4, learners=1, inflight=8, ordered=True, rol
 
 
 def scored(chunk: Chunk) -> list[Item]:
-    return [Item(e.id, chunk.version) for e in chunk.examples]
+    return [Item(e.id, chunk.version, chunk.mask_version) for e in chunk.examples]
 
 
 def finish(sched: EpochScheduler, index: int) -> None:
@@ -172,6 +173,26 @@ def test_an_nlpo_masking_version_is_kept_while_a_chunk_or_a_resumed_run_needs_it
         assert _train_one_step(sched) == step
         # the resumed run's next chunk samples with step - 1 and masks with the last multiple of 10 below it
         assert sched.oldest_needed_version() == (0 if step <= 10 else 10)
+
+
+def test_a_late_nlpo_chunk_keeps_its_masking_policy_until_a_learner_step_takes_it():
+    # Unordered: chunk 3 (masked by version 0) is scored after the learner passed step 10; the step that trains
+    # on it is sent version 0's weights, so they must not be dropped while it waits in the reorder buffer.
+    sched, _ = make_planned(14, 1, refresh=1, mask_every=10, ordered=False)
+    sched.rollout_dispatches(published=set(range(14)))
+    for index in range(14):
+        if index != 3:
+            finish(sched, index)
+    for step in range(1, 13):
+        assert _train_one_step(sched) == step
+    finish(sched, 3)
+    assert sched.chunks[3].mask_version == 0 and sched.oldest_needed_version() == 0
+    assert [i.example_id for i in sched.next_batch().items] == ["13-0"]  # queued before chunk 3 arrived
+    sched.step_done()
+    assert sched.oldest_needed_version() == 0  # chunk 3's item waits in the queue
+    batch = sched.next_batch()
+    assert [i.example_id for i in batch.items] == ["3-0"] and batch.items[0].mask_version == 0
+    assert sched.oldest_needed_version() == 10  # in a learner step now: Ray holds the weights it was sent
 
 
 def test_a_failed_chunk_goes_to_a_healthy_worker_at_once():
