@@ -24,8 +24,11 @@ tests/unit/common/test_ct2.py and test_ct2_families.py):
 - sources are our tokenizer's tokens *including* its special tokens (the trailing ``</s>``, mBART's language
   code; the converter sets ``add_source_eos: false``, so CT2 adds nothing); decoding starts from
   ``decoder_start_token``, as ``generate`` does;
-- ``score_batch`` gets the target without EOS and returns one log-prob per target token *plus* the EOS,
-  which is what HF teacher forcing gives over labels = tokenizer(target) (EOS included);
+- a target is scored as the sequence training labels hold for it: the tokenizer's full target template
+  (``encode_texts(tok, [target], ..., target=True)``: ``text </s>`` for ours, ``<s> text </s>`` for BART's
+  pretrained tokenizer, ``text </s> tgt_lang`` for mBART with a target language). ``score_batch`` gets those ids
+  without a final EOS and appends the EOS itself, so :meth:`Ct2Policy.score` returns one log-prob per label,
+  what HF teacher forcing gives over those labels;
 - HF ends a row that reaches ``max_new_tokens`` with ``forced_eos_token_id`` (BART's generation config
   sets it); CT2 has no such option, so we decode one token less and append the EOS ourselves. For greedy
   decoding and sampling this is exactly what ``generate`` does; for beam search it is an approximation
@@ -42,6 +45,7 @@ call (which sources share it), not on a per-row seed.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import time
@@ -61,8 +65,10 @@ from transformers import PreTrainedTokenizerBase
 from rlt2t.common.checkpoint import MARKER, STATE_FILE, weights_checksum
 from rlt2t.common.collate import encode_texts
 from rlt2t.common.config import ModelConfig
+from rlt2t.common.convert import check_out_dir
 from rlt2t.common.families import (
     NO_POSITION_LIMIT,
+    Family,
     UnsupportedModelError,
     family_of,
     family_of_dir,
@@ -70,7 +76,7 @@ from rlt2t.common.families import (
     vocab_size,
 )
 from rlt2t.common.io import atomic_directory, atomic_write_json
-from rlt2t.common.policy import Policy, load_policy
+from rlt2t.common.policy import Policy, adapter_base, is_adapter_checkpoint, load_policy
 from rlt2t.common.sampling import SampledSequence, check_sampling, warp_logits
 from rlt2t.common.tokenization import decode_ids, ids_to_tokens, load_tokenizer, save_tokenizer, tokens_to_ids
 
@@ -236,31 +242,68 @@ def export_ct2(
 
     The model is loaded with ``load_policy`` (the tokenizer from ``model_dir`` when it holds one, else from
     ``tokenizer_dir``) and converted in memory by :func:`export_policy`; the source directory is never modified.
-    Raises FileNotFoundError (not a model directory), FileExistsError (``out_dir`` exists and not ``force``),
-    UnsupportedModelError (a family CTranslate2 cannot convert: the warm-started EncoderDecoderModel),
-    ValueError (unknown quantization, vocabulary mismatch).
+    A LoRA adapter checkpoint (peft's ``adapter_config.json`` naming its base, no ``config.json``) is loaded
+    merged into its base and that plain model is converted (the tokenizer from the base, else the checkpoint's
+    own, else ``tokenizer_dir``).
+
+    ``out_dir`` is replaced as a whole, so before anything is converted it is refused when it is, contains or
+    lies inside what is read: ``model_dir``, the checkpoint root around an rlt2t checkpoint (its other
+    checkpoints), an adapter's base directory and ``tokenizer_dir`` (:func:`rlt2t.common.convert.check_out_dir`,
+    resolved paths, ``force`` does not lift it).
+
+    Raises FileNotFoundError (not a model directory, an adapter's base gone), ValueError (``out_dir`` where the
+    inputs are, unknown quantization, vocabulary mismatch), FileExistsError (``out_dir`` exists and not
+    ``force``), UnsupportedModelError (a family CTranslate2 cannot convert: the warm-started EncoderDecoderModel).
     """
     _check_quantization(quantization)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    if not (model_dir / "config.json").is_file():
+    adapter = is_adapter_checkpoint(model_dir)
+    if not adapter and not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"--checkpoint {model_dir}: not a model directory (no config.json)")
-    if out_dir.exists() and not force:
-        raise FileExistsError(f"--out {out_dir} already exists (pass force=True / --force to replace it)")
-    family = family_of_dir(model_dir)
+    weights_dir = adapter_base(model_dir) if adapter else model_dir  # FileNotFoundError: the base is gone
+    inputs = [model_dir, weights_dir]
+    if (model_dir / MARKER).is_file():
+        inputs.append(model_dir.parent)  # an rlt2t checkpoint: its root holds the stage's other checkpoints
+    if tokenizer_dir is not None:
+        inputs.append(Path(tokenizer_dir))
+    check_out_dir(out_dir, inputs, force=force)
+    family = source_family(model_dir)
     if not family.ct2:
         raise UnsupportedModelError(
             f"{model_dir}: CTranslate2 cannot convert {family.name} models; use the torch backend: "
             "serve.backend=torch, rollout.backend=torch, predict.backend=torch"
         )
-    has_tokenizer = any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
-    if not has_tokenizer and tokenizer_dir is None:
-        raise ValueError(f"{model_dir} holds no tokenizer; pass tokenizer_dir (the run's tokenizer directory)")
+    if adapter and not _has_tokenizer(weights_dir) and _has_tokenizer(model_dir):
+        tokenizer_dir = model_dir  # the tokenizer the adapters were trained with, saved beside them
+    if not _has_tokenizer(weights_dir) and tokenizer_dir is None:
+        raise ValueError(f"{weights_dir} holds no tokenizer; pass tokenizer_dir (the run's tokenizer directory)")
     t0 = time.perf_counter()
-    policy = load_policy(ModelConfig(preset=None, dropout=0.0), tokenizer_dir, checkpoint=model_dir)
+    policy = load_policy(ModelConfig(preset=None, dropout=0.0), tokenizer_dir, checkpoint=model_dir)  # merged
     export_policy(policy, out_dir, quantization, source=str(model_dir.resolve()),
-                  source_sha256=weights_checksum(model_dir))
+                  source_sha256=source_checksum(model_dir))
     log.info("exported %s → %s (%s) in %.2f s", model_dir, out_dir, quantization, time.perf_counter() - t0)
     return out_dir
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+
+
+def source_family(model_dir: str | Path) -> Family:
+    """The family of a model directory, or of an adapter checkpoint's base (what :func:`export_ct2` converts).
+    FileNotFoundError when it is neither (or the base is gone)."""
+    model_dir = Path(model_dir)
+    return family_of_dir(adapter_base(model_dir) if is_adapter_checkpoint(model_dir) else model_dir)
+
+
+def source_checksum(model_dir: str | Path) -> str:
+    """The identity of the weights :func:`export_ct2` converts: :func:`weights_checksum` of a model directory; of
+    an adapter checkpoint, the sha256 of its adapters' checksum and its base's (either changing changes it)."""
+    model_dir = Path(model_dir)
+    if not is_adapter_checkpoint(model_dir):
+        return weights_checksum(model_dir)
+    both = f"{weights_checksum(model_dir)}:{weights_checksum(adapter_base(model_dir))}"
+    return hashlib.sha256(both.encode()).hexdigest()
 
 
 def export_policy(policy: Policy, out_dir: str | Path, quantization: str = "int8", *,
@@ -344,6 +387,7 @@ class Ct2Policy:
         self.batch_type = batch_type
         positions = self.info.get("max_position_embeddings") or NO_POSITION_LIMIT  # T5: no limit
         self.max_source_len = max_source_len or positions
+        self.max_target_len: int = positions
         special = self.info["special_ids"]
         self.eos_id: int = special["eos"]
         self.forced_eos_id: int | None = special.get("forced_eos")
@@ -371,10 +415,19 @@ class Ct2Policy:
         ids, _ = encode_texts(self.tokenizer, sources, self.max_source_len)
         return [ids_to_tokens(self.tokenizer, x) for x in ids]
 
+    def target_ids(self, targets: Sequence[str]) -> list[list[int]]:
+        """Ids of each target as training labels hold them: the tokenizer's full target template
+        (``encode_texts(..., target=True)``, special tokens included: ``text </s>``, BART's ``<s> text </s>``,
+        mBART's ``text </s> tgt_lang``), cut like training only beyond the model's positions."""
+        return encode_texts(self.tokenizer, list(targets), self.max_target_len, target=True)[0] if targets else []
+
     def target_tokens(self, targets: Sequence[str]) -> list[list[str]]:
-        """Token strings of each target, without EOS (``score_batch`` adds it)."""
-        ids = self.tokenizer(list(targets), add_special_tokens=False)["input_ids"] if targets else []
-        return [ids_to_tokens(self.tokenizer, x) for x in ids]
+        """Token strings ``score_batch`` gets for each target: its :meth:`target_ids` without a final EOS
+        (``score_batch`` appends the EOS itself)."""
+        return [ids_to_tokens(self.tokenizer, self._without_eos(x)) for x in self.target_ids(targets)]
+
+    def _without_eos(self, ids: Sequence[int]) -> list[int]:
+        return list(ids[:-1]) if ids and ids[-1] == self.eos_id else list(ids)
 
     def generate(
         self,
@@ -441,20 +494,23 @@ class Ct2Policy:
         return out
 
     def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[list[float]]:
-        """Per-token log-probs of each target given its source (teacher forcing), EOS last.
+        """Per-token log-probs of each target given its source (teacher forcing): one per id of
+        :meth:`target_ids` (the training labels, every special token of the target template included).
 
-        ``len(result[i]) == len(tokens(targets[i])) + 1``, equal to HF's log-softmax at labels =
-        tokenizer(target) (EOS included). An empty target gets the EOS log-prob alone.
+        Equal to HF's log-softmax at those labels. ``score_batch`` appends an EOS to what it gets: for a template
+        that ends with the EOS that is the template's own, for one that does not (mBART's ``</s> tgt_lang``) the
+        extra last log-prob is dropped (it cannot change the earlier ones).
         """
         if len(sources) != len(targets):
             raise ValueError(f"sources and targets must have the same length, got {len(sources)} and {len(targets)}")
         if not sources:
             return []
+        labels = self.target_ids(targets)
         results = self.translator.score_batch(
-            self.source_tokens(sources), self.target_tokens(targets),
+            self.source_tokens(sources), [ids_to_tokens(self.tokenizer, self._without_eos(x)) for x in labels],
             max_batch_size=self.max_batch_size, batch_type=self.batch_type, max_input_length=0,
         )
-        return [list(map(float, r.log_probs)) for r in results]
+        return [list(map(float, r.log_probs))[: len(x)] for r, x in zip(results, labels, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ chosen candidate, or raises ValueError for malformed input.
 
 - :func:`mean_logprob`: length-normalised log-likelihood averaged over scorers.
 - :func:`idf_score`: the same mean with tokens weighted by the IDF of the training-corpus n-grams that
-  cover them (the original's reranker; the table is :class:`IdfTable`, built by our own code).
+  cover them (the original's reranker; the table is :class:`IdfTable`, built by our own code). The n-grams are
+  of whitespace words; with a subword scorer every piece of a word carries the word's weight
+  (:func:`token_words` maps a scorer's tokens to the words).
 - :func:`consensus`: among the best candidates by mean log-prob, the one the others agree with most
   (mean CIDEr-D against the rest).
 """
@@ -18,12 +20,15 @@ from __future__ import annotations
 import json
 import math
 import os
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
+from transformers import PreTrainedTokenizerBase
 
+from rlt2t.common.collate import uses_target_template
 from rlt2t.common.io import atomic_write_text
 from rlt2t.common.metrics import CiderD
 
@@ -121,26 +126,38 @@ def mean_logprob(candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence
     return int(np.argmax(mean_logprobs(logprobs)))
 
 
-def idf_weighted_mean(text: str, logprobs: Sequence[float], table: IdfTable) -> float:
+def idf_weighted_mean(text: str, logprobs: Sequence[float], table: IdfTable,
+                      words: Sequence[int | None] | None = None) -> float:
     """IDF-weighted mean token log-prob of one candidate under one scorer.
 
-    With tokens x_1..x_T of ``text`` and log-probs lp_1..lp_T, lp_{T+1} (the last is the EOS):
+    With whitespace words x_1..x_W of ``text`` and the scorer's log-probs lp_1..lp_T, where ``words[t]`` is the
+    word the t-th scored token belongs to (None for a special token of the scorer's target template: the EOS,
+    a leading ``<s>``, mBART's language code):
 
-    - K(t) = the known n-grams (1 <= n <= table.max_n, df > 0) of the candidate that cover position t;
-    - w_t = mean_{g in K(t)} idf(g) for positions with K(t) non-empty ("known" positions);
-    - every other position (unknown tokens, and the EOS) gets w̄, the mean of w over the known positions;
-    - score = Σ_t w_t·lp_t / Σ_t w_t over t = 1..T+1.
+    - K(i) = the known n-grams (1 <= n <= table.max_n, df > 0) of the candidate's words that cover word i;
+    - v_i = mean_{g in K(i)} idf(g) for words with K(i) non-empty ("known" words); v̄ = the mean of v over the
+      known words, which every other word (unknown tokens) gets too;
+    - w_t = v_{words[t]} for a token of a word (every piece of a word carries the word's weight, so uniform
+      weights give back the plain mean of :func:`mean_logprobs`), w_t = v̄ for a special token;
+    - score = Σ_t w_t·lp_t / Σ_t w_t.
 
-    When no position is known, or Σ w_t = 0 (every known n-gram occurs in every training text), the
-    weights carry no information and the score is the plain mean of lp: never a division by zero.
-    Needs one log-prob per whitespace token plus the EOS (a word-level tokenizer, like the `ids` one).
+    ``words`` defaults to one log-prob per word and then the EOS (a word-level tokenizer, like the `ids` one):
+    ``[0, 1, ..., W - 1, None]``; for a subword scorer pass :func:`token_words` of its tokenizer.
+    When no word is known, or Σ w_t = 0 (every known n-gram occurs in every training text), the weights
+    carry no information and the score is the plain mean of lp: never a division by zero.
     """
     tokens = text.split()
-    if len(logprobs) != len(tokens) + 1:
-        raise ValueError(
-            f"idf rerank needs one log-prob per whitespace token plus the EOS: {len(tokens)} tokens, "
-            f"{len(logprobs)} log-probs (the scorer's tokenizer must be word-level, e.g. tokenizer.kind=ids)"
-        )
+    if words is None:
+        if len(logprobs) != len(tokens) + 1:
+            raise ValueError(
+                f"idf rerank needs one log-prob per whitespace token plus the EOS: {len(tokens)} tokens, "
+                f"{len(logprobs)} log-probs (for a subword scorer pass words=token_words(tokenizer, texts))"
+            )
+        words = [*range(len(tokens)), None]
+    elif len(words) != len(logprobs):
+        raise ValueError(f"words has {len(words)} entries for {len(logprobs)} log-probs")
+    elif any(w is not None and not 0 <= w < len(tokens) for w in words):
+        raise ValueError(f"words: word indices must be in [0, {len(tokens)}) for {text!r}, got {list(words)}")
     lp = np.asarray(logprobs, dtype=np.float64)
     sums = np.zeros(len(tokens))
     counts = np.zeros(len(tokens))
@@ -153,27 +170,72 @@ def idf_weighted_mean(text: str, logprobs: Sequence[float], table: IdfTable) -> 
     known = counts > 0
     if not known.any():
         return float(lp.mean())
-    weights = np.empty(len(lp))
-    weights[:-1] = np.divide(sums, counts, out=np.zeros_like(sums), where=known)
-    mean_known = float(weights[:-1][known].mean())
-    weights[:-1][~known] = mean_known
-    weights[-1] = mean_known
+    per_word = np.divide(sums, counts, out=np.zeros_like(sums), where=known)
+    mean_known = float(per_word[known].mean())
+    per_word[~known] = mean_known
+    weights = np.array([mean_known if w is None else per_word[w] for w in words], dtype=np.float64)
     total = weights.sum()
     if total <= 0.0:
         return float(lp.mean())
     return float((weights * lp).sum() / total)
 
 
-def idf_scores(candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence[float]]], table: IdfTable) -> np.ndarray:
-    """Per candidate: the mean over scorers of :func:`idf_weighted_mean`. [C] float64."""
+def idf_scores(candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence[float]]], table: IdfTable,
+               words: Sequence[Sequence[Sequence[int | None]]] | None = None) -> np.ndarray:
+    """Per candidate: the mean over scorers of :func:`idf_weighted_mean`; ``words[s][c]``: the word of each
+    log-prob of ``logprobs[s][c]`` (None: one per word then the EOS). [C] float64."""
     _check(candidates, logprobs)
-    return np.mean([[idf_weighted_mean(text, lp, table) for text, lp in zip(candidates, per_scorer, strict=True)]
-                    for per_scorer in logprobs], axis=0)
+    if words is not None and [len(w) for w in words] != [len(lp) for lp in logprobs]:
+        raise ValueError("words must have one entry per scorer and candidate, like logprobs")
+    per = words if words is not None else [[None] * len(candidates) for _ in logprobs]
+    return np.mean([[idf_weighted_mean(text, lp, table, w)
+                     for text, lp, w in zip(candidates, per_scorer, ws, strict=True)]
+                    for per_scorer, ws in zip(logprobs, per, strict=True)], axis=0)
 
 
-def idf_score(candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence[float]]], table: IdfTable) -> int:
+def idf_score(candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence[float]]], table: IdfTable,
+              words: Sequence[Sequence[Sequence[int | None]]] | None = None) -> int:
     """Index of the candidate with the highest IDF-weighted mean log-prob (see :func:`idf_weighted_mean`)."""
-    return int(np.argmax(idf_scores(candidates, logprobs, table)))
+    return int(np.argmax(idf_scores(candidates, logprobs, table, words)))
+
+
+def check_word_alignment(tokenizer: PreTrainedTokenizerBase) -> None:
+    """ValueError unless :func:`token_words` can tell which word each of ``tokenizer``'s tokens belongs to: it
+    reads a fast (Rust) tokenizer's offset mapping, which a slow one (Marian's) does not have."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"its tokenizer ({type(tokenizer).__name__}) is not a fast tokenizer: it has no offset "
+                         "mapping to tell which whitespace word each of its tokens belongs to, and the IDF weights "
+                         "are per word")
+
+
+def token_words(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int | None]]:
+    """For each text: the whitespace word of the text each id of its training labels belongs to, None for the
+    target template's special tokens (what a scorer scores, see ``Ct2Policy.target_ids``; ``words`` of
+    :func:`idf_weighted_mean`). From the offset mapping: a piece belongs to the word of the first non-space
+    character it covers; a piece of spaces alone, to the word after it. A word-level tokenizer with the
+    ``text </s>`` template gives ``[0, ..., W - 1, None]``."""
+    check_word_alignment(tokenizer)
+    texts = list(texts)
+    if not texts:
+        return []
+    kwargs = dict(add_special_tokens=True, truncation=False, return_offsets_mapping=True,
+                  return_special_tokens_mask=True)
+    enc = (tokenizer(text_target=texts, **kwargs) if uses_target_template(tokenizer)
+           else tokenizer(texts, **kwargs))
+    out: list[list[int | None]] = []
+    for text, offsets, special in zip(texts, enc["offset_mapping"], enc["special_tokens_mask"], strict=True):
+        starts = [i for i, c in enumerate(text) if not c.isspace() and (i == 0 or text[i - 1].isspace())]
+        row: list[int | None] = []
+        for (begin, _end), is_special in zip(offsets, special, strict=True):
+            if is_special or not starts:
+                row.append(None)
+                continue
+            at = begin
+            while at < len(text) and text[at].isspace():
+                at += 1
+            row.append(max(bisect_right(starts, at) - 1, 0))
+        out.append(row)
+    return out
 
 
 def consensus_scores(candidates: Sequence[str], top: Sequence[int], cider: CiderD) -> np.ndarray:
@@ -208,14 +270,15 @@ def consensus(candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence[fl
 
 
 def rerank(mode: str, candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence[float]]], *,
-           table: IdfTable | None = None, top: int = 8, cider: CiderD | None = None) -> int:
-    """Dispatch on ``mode`` (one of :data:`RERANK_MODES`)."""
+           table: IdfTable | None = None, top: int = 8, cider: CiderD | None = None,
+           words: Sequence[Sequence[Sequence[int | None]]] | None = None) -> int:
+    """Dispatch on ``mode`` (one of :data:`RERANK_MODES`); ``words`` as in :func:`idf_scores` (mode idf)."""
     if mode == "mean_logprob":
         return mean_logprob(candidates, logprobs)
     if mode == "idf":
         if table is None:
             raise ValueError("rerank mode 'idf' needs an IdfTable (table=...)")
-        return idf_score(candidates, logprobs, table)
+        return idf_score(candidates, logprobs, table, words)
     if mode == "consensus":
         return consensus(candidates, logprobs, top=top, cider=cider)
     raise ValueError(f"rerank: unknown mode {mode!r} (known: {', '.join(RERANK_MODES)})")

@@ -44,12 +44,8 @@ def cmd_reward_model_score(args) -> None:
     from rlt2t.common.io import atomic_write_jsonl
     from rlt2t.common.reward_model import load_reward_model
 
+    rows = _score_rows(args.input)  # before the model loads: a bad line is named at once
     model = load_reward_model(args.model)
-    rows = [json.loads(line) for line in Path(args.input).read_text().splitlines() if line.strip()]
-    for i, row in enumerate(rows, start=1):
-        for key in ("source", "candidate"):
-            if not isinstance(row.get(key), str):
-                raise ValueError(f"{args.input}:{i}: field '{key}': missing or not a string")
     scores = model.score([r["source"] for r in rows], [r["candidate"] for r in rows], batch_size=args.batch_size)
     out = [{**r, "reward": float(s)} for r, s in zip(rows, scores, strict=True)]
     if args.out:
@@ -58,6 +54,27 @@ def cmd_reward_model_score(args) -> None:
     else:
         for row in out:
             print(json.dumps(row, ensure_ascii=False))
+
+
+def _score_rows(path: str) -> list[dict]:
+    """The JSON objects of a `reward-model score` input, blank lines skipped; ValueError naming ``--input``, the
+    file's own line number (blank lines counted) and the problem."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--input {path}:{number}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"--input {path}:{number}: expected a JSON object with `source` and `candidate`, "
+                             f"got {type(row).__name__}")
+        for key in ("source", "candidate"):
+            if not isinstance(row.get(key), str):
+                raise ValueError(f"--input {path}:{number}: field '{key}': missing or not a string")
+        rows.append(row)
+    return rows
 
 
 def cmd_classifier_train(args) -> None:

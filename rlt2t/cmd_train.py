@@ -43,6 +43,9 @@ def cmd_average(args) -> None:
 
     paths = list(args.checkpoints)
     if args.dir:
+        if args.last < 1:  # infos[-0:] is every checkpoint, a negative count drops the oldest instead
+            raise ValueError(f"--last must be >= 1 (how many of the newest checkpoints of --dir to average), "
+                             f"got {args.last}")
         check_out_dir(args.out, [args.dir], force=args.force)  # not into the checkpoint root it reads
         infos = complete_checkpoints(args.dir)
         paths += [i.path for i in infos[-args.last :]]

@@ -5,10 +5,11 @@
 Each generator (a CTranslate2 export) proposes ``predict.num_hypotheses`` beam-search hypotheses
 (``predict.beam_size``) per input; the candidates of an input are pooled across generators and
 deduplicated (whitespace-normalised text, first occurrence kept). Each scorer computes the per-token
-log-probs of every candidate (teacher forcing, EOS included); the rerank mode (``predict.rerank``, see
-:mod:`rlt2t.common.rerank`) picks one. A plain Hugging Face model directory or checkpoint root is accepted
-too: it is exported on the fly (``export.quantization``) into ``{export.out}/cache/`` and reused while
-its weights do not change.
+log-probs of every candidate (teacher forcing) over the candidate's training labels, the tokenizer's full target
+template (EOS included, and BART's leading ``<s>`` where its tokenizer puts one); the rerank mode
+(``predict.rerank``, see :mod:`rlt2t.common.rerank`) picks one. A plain Hugging Face model directory or
+checkpoint root is accepted too (a LoRA adapter checkpoint merged into its base): it is exported on the fly
+(``export.quantization``) into ``{export.out}/cache/`` and reused while its weights do not change.
 
 Models CTranslate2 cannot convert (a warm-started EncoderDecoderModel) run on the torch backend instead
 (``predict.backend``: ``auto`` picks per model, ``torch`` runs every model directory on Hugging Face): the same
@@ -32,16 +33,24 @@ from typing import Literal
 
 import numpy as np
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
-from rlt2t.common.checkpoint import resolve_model_dir, weights_checksum
+from rlt2t.common.checkpoint import resolve_model_dir
 from rlt2t.common.collate import encode_texts
 from rlt2t.common.config import Config
-from rlt2t.common.ct2 import Ct2Policy, Hypothesis, export_ct2, is_export_dir
+from rlt2t.common.ct2 import Ct2Policy, Hypothesis, export_ct2, is_export_dir, source_checksum, source_family
 from rlt2t.common.data import Example, export_competition_csv, import_competition_csv, load_examples
-from rlt2t.common.families import family_of_dir
 from rlt2t.common.io import atomic_write_jsonl
 from rlt2t.common.metrics import CiderD, DocumentFrequency, get_metric
-from rlt2t.common.rerank import RERANK_MODES, IdfTable, consensus_scores, idf_scores, mean_logprobs
+from rlt2t.common.rerank import (
+    RERANK_MODES,
+    IdfTable,
+    check_word_alignment,
+    consensus_scores,
+    idf_scores,
+    mean_logprobs,
+    token_words,
+)
 from rlt2t.services.backends import Sampling, TorchBackend
 
 log = logging.getLogger("rlt2t.predict")
@@ -86,7 +95,7 @@ def resolve_export(cfg: Config, path: str | Path, role: str) -> Path:
             f"--{role} {path}: neither a CTranslate2 export (`rlt2t export`) nor a model directory / checkpoint root"
         ) from None
     quant = cfg.export.quantization
-    cache = cfg.path(cfg.export.out) / "cache" / f"{model_dir.name}-{weights_checksum(model_dir)[:12]}-{quant}"
+    cache = cfg.path(cfg.export.out) / "cache" / f"{model_dir.name}-{source_checksum(model_dir)[:12]}-{quant}"
     if not is_export_dir(cache):
         log.info("--%s %s is a model directory: exporting it (%s) to %s", role, model_dir, quant, cache)
         export_ct2(model_dir, cache, quant, force=True, tokenizer_dir=cfg.tokenizer_dir)
@@ -100,6 +109,10 @@ class TorchRunner:
         self.backend = TorchBackend.from_checkpoint(cfg, model_dir)
         self.max_source_len = cfg.data.max_source_len
 
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.backend.tokenizer
+
     def generate(self, sources: Sequence[str], *, beam_size: int, num_hypotheses: int, max_new_tokens: int
                  ) -> list[list[Hypothesis]]:
         params = Sampling(mode="beam", beam_size=beam_size, num_candidates=num_hypotheses,
@@ -108,10 +121,12 @@ class TorchRunner:
         return [[Hypothesis(g.text, tuple(g.token_ids), float(sum(g.logprobs))) for g in gens] for gens in per_source]
 
     def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[list[float]]:
-        """Per-token log-probs of each target (its tokens + EOS) given its source, teacher-forced in batches."""
+        """Per-token log-probs of each target given its source, teacher-forced in batches: one per id of the
+        training labels of the target (the tokenizer's full target template, ``encode_texts(..., target=True)``),
+        as :meth:`Ct2Policy.score` gives them."""
         tok = self.backend.tokenizer
         src, _ = encode_texts(tok, sources, self.max_source_len)
-        labels = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in targets]
+        labels, _ = encode_texts(tok, targets, self.backend.max_positions, target=True)
         return self.backend.teacher_forced(src, labels)
 
 
@@ -133,7 +148,7 @@ def resolve_model(cfg: Config, path: str | Path, role: str) -> tuple[str, Path]:
 
 def _convertible(path: Path) -> bool:
     try:
-        return family_of_dir(resolve_model_dir(path)).ct2
+        return source_family(resolve_model_dir(path)).ct2  # an adapter checkpoint: its base's family
     except (FileNotFoundError, ValueError):
         return True  # let resolve_export say what is wrong with it
 
@@ -222,6 +237,15 @@ def predict(
         return loaded[path]
 
     table = load_idf_table(cfg, [*score_dirs, *gen_dirs]) if mode == "idf" else None
+    if mode == "idf":
+        # Before any decoding: the IDF weights are per whitespace word, and every scorer's tokens must map to
+        # the words (its tokenizer's offsets). Loading the scorers now costs nothing: they are loaded to score.
+        for path in score_dirs:
+            try:
+                check_word_alignment(policy(path).tokenizer)
+            except ValueError as e:
+                raise ValueError(f"--rerank idf: the scorer {path}: {e}; use --rerank mean_logprob or "
+                                 "--rerank consensus, or another scorer") from None
     cider = _consensus_cider(cfg) if mode == "consensus" else None
     sources = [e.source for e in examples]
     gen_names, score_names = _unique_names(gen_dirs), _unique_names(score_dirs)
@@ -246,12 +270,17 @@ def predict(
     # 2. Scores: every scorer, every candidate (flattened so batches are full).
     flat = [(i, c) for i, cands in enumerate(candidates) for c in cands]
     logprobs: list[list[list[list[float]]]] = [[[] for _ in score_names] for _ in examples]  # [input][scorer][cand]
+    # idf: the whitespace word of each scored token, per input, scorer and candidate (rlt2t.common.rerank).
+    words: list[list[list[list[int | None]]]] = [[[] for _ in score_names] for _ in examples]
     for s, (name, path) in enumerate(zip(score_names, score_dirs, strict=True)):
         ct2 = policy(path)
         for start in _batches(len(flat), p.batch_size, f"score {name}", progress):
             part = flat[start : start + p.batch_size]
             for (i, _), lp in zip(part, ct2.score([sources[i] for i, _ in part], [c for _, c in part]), strict=True):
                 logprobs[i][s].append(lp)
+            if mode == "idf":
+                for (i, _), w in zip(part, token_words(ct2.tokenizer, [c for _, c in part]), strict=True):
+                    words[i][s].append(w)
 
     # 3. Rerank.
     chosen: list[int] = []
@@ -262,7 +291,7 @@ def predict(
             scores = means
         elif mode == "idf":
             assert table is not None, "loaded above for this mode"
-            scores = idf_scores(cands, lps, table)
+            scores = idf_scores(cands, lps, table, words[idx])
         else:
             assert cider is not None, "built above for this mode"
             kept = sorted(range(len(cands)), key=lambda k: -means[k])[: p.consensus_top]

@@ -71,7 +71,7 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Scored:
-    """Teacher-forced scores of one target: label ids (tokens + EOS) and their raw log-probs."""
+    """Teacher-forced scores of one target: its label ids (the whole target template) and their raw log-probs."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -395,12 +395,11 @@ class Ct2Backend:
     def score(self, sources: Sequence[str], targets: Sequence[Sequence[str]]) -> list[list[Scored]]:
         if len(targets) != len(sources):
             raise ValueError(f"targets: need one list per source ({len(sources)}), got {len(targets)}")
-        eos = self.tokenizer.eos_token_id
         out: list[list[Scored]] = []
         for source, ts in zip(sources, targets, strict=True):
-            ids = self.tokenizer(list(ts), add_special_tokens=False)["input_ids"] if ts else []
+            # the training labels of each target (its whole target template), one log-prob per id, as torch's
             lps = self.ct2.score([source] * len(ts), list(ts))
-            out.append([Scored([*x, eos], lp) for x, lp in zip(ids, lps, strict=True)])
+            out.append([Scored(x, lp) for x, lp in zip(self.ct2.target_ids(list(ts)), lps, strict=True)])
         return out
 
     def _teacher_forced(self, sources: Sequence[str], rows: Sequence[Sequence[int]]) -> list[list[float]]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,41 @@ def test_average_out_inside_the_dir_it_reads_is_refused_even_with_force(checkpoi
     code, _, err = _cli(capsys, "average", "--dir", str(checkpoint_root), "--out", str(checkpoint_root), "--force")
     assert code == 2 and "--out" in err
     assert sorted(p.name for p in checkpoint_root.iterdir()) == ["epoch-0001", "epoch-0002"]
+
+
+@pytest.mark.parametrize("last", ["0", "-1"])
+def test_average_last_below_one_is_refused(checkpoint_root, tmp_path, capsys, monkeypatch, last):
+    # --last 0 took every checkpoint (infos[-0:]), a negative count dropped the oldest instead.
+    import rlt2t.common.convert as convert
+
+    monkeypatch.setattr(convert, "average_checkpoints", lambda *a, **k: pytest.fail("averaged"))
+    code, _, err = _cli(capsys, "average", "--dir", str(checkpoint_root), "--last", last,
+                        "--out", str(tmp_path / "avg"))
+    assert code == 2 and err.startswith("rlt2t average: error: --last must be >= 1") and f"got {last}" in err
+    assert not (tmp_path / "avg").exists()
+
+
+# --- reward-model score --input ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad, reason", [
+    ('{"source": "a b"}', "field 'candidate': missing or not a string"),
+    ('["a b", "c"]', "expected a JSON object with `source` and `candidate`, got list"),
+    ('"a b"', "expected a JSON object with `source` and `candidate`, got str"),
+    ('{"source": "a", ', "not valid JSON"),
+])
+def test_reward_model_score_names_the_files_own_line(tmp_path, capsys, monkeypatch, bad, reason):
+    import rlt2t.common.reward_model as reward_model
+
+    model = types.SimpleNamespace(score=lambda sources, candidates, batch_size: [0.5] * len(sources))
+    monkeypatch.setattr(reward_model, "load_reward_model", lambda *a, **k: model)
+    good = json.dumps({"source": "a b", "candidate": "c"})
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text(f"{good}\n\n   \n{good}\n\n{bad}\n{good}\n")  # the bad row is the file's line 6
+    code, _, err = _cli(capsys, "reward-model", "score", "--model", str(tmp_path / "rm"), "--input", str(inputs))
+    assert code == 2 and f"--input {inputs}:6: {reason}" in err, err
+    inputs.write_text(f"{good}\n\n   \n{good}\n")  # blank lines alone are skipped
+    code, out, _ = _cli(capsys, "reward-model", "score", "--model", str(tmp_path / "rm"), "--input", str(inputs))
+    assert code == 0 and [json.loads(line)["reward"] for line in out.splitlines()] == [0.5, 0.5]
 
 
 # --- predict --out ----------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ import copy
 import pytest
 import torch
 
+from rlt2t.common.collate import encode_texts
 from rlt2t.common.config import ModelConfig
 from rlt2t.common.ct2 import Ct2Policy, export_ct2, export_policy
-from rlt2t.common.families import UnsupportedModelError, shift_labels
+from rlt2t.common.families import UnsupportedModelError, decoder_input_ids
 from rlt2t.common.policy import load_policy
 from rlt2t.common.scoring import token_scores
 
@@ -63,18 +64,22 @@ def test_greedy_equals_huggingface(name, exported):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_scores_match_teacher_forcing(name, exported):
+    # Expected: HF teacher forcing over exactly what training puts in a batch for the target (encode_texts with
+    # the target template, decoder inputs from the model's decoder start): mBART's labels end `</s> en_XX`.
     policy, export = exported[name]
     tok, model = policy.tokenizer, policy.model.eval()
     got = Ct2Policy(export).score(SOURCES, TARGETS)
     for source, target, lps in zip(SOURCES, TARGETS, got, strict=True):
-        labels = torch.tensor([tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]])
+        labels = torch.tensor(encode_texts(tok, [target], 1 << 20, target=True)[0])
         batch = tok([source], return_tensors="pt")
         with torch.no_grad():
-            logits = model(**batch, decoder_input_ids=shift_labels(labels, model.config.decoder_start_token_id,
-                                                                   model.config.pad_token_id)).logits
+            logits = model(**batch, decoder_input_ids=decoder_input_ids(labels, model.config)).logits
         want = token_scores(logits, labels)[0].tolist()
         assert len(lps) == len(want)
         assert max(abs(a - b) for a, b in zip(lps, want, strict=True)) < 1e-3
+    if name == "mbart":
+        assert encode_texts(tok, ["x"], 99, target=True)[0][0][-2:] == [tok.eos_token_id,
+                                                                          tok.convert_tokens_to_ids("en_XX")]
 
 
 def test_in_memory_export_equals_directory_export(exported, tmp_path):

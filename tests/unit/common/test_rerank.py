@@ -78,6 +78,34 @@ def test_idf_falls_back_to_plain_mean_without_division_by_zero():
         idf_weighted_mean("1 2", [-1.0, -1.0], table)
 
 
+def test_idf_with_subword_pieces_gives_every_piece_its_words_weight():
+    table = IdfTable.from_texts(CORPUS, max_n=2)
+    idf = {g: table.idf(g.split()) for g in ("1", "2", "1 2", "3", "2 3")}
+    w1 = (idf["1"] + idf["1 2"]) / 2
+    w2 = (idf["2"] + idf["1 2"] + idf["2 3"]) / 3
+    w3 = (idf["3"] + idf["2 3"]) / 2
+    w_special = (w1 + w2 + w3) / 3  # the mean over the known words, whatever the pieces
+    # `<s> 1 2a 2b 3 </s>`: a leading BOS, word "2" in two pieces.
+    lp = [-0.1, -1.0, -2.0, -0.5, -3.0, -0.5]
+    words = [None, 0, 1, 1, 2, None]
+    expected = ((w_special * -0.1 + w1 * -1.0 + w2 * (-2.0 - 0.5) + w3 * -3.0 + w_special * -0.5)
+                / (2 * w_special + w1 + 2 * w2 + w3))
+    assert idf_weighted_mean("1 2 3", lp, table, words) == pytest.approx(expected)
+    # One piece per word then the EOS is the default, and gives the word-level score.
+    word_level = [-1.0, -2.0, -3.0, -0.5]
+    assert (idf_weighted_mean("1 2 3", word_level, table, [0, 1, 2, None])
+            == pytest.approx(idf_weighted_mean("1 2 3", word_level, table)))
+    # Equal IDF everywhere: the plain mean over the scored tokens, like mean_logprob.
+    flat = IdfTable.from_texts(["1 2 3", "4"], max_n=1)
+    assert idf_weighted_mean("1 2 3", lp, flat, words) == pytest.approx(sum(lp) / len(lp))
+    with pytest.raises(ValueError, match="words has 5 entries for 6 log-probs"):
+        idf_weighted_mean("1 2 3", lp, table, words[:-1])
+    with pytest.raises(ValueError, match=r"word indices must be in \[0, 3\)"):
+        idf_weighted_mean("1 2 3", lp, table, [None, 0, 1, 1, 3, None])
+    assert idf_score(["1 2 3", "3 9"], [[lp, [-1.0, -1.0, -1.0]]], table,
+                     [[words, [0, 1, None]]]) in (0, 1)
+
+
 def test_idf_prefers_confidence_on_rare_tokens():
     table = IdfTable.from_texts(CORPUS, max_n=1)  # "1" is in every text (idf 0), "3" in one (idf log 4)
     candidates = ["1 3", "3 1"]

@@ -1,0 +1,165 @@
+"""`rlt2t predict` scores a candidate as training labels hold it (the tokenizer's whole target template: BART's
+pretrained tokenizer puts `<s>` first), on both backends, and `--rerank idf` works with a subword scorer (each
+piece of a word weighted by the word's IDF) or is refused before any decoding."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import BartConfig, BartForConditionalGeneration, BartTokenizerFast
+
+import rlt2t.predict as predict_mod
+from rlt2t.common.collate import collate_seq2seq, encode_texts
+from rlt2t.common.config import Config
+from rlt2t.common.ct2 import Ct2Policy, export_ct2
+from rlt2t.common.families import decoder_input_ids
+from rlt2t.common.rerank import IdfTable, idf_weighted_mean, token_words
+from rlt2t.common.scoring import token_scores
+from rlt2t.common.tokenization import load_tokenizer
+from rlt2t.predict import TorchRunner, predict
+
+SOURCES = ["a b", "c d a", "ab cd", "d"]
+TARGETS = ["a b c", "ab cd a", "", "dd c"]
+TRAIN = ["a b c", "a b", "c d", "ab c", "a dd"]
+
+
+def bart_bpe_tokenizer() -> BartTokenizerFast:
+    """A byte-level BPE tokenizer of BART's pretrained kind (`<s> text </s>`) whose words `ab`, `cd`, `dd` are
+    two pieces each."""
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "<mask>": 4, "Ġ": 5}
+    for w in ["a", "b", "c", "d", "Ġa", "Ġb", "Ġc", "Ġd"]:
+        vocab[w] = len(vocab)
+    return BartTokenizerFast(vocab=vocab, merges=[("Ġ", c) for c in "abcd"])
+
+
+@pytest.fixture(scope="module")
+def bart_dir(tmp_path_factory) -> Path:
+    tok = bart_bpe_tokenizer()
+    torch.manual_seed(0)
+    cfg = BartConfig(vocab_size=len(tok), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+                     pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+                     forced_eos_token_id=2, dropout=0.0, init_std=0.5)
+    out = tmp_path_factory.mktemp("bart-bpe") / "model"
+    BartForConditionalGeneration(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bart_export(bart_dir, tmp_path_factory) -> Path:
+    return export_ct2(bart_dir, tmp_path_factory.mktemp("bart-bpe-export") / "f32", "float32")
+
+
+def training_logprobs(model_dir: Path, sources, targets) -> list[list[float]]:
+    """HF log-probs over what a training batch holds: labels = encode_texts(target=True), decoder inputs from the
+    model's decoder start (rlt2t.learner.stages.make_collate)."""
+    tok = load_tokenizer(model_dir)
+    model = BartForConditionalGeneration.from_pretrained(model_dir).eval()
+    src, _ = encode_texts(tok, sources, 64)
+    tgt, _ = encode_texts(tok, targets, 64, target=True)
+    batch = collate_seq2seq(src, tgt, tok.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       decoder_input_ids=decoder_input_ids(batch["labels"], model.config)).logits
+    scores = token_scores(logits, batch["labels"], "logprobs")
+    return [scores[i, : len(t)].tolist() for i, t in enumerate(tgt)]
+
+
+def assert_close(got: list[list[float]], want: list[list[float]], tol: float = 1e-3) -> None:
+    assert [len(g) for g in got] == [len(w) for w in want]
+    assert max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)) < tol
+
+
+def test_the_template_puts_bos_first():
+    tok = bart_bpe_tokenizer()
+    assert encode_texts(tok, ["a b c"], 64, target=True)[0][0] == [0, 6, 11, 12, 2]
+
+
+def test_ct2_scores_the_training_labels_bos_included(bart_dir, bart_export):
+    ct2 = Ct2Policy(bart_export)
+    assert ct2.target_tokens(["a b c"]) == [["<s>", "a", "Ġb", "Ġc"]]  # score_batch appends the EOS
+    got = ct2.score(SOURCES, TARGETS)
+    assert [len(x) for x in got] == [5, 7, 2, 5]  # <s> ... </s>
+    assert_close(got, training_logprobs(bart_dir, SOURCES, TARGETS))
+
+
+def test_the_policy_servers_ct2_scores_name_the_labels_they_score(bart_dir, bart_export):
+    # /v1/score returns (token ids, log-probs) pairs: the CT2 backend's ids were the tokens without <s>, one short
+    from rlt2t.services.backends import Ct2Backend
+
+    (scored,) = Ct2Backend(Ct2Policy(bart_export)).score(["a b"], [["a b c", ""]])
+    tok = bart_bpe_tokenizer()
+    assert [s.token_ids for s in scored] == [tok("a b c")["input_ids"], tok("")["input_ids"]]
+    assert all(len(s.token_ids) == len(s.logprobs) for s in scored)
+
+
+def test_torch_runner_scores_the_training_labels_bos_included(bart_dir, tmp_path):
+    cfg = Config.model_validate({"run": {"dir": str(tmp_path / "run")}, "predict": {"backend": "torch"}})
+    got = TorchRunner(cfg, bart_dir).score(SOURCES, TARGETS)
+    assert_close(got, training_logprobs(bart_dir, SOURCES, TARGETS), tol=1e-5)
+
+
+def test_token_words_align_the_scored_ids_with_whitespace_words(bart_export):
+    ct2 = Ct2Policy(bart_export)
+    words = token_words(ct2.tokenizer, TARGETS)
+    assert words == [[None, 0, 1, 2, None], [None, 0, 0, 1, 1, 2, None], [None, None], [None, 0, 0, 1, None]]
+    assert [len(w) for w in words] == [len(lp) for lp in ct2.score(SOURCES, TARGETS)]
+
+
+def _write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _cfg(tmp_path: Path, train: Path) -> Config:
+    return Config.model_validate({
+        "run": {"dir": str(tmp_path / "run"), "progress": False}, "data": {"train": str(train)},
+        "predict": {"beam_size": 4, "num_hypotheses": 4, "max_new_tokens": 6, "batch_size": 3},
+    })
+
+
+def test_idf_rerank_with_a_subword_scorer_weights_each_piece_by_its_word(bart_export, tmp_path):
+    train = _write_jsonl(tmp_path / "train.jsonl",
+                         [{"id": str(i), "source": "a", "target": t} for i, t in enumerate(TRAIN)])
+    inputs = _write_jsonl(tmp_path / "in.jsonl", [{"id": str(i), "source": s} for i, s in enumerate(SOURCES)])
+    cfg = _cfg(tmp_path, train)
+    result = predict(cfg, [bart_export], [bart_export], inputs, tmp_path / "out" / "pred.csv", rerank="idf")
+    assert result.csv_path.is_file() and len(result.predictions) == len(SOURCES)
+    table = IdfTable.from_texts(TRAIN, cfg.predict.idf_max_n)
+    ct2 = Ct2Policy(bart_export)
+    rows = [json.loads(line) for line in result.jsonl_path.read_text().splitlines()]
+    pieces = 0
+    for row in rows:
+        texts = [c["text"] for c in row["candidates"]]
+        lps = ct2.score([row["source"]] * len(texts), texts)
+        words = token_words(ct2.tokenizer, texts)
+        pieces += sum(len(w) - 2 - len(t.split()) for w, t in zip(words, texts, strict=True))
+        want = [idf_weighted_mean(t, lp, table, w) for t, lp, w in zip(texts, lps, words, strict=True)]
+        assert [c["rerank_score"] for c in row["candidates"]] == pytest.approx(want, abs=1e-6)
+        assert row["chosen"] == max(range(len(want)), key=lambda k: (want[k], row["candidates"][k]["mean_logprob"]
+                                                                     [bart_export.name]))
+    assert pieces > 0  # some candidate has a word of several pieces: the case that used to crash
+
+
+def test_idf_with_a_scorer_whose_tokens_cannot_be_mapped_to_words_is_refused_before_decoding(
+        bart_export, tmp_path, monkeypatch):
+    class SlowTokenizerPolicy(Ct2Policy):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.tokenizer = types.SimpleNamespace(is_fast=False)  # like Marian's sentencepiece tokenizer
+
+        def generate(self, *args, **kwargs):
+            pytest.fail("decoding ran before the refusal")
+
+    monkeypatch.setattr(predict_mod, "Ct2Policy", SlowTokenizerPolicy)
+    train = _write_jsonl(tmp_path / "train.jsonl", [{"id": "0", "source": "a", "target": "a b"}])
+    inputs = _write_jsonl(tmp_path / "in.jsonl", [{"id": "0", "source": "a b"}])
+    out = tmp_path / "pred.csv"
+    with pytest.raises(ValueError, match=r"--rerank idf: the scorer .*f32: its tokenizer .* not a fast tokenizer"):
+        predict(_cfg(tmp_path, train), [bart_export], [bart_export], inputs, out, rerank="idf")
+    assert not out.exists()
