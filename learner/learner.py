@@ -35,7 +35,13 @@ from rlt2t.common.lora import apply_lora, is_lora, policy_weights
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.types import ScoredGroup, ScoredPair
 from rlt2t.learner.evaluate import generate, metric_table
-from rlt2t.learner.objectives import PolicyGradientObjective, StepRunner, build_objective
+from rlt2t.learner.objectives import (
+    MAXED_METRICS,
+    SUMMED_METRICS,
+    PolicyGradientObjective,
+    StepRunner,
+    build_objective,
+)
 from rlt2t.learner.schedule import linear_warmup_decay
 from rlt2t.learner.trainer import load_scaler_state, scaler_state
 
@@ -239,9 +245,13 @@ class Learner:
         keys = (*self.objective.metric_keys, "step_s")
         local = torch.tensor([metrics.get(k, 0.0) for k in keys[:-1]] + [time.perf_counter() - t0],
                              dtype=torch.float64)
-        mean = self.all_sum(local) / self.world_size
-        return {k: float(v) for k, v in zip(keys, mean.tolist(), strict=True)} | {
-            "lr": float(self.scheduler.get_last_lr()[0])}
+        total = self.all_sum(local)
+        out = {k: float(v) for k, v in zip(keys, (total / self.world_size).tolist(), strict=True)}
+        out |= {k: float(total[keys.index(k)]) for k in SUMMED_METRICS if k in keys}  # counts: over all ranks
+        maxed = [k for k in MAXED_METRICS if k in keys]  # the largest deviation of any rank, not their mean
+        if maxed:
+            out |= dict(zip(maxed, self.all_max(local[[keys.index(k) for k in maxed]]).tolist(), strict=True))
+        return out | {"lr": float(self.scheduler.get_last_lr()[0])}
 
     # --- what an objective's step calls (StepRunner) ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -268,6 +278,14 @@ class Learner:
         if self.world_size > 1:
             values = values.to(self._prepare().device)
             dist.all_reduce(values)
+            values = values.cpu()
+        return values
+
+    def all_max(self, values: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum over the ranks of a small float64 vector (itself with one rank)."""
+        if self.world_size > 1:
+            values = values.to(self._prepare().device)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
             values = values.cpu()
         return values
 

@@ -73,6 +73,12 @@ class StepRunner(Protocol):
         ...
 
 
+# How the learner reduces a step's scalars over its ranks: the mean, but counts add up and a "largest" stays the
+# largest (a mean over 4 ranks would log one rank's 0.5 ratio deviation as 0.125).
+SUMMED_METRICS = ("tokens", "excluded_tokens")
+MAXED_METRICS = ("ratio_max", "sampler_ratio_max_dev")
+
+
 class RankObjective:
     """Rank RL: CE(gold) + λ·rank loss on (better, worse) pairs, one optimizer step per batch."""
 

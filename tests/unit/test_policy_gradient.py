@@ -348,3 +348,22 @@ def test_the_frozen_models_follow_the_learner_to_its_device(init_dir, monkeypatc
     assert moved == [(module, acc.device) for module in frozen]
     assert _learner(init_dir, RLConfig(algorithm="grpo", batch_size=8),
                     RolloutConfig(num_samples=3, max_new_tokens=8)).objective.frozen_modules() == []
+
+
+def test_step_scalars_over_ranks_average_but_counts_add_and_maxima_stay_maxima(init_dir):
+    # A second rank stood in for: its scalars are this rank's doubled (the all-reduces return the reduction).
+    rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
+    rl = RLConfig(algorithm="grpo", batch_size=8, lr=3e-3)
+    worker = _rollout(init_dir, rollout, RolloutSpec.for_algorithm("grpo", kl=rl.uses_kl))
+    groups = _scored(worker)
+    alone = _learner(init_dir, rl, rollout).train_step(groups)
+    learner = _learner(init_dir, rl, rollout)
+    learner._prepare()  # set up as the one-process world it is
+    learner.world_size = 2
+    learner.all_sum = lambda v: v + 2 * v
+    learner.all_max = lambda v: torch.maximum(v, 2 * v)
+    learner.all_min = lambda value: value
+    two = learner.train_step(groups)
+    assert two["loss"] == pytest.approx(1.5 * alone["loss"], rel=1e-6)  # the mean of x and 2x
+    assert two["tokens"] == pytest.approx(3 * alone["tokens"])  # x + 2x
+    assert two["ratio_max"] == pytest.approx(2 * alone["ratio_max"], rel=1e-6)  # max(x, 2x)
