@@ -161,8 +161,10 @@ def round_config(cfg: Config, round_dir: Path) -> Config:
                   tokenizer={"path": str(cfg.tokenizer_dir.resolve())})
 
 
-def rl_step(cfg: Config, round_dir: Path, init: Path, reward_model: Path) -> Path:
-    """RL from ``init`` with the reward model as the reward; returns the trained policy's checkpoint.
+def rl_step(cfg: Config, round_dir: Path, init: Path, reward_model: Path, reference: Path) -> Path:
+    """RL from ``init`` with the reward model as the reward and the KL to ``reference`` (the SFT policy, in
+    every round: the penalty bounds the loop's whole drift, not each round's); returns the trained policy's
+    checkpoint.
 
     The RL job (`rlt2t train`, the ``rl.*`` settings: ``rl.algorithm`` picks the algorithm, a policy
     gradient with a KL penalty to the start by default in configs/feedback.yaml) with the reward model as
@@ -173,7 +175,7 @@ def rl_step(cfg: Config, round_dir: Path, init: Path, reward_model: Path) -> Pat
                       reward={"terms": [RewardModelTerm(path=str(reward_model.resolve())).model_dump()]},
                       rollout={"include_gold": False, "top_k": cfg.feedback.top_k,
                                "temperature": cfg.feedback.temperature})
-    rl_job(step_cfg, resume=True, init=init)
+    rl_job(step_cfg, resume=True, init=init, reference=reference)
     latest = latest_complete_checkpoint(round_dir / "rl" / "checkpoints")
     if latest is None:
         raise RuntimeError(f"RL step wrote no checkpoint under {round_dir / 'rl' / 'checkpoints'}")
@@ -247,7 +249,7 @@ def run_loop(cfg: Config) -> list[dict[str, Any]]:
         rm_metrics = complete_checkpoint(rm_dir).meta.get("metrics", {})
         # 4. RL with the reward model; 5. sample again (held-out sources), before and after.
         before = measure(policy_dir, annotator)
-        policy_dir = rl_step(cfg, round_dir, policy_dir, rm_dir)
+        policy_dir = rl_step(cfg, round_dir, policy_dir, rm_dir, reference=start)
         after = measure(policy_dir, annotator)
         summary = {"round": r, "token": annotator.token, "ranked_sources": len(ranked),
                    "reward_model": str(rm_dir), "reward_model_steps": rm.steps,

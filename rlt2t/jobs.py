@@ -281,9 +281,11 @@ def _recorded_start(cfg: Config, recorded: str) -> Path:
     return moved
 
 
-def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, stop_after_steps: int = 0):
+def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, stop_after_steps: int = 0,
+           reference: str | Path | None = None):
     """RL on Ray (``rl.algorithm``) from the run's best SFT checkpoint (or ``init``); ``resume`` continues the
-    newest checkpoint of the run's RL stage."""
+    newest checkpoint of the run's RL stage. The KL's reference policy is ``reference``, else the start (as a
+    resumed run recorded it)."""
     from rlt2t.train import STAGE, train
 
     save_run_config(cfg, STAGE)
@@ -299,12 +301,13 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
         start = _recorded_start(cfg, resumed.meta["init"])  # the reference policy of the KL stays the run's start
     else:
         start = best_or_latest(cfg.run_dir / "sft" / "checkpoints")
+    ref = resolve_model_dir(reference) if reference else start
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest or start)
     check_lengths(policy, cfg.data)
     train_set = load_split(cfg, "train")
     valid = load_split(cfg, "valid")[: cfg.metric.monitor_size] if cfg.path(cfg.data.valid).is_file() else []
-    log.info("rl: starting from %s", latest or start)
-    return train(cfg, train_set, valid, init=start, resume_from=resumed, stop_after_steps=stop_after_steps)
+    log.info("rl: starting from %s (KL reference %s)", latest or start, ref)
+    return train(cfg, train_set, valid, init=ref, start=start, resume_from=resumed, stop_after_steps=stop_after_steps)
 
 
 def prepare_sft(cfg: Config) -> Path:

@@ -78,9 +78,11 @@ class TrainResult:
 
 
 def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *, init: Path,
-          resume_from: CheckpointInfo | None = None, stop_after_steps: int = 0) -> TrainResult:
-    """Run ``rl.algorithm`` from ``init`` (an SFT checkpoint, also the reference policy of the KL) or resume
-    ``resume_from``; returns the last checkpoint."""
+          resume_from: CheckpointInfo | None = None, stop_after_steps: int = 0, start: Path | None = None
+          ) -> TrainResult:
+    """Run ``rl.algorithm`` from ``start`` (default ``init``) or resume ``resume_from``; returns the last
+    checkpoint. ``init`` is the reference policy of the KL (an SFT checkpoint; checkpoint meta ``init``): a
+    feedback round starts from the previous round's policy and keeps its KL to the SFT policy."""
     r = cfg.rl
     out_dir = cfg.run_dir / STAGE
     examples = _subset(cfg, train_set)
@@ -95,7 +97,7 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
     # CIDEr-D document frequencies: once, from the training references, shipped to every reward worker.
     df = DocumentFrequency.from_references([[e.target] for e in examples])  # type: ignore[list-item]
     df.save(out_dir / "document_frequency.json")  # for reward / policy servers scoring this task
-    start = Path(resume_from.path) if resume_from else init
+    start = Path(resume_from.path) if resume_from else (start or init)
     job = _Job.start(cfg, spec, start=start, init=init, total_steps=total_steps, df=df)
     try:
         return job.run(examples, valid, resume_from=resume_from, steps_per_epoch=steps_per_epoch,

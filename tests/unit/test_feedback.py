@@ -87,3 +87,26 @@ def test_kl_steps_are_conditioned_on_the_decoder_start_and_the_drawn_prefix(fami
     assert counted > len(rows)  # some rows have drawn tokens after the first
     assert kl["tokens_per_sequence"] == pytest.approx(counted / len(rows))
     assert kl["kl_per_sequence"] == pytest.approx(total / len(rows), rel=1e-4, abs=1e-7)
+
+
+def test_every_rounds_rl_keeps_its_kl_to_the_sft_policy(monkeypatch, tmp_path):
+    # Round r starts from round r-1's policy; the KL's reference stays the SFT policy (it bounds the loop's whole
+    # drift, as the README says), so rl_job gets both and the job its reference as `init`.
+    import rlt2t.feedback as feedback
+    import rlt2t.jobs as jobs
+    import rlt2t.train as train_mod
+    from rlt2t.common.config import load_config
+
+    sft, previous = tmp_path / "sft" / "epoch-0004", tmp_path / "round-1" / "rl" / "epoch-0002"
+    for d in (sft, previous):
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    cfg = load_config(["tiny"], [f"run.dir={tmp_path / 'run'}"])
+    calls = {}
+    monkeypatch.setattr(jobs, "load_policy", lambda *a, **kw: None)
+    monkeypatch.setattr(jobs, "check_lengths", lambda *a: None)
+    monkeypatch.setattr(jobs, "load_split", lambda *a: [])
+    monkeypatch.setattr(train_mod, "train", lambda cfg, train_set, valid, **kw: calls.update(kw))
+    with pytest.raises(RuntimeError, match="wrote no checkpoint"):  # nothing trained: the fake job writes none
+        feedback.rl_step(cfg, tmp_path / "round-2", previous, tmp_path / "rm", reference=sft)
+    assert calls["start"] == previous and calls["init"] == sft
