@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,7 +67,7 @@ def _text(value: object, path: Path, line: int, field: str) -> str:
 def _lines(path: str | os.PathLike) -> Iterable[tuple[int, str]]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"preference file not found: {path}")
+        raise FileNotFoundError(f"file not found: {path}")
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (Excel's exports)
@@ -101,14 +101,22 @@ def read_rank_lists(path: str | os.PathLike) -> list[PreferenceGroup]:
     return groups
 
 
-def _json_object(text: str, path: Path, number: int) -> dict:
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(path, number, None, f"not valid JSON: {e.msg}") from None
-    if not isinstance(row, dict):
-        raise DataError(path, number, None, f"expected a JSON object, got {type(row).__name__}")
-    return row
+def json_objects(path: str | os.PathLike, strings: Sequence[str] = ()) -> Iterator[tuple[int, dict]]:
+    """The JSON objects of a JSONL file with their line numbers (blank lines skipped, a byte-order mark dropped),
+    each with the fields ``strings`` holding strings; DataError naming the file, line and field otherwise."""
+    path = Path(path)
+    for number, text in _lines(path):
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(path, number, None, f"not valid JSON: {e.msg}") from None
+        if not isinstance(row, dict):
+            named = f" with {' and '.join(f'`{f}`' for f in strings)}" if strings else ""
+            raise DataError(path, number, None, f"expected a JSON object{named}, got {type(row).__name__}")
+        for f in strings:
+            if not isinstance(row.get(f), str):
+                raise DataError(path, number, f, "missing or not a string")
+        yield number, row
 
 
 def _require(row: dict, fields: Sequence[str], path: Path, number: int) -> None:
@@ -121,8 +129,7 @@ def read_pairs(path: str | os.PathLike) -> list[PreferenceGroup]:
     """Pairwise JSONL (``source``, ``chosen``, ``rejected``) → one two-candidate group per line."""
     path = Path(path)
     groups = []
-    for number, text in _lines(path):
-        row = _json_object(text, path, number)
+    for number, row in json_objects(path):
         _require(row, ("source", "chosen", "rejected"), path, number)
         source = _text(row["source"], path, number, "source")
         chosen = _text(row["chosen"], path, number, "chosen")
@@ -142,8 +149,7 @@ def read_ratings(path: str | os.PathLike) -> list[PreferenceGroup]:
     """
     path = Path(path)
     by_source: dict[str, dict] = {}
-    for number, text in _lines(path):
-        row = _json_object(text, path, number)
+    for number, row in json_objects(path):
         _require(row, ("source", "candidate", "rating"), path, number)
         source = _text(row["source"], path, number, "source")
         candidate = _text(row["candidate"], path, number, "candidate")

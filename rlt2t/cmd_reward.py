@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 from rlt2t.cmd_common import print_table
 from rlt2t.common.config import load_config
@@ -57,24 +56,15 @@ def cmd_reward_model_score(args) -> None:
 
 
 def _score_rows(path: str) -> list[dict]:
-    """The JSON objects of a `reward-model score` input, blank lines skipped; ValueError naming ``--input``, the
-    file's own line number (blank lines counted) and the problem."""
-    rows = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--input {path}:{number}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"--input {path}:{number}: expected a JSON object with `source` and `candidate`, "
-                             f"got {type(row).__name__}")
-        for key in ("source", "candidate"):
-            if not isinstance(row.get(key), str):
-                raise ValueError(f"--input {path}:{number}: field '{key}': missing or not a string")
-        rows.append(row)
-    return rows
+    """The JSON objects of a `reward-model score` input (string `source` and `candidate`); ValueError naming
+    ``--input``, the file's own line number and the problem."""
+    from rlt2t.common.data import DataError
+    from rlt2t.common.preferences import json_objects
+
+    try:
+        return [row for _, row in json_objects(path, ("source", "candidate"))]
+    except DataError as e:
+        raise ValueError(f"--input {e}") from None
 
 
 def cmd_classifier_train(args) -> None:
