@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,20 +75,15 @@ def cmd_data_import(args) -> None:
 def _unlabeled_file(path: Path) -> bool:
     """Whether ``path`` is a JSONL file of inputs without targets (what an --unlabeled import writes; a labeled
     import's rows all have one)."""
+    from rlt2t.common.data import load_examples
+
     if not path.is_file():
         return False
-    rows = 0
     try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    row = json.loads(line)
-                    if not isinstance(row, dict) or row.get("target") is not None:
-                        return False
-                    rows += 1
-    except (OSError, ValueError):
+        examples = load_examples(path, require_target=False)
+    except (OSError, ValueError):  # not our JSONL: not an unlabeled import's
         return False
-    return rows > 0
+    return bool(examples) and all(e.target is None for e in examples)
 
 
 def _check_import_out(out: Path, splits: tuple[str, ...], force: bool) -> None:
