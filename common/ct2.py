@@ -503,9 +503,13 @@ class Ct2Policy:
         """
         if len(sources) != len(targets):
             raise ValueError(f"sources and targets must have the same length, got {len(sources)} and {len(targets)}")
+        return self.score_ids(sources, self.target_ids(targets))
+
+    def score_ids(self, sources: Sequence[str], labels: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Raw log-probs of label id rows (a template's, or generated rows, EOS last when they end with one) given
+        their sources: one per id."""
         if not sources:
             return []
-        labels = self.target_ids(targets)
         results = self.translator.score_batch(
             self.source_tokens(sources), [ids_to_tokens(self.tokenizer, self._without_eos(x)) for x in labels],
             max_batch_size=self.max_batch_size, batch_type=self.batch_type, max_input_length=0,

@@ -37,7 +37,7 @@ from rlt2t.common.families import positions_or
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.sampling import sample_candidates
 from rlt2t.common.scoring import token_scores
-from rlt2t.common.tokenization import ids_to_tokens, text_checker
+from rlt2t.common.tokenization import text_checker
 
 log = logging.getLogger("rlt2t.services.backends")
 
@@ -403,12 +403,5 @@ class Ct2Backend:
         return out
 
     def _teacher_forced(self, sources: Sequence[str], rows: Sequence[Sequence[int]]) -> list[list[float]]:
-        """Raw log-probs of generated id rows: score_batch over their tokens (it appends the EOS itself)."""
-        eos = self.tokenizer.eos_token_id
-        body = [list(r[:-1]) if r and r[-1] == eos else list(r) for r in rows]
-        if not rows:
-            return []
-        results = self.ct2.translator.score_batch(
-            self.ct2.source_tokens(sources), [ids_to_tokens(self.tokenizer, b) for b in body],
-            max_input_length=0)
-        return [list(map(float, res.log_probs))[: len(r)] for res, r in zip(results, rows, strict=True)]
+        """Raw log-probs of generated id rows (:meth:`Ct2Policy.score_ids`)."""
+        return self.ct2.score_ids(sources, rows)
