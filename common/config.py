@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -451,7 +452,8 @@ class ClassifierTerm(_Section):
     batch_size: int = Field(64, ge=1)
     """Texts per model call."""
     max_length: int = Field(256, ge=2)
-    """Tokens kept per classified text (pair: the source is cut first)."""
+    """Tokens kept per classified text (pair: tokens come off the longer of source and candidate until the pair
+    fits, so a candidate shorter than half the limit is kept whole)."""
 
 
 class HttpTerm(_Section):
@@ -478,9 +480,9 @@ RewardTerm = Annotated[MetricTerm | RewardModelTerm | ClassifierTerm | HttpTerm,
 
 class RewardConfig(_Section):
     bleu_weight: float = Field(1 / 3, ge=0.0, le=1.0)
-    """w in the pair reward (1-w)·CIDEr-D + w·BLEU-4 (the competition's 1/3)."""
+    """w in the pair reward (1-w)·CIDEr-D + w·BLEU-4; unset: `metric.bleu_weight` (what the run is judged on)."""
     cider_sigma: float = Field(6.0, gt=0.0)
-    """σ of CIDEr-D's Gaussian length penalty (6 is standard; the original used 15)."""
+    """σ of the rewards' CIDEr-D length penalty; unset: `metric.cider_sigma`."""
     source: Literal["ray", "http"] = "ray"
     """Where pairs are scored: Ray reward actors, or a reward server (`reward.url`)."""
     url: str | None = None
@@ -607,9 +609,11 @@ class EvalConfig(_Section):
 
 class MetricConfig(_Section):
     cider_sigma: float = Field(6.0, gt=0.0)
-    """σ of CIDEr-D's Gaussian length penalty (6 is standard; the original used 15)."""
+    """σ of CIDEr-D's Gaussian length penalty (6 is standard; the original used 15), of evaluation and, unless
+    `reward.cider_sigma` is set, of the rewards."""
     bleu_weight: float = Field(1 / 3, ge=0.0, le=1.0)
-    """w in the task score (1-w)·CIDEr-D + w·BLEU-4 of rewards and eval tables (the competition's 1/3)."""
+    """w in the task score (1-w)·CIDEr-D + w·BLEU-4 of eval tables and, unless `reward.bleu_weight` is set, of
+    the rewards (the competition's 1/3)."""
     monitor_bleu_weight: float = Field(0.0, ge=0.0, le=1.0)
     """w of the per-epoch validation monitor that picks the best checkpoint (0, as the original)."""
     monitor_size: int = Field(200, ge=0)
@@ -785,6 +789,15 @@ class Config(_Section):
     annotate: AnnotateConfig = AnnotateConfig()
 
     @model_validator(mode="after")
+    def _reward_follows_metric(self) -> Config:
+        # The rewards optimise the metric the run is judged on, unless told otherwise.
+        for key in ("bleu_weight", "cider_sigma"):
+            if key not in self.reward.model_fields_set:
+                setattr(self.reward, key, getattr(self.metric, key))
+                self.reward.model_fields_set.discard(key)  # still unset: follows metric.* again on another load
+        return self
+
+    @model_validator(mode="after")
     def _lengths_fit_positions(self) -> Config:
         # A pretrained directory is checked when it is loaded (its positions are in its config.json).
         if self.model.path is None and self.model.preset is not None and FAMILIES[self.model.family].learned_positions:
@@ -863,10 +876,38 @@ def _check_precision(model: ModelConfig, mixed_precision: str) -> None:
     check_mixed_precision(found, mixed_precision)
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML as configs are written: ``1e-4`` is a number (YAML 1.1 reads a float without a dot as a string),
+    and a key given twice in one mapping is an error (YAML keeps the last, silently dropping the first
+    block's settings)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                line = key_node.start_mark.line + 1
+                raise ConfigError(f"line {line}: key {key!r} given twice in one mapping "
+                                  f"(first on line {seen[key]}); merge the two")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+_ConfigLoader.add_implicit_resolver(  # type: ignore[no-untyped-call]
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader)
+
+
 def _parse_value(text: str) -> Any:
-    """`a.b=value` values are YAML scalars: 3, 0.5, true, null, [1, 2], "text"."""
+    """`a.b=value` values are YAML scalars: 3, 0.5, 1e-4, true, null, [1, 2], "text"."""
     try:
-        return yaml.safe_load(text) if text != "" else ""
+        return _yaml(text) if text != "" else ""
     except yaml.YAMLError:
         return text
 
@@ -925,9 +966,13 @@ def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ())
     for path in paths:
         path = resolve_config_path(path)
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = _yaml(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
         _deep_merge(tree, loaded)
@@ -935,7 +980,11 @@ def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ())
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r}: expected key.path=value")
-        _set_dotted(tree, key.strip(), _parse_value(raw))
+        try:
+            value = _parse_value(raw)
+        except ConfigError as e:
+            raise ConfigError(f"override {item!r}: {e}") from None
+        _set_dotted(tree, key.strip(), value)
     origin = ", ".join([str(p) for p in paths] + list(overrides)) or "defaults"
     retired = _retired_keys(tree)
     if retired:

@@ -307,6 +307,16 @@ def _reference_streams(refs: Sequence[Sequence[str]]) -> Sequence[Sequence[str]]
     return cast(Sequence[Sequence[str]], streams)
 
 
+def _sacrebleu_bleu(tokenize: str, smooth_method: str, **options: Any) -> BLEU:
+    """sacrebleu's BLEU, with errors that name the argument (sacrebleu raises a bare one for a bad tokenizer)."""
+    if smooth_method not in BLEU.SMOOTH_DEFAULTS:
+        raise ValueError(f"smooth_method must be one of {sorted(BLEU.SMOOTH_DEFAULTS)}, got {smooth_method!r}")
+    try:
+        return BLEU(tokenize=tokenize, smooth_method=smooth_method, **options)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise ValueError(f"tokenize={tokenize!r} is not a sacrebleu tokenizer: {e}") from e
+
+
 class Bleu4:
     """BLEU-4 from sacrebleu, in [0, 1].
 
@@ -325,25 +335,15 @@ class Bleu4:
         tokenize: str = "13a",
         effective_order: bool = False,
     ):
-        if smooth_method not in BLEU.SMOOTH_DEFAULTS:
-            raise ValueError(
-                f"smooth_method must be one of {sorted(BLEU.SMOOTH_DEFAULTS)}, got {smooth_method!r}"
-            )
+        if smooth_value is not None and (isinstance(smooth_value, bool) or not isinstance(smooth_value, int | float)):
+            raise ValueError(f"smooth_value must be a number or null, got {smooth_value!r}")
         self.smooth_method = smooth_method
         self.smooth_value = smooth_value
         self.tokenize = tokenize
         self.effective_order = effective_order
-        # sacrebleu raises a bare error for an unknown tokenizer name; say which argument was wrong.
-        try:
-            self._bleu = BLEU(
-                tokenize=tokenize,
-                smooth_method=smooth_method,
-                smooth_value=smooth_value,
-                effective_order=effective_order,
-                force=True,  # never warn about "tokenized" input: id texts are tokenized by nature
-            )
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise ValueError(f"tokenize={tokenize!r} is not a sacrebleu tokenizer: {e}") from e
+        self._bleu = _sacrebleu_bleu(tokenize, smooth_method, smooth_value=smooth_value,
+                                     effective_order=effective_order,
+                                     force=True)  # never warn about "tokenized" input: id texts are by nature
 
     def _sentence(self, hyp: str, item_refs: Sequence[str]) -> float:
         # A one-sentence corpus is exactly sacrebleu's sentence_score (same statistics, same formula)
@@ -644,16 +644,9 @@ class SacreBleu:
     name = "sacrebleu"
 
     def __init__(self, tokenize: str = "13a", smooth_method: str = "exp", lowercase: bool = False):
-        if smooth_method not in BLEU.SMOOTH_DEFAULTS:
-            raise ValueError(
-                f"smooth_method must be one of {sorted(BLEU.SMOOTH_DEFAULTS)}, got {smooth_method!r}")
         self.tokenize, self.smooth_method, self.lowercase = tokenize, smooth_method, lowercase
-        try:
-            self._corpus_bleu = BLEU(tokenize=tokenize, smooth_method=smooth_method, lowercase=lowercase)
-            self._sentence_bleu = BLEU(tokenize=tokenize, smooth_method=smooth_method, lowercase=lowercase,
-                                       effective_order=True)
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise ValueError(f"tokenize={tokenize!r} is not a sacrebleu tokenizer: {e}") from e
+        self._corpus_bleu = _sacrebleu_bleu(tokenize, smooth_method, lowercase=lowercase)
+        self._sentence_bleu = _sacrebleu_bleu(tokenize, smooth_method, lowercase=lowercase, effective_order=True)
 
     def per_sample(self, hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> np.ndarray:
         """Sentence SacreBLEU per sample; float64 [N] in [0, 1]."""

@@ -173,7 +173,7 @@ class ClassifierReward:
         for first in range(0, len(candidates), t.batch_size):
             cands = list(candidates[first : first + t.batch_size])
             if t.text == "pair":
-                enc = self.tokenizer(list(sources[first : first + t.batch_size]), cands, truncation="only_first",
+                enc = self.tokenizer(list(sources[first : first + t.batch_size]), cands, truncation="longest_first",
                                      max_length=t.max_length, padding=True, return_tensors="pt")
             else:
                 enc = self.tokenizer(cands, truncation=True, max_length=t.max_length, padding=True, return_tensors="pt")

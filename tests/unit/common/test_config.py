@@ -65,6 +65,25 @@ def test_bad_files(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config([bad])
+    twice = tmp_path / "twice.yaml"  # YAML keeps the last block: sft.lr and sft.epochs would vanish silently
+    twice.write_text("sft:\n  lr: 3.0e-4\n  epochs: 10\nrl:\n  epochs: 3\nsft:\n  rdrop_alpha: 1.0\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: line 6: key 'sft' given twice in one mapping \(first on line"):
+        load_config([twice])
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfesft: {}\n")
+    with pytest.raises(ConfigError, match=r"binary.yaml: not UTF-8 text"):
+        load_config([binary])
+
+
+def test_numbers_without_a_dot_are_numbers_in_free_form_params(tmp_path):
+    """YAML 1.1 reads `1e-2` as a string; typed keys converted it back, but a metric's params (free-form)
+    passed the string on, and BLEU-4 failed mid-training at the first n-gram order without a match."""
+    path = tmp_path / "c.yaml"
+    path.write_text("reward:\n  terms:\n  - {kind: metric, name: bleu4, params: {smooth_method: floor, "
+                    "smooth_value: 1e-2}}\n")
+    (term,) = load_config([path]).reward.terms
+    assert term.params == {"smooth_method": "floor", "smooth_value": 0.01}
+    assert load_config(overrides=["sft.lr=2E+0"]).sft.lr == 2.0
 
 
 def test_run_paths_expand():

@@ -178,6 +178,8 @@ def test_bleu4_smoothing_is_configurable():
         Bleu4(smooth_method="laplace")
     with pytest.raises(ValueError, match="tokenize"):
         Bleu4(tokenize="no-such-tokenizer")
+    with pytest.raises(ValueError, match="smooth_value must be a number or null, got '1e-2'"):
+        Bleu4(smooth_method="floor", smooth_value="1e-2")  # type: ignore[arg-type]
 
 
 def test_rouge_l_matches_pycocoevalcap():

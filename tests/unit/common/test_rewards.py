@@ -106,6 +106,32 @@ def test_classifier_term_is_the_labels_probability_or_logit(classifier_dir, labe
     assert reward.score(SOURCES, CANDS) == pytest.approx((2.0 * expected).tolist(), abs=1e-5)
 
 
+def test_classifier_pair_over_the_limit_is_cut_not_refused(classifier_dir):
+    """A candidate longer than the pair's limit is cut with the source (the fast tokenizer refused to cut the
+    source alone below zero and the reward worker died); a pair within the limit is scored as it is."""
+    path, model, tok = classifier_dir
+    reward = build_reward(RewardConfig(terms=[ClassifierTerm(path=str(path), label="pos", output="logit",
+                                                             text="pair", max_length=16)]))
+    long_cand = " ".join(["5"] * 20)
+    enc = tok(["1 2 3"], [long_cand], truncation="longest_first", max_length=16, return_tensors="pt")
+    assert enc["input_ids"].shape[1] == 16
+    with torch.no_grad():
+        expected = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits[0, 2].item()
+    assert reward.score(["1 2 3"], [long_cand]) == pytest.approx([expected], abs=1e-5)
+
+
+def test_rewards_follow_the_metric_settings_unless_set():
+    """The rewards optimise the metric the run is judged on: metric.cider_sigma / bleu_weight reach the reward
+    terms unless reward.* says otherwise."""
+    cfg = load_config([], ["metric.cider_sigma=15", "metric.bleu_weight=0.5"])
+    assert (cfg.reward.cider_sigma, cfg.reward.bleu_weight) == (15.0, 0.5)
+    refs = [["11 12 13 15 16 17 18 19 20 21 22"]]
+    expected = get_metric("task_score", bleu_weight=0.5, sigma=15.0).per_sample(["11 12 13"], refs)
+    assert build_reward(cfg.reward).score(["1"], ["11 12 13"], refs).tolist() == expected.tolist()
+    own = load_config([], ["metric.cider_sigma=15", "reward.cider_sigma=4"])
+    assert (own.reward.cider_sigma, own.metric.cider_sigma) == (4.0, 15.0)
+
+
 def test_unknown_names_fail_with_the_term_named(classifier_dir):
     path, _, _ = classifier_dir
     with pytest.raises(ValueError, match=r"label 'happy' is not a label of .*\(labels: neg, neu, pos\)"):
