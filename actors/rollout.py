@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -42,6 +44,33 @@ if TYPE_CHECKING:  # imported where used: CTranslate2 loads only with rollout.ba
     from rlt2t.common.ct2 import Ct2Policy
 
 log = logging.getLogger("rlt2t.rollout")
+
+CT2_DIR_PREFIX = "rlt2t-ct2-"
+_CT2_DIR = re.compile(rf"{re.escape(CT2_DIR_PREFIX)}(\d{{1,9}})-[a-z0-9_]+")  # <prefix><owner pid>-<tempfile's suffix>
+
+
+def sweep_stale_ct2_dirs(root: str | None = None) -> list[str]:
+    """Remove the CTranslate2 work directories (``rlt2t-ct2-<pid>-*`` under ``root``, default the temporary
+    directory) whose owner process no longer runs: a worker killed outright (OOM, SIGKILL) never reaches
+    :meth:`RolloutWorker.close`, and its directory holds a whole converted model. Returns the removed paths."""
+    root = root if root is not None else tempfile.gettempdir()
+    removed: list[str] = []
+    for entry in os.scandir(root):
+        match = _CT2_DIR.fullmatch(entry.name)
+        if match and entry.is_dir(follow_symlinks=False) and not _pid_runs(int(match[1])):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class RolloutWorker:
@@ -103,9 +132,13 @@ class RolloutWorker:
         self._version = 0
         self._installed: int | None = None  # the constructor's weights are not any published version
         # rollout.backend=ct2: the weights of each version are converted to a CTranslate2 model in a local
-        # temporary directory (no shared filesystem needed) the first time that version samples.
+        # temporary directory (no shared filesystem needed) the first time that version samples. Its name holds
+        # this process's id, so that a later worker removes it should this one die before close().
         self._ct2: Ct2Policy | None = None
-        self._ct2_dir = tempfile.TemporaryDirectory(prefix="rlt2t-ct2-") if rollout.backend == "ct2" else None
+        self._ct2_dir: tempfile.TemporaryDirectory[str] | None = None
+        if rollout.backend == "ct2":
+            sweep_stale_ct2_dirs()
+            self._ct2_dir = tempfile.TemporaryDirectory(prefix=f"{CT2_DIR_PREFIX}{os.getpid()}-")
         if rollout.backend == "ct2" and self.device.type != "cpu":
             log.warning("rollout.backend=ct2 samples on CPU here (device %s is used by the torch backend only)",
                         self.device)

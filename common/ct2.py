@@ -354,6 +354,18 @@ class Hypothesis:
     search (0 penalty: the plain sum). Sampling scores are under the tempered, top-k distribution."""
 
 
+@dataclass(frozen=True)
+class _Decoded:
+    """One hypothesis of :meth:`Ct2Policy._decode`."""
+
+    ids: list[int]
+    """Row ids without the decoder start token; EOS last when decoded, or appended when ``forced``."""
+    forced: bool
+    score: float
+    logits: Sequence[Any]
+    """Each decoded step's vocabulary logits when asked for (the forced EOS has none), else empty."""
+
+
 class Ct2Policy:
     """A CTranslate2 translator plus our tokenizer, loaded from an export directory.
 
@@ -381,6 +393,7 @@ class Ct2Policy:
             raise ValueError(f"batch_type must be 'examples' or 'tokens', got {batch_type!r}")
         self.tokenizer = load_tokenizer(self.export_dir)
         self._named_rows = len(self.tokenizer.get_vocab())  # rows past these are <rlt2t_unused_i> (token_ids)
+        self.vocab_rows: int = self.info["vocab_size"]  # the model's output rows, named or not
         self._translator_args = dict(device=device, compute_type=compute_type, inter_threads=inter_threads,
                                      intra_threads=intra_threads)
         self.max_batch_size = max_batch_size
@@ -410,10 +423,17 @@ class Ct2Policy:
         return [named + int(t[len(UNUSED_ROW):-1]) if t.startswith(UNUSED_ROW) else i
                 for t, i in zip(tokens, tokens_to_ids(self.tokenizer, tokens), strict=True)]
 
+    def row_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The CTranslate2 token names of row ids, the inverse of :meth:`token_ids`: the tokenizer's tokens, and
+        ``<rlt2t_unused_i>`` for the rows it has no token for (the tokenizer would give None)."""
+        named = self._named_rows
+        tokens = iter(ids_to_tokens(self.tokenizer, [i for i in ids if i < named]))
+        return [next(tokens) if i < named else f"{UNUSED_ROW}{i - named}>" for i in ids]
+
     def source_tokens(self, sources: Sequence[str]) -> list[list[str]]:
         """Token strings of each source, EOS included, truncated like training (``encode_texts``)."""
         ids, _ = encode_texts(self.tokenizer, sources, self.max_source_len)
-        return [ids_to_tokens(self.tokenizer, x) for x in ids]
+        return [self.row_tokens(x) for x in ids]
 
     def target_ids(self, targets: Sequence[str]) -> list[list[int]]:
         """Ids of each target as training labels hold them: the tokenizer's full target template
@@ -424,7 +444,7 @@ class Ct2Policy:
     def target_tokens(self, targets: Sequence[str]) -> list[list[str]]:
         """Token strings ``score_batch`` gets for each target: its :meth:`target_ids` without a final EOS
         (``score_batch`` appends the EOS itself)."""
-        return [ids_to_tokens(self.tokenizer, self._without_eos(x)) for x in self.target_ids(targets)]
+        return [self.row_tokens(self._without_eos(x)) for x in self.target_ids(targets)]
 
     def _without_eos(self, ids: Sequence[int]) -> list[int]:
         return list(ids[:-1]) if ids and ids[-1] == self.eos_id else list(ids)
@@ -462,36 +482,53 @@ class Ct2Policy:
                              f"{sampling_temperature}")
         if not sources:
             return []
-        if sampling_topk >= len(self.tokenizer):
-            sampling_topk = 0  # top-k over the whole vocabulary is no filter (CT2 rejects k > vocabulary)
+        # CT2 refuses several hypotheses from greedy search (top-1 "sampling"); they would all be equal.
+        copies = num_hypotheses if beam_size == 1 and sampling_topk == 1 else 1
+        _, decoded = self._decode(
+            sources, num_hypotheses=num_hypotheses // copies, max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens, sampling_topk=sampling_topk, seed=seed,
+            beam_size=beam_size, length_penalty=length_penalty, sampling_temperature=sampling_temperature)
+        return [[Hypothesis(text=" ".join(decode_ids(self.tokenizer, d.ids, skip_special_tokens=True).split()),
+                            token_ids=tuple(d.ids), score=d.score) for d in hyps] * copies for hyps in decoded]
+
+    def _decode(self, sources: Sequence[str], *, num_hypotheses: int, max_new_tokens: int, sampling_topk: int,
+                seed: int | None, min_new_tokens: int = 0, with_logits: bool = False, **options: Any
+                ) -> tuple[int, list[list[_Decoded]]]:
+        """``translate_batch`` as :meth:`generate` and :func:`sample_ct2_logprobs` run it (``options`` are passed
+        on): a top-k at least the model's rows becomes 0 (no filter: CT2 rejects k > vocabulary), ``seed``
+        reseeds first, and with a forced EOS the last position is ours to fill (see the module doc: one step
+        less, the EOS appended; a 1-token limit is that EOS alone). Returns the top-k CT2 sampled with and
+        ``num_hypotheses`` hypotheses per source (RuntimeError when CT2 returns another count); ``with_logits`` asks
+        for each step's vocabulary logits."""
+        if sampling_topk >= self.vocab_rows:
+            sampling_topk = 0
         if seed is not None:
             self.reseed(seed)
         forced_eos = self.forced_eos_id
-        # With a forced EOS the last position is ours to fill (see the module doc); a 1-token limit is that EOS.
         if forced_eos is not None and max_new_tokens == 1:
-            return [[Hypothesis("", (forced_eos,), 0.0)] * num_hypotheses for _ in sources]
+            return sampling_topk, [[_Decoded([forced_eos], True, 0.0, ())] * num_hypotheses for _ in sources]
         steps = max_new_tokens - 1 if forced_eos is not None else max_new_tokens
-        # CT2 refuses several hypotheses from greedy search (top-1 "sampling"); they would all be equal.
-        copies = num_hypotheses if beam_size == 1 and sampling_topk == 1 else 1
         results = self.translator.translate_batch(
-            self.source_tokens(sources),
-            max_batch_size=self.max_batch_size, batch_type=self.batch_type,
-            beam_size=beam_size, num_hypotheses=num_hypotheses // copies, length_penalty=length_penalty,
-            max_decoding_length=steps, min_decoding_length=min(min_new_tokens, steps), max_input_length=0,
-            return_scores=True, return_end_token=True,
-            sampling_topk=sampling_topk, sampling_temperature=sampling_temperature,
-        )
+            self.source_tokens(sources), max_batch_size=self.max_batch_size, batch_type=self.batch_type,
+            num_hypotheses=num_hypotheses, max_decoding_length=steps, min_decoding_length=min(min_new_tokens, steps),
+            max_input_length=0, return_scores=True, return_end_token=True, return_logits_vocab=with_logits,
+            sampling_topk=sampling_topk, **options)
         out = []
-        for result in results:
+        for i, result in enumerate(results):
+            if len(result.hypotheses) != num_hypotheses:  # anything else breaks the callers' row layout
+                raise RuntimeError(f"CTranslate2 returned {len(result.hypotheses)} samples for source {i}, "
+                                   f"expected {num_hypotheses}")
+            step_logits = result.logits if with_logits else [()] * num_hypotheses
             hyps = []
-            for tokens, score in zip(result.hypotheses, result.scores, strict=True):
+            for tokens, score, hyp_logits in zip(result.hypotheses, result.scores, step_logits, strict=True):
                 ids = self.token_ids(tokens)
+                forced = False
                 if forced_eos is not None and (not ids or ids[-1] != self.eos_id):
                     ids.append(forced_eos)
-                text = " ".join(decode_ids(self.tokenizer, ids, skip_special_tokens=True).split())
-                hyps.append(Hypothesis(text=text, token_ids=tuple(ids), score=float(score)))
-            out.append(hyps * copies)
-        return out
+                    forced = True
+                hyps.append(_Decoded(ids, forced, float(score), hyp_logits))
+            out.append(hyps)
+        return sampling_topk, out
 
     def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[list[float]]:
         """Per-token log-probs of each target given its source (teacher forcing): one per id of
@@ -511,7 +548,7 @@ class Ct2Policy:
         if not sources:
             return []
         results = self.translator.score_batch(
-            self.source_tokens(sources), [ids_to_tokens(self.tokenizer, self._without_eos(x)) for x in labels],
+            self.source_tokens(sources), [self.row_tokens(self._without_eos(x)) for x in labels],
             max_batch_size=self.max_batch_size, batch_type=self.batch_type, max_input_length=0,
         )
         return [list(map(float, r.log_probs))[: len(x)] for r, x in zip(results, labels, strict=True)]
@@ -569,12 +606,7 @@ def sample_ct2(
     check_sampling(k, top_k, temperature)
     per_source = ct2.generate(sources, beam_size=1, num_hypotheses=k, max_new_tokens=max_new_tokens,
                               sampling_topk=top_k, sampling_temperature=temperature, seed=seed)
-    rows: list[list[int]] = []
-    for i, hyps in enumerate(per_source):
-        if len(hyps) != k:  # CT2 returns exactly num_hypotheses samples; anything else breaks the layout
-            raise RuntimeError(f"CTranslate2 returned {len(hyps)} samples for source {i}, expected {k}")
-        rows.extend(list(h.token_ids) for h in hyps)
-    return rows
+    return [list(h.token_ids) for hyps in per_source for h in hyps]  # k per source (Ct2Policy._decode checks)
 
 
 
@@ -601,37 +633,20 @@ def sample_ct2_logprobs(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not sources:
         return []
-    if top_k >= len(ct2.tokenizer):
-        top_k = 0
-    if seed is not None:
-        ct2.reseed(seed)
-    forced_eos = ct2.forced_eos_id
-    if forced_eos is not None and max_new_tokens == 1:
-        return [SampledSequence([forced_eos], [0.0], [0.0], forced=True) for _ in range(len(sources) * k)]
-    steps = max_new_tokens - 1 if forced_eos is not None else max_new_tokens
-    results = ct2.translator.translate_batch(
-        ct2.source_tokens(sources), beam_size=1, num_hypotheses=k, max_decoding_length=steps,
-        min_decoding_length=0, max_input_length=0, return_end_token=True, return_logits_vocab=True,
-        sampling_topk=top_k, sampling_temperature=temperature,
-        max_batch_size=ct2.max_batch_size, batch_type=ct2.batch_type)
+    top_k, decoded = ct2._decode(sources, num_hypotheses=k, max_new_tokens=max_new_tokens, sampling_topk=top_k,
+                                 seed=seed, with_logits=True, beam_size=1, sampling_temperature=temperature)
     rows: list[SampledSequence] = []
-    for i, result in enumerate(results):
-        if len(result.hypotheses) != k:
-            raise RuntimeError(f"CTranslate2 returned {len(result.hypotheses)} samples for source {i}, expected {k}")
-        for tokens, step_logits in zip(result.hypotheses, result.logits, strict=True):
-            ids = ct2.token_ids(tokens)
-            raw_lp: list[float] = []
-            sample_lp: list[float] = []
-            if ids:
-                logits = torch.from_numpy(np.stack([np.asarray(x, dtype=np.float32) for x in step_logits[: len(ids)]]))
-                index = torch.tensor(ids)[:, None]
-                raw_lp = logits.log_softmax(-1).gather(-1, index)[:, 0].tolist()
-                sample_lp = warp_logits(logits, temperature, top_k).log_softmax(-1).gather(-1, index)[:, 0].tolist()
-            appended = False
-            if forced_eos is not None and (not ids or ids[-1] != ct2.eos_id):
-                ids.append(forced_eos)
-                raw_lp.append(0.0)  # not computed by the sampler; the learner leaves forced tokens out
-                sample_lp.append(0.0)
-                appended = True
-            rows.append(SampledSequence(ids, raw_lp, sample_lp, forced=appended))
+    for d in (d for hyps in decoded for d in hyps):
+        drawn = d.ids[:-1] if d.forced else d.ids
+        raw_lp: list[float] = []
+        sample_lp: list[float] = []
+        if drawn:
+            logits = torch.from_numpy(np.stack([np.asarray(x, dtype=np.float32) for x in d.logits[: len(drawn)]]))
+            index = torch.tensor(drawn)[:, None]
+            raw_lp = logits.log_softmax(-1).gather(-1, index)[:, 0].tolist()
+            sample_lp = warp_logits(logits, temperature, top_k).log_softmax(-1).gather(-1, index)[:, 0].tolist()
+        if d.forced:  # not computed by the sampler; the learner leaves forced tokens out
+            raw_lp.append(0.0)
+            sample_lp.append(0.0)
+        rows.append(SampledSequence(list(d.ids), raw_lp, sample_lp, forced=d.forced))
     return rows
