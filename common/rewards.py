@@ -21,6 +21,7 @@ batches on the given device.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import os
@@ -120,7 +121,8 @@ class MetricReward:
 
 class RewardModelReward:
     """A learned reward model's score. ``root`` is the checkpoint root the model came from (None for a plain
-    directory): the reward server watches it and :meth:`install` swaps in a retrained model between calls."""
+    directory): the reward server watches it and serves a retrained model as :meth:`with_model`'s copy of the
+    term, swapped in between requests."""
 
     needs_references = False
 
@@ -132,12 +134,15 @@ class RewardModelReward:
             given / MARKER).is_file() else None
         self.model: RewardModel = load_reward_model(given, device=device)
 
-    def install(self, model: RewardModel) -> None:
-        """Serve ``model`` from the next call on (a call in flight keeps the model it started with)."""
-        self.model = model.to(self.device).eval()
+    def with_model(self, model: RewardModel) -> RewardModelReward:
+        """A copy of this term serving ``model`` (this one keeps its own: what still scores with it is not
+        changed under it)."""
+        term = copy.copy(self)
+        term.model = model.to(self.device).eval()
+        return term
 
     def load(self, path: str | os.PathLike) -> RewardModel:
-        """Load a reward model the way this term does (for hot reload: load, then :meth:`install`)."""
+        """Load a reward model the way this term does (for hot reload: load, then :meth:`with_model`)."""
         return load_reward_model(path, device=self.device)
 
     @property

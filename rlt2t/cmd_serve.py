@@ -40,6 +40,7 @@ def run_server(app, host: str, port: int, name: str, serve=None) -> None:
     import uvicorn
 
     from rlt2t.common.config import ServeConfig
+    from rlt2t.services.deploy_actor import url_host
     from rlt2t.services.http import uvicorn_config
 
     class _Server(uvicorn.Server):
@@ -52,11 +53,10 @@ def run_server(app, host: str, port: int, name: str, serve=None) -> None:
 
     sock = _listening_socket(host, port)
     actual_host, actual_port = sock.getsockname()[:2]
-    shown = f"[{actual_host}]" if ":" in actual_host else actual_host
     config = uvicorn_config(app, serve or ServeConfig(), log_level="info", access_log=False,
                             timeout_graceful_shutdown=30, lifespan="on")
     server = _Server(config)
-    print(f"serving {name} on http://{shown}:{actual_port}", flush=True)
+    print(f"serving {name} on http://{url_host(actual_host)}:{actual_port}", flush=True)
     try:
         server.run(sockets=[sock])
     finally:
@@ -77,29 +77,30 @@ def _document_frequency(cfg, given: str | None) -> str | None:
     return None
 
 
-def cmd_serve_policy(args) -> None:
+def _serve(args, name: str, make_app: Callable, port_setting: str) -> None:
+    """What both servers do: load the config, refuse to listen beyond loopback without a token, build the app
+    (``make_app(cfg, document_frequency)``) and serve it on ``--port``, else ``serve.<port_setting>``."""
     from rlt2t.common.config import load_config
     from rlt2t.services.http import check_exposure, load_token
-    from rlt2t.services.policy_app import create_app
 
     cfg = load_config(args.config, args.overrides)
     host = args.host or cfg.serve.host
     check_exposure(cfg.serve, host, load_token(cfg.serve))
-    app = create_app(cfg, checkpoint_dir=args.checkpoint_dir,
-                     document_frequency=_document_frequency(cfg, args.document_frequency))
-    run_server(app, host, cfg.serve.port if args.port is None else args.port, "policy", cfg.serve)
+    app = make_app(cfg, _document_frequency(cfg, args.document_frequency))
+    run_server(app, host, getattr(cfg.serve, port_setting) if args.port is None else args.port, name, cfg.serve)
+
+
+def cmd_serve_policy(args) -> None:
+    from rlt2t.services.policy_app import create_app
+
+    _serve(args, "policy", lambda cfg, df: create_app(cfg, checkpoint_dir=args.checkpoint_dir, document_frequency=df),
+           "port")
 
 
 def cmd_serve_reward(args) -> None:
-    from rlt2t.common.config import load_config
-    from rlt2t.services.http import check_exposure, load_token
     from rlt2t.services.reward_app import create_app
 
-    cfg = load_config(args.config, args.overrides)
-    host = args.host or cfg.serve.host
-    check_exposure(cfg.serve, host, load_token(cfg.serve))
-    app = create_app(cfg, document_frequency=_document_frequency(cfg, args.document_frequency))
-    run_server(app, host, cfg.serve.reward_port if args.port is None else args.port, "reward", cfg.serve)
+    _serve(args, "reward", lambda cfg, df: create_app(cfg, document_frequency=df), "reward_port")
 
 
 def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:

@@ -7,8 +7,9 @@ except ``count_tokens`` and ``check_text``, which the routes call on the event l
 copy of the tokenizer).
 
 A model call takes a :class:`StepControl`: the torch backend's sampler asks it between decoding steps
-which sources are gone (their rows leave the batch) and lets it run waiting work; its beam search stops
-when every source is gone. CTranslate2 runs a call to the end (its bound is the call's size).
+which sources are gone (their rows leave the batch) and lets it run waiting work; its beam search lets
+waiting work run between steps too, and stops when every source is gone. CTranslate2 runs a call to the end
+(its bound is the call's size).
 
 Log-probs everywhere are of the *raw* model, log-softmax of the logits at temperature 1 without top-k /
 top-p filtering: the quantity reranking and the rank loss use, comparable between sampled, beamed and
@@ -296,13 +297,14 @@ class TorchBackend:
 
 
 class _AllStopped(StoppingCriteria):
-    """``generate`` stops once every source of the call is stopped (beams of one source cannot leave alone)."""
+    """Called by ``generate`` after each decoding step: lets waiting work run (``between_steps``), and stops
+    once every source of the call is stopped (beams of one source cannot leave alone)."""
 
     def __init__(self, control: StepControl, num_sources: int) -> None:
         self.control, self.num_sources = control, num_sources
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        done = len(set(self.control.stopped())) >= self.num_sources
+        done = len(set(self.control.between_steps())) >= self.num_sources
         # a bool tensor is what transformers' BoolTensor annotation means; torch.full is annotated Tensor
         stop = torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
         return cast(torch.BoolTensor, stop)

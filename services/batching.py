@@ -53,10 +53,13 @@ class Backend(Protocol):
 B = TypeVar("B", bound=Backend)
 
 NESTED_SHARE = 4
-NESTED_TIME_SHARE = 3
-"""While a call runs, the calls run inside it take at most this many times its own time."""
 """Requests run inside a running call are at most 1/NESTED_SHARE of the largest request in it (and the
 nested call at most that share of the running call's work)."""
+NESTED_TIME_SHARE = 3
+"""While a call runs, the calls run inside it take at most this many times its own time."""
+
+DEADLINE_PASSED = "not answered within serve.request_timeout_s; dropped"
+"""The 503's message for a request whose deadline passed, queued or running."""
 
 # run(backend, key, items, control) -> one result per item; the same callable for every job of a key.
 Runner = Callable[[Any, Any, list[Any], "CallControl"], list[Any]]
@@ -315,29 +318,30 @@ class Batcher(Generic[B]):
             return job.future.result()
         if watcher is not None and watcher in done:
             raise ClientGone("the client disconnected")
-        raise Overloaded("not answered within serve.request_timeout_s; dropped", self.retry_after())
+        raise Overloaded(DEADLINE_PASSED, self.retry_after())
 
     def _cancel(self, job: _Job) -> None:
         """The request gave up: out of the queue now, out of its running call at the next decoding step."""
         with self._cond:
             job.cancelled = True
-            if job in self._queue:
-                self._queue.remove(job)
-                self._queued_cost -= job.left_cost()
-                job.next = len(job.items)
+            self._dequeue_locked(job)
             job.results = []  # what its finished calls produced is nobody's any more
+
+    def _dequeue_locked(self, job: _Job) -> None:
+        """``job`` out of the queue, its work no longer queued, none of its items left for a call."""
+        if job in self._queue:
+            self._queue.remove(job)
+            self._queued_cost -= job.left_cost()
+            job.next = len(job.items)
 
     # -- worker thread -------------------------------------------------------------------------------
 
     def _expire_locked(self, now: float) -> None:
         """Answer and drop queued jobs whose deadline passed (the route normally gets there first)."""
-        expired = [j for j in self._queue if j.gone(now)]
-        for job in expired:
-            self._queue.remove(job)
-            self._queued_cost -= job.left_cost()
-            job.next = len(job.items)
+        for job in [j for j in self._queue if j.gone(now)]:
+            self._dequeue_locked(job)
             if not job.cancelled:
-                _post(job, None, Overloaded("not answered within serve.request_timeout_s; dropped", 1))
+                _post(job, None, Overloaded(DEADLINE_PASSED, 1))
 
     def _next_call(self, *, wait: bool, exclude: Collection[_Job] = (), max_job_cost: int | None = None,
                    max_cost: int | None = None) -> _Call | None:
@@ -469,7 +473,7 @@ class Batcher(Generic[B]):
             offset += end - first
             if job in control.dropped and not job.cancelled:  # its deadline passed in the call: cut short
                 self._cancel(job)
-                _post(job, None, Overloaded("not answered within serve.request_timeout_s; dropped", 1))
+                _post(job, None, Overloaded(DEADLINE_PASSED, 1))
             with self._cond:
                 if job.cancelled:
                     continue

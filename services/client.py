@@ -312,26 +312,33 @@ class AsyncPolicyClient(_AsyncBase):
         return await self._request("POST", "/v1/reload", ModelInfo)
 
 
+def _reward_body(candidates: Sequence[str], references: Sequence[str | Sequence[str]] | None,
+                 metrics: Sequence[str] | None, sources: Sequence[str] | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {"candidates": list(candidates)}
+    if references is not None:
+        fields["references"] = [r if isinstance(r, str) else list(r) for r in references]
+    if sources is not None:
+        fields["sources"] = list(sources)
+    if metrics is not None:
+        fields["metrics"] = list(metrics)
+    return _body(RewardRequest, fields)
+
+
 class RewardClient(_SyncBase):
     """Synchronous client of the reward server."""
 
-    def reward(self, candidates: Sequence[str], references: Sequence[str | Sequence[str]],
-               metrics: Sequence[str] | None = None) -> RewardResponse:
-        """POST /v1/reward: per-sample scores per metric (default: the task score)."""
-        fields: dict[str, Any] = {"candidates": list(candidates),
-                                  "references": [r if isinstance(r, str) else list(r) for r in references]}
-        if metrics is not None:
-            fields["metrics"] = list(metrics)
-        return self._request("POST", "/v1/reward", RewardResponse, _body(RewardRequest, fields))
+    def reward(self, candidates: Sequence[str], references: Sequence[str | Sequence[str]] | None = None,
+               metrics: Sequence[str] | None = None, sources: Sequence[str] | None = None) -> RewardResponse:
+        """POST /v1/reward: per-sample scores per metric (default: the task score). Reference metrics need
+        ``references``; the server's named rewards (``reward.named``) need ``sources``."""
+        return self._request("POST", "/v1/reward", RewardResponse,
+                             _reward_body(candidates, references, metrics, sources))
 
 
 class AsyncRewardClient(_AsyncBase):
     """Asynchronous client of the reward server."""
 
-    async def reward(self, candidates: Sequence[str], references: Sequence[str | Sequence[str]],
-                     metrics: Sequence[str] | None = None) -> RewardResponse:
-        fields: dict[str, Any] = {"candidates": list(candidates),
-                                  "references": [r if isinstance(r, str) else list(r) for r in references]}
-        if metrics is not None:
-            fields["metrics"] = list(metrics)
-        return await self._request("POST", "/v1/reward", RewardResponse, _body(RewardRequest, fields))
+    async def reward(self, candidates: Sequence[str], references: Sequence[str | Sequence[str]] | None = None,
+                     metrics: Sequence[str] | None = None, sources: Sequence[str] | None = None) -> RewardResponse:
+        return await self._request("POST", "/v1/reward", RewardResponse,
+                                   _reward_body(candidates, references, metrics, sources))

@@ -323,7 +323,8 @@ class _ObserveRequests:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        start, status = time.perf_counter(), 500
+        start = time.perf_counter()
+        status: int | None = None  # the status of the answer, once one is started
 
         async def send_observed(message) -> None:
             nonlocal status
@@ -333,8 +334,12 @@ class _ObserveRequests:
 
         try:
             await self.app(scope, receive, send_observed)
+        except BaseException:
+            status = status or 500  # an error that escaped every handler
+            raise
         finally:
-            self.metrics.observe(scope, status, time.perf_counter() - start)
+            # No answer started and nothing raised: the client went away first (e.g. in the middle of its body).
+            self.metrics.observe(scope, status or CLIENT_CLOSED, time.perf_counter() - start)
 
 
 def add_common_routes(app: FastAPI, metrics: ServiceMetrics, ready, protected: list[Any],

@@ -2,46 +2,71 @@
 each reward-model term whose path is a checkpoint root hot-reloaded as the policy server reloads policies.
 
     named = NamedRewards(cfg, document_frequency=df)
+    named.on_reload = lambda rewards: ...   # each new snapshot of the rewards (a retrained model installed)
     named.start()                     # one CheckpointWatcher per watched reward model
     named.score("prefs", sources, candidates, references)
 
 A retrained reward model appears as a newer complete checkpoint under the root; the watcher loads it on its
-own thread and swaps it in between calls (a call in flight finishes on the model it started with; a
-checkpoint that fails to load leaves the old model serving). Names must not shadow a registered metric.
+own thread and installs it as a new snapshot of the rewards (:attr:`NamedRewards.rewards` is replaced, never
+changed), handed to ``on_reload``: the reward server builds a new scorer on it and swaps that in through its
+batcher, so every part of a request is scored by the models it started with. A checkpoint that fails to
+load leaves the old model serving. Names must not shadow a registered metric.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from rlt2t.common.config import Config
+from rlt2t.common.config import Config, MetricTerm, RewardConfig
 from rlt2t.common.metrics import DocumentFrequency, available_metrics
 from rlt2t.common.reward_model import RewardModel
-from rlt2t.common.rewards import RewardModelReward, WeightedReward, build_reward
+from rlt2t.common.rewards import (
+    RewardModelReward,
+    WeightedReward,
+    build_reward,
+    build_term,
+    needs_document_frequency,
+)
 from rlt2t.services.reload import CheckpointWatcher
 
 log = logging.getLogger("rlt2t.services.learned_rewards")
 
+Snapshot = Mapping[str, WeightedReward]
+"""Name → reward, with the reward models of one moment (a scorer's models never change under it)."""
+
 
 class NamedRewards:
-    """The rewards of ``cfg.reward.named``, on ``cfg.reward.device``, with their checkpoint watchers."""
+    """The rewards of ``cfg.reward.named``, on ``cfg.reward.device``, with their checkpoint watchers.
+
+    ``on_reload(rewards)``, when set, is called with each new snapshot a watcher installs."""
 
     def __init__(self, cfg: Config, *, document_frequency: DocumentFrequency | None = None) -> None:
         clash = sorted(set(cfg.reward.named) & set(available_metrics()))
         if clash:
             raise ValueError(f"reward.named: {', '.join(clash)} would shadow registered metrics; rename them")
-        self.rewards: dict[str, WeightedReward] = {
+        self.cfg = cfg
+        self.on_reload: Callable[[Snapshot], None] | None = None
+        self.rewards: Snapshot = {
             name: build_reward(cfg.reward, document_frequency=document_frequency, device=cfg.reward.device, terms=terms)
             for name, terms in cfg.reward.named.items()
         }
+        # Without a table, the task score / CIDEr-D terms count frequencies over each request's references.
+        self._own_frequencies: dict[str, list[tuple[int, MetricTerm]]] = {} if document_frequency is not None else {
+            name: [(i, t) for i, t in enumerate(terms)
+                   if isinstance(t, MetricTerm) and needs_document_frequency(RewardConfig(terms=[t]))]
+            for name, terms in cfg.reward.named.items()}
+        self._lock = threading.Lock()  # watchers install from their own threads
         self.watchers: list[CheckpointWatcher[RewardModel]] = []
         for name, reward in self.rewards.items():
-            for _, term_name, term in reward.terms:
+            for index, (_, term_name, term) in enumerate(reward.terms):
                 if isinstance(term, RewardModelReward) and term.root is not None:
-                    self.watchers.append(CheckpointWatcher(term.root, loader=term.load, install=term.install,
+                    self.watchers.append(CheckpointWatcher(term.root, loader=term.load,
+                                                           install=functools.partial(self._install, name, index),
                                                            interval_s=cfg.serve.reload_interval_s,
                                                            current=term.model.path))
                     log.info("reward %r (%s): serving %s, watching %s", name, term_name, term.model.path, term.root)
@@ -53,8 +78,36 @@ class NamedRewards:
         return self.rewards[name].needs_references
 
     def score(self, name: str, sources: Sequence[str], candidates: Sequence[str],
-              references: Sequence[Sequence[str]] | None) -> np.ndarray:
-        return self.rewards[name].score(sources, candidates, references)
+              references: Sequence[Sequence[str]] | None, *, rewards: Snapshot | None = None,
+              document_frequency: DocumentFrequency | None = None) -> np.ndarray:
+        """``name``'s scores with the models of ``rewards`` (a snapshot of :attr:`rewards`; default: the current
+        one). ``document_frequency``: a request's own CIDEr-D table, for the terms that count frequencies over
+        the request's references (no table given), so that a request scored in parts scores as a whole."""
+        reward = (self.rewards if rewards is None else rewards)[name]
+        own = self._own_frequencies.get(name) if document_frequency is not None else None
+        if own:
+            terms = list(reward.terms)
+            for i, term in own:
+                weight, term_name, _ = terms[i]
+                terms[i] = (weight, term_name, build_term(term, self.cfg.reward, document_frequency=document_frequency))
+            reward = WeightedReward(terms)
+        return reward.score(sources, candidates, references)
+
+    @staticmethod
+    def model_versions(reward: WeightedReward) -> dict[str, int]:
+        """Term name → version of each reward-model term of ``reward``."""
+        return {term_name: term.version for _, term_name, term in reward.terms if isinstance(term, RewardModelReward)}
+
+    def _install(self, name: str, index: int, model: RewardModel) -> None:
+        """A watcher's newer model for term ``index`` of ``name``: a new snapshot, handed to ``on_reload``."""
+        with self._lock:
+            terms = list(self.rewards[name].terms)
+            weight, term_name, term = terms[index]
+            assert isinstance(term, RewardModelReward), "only reward-model terms are watched"
+            terms[index] = (weight, term_name, term.with_model(model))
+            self.rewards = {**self.rewards, name: WeightedReward(terms)}
+            if self.on_reload is not None:
+                self.on_reload(self.rewards)
 
     def start(self) -> None:
         for w in self.watchers:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from rlt2t.common.config import RewardConfig, RolloutConfig
 from rlt2t.common.data import Example
@@ -27,6 +27,7 @@ from rlt2t.common.rewards import order_pair
 from rlt2t.common.sampling import candidate_set, stable_seed
 from rlt2t.common.types import CandidateSet, RolloutSpec, SampledGroup, ScoredGroup, ScoredPair
 from rlt2t.services.client import PolicyClient, RewardClient
+from rlt2t.services.schemas import CandidatesResponse
 
 log = logging.getLogger("rlt2t.remote_workers")
 
@@ -57,44 +58,22 @@ class HttpRolloutWorker:
         del weights
         if self.spec.kind == "group":
             return self._groups(version, examples)
+        for i, ex in enumerate(examples):
+            if ex.target is None:
+                raise ValueError(f"examples[{i}] (id {ex.id!r}) has no target; rank RL needs a reference")
         cfg = self.rollout
-        out: list[CandidateSet] = []
-        for first in range(0, len(examples), cfg.batch_size):
-            chunk = list(examples[first : first + cfg.batch_size])
-            targets: list[str] = []
-            for i, ex in enumerate(chunk):
-                if ex.target is None:
-                    raise ValueError(f"examples[{first + i}] (id {ex.id!r}) has no target; rank RL needs a reference")
-                targets.append(ex.target)
-            seed = stable_seed(self.seed, version, *(ex.id for ex in chunk)) % _SEED_RANGE
-            self._wait_for_version(version)
-            response = self.client.candidates(
-                [ex.source for ex in chunk], mode="sample", num_candidates=cfg.num_samples, top_k=cfg.top_k,
-                top_p=cfg.top_p, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
-            if response.policy_version != version:
-                log.warning("policy server %s answered with version %d; chunk wanted %d", self.url,
-                            response.policy_version, version)
-            for ex, target, candidates in zip(chunk, targets, response.candidates, strict=True):
-                out.append(candidate_set(ex.id, ex.source, target, [c.text for c in candidates],
-                                         include_gold=cfg.include_gold, seed=self.seed,
-                                         version=response.policy_version))
-        return out
+        return [candidate_set(ex.id, ex.source, ex.target or "", [c.text for c in candidates],
+                              include_gold=cfg.include_gold, seed=self.seed, version=response.policy_version)
+                for chunk, _, response in self._sampled_chunks(version, examples)
+                for ex, candidates in zip(chunk, response.candidates, strict=True)]
 
     def _groups(self, version: int, examples: Sequence[Example]) -> list[SampledGroup]:
-        cfg = self.rollout
         out: list[SampledGroup] = []
-        for first in range(0, len(examples), cfg.batch_size):
-            chunk = list(examples[first : first + cfg.batch_size])
-            seed = stable_seed(self.seed, version, *(ex.id for ex in chunk)) % _SEED_RANGE
-            self._wait_for_version(version)
-            sources = [ex.source for ex in chunk]
-            response = self.client.candidates(
-                sources, mode="sample", num_candidates=cfg.num_samples, top_k=cfg.top_k, top_p=cfg.top_p,
-                temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
+        for chunk, seed, response in self._sampled_chunks(version, examples):
             greedy = None
             if self.spec.greedy_baseline:
-                greedy = self.client.candidates(sources, mode="sample", num_candidates=1, top_k=1,
-                                                max_new_tokens=cfg.max_new_tokens, seed=seed).candidates
+                greedy = self.client.candidates([ex.source for ex in chunk], mode="sample", num_candidates=1, top_k=1,
+                                                max_new_tokens=self.rollout.max_new_tokens, seed=seed).candidates
             for i, (ex, cands) in enumerate(zip(chunk, response.candidates, strict=True)):
                 out.append(SampledGroup(
                     example_id=ex.id, source=ex.source, reference=ex.target or "",
@@ -103,6 +82,23 @@ class HttpRolloutWorker:
                     forced_eos=tuple(c.forced_eos for c in cands), policy_version=response.policy_version,
                     greedy=None if greedy is None else greedy[i][0].text))
         return out
+
+    def _sampled_chunks(self, version: int, examples: Sequence[Example]
+                        ) -> Iterator[tuple[list[Example], int, CandidatesResponse]]:
+        """Each chunk of ``rollout.batch_size`` examples, its seed and the server's samples for it, asked once the
+        server serves ``version`` or newer (or ``rollout.timeout_s`` has passed)."""
+        cfg = self.rollout
+        for first in range(0, len(examples), cfg.batch_size):
+            chunk = list(examples[first : first + cfg.batch_size])
+            seed = stable_seed(self.seed, version, *(ex.id for ex in chunk)) % _SEED_RANGE
+            self._wait_for_version(version)
+            response = self.client.candidates(
+                [ex.source for ex in chunk], mode="sample", num_candidates=cfg.num_samples, top_k=cfg.top_k,
+                top_p=cfg.top_p, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
+            if response.policy_version != version:
+                log.warning("policy server %s answered with version %d; chunk wanted %d", self.url,
+                            response.policy_version, version)
+            yield chunk, seed, response
 
     def _wait_for_version(self, version: int) -> None:
         """Poll the (cheap) /v1/model until the server serves ``version`` or newer, up to rollout.timeout_s."""

@@ -11,13 +11,17 @@ references (then an item's CIDEr-D depends on the rest of the request, as in the
 Learned rewards are served by name: ``reward.named`` maps a name to reward terms (reward models,
 classifiers, metrics, weighted; ``rlt2t.common.rewards``); a request naming one gives ``sources`` (and
 ``references`` when one of its terms is a metric). A reward model given as a checkpoint root is hot-reloaded
-when a newer complete checkpoint appears (``rlt2t.services.learned_rewards``).
+when a newer complete checkpoint appears (``rlt2t.services.learned_rewards``): the new models serve from the
+next request on, every part of a request is scored by the models it started with, and the response names their
+versions (``reward_model_versions``). Their task score and CIDEr-D terms use the metrics' document frequencies
+(the table, else the whole request's references).
 
 Limits: at most ``serve.max_sources_per_call × serve.max_candidates_per_source`` candidates per request
 and ``serve.max_tokens_per_source`` whitespace tokens per text (the metrics tokenise on whitespace).
 When the run has a tokenizer (``{run}/tokenizer``), every text obeys its token rule (``text_checker``,
 as the data loader: an ``ids`` vocabulary takes data tokens and <sep> only; no kind takes other special
-tokens). Unknown metric names are 422s naming ``metrics[i]``.
+tokens). Unknown metric names are 422s naming ``metrics[i]``, and so are registered metrics that need constructor
+arguments a request cannot give (``classifier_accuracy``'s classifier: serve it as a ``reward.named`` metric term).
 
 Work is bounded like the policy server's (``rlt2t.services.batching``): a request's cost is Σ over its
 candidates and their references of (candidate tokens + 1) × (reference tokens + 1) plus their characters,
@@ -55,7 +59,7 @@ from rlt2t.services.http import (
     install_middleware,
     load_token,
 )
-from rlt2t.services.learned_rewards import NamedRewards
+from rlt2t.services.learned_rewards import NamedRewards, Snapshot
 from rlt2t.services.schemas import RewardRequest, RewardResponse
 
 log = logging.getLogger("rlt2t.services.reward")
@@ -80,10 +84,12 @@ class _OwnFrequencies:
 
 class _Scorer:
     """The reward server's "backend" for the batcher: scores (candidate, references, source) items per metric or
-    named (learned) reward."""
+    named (learned) reward, the latter with one snapshot of their reward models (a hot reload builds a new
+    scorer and swaps it in through the batcher: every part of a request is scored by the same models)."""
 
-    def __init__(self, cfg: Config, fixed_df: DocumentFrequency | None, named: NamedRewards) -> None:
-        self.cfg, self.fixed_df, self.named = cfg, fixed_df, named
+    def __init__(self, cfg: Config, fixed_df: DocumentFrequency | None, named: NamedRewards,
+                 rewards: Snapshot) -> None:
+        self.cfg, self.fixed_df, self.named, self.rewards = cfg, fixed_df, named, rewards
 
     def score(self, key: tuple[tuple[str, ...], _OwnFrequencies | None],
               items: list[tuple[str, list[str] | None, str | None]]) -> list[dict[str, float]]:
@@ -95,15 +101,32 @@ class _Scorer:
         sources = [s for _, _, s in items]
         columns = {}
         for name in names:
-            if name in self.named.rewards:
-                columns[name] = self.named.score(name, sources, hyps, refs).tolist()  # type: ignore[arg-type]
+            if name in self.rewards:
+                columns[name] = self.named.score(name, sources, hyps, refs, rewards=self.rewards,  # type: ignore[arg-type]
+                                                 document_frequency=df).tolist()
             else:
                 assert refs is not None, "a request for a registered metric has references (checked at the route)"
                 columns[name] = get_metric(name, **metric_params(name, self.cfg, df)).per_sample(hyps, refs).tolist()
         return [{name: columns[name][i] for name in names} for i in range(len(items))]
 
+    def model_versions(self, names: Sequence[str]) -> dict[str, dict[str, int]]:
+        """Named reward among ``names`` → its reward-model terms' versions (rewards without one left out)."""
+        versions = {name: NamedRewards.model_versions(self.rewards[name]) for name in names if name in self.rewards}
+        return {name: v for name, v in versions.items() if v}
+
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _build_problem(name: str, cfg: Config, df: DocumentFrequency | None) -> str | None:
+    """Why the registered metric ``name`` cannot be built with the server's settings (it needs constructor
+    arguments, e.g. classifier_accuracy's classifier), or None."""
+    try:
+        get_metric(name, **metric_params(name, cfg, df))
+    except TypeError as e:
+        return f"{name!r} needs parameters a request cannot give ({e}); serve it as a reward.named metric term " \
+               "with its params"
+    return None
 
 
 def _run_reward(scorer: _Scorer, key, items: list, control: CallControl) -> list[dict[str, float]]:
@@ -131,8 +154,10 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
     # The run's token rule, when the run has a tokenizer (the rule of its data files).
     check_tokens = text_checker(load_tokenizer(cfg.tokenizer_dir)) if cfg.tokenizer_dir.is_dir() else None
     named = NamedRewards(cfg, document_frequency=fixed_df)  # reward.named: learned rewards, hot-reloaded
-    batcher = Batcher(_Scorer(cfg, fixed_df, named), max_batch_size=max_items, max_wait_ms=0,
+    batcher = Batcher(_Scorer(cfg, fixed_df, named, named.rewards), max_batch_size=max_items, max_wait_ms=0,
                       max_queue_cost=serve.max_reward_queue_cost, max_call_cost=serve.max_reward_call_cost)
+    named.on_reload = lambda rewards: batcher.swap_backend(_Scorer(cfg, fixed_df, named, rewards))
+    problems: dict[str, str | None] = {}  # registered metric -> why it cannot be built (None: it can)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -190,6 +215,11 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
             if name not in known:
                 raise field_error(("body", "metrics", i), f"unknown metric {name!r}; known: {', '.join(sorted(known))}",
                                   name)
+            if name not in named.rewards:
+                if name not in problems:  # built once, off the event loop (METEOR reads WordNet)
+                    problems[name] = await run_in_threadpool(_build_problem, name, cfg, fixed_df)
+                if (problem := problems[name]) is not None:
+                    raise field_error(("body", "metrics", i), problem, name)
             if req.references is None and (name not in named.rewards or named.needs_references(name)):
                 raise field_error(("body", "references"), f"{name!r} needs references")
             if req.sources is None and name in named.rewards:
@@ -214,9 +244,11 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
         if fixed_df is None and refs is not None:  # counted over the request's references, off the event loop
             own = _OwnFrequencies(await run_in_threadpool(DocumentFrequency.from_references, refs))
         items = list(zip(req.candidates, item_refs, sources, strict=True))
-        results, _ = await batcher.submit((tuple(req.metrics), own), items,
-                                          _run_reward, costs=costs, gone=disconnected(request),
-                                          deadline=request.state.arrived + serve.request_timeout_s)
-        return RewardResponse(scores={name: [r[name] for r in results] for name in req.metrics})
+        results, scorer = await batcher.submit((tuple(req.metrics), own), items,
+                                               _run_reward, costs=costs, gone=disconnected(request),
+                                               deadline=request.state.arrived + serve.request_timeout_s)
+        assert scorer is not None  # None only for a request without items
+        return RewardResponse(scores={name: [r[name] for r in results] for name in req.metrics},
+                              reward_model_versions=scorer.model_versions(req.metrics))
 
     return app

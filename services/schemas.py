@@ -24,6 +24,9 @@ LIST_MAX_ITEMS = 4096
 """Hard cap on the length of any list in a request."""
 SEED_MAX = 2**63 - 1
 """Seeds are 63-bit (what torch generators accept everywhere)."""
+MIN_TEMPERATURE = 1e-3
+"""Smallest sampling temperature: far smaller ones (under about 1e-38) overflow the logits divided by it to
+infinities (a refused temperature is a 422; for greedy decoding ask for top_k=1)."""
 
 # A source must hold some text: an all-whitespace source tokenises to nothing but EOS.
 SourceText = Annotated[str, StringConstraints(min_length=1, max_length=TEXT_MAX_CHARS, pattern=r"\S")]
@@ -58,7 +61,7 @@ class SamplingParams(_Request):
     """Sample among the k most likely tokens (0: no top-k filter; 1: greedy)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: no filter)."""
-    temperature: float = Field(1.0, gt=0.0, le=100.0)
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=100.0)
     """Logits are divided by this before sampling (log-probs returned are of the raw model)."""
     beam_size: int = Field(4, ge=1, le=LIST_MAX_ITEMS)
     """Beam width of `beam` mode."""
@@ -119,7 +122,7 @@ class PairsRequest(_Request):
     """Top-k filter of sampling (0: none)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus filter of sampling (1: none, as training)."""
-    temperature: float | None = Field(None, gt=0.0, le=100.0)
+    temperature: float | None = Field(None, ge=MIN_TEMPERATURE, le=100.0)
     """Sampling temperature."""
     max_new_tokens: int | None = Field(None, ge=1, le=100_000)
     """Longest sample in tokens, EOS included."""
@@ -224,3 +227,6 @@ class RewardRequest(_Request):
 class RewardResponse(_Response):
     scores: dict[str, list[float]]
     """Metric or reward name → one score per candidate, in request order."""
+    reward_model_versions: dict[str, dict[str, int]] = Field(default_factory=dict)
+    """Named reward with reward-model terms → term (``reward_model``, ``reward_model#2``, ...) → version (training
+    step) of the reward model that scored every candidate of this response."""

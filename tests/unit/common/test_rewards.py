@@ -164,6 +164,30 @@ def test_http_term_posts_sources_and_retries_503():
         HttpReward(HttpTerm(url="http://reward"), transport=httpx.MockTransport(refuse)).score(SOURCES, CANDS, REFS)
 
 
+def test_http_term_retries_a_refused_connection_and_names_the_server_when_it_gives_up(monkeypatch):
+    waits: list[float] = []
+    monkeypatch.setattr("rlt2t.common.rewards.time.sleep", waits.append)
+    calls = []
+
+    def refused_once(request: httpx.Request) -> httpx.Response:
+        calls.append(json.loads(request.content))
+        if len(calls) == 1:
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(200, json={"scores": {"bleu4": [0.5] * len(calls[-1]["candidates"])}})
+
+    reward = HttpReward(HttpTerm(url="http://reward", name="bleu4"), transport=httpx.MockTransport(refused_once))
+    assert reward.needs_references
+    assert reward.score(SOURCES, CANDS, REFS).tolist() == [0.5] * 3
+    assert len(calls) == 2 and len(waits) == 1 and calls[1]["references"] == REFS
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused")
+
+    with pytest.raises(RuntimeError, match="reward server http://reward: .*connection refused"):
+        HttpReward(HttpTerm(url="http://reward"), transport=httpx.MockTransport(refused)).score(SOURCES, CANDS, REFS)
+    assert len(waits) == 1 + 3  # three retries, then it gives up
+
+
 def test_score_pairs_and_the_worker_score_through_a_reward_model(reward_model_root):
     root, model = reward_model_root
     cfg = RewardConfig(terms=[{"kind": "reward_model", "path": str(root)}], device="cpu")

@@ -159,6 +159,23 @@ def test_reward_client_round_trip(waits):
         assert c.reward(["x"], ["y"], metrics=["bleu4"]).scores["bleu4"] == [0.25]
 
 
+def test_reward_clients_send_sources_and_need_no_references(waits):
+    """The server's named (learned) rewards score (source, candidate) pairs: no references."""
+    answer = {"scores": {"prefs": [0.5]}, "reward_model_versions": {"prefs": {"reward_model": 20}}}
+    sent = {"candidates": ["11 12"], "sources": ["1 2"], "metrics": ["prefs"]}
+    handler, calls = scripted((200, answer, {}))
+    with RewardClient("http://svc", transport=httpx.MockTransport(handler)) as c:
+        out = c.reward(["11 12"], sources=["1 2"], metrics=["prefs"])
+    assert out.scores == {"prefs": [0.5]} and out.reward_model_versions == {"prefs": {"reward_model": 20}}
+
+    async def run():
+        async with AsyncRewardClient("http://svc", transport=httpx.MockTransport(handler)) as c:
+            return await c.reward(["11 12"], sources=["1 2"], metrics=["prefs"])
+
+    assert asyncio.run(run()).scores == {"prefs": [0.5]}
+    assert [json.loads(call.content) for call in calls] == [sent, sent]
+
+
 def test_reload_posts_without_a_body_and_parses_the_model_info(waits):
     info = {"version": 3, "checkpoint": "/r/epoch-0001", "checksum": "0" * 64, "loaded_at": 1.0, "backend": "torch",
             "max_source_tokens": 40, "on_disk": True, "note": None}

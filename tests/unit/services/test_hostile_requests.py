@@ -4,7 +4,9 @@ admission, deadlines, auth before the body, strict types and content types, HEAD
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 
 import pytest
@@ -309,6 +311,86 @@ def test_body_limit_alone_takes_any_content_type():
         assert ok.status_code == 200 and ok.json() == {"size": 7}
         big = c.post("/form", content=b"a=" + b"x" * 20, headers={"content-type": "application/x-www-form-urlencoded"})
         assert big.status_code == 413 and "annotate.max_body_bytes" in big.json()["detail"]
+
+
+def test_a_client_gone_in_the_middle_of_its_body_is_counted_499_not_500(serve_cfg):
+    """Nobody is left to answer: no response is started, and the request metric says the client closed."""
+    app = reward_app.create_app(serve_cfg)
+    messages = [{"type": "http.request", "body": b'{"candidates"', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/reward", "raw_path": b"/v1/reward", "root_path": "", "query_string": b"",
+             "headers": [(b"host", b"x"), (b"content-type", b"application/json"), (b"content-length", b"100")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    assert sent == [] and messages == []
+    with TestClient(app) as c:
+        text = c.get("/metrics").text
+    assert 'rlt2t_reward_requests_total{route="/v1/reward",status="499"} 1.0' in text
+    assert 'status="500"' not in text
+
+
+def test_beam_search_lets_waiting_work_run_between_its_steps(serve_cfg, long_root):
+    class Counting:
+        steps = 0
+
+        def stopped(self):
+            return []
+
+        def between_steps(self):
+            self.steps += 1
+            return []
+
+    backend = TorchBackend.from_checkpoint(serve_cfg, long_root)
+    control = Counting()
+    beam = Sampling(mode="beam", num_candidates=1, beam_size=2, max_new_tokens=10)
+    out = backend.candidates(["1 2", "3"], beam, [], control)
+    assert out == backend.candidates(["1 2", "3"], beam, [], None)
+    assert control.steps >= 9  # one call after every decoding step
+
+
+def test_a_small_request_runs_between_the_steps_of_a_long_beam_search(serve_cfg, long_root):
+    """The README's promise for beam search too: a small request sent while a long beam search runs is answered
+    between two of its decoding steps, with the answer it gets alone."""
+    backend = TorchBackend.from_checkpoint(serve_cfg, long_root)
+    started = threading.Event()
+    candidates = backend.candidates
+
+    def tracked(*args, **kwargs):
+        started.set()
+        return candidates(*args, **kwargs)
+
+    backend.candidates = tracked  # type: ignore[method-assign]
+    long = {"sources": ["1 2 3"] * 8, "mode": "beam", "beam_size": 6, "num_candidates": 1, "max_new_tokens": 255}
+    smalls = [{"sources": ["5 6"], "mode": "beam", "beam_size": 2, "max_new_tokens": 4},
+              {"sources": ["5 6"], "max_new_tokens": 4, "seed": 1}]
+    with TestClient(policy_app.create_app(with_serve(serve_cfg, max_call_cost=10**6), backend=backend)) as c:
+        alone = [c.post("/v1/candidates", json=body).json() for body in smalls]
+        started.clear()
+        result: dict = {}
+
+        def run_long() -> None:
+            t0 = time.perf_counter()
+            result["status"] = c.post("/v1/candidates", json=long).status_code
+            result["seconds"] = time.perf_counter() - t0
+
+        thread = threading.Thread(target=run_long)
+        thread.start()
+        assert started.wait(30)
+        t0 = time.perf_counter()
+        answers = [c.post("/v1/candidates", json=body) for body in smalls]
+        small_s = time.perf_counter() - t0
+        thread.join()
+    assert result["status"] == 200 and [r.status_code for r in answers] == [200, 200]
+    assert [r.json() for r in answers] == alone
+    assert small_s < result["seconds"] / 3, (small_s, result["seconds"])
 
 
 def test_beam_search_stops_once_every_source_of_its_call_is_gone(serve_cfg, long_root):

@@ -17,6 +17,7 @@ from rlt2t.common.data import Example
 from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.learner.evaluate import generate
 from rlt2t.services.policy_app import create_app
+from rlt2t.services.schemas import MIN_TEMPERATURE
 
 SOURCES = ["11 12 13 14", "20 21", "30 31 32 33 34 35 36"]
 
@@ -182,6 +183,21 @@ def test_bad_candidate_requests_are_422_naming_the_field(client, body, loc):
     r = client.post("/v1/candidates", json=body)
     assert r.status_code == 422, r.text
     assert loc in [e["loc"] for e in r.json()["detail"]]
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/candidates", {"sources": ["11 12"], "temperature": 1e-300}),
+    ("/v1/candidates", {"sources": ["11 12"], "temperature": 1e-30, "top_k": 3}),
+    ("/v1/pairs", {"sources": ["11 12"], "references": ["11"], "temperature": 1e-300}),
+])
+def test_a_temperature_too_small_to_divide_by_is_a_422(client, path, body):
+    """Logits divided by under about 1e-38 overflow: pad tokens and null log-probs, answered with a 200."""
+    r = client.post(path, json={**body, "max_new_tokens": 3, "seed": 1})
+    assert r.status_code == 422, r.text[:300]
+    assert [e["loc"] for e in r.json()["detail"]] == [["body", "temperature"]]
+    smallest = client.post("/v1/candidates", json={"sources": ["11 12"], "temperature": MIN_TEMPERATURE,
+                                                   "max_new_tokens": 3, "seed": 1})
+    assert smallest.status_code == 200 and "null" not in smallest.text
 
 
 def test_bad_pairs_and_score_requests_name_the_field(client):

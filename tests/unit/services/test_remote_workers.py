@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 from rlt2t.common.config import RewardConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.sampling import candidate_set
+from rlt2t.common.types import RolloutSpec
 from rlt2t.services.remote_workers import HttpRewardWorker, HttpRolloutWorker
 
 EXAMPLES = [Example(id="a", source="1 2 3", target="7 8"), Example(id="b", source="4 5", target="9")]
@@ -63,6 +65,35 @@ def test_rollout_gives_up_waiting_after_the_timeout_and_uses_what_it_got():
     worker = HttpRolloutWorker("http://policy", cfg, seed=0, poll_s=0.01, transport=httpx.MockTransport(handler))
     sets = worker.sample_version(4, None, EXAMPLES)
     assert [s.policy_version for s in sets] == [1, 1]  # staleness is measured from this
+
+
+def test_group_rollout_samples_each_chunk_and_its_greedy_baseline():
+    requests = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/model":
+            return httpx.Response(200, json=_model_info(2))
+        body = json.loads(request.content)
+        requests.append(body)
+        return httpx.Response(200, json=_candidates_response(body["sources"], body["num_candidates"], 2))
+
+    cfg = RolloutConfig(num_samples=2, batch_size=1, max_new_tokens=8)
+    worker = HttpRolloutWorker("http://policy", cfg, seed=5, poll_s=0.0, transport=httpx.MockTransport(handler),
+                               spec=RolloutSpec("group", greedy_baseline=True))
+    groups = worker.sample_version(2, None, EXAMPLES)
+    assert [r["sources"] for r in requests] == [["1 2 3"], ["1 2 3"], ["4 5"], ["4 5"]]  # per chunk: samples, greedy
+    assert [(r["num_candidates"], r.get("top_k")) for r in requests] == [(2, 0), (1, 1)] * 2
+    assert requests[0]["seed"] == requests[1]["seed"] != requests[2]["seed"]
+    assert [g.example_id for g in groups] == ["a", "b"] and groups[1].reference == "9"
+    assert groups[0].candidates == ("0 0", "0 1") and groups[0].greedy == "0 0" and groups[0].policy_version == 2
+    assert groups[0].sample_logprobs == ((-0.5,), (-0.5,)) and groups[0].forced_eos == (False, False)
+
+
+def test_rank_rollout_needs_a_target_for_every_example():
+    worker = HttpRolloutWorker("http://policy", RolloutConfig(), seed=0,
+                               transport=httpx.MockTransport(lambda request: httpx.Response(500)))
+    with pytest.raises(ValueError, match=r"examples\[1\] \(id 'b'\) has no target"):
+        worker.sample_version(0, None, [EXAMPLES[0], Example(id="b", source="4 5", target=None)])
 
 
 def test_reward_orders_each_pair_by_the_servers_scores():

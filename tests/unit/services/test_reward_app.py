@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
+from rlt2t.common.config import RewardConfig
 from rlt2t.common.metrics import DocumentFrequency, get_metric
 from rlt2t.services.reward_app import create_app
 
@@ -64,6 +65,39 @@ def test_bad_requests_are_422_naming_the_field(client, body, loc):
     r = client.post("/v1/reward", json=body)
     assert r.status_code == 422, r.text
     assert any(e["loc"][: len(loc)] == loc for e in r.json()["detail"]), r.json()
+
+
+def test_a_metric_that_needs_constructor_arguments_is_a_422_naming_it(client):
+    r = client.post("/v1/reward", json={"candidates": ["1"], "references": ["1"],
+                                        "metrics": ["bleu4", "classifier_accuracy"]})
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["body", "metrics", 1] and "reward.named" in error["msg"], error
+    assert client.post("/v1/reward", json={"candidates": ["1"], "references": ["1"],
+                                           "metrics": ["bleu4"]}).status_code == 200
+
+
+def test_named_cider_rewards_scored_in_parts_count_frequencies_over_the_whole_request(serve_cfg):
+    """Without a document-frequency table a request's CIDEr-D counts over all of its references, for a named
+    reward too, however many parts (serve.max_reward_call_cost) it is scored in."""
+    serve_cfg.reward = RewardConfig(named={"cid": [{"kind": "metric", "name": "cider_d"}],
+                                           "task": [{"kind": "metric", "name": "task_score", "weight": 2.0}]})
+    cands = ["11 12 13 14", "11 12 7", "20 21", "30 31"]
+    refs = ["11 12 13 15", "11 12 9", "20 21 22", "30 31"]
+    body = {"candidates": cands, "references": refs, "sources": cands,
+            "metrics": ["cider_d", "task_score", "cid", "task"]}
+    for call_cost in (10**9, 1):  # one part; one part per candidate
+        serve_cfg.serve.max_reward_call_cost = call_cost
+        with TestClient(create_app(serve_cfg)) as c:
+            r = c.post("/v1/reward", json=body)
+        assert r.status_code == 200, r.text
+        s = r.json()["scores"]
+        nested = [[x] for x in refs]
+        expected = get_metric("cider_d", sigma=serve_cfg.reward.cider_sigma,
+                              df=DocumentFrequency.from_references(nested)).per_sample(cands, nested)
+        assert s["cider_d"] == pytest.approx(expected.tolist()) and min(s["cider_d"]) > 0
+        assert s["cid"] == pytest.approx(s["cider_d"]), call_cost
+        assert s["task"] == pytest.approx([2 * x for x in s["task_score"]]), call_cost
 
 
 def test_auth_and_ops_routes(serve_cfg, monkeypatch):

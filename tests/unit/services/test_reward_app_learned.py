@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from rlt2t.common.checkpoint import save_checkpoint
 from rlt2t.common.config import RewardConfig, load_config
 from rlt2t.common.reward_model import init_reward_model
-from rlt2t.common.rewards import build_reward
+from rlt2t.common.rewards import RewardModelReward, build_reward
 from rlt2t.common.tokenization import save_tokenizer
 from rlt2t.services.reward_app import create_app
 
@@ -73,6 +73,36 @@ def test_a_retrained_reward_model_is_hot_reloaded(served):
         assert prefs() != pytest.approx(before, abs=1e-3)
         (_, _, term), = app.state.named_rewards.rewards["prefs"].terms
         assert term.version == 20
+
+
+def test_a_reload_between_the_parts_of_a_request_leaves_it_on_one_model(served, monkeypatch):
+    """A request over serve.max_reward_call_cost is scored in parts; a retrained model landing between two of
+    them serves the next request, never the rest of this one."""
+    cfg, root, first, init = served
+    cfg.serve.max_reward_call_cost = 1  # one part per candidate
+    app = create_app(cfg)
+    watcher = app.state.named_rewards.watchers[0]
+    second = save_reward_model(root, "epoch-0002", init, step=20, seed=1)
+    parts: list[int] = []
+    score = RewardModelReward.score
+
+    def score_then_reload(self, *args, **kwargs):
+        out = score(self, *args, **kwargs)
+        parts.append(self.version)
+        if len(parts) == 2:
+            assert watcher.check_once()  # the poll thread lands between two parts of one request
+        return out
+
+    monkeypatch.setattr(RewardModelReward, "score", score_then_reload)
+    with TestClient(app) as client:
+        r = client.post("/v1/reward", json={"candidates": CANDS, "sources": SOURCES, "metrics": ["prefs"]})
+        assert r.status_code == 200, r.text
+        assert parts == [10] * len(CANDS)
+        assert r.json()["scores"]["prefs"] == pytest.approx(first.score(SOURCES, CANDS).tolist(), abs=1e-5)
+        assert r.json()["reward_model_versions"] == {"prefs": {"reward_model": 10}}
+        r = client.post("/v1/reward", json={"candidates": CANDS, "sources": SOURCES, "metrics": ["prefs"]})
+        assert r.json()["scores"]["prefs"] == pytest.approx(second.score(SOURCES, CANDS).tolist(), abs=1e-5)
+        assert r.json()["reward_model_versions"] == {"prefs": {"reward_model": 20}}
 
 
 @pytest.mark.parametrize(("body", "loc"), [
