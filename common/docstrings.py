@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import re
 from collections import Counter
@@ -30,6 +31,8 @@ from pathlib import Path
 
 from rlt2t.common.data import write_sampled_task
 from rlt2t.common.wordnet import tokenize
+
+log = logging.getLogger("rlt2t.docstrings")
 
 # Libraries rlt2t installs (or its dependencies do): their docstrings are the corpus.
 PACKAGES = ("torch", "transformers", "numpy", "sympy", "matplotlib", "sqlalchemy", "nltk", "networkx",
@@ -77,10 +80,14 @@ def _functions(path: Path) -> Iterator[tuple[str, list[str], str]]:
 
 def docstring_pairs(dirs: Sequence[Path]) -> list[dict[str, str]]:
     """(name + arguments → summary) rows of every public documented function under ``dirs``, tests left out;
-    ``id`` = ``<package>:<relative path>:<name>:<n>``."""
-    rows = []
-    for base in dirs:
-        for path in sorted(base.rglob("*.py")):
+    ``id`` = ``<package>:<relative path>:<name>:<n>``. Logs each package as it is read (a large one takes a
+    while), with the running count of rows."""
+    rows: list[dict[str, str]] = []
+    for i, base in enumerate(dirs, 1):
+        files = sorted(base.rglob("*.py"))
+        log.info("docstrings: reading %s (%d of %d packages, %d files); %d pairs so far", base.name, i, len(dirs),
+                 len(files), len(rows))
+        for path in files:
             rel = path.relative_to(base.parent)
             if any(part in ("tests", "test", "testing", "_vendor", "vendored") for part in rel.parts):
                 continue
@@ -95,6 +102,8 @@ def docstring_pairs(dirs: Sequence[Path]) -> list[dict[str, str]]:
                 if target and split_name(name):
                     rows.append({"id": f"{rel.as_posix()}:{name}:{n}", "source": " ".join(source.split()),
                                  "target": target})
+    log.info("docstrings: %d pairs from %d packages, before shared summaries and duplicates are left out",
+             len(rows), len(dirs))
     counts = Counter(r["target"] for r in rows)
     seen: set[tuple[str, str]] = set()
     out = []

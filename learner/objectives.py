@@ -79,6 +79,16 @@ SUMMED_METRICS = ("tokens", "excluded_tokens")
 MAXED_METRICS = ("ratio_max", "sampler_ratio_max_dev")
 
 
+def rank_token_share(run: StepRunner, mask: Tensor) -> float:
+    """The factor that turns this rank's token means into its part of the token mean over every rank's tokens:
+    the number of ranks times this rank's share of the tokens (exactly 1 with one rank). DDP averages the ranks'
+    gradients; unscaled, a rank with few tokens (short samples) would weigh as much as one with many, and the
+    result would depend on rl.learners."""
+    local = float(mask.sum())
+    total, ranks = run.all_sum(torch.tensor([local, 1.0], dtype=torch.float64)).tolist()
+    return ranks * local / total if total > 0 else 1.0
+
+
 class RankObjective:
     """Rank RL: CE(gold) + λ·rank loss on (better, worse) pairs, one optimizer step per batch."""
 
@@ -415,7 +425,7 @@ class PolicyGradientObjective:
                     if pg.nlpo_leak_coef > 0:
                         loss = loss + pg.nlpo_leak_coef * leak
                     stats["mask_leak"].append(leak.item())
-                stats["grad_norm"].append(run.optimize(loss))
+                stats["grad_norm"].append(run.optimize(loss * rank_token_share(run, mb_mask)))
                 steps += 1
                 for key, value in (("loss", loss), ("policy_loss", policy_loss), *st.items()):
                     stats[key].append(float(value.detach()) if isinstance(value, torch.Tensor) else float(value))

@@ -170,7 +170,8 @@ class EpochScheduler:
 
     def __post_init__(self) -> None:
         self.next_submit = 0
-        self.next_consume = 0
+        self.next_consume = 0  # chunks consumed (a count: out of order, not the next index)
+        self._first_unconsumed = 0  # the lowest chunk index not consumed yet
         self.ready: dict[int, list[Any]] = {}  # reorder buffer: chunk index -> scored items
         self.consumed: set[int] = set()
         self.retries: list[tuple[float, int]] = []  # (clock time, chunk index)
@@ -229,6 +230,14 @@ class EpochScheduler:
         if exhausted:
             raise ChunkFailed(f"chunk {chunk_index} failed {chunk.attempts} times and was refused {chunk.unavailable} "
                               f"times by restarting workers; last error: {error}")
+        if not self.ordered:
+            # Unordered, the learner trains on other chunks meanwhile: the chunk is sampled again anyway, so with
+            # the weights the learner's position needs now, not the version planned for it (a worker that died
+            # three times would otherwise hand the learner samples many steps stale). Ordered mode keeps the
+            # planned version: its seeds, hence the run's result, depend on it.
+            chunk.version = max(chunk.version, needed_version(self.step, self.epoch_start, self.refresh_every_steps))
+            if chunk.mask_version is not None:
+                chunk.mask_version = mask_version(chunk.version, self.mask_every)
         when = max(self.rollouts.next_available(), self.rewards.next_available())
         self.retries.append((when, chunk_index))
         return when
@@ -246,12 +255,16 @@ class EpochScheduler:
     def _move_ready(self) -> None:
         # In dataset order (deterministic), or as they come (faster when workers are uneven; the result
         # then depends on timing).
-        while self.next_consume in self.ready or (not self.ordered and self.ready):
-            index = self.next_consume if self.next_consume in self.ready else min(self.ready)
+        while self._first_unconsumed in self.ready or (not self.ordered and self.ready):
+            index = self._first_unconsumed if self._first_unconsumed in self.ready else min(self.ready)
             self.consumed.add(index)
-            self.stats.out_of_order += index != self.next_consume
+            self.stats.out_of_order += index != self._first_unconsumed
             self.queue.extend(self.ready.pop(index))
             self.next_consume += 1
+            while self._first_unconsumed in self.consumed:
+                self._first_unconsumed += 1
+        if not self.ordered:  # the stalest first: a late chunk's items must not wait behind fresher ones
+            self.queue.sort(key=lambda item: item.policy_version)
 
     @property
     def all_consumed(self) -> bool:

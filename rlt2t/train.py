@@ -478,8 +478,7 @@ class _Job:
             ref = done[0]
             if steps and ref in steps[0][0]:
                 learner_refs, batch = steps.popleft()
-                ray.wait(learner_refs, num_returns=len(learner_refs))
-                metrics = self.learners.result(learner_refs)
+                metrics = self.learners.result(learner_refs)  # fails at the first rank that fails
                 if not steps:
                     learner_busy += time.perf_counter() - busy_since
                 at = sched.step_done()

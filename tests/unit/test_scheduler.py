@@ -150,6 +150,34 @@ def test_a_redispatched_chunk_behind_the_learner_keeps_its_version():
     (retry,) = sched.rollout_dispatches(published={0, 1, 2})
     finish(sched, retry.chunk.index)
     assert sched.oldest_needed_version() == 2  # only what a resumed run needs
+    assert sched.stats.out_of_order == 3  # chunks 1-3 overtook chunk 0; chunk 0 itself is not one (it counted 4)
+
+
+def test_without_deterministic_mode_a_chunk_sampled_again_takes_the_weights_the_learner_needs_now():
+    """A chunk whose worker died after the learner moved on is sampled again with the version the learner's
+    position needs (one worker dying three times handed the learner samples 7 steps stale at N = 1); the
+    stalest items train first. In deterministic mode it keeps its planned version (its seeds depend on it)."""
+    for ordered in (False, True):
+        sched, clock = make_planned(8, 1, refresh=1, ordered=ordered, attempts=5)  # versions 0, 0, 1, ..., 6
+        sched.rollout_dispatches(published={0, 1})
+        for index in (1, 2):
+            finish(sched, index)
+        if not ordered:
+            for _ in range(2):
+                _train_one_step(sched)  # chunks 1 and 2
+        sched.task_failed("rollout", 0, 0, unavailable=False, error="worker died")
+        clock.now += 1
+        (retry,) = [d for d in sched.rollout_dispatches(published={0, 1}) if d.chunk.index == 0]
+        assert retry.chunk.version == (0 if ordered else needed_version(2, 0, 1))  # 0, or 1 at step 2
+        if not ordered:
+            sched.rollout_dispatches(published={0, 1, 2, 3})
+            finish(sched, 3)
+            finish(sched, 4)
+            assert [i.example_id for i in sched.next_batch().items] == ["3-0"]
+            sched.step_done()
+            finish(sched, 0)  # version 1, behind chunk 4's 3 in the queue: it trains first
+            batch = sched.next_batch()
+            assert [i.example_id for i in batch.items] == ["0-0"] and batch.staleness_max == 2
 
 
 def test_chunks_longer_than_a_refresh_never_drop_a_version_the_learner_has_not_reached():
@@ -185,11 +213,11 @@ def test_a_late_nlpo_chunk_keeps_its_masking_policy_until_a_learner_step_takes_i
             finish(sched, index)
     for step in range(1, 13):
         assert _train_one_step(sched) == step
+    assert [i.example_id for i in sched.next_batch().items] == ["13-0"]  # queued before chunk 3 arrived
     finish(sched, 3)
     assert sched.chunks[3].mask_version == 0 and sched.oldest_needed_version() == 0
-    assert [i.example_id for i in sched.next_batch().items] == ["13-0"]  # queued before chunk 3 arrived
     sched.step_done()
-    assert sched.oldest_needed_version() == 0  # chunk 3's item waits in the queue
+    assert sched.oldest_needed_version() == 0  # chunk 3's item waits for the next step
     batch = sched.next_batch()
     assert [i.example_id for i in batch.items] == ["3-0"] and batch.items[0].mask_version == 0
     assert sched.oldest_needed_version() == 10  # in a learner step now: Ray holds the weights it was sent
