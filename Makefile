@@ -20,6 +20,7 @@ help:
 	@echo "                        (or CLUSTER=deploy/cluster-aws.yaml: ray up, then deploy from its head); see deploy/README.md"
 	@echo "make gpu-smoke - on a CUDA machine: the learner's nccl + mixed-precision path (tests/gpu)"
 	@echo "make feedback-loop - sample → scripted annotator → reward model (MiniLM) → RL → sample again (runs/feedback)"
+	@echo "make clean  - delete $(CLEAN_RUNS) and test caches; other run directories (runs/exp1, ...) stay"
 
 # Debian packages some features and their tests need: WordNet data (METEOR, the WordNet task), headless
 # Chromium and its driver (the annotation app's browser tests), the PostgreSQL 15 server (the annotation
@@ -190,5 +191,9 @@ gpu-smoke: $(STAMP)
 		sys.exit(0 if ok else 'gpu-smoke needs a CUDA GPU: torch.cuda.is_available() is False (install the CUDA build of torch, see README)')"
 	$(BIN)/python -m pytest tests/gpu -q $(PYTEST_ARGS)
 
+# Only what `make demo`, `make feedback-loop`, the tiny config and the benchmarks write under runs/: the
+# experiments of other run directories (runs/exp1, ...) stay.
+CLEAN_RUNS := runs/demo runs/tiny runs/feedback runs/bench-*
+
 clean:
-	rm -rf runs .pytest_cache .typecheck
+	rm -rf $(CLEAN_RUNS) .pytest_cache .typecheck

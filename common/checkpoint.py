@@ -185,6 +185,18 @@ def latest_complete_checkpoint(root: str | Path) -> Path | None:
     return infos[-1].path if infos else None
 
 
+def resume_point(root: str | Path, resume: bool, *, elsewhere: str = "use another run.dir") -> Path | None:
+    """Where a stage writing checkpoints under ``root`` starts: with ``resume`` its newest complete checkpoint
+    (None when there is none yet); without, None, and FileExistsError when ``root`` already holds checkpoints
+    (a new run would write over them). ``elsewhere`` says where else the run may go."""
+    root = Path(root)
+    if resume:
+        return latest_complete_checkpoint(root)
+    if root.exists() and any(root.iterdir()):
+        raise FileExistsError(f"{root} already holds checkpoints; pass --resume to continue or {elsewhere}")
+    return None
+
+
 def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
     """A model directory itself, or the newest complete checkpoint of a checkpoint root."""
     path = Path(path)

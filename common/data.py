@@ -193,7 +193,8 @@ def _parse_jsonl_line(
     target = row.pop("target", None)
     if target is None:
         if require_target:
-            raise DataError(path, lineno, "target", "missing (pass require_target=False for unlabeled data)")
+            raise DataError(path, lineno, "target", "missing (a file without targets is unlabeled data: pass "
+                                                    "--unlabeled on the command line, require_target=False in Python)")
     elif not isinstance(target, str):
         raise DataError(path, lineno, "target", f"expected a string, got {type(target).__name__}")
     elif not target.strip():
@@ -311,6 +312,7 @@ def _parse_csv_row(
     separator_token: str,
     check_text: TextCheck | None,
     seen: dict[str, int],
+    require_target: bool,
 ) -> Example:
     if len(cells) != width:
         names = ", ".join(COMPETITION_COLUMNS[:width])
@@ -331,6 +333,9 @@ def _parse_csv_row(
     }
     if not texts["description"]:
         raise DataError(path, lineno, "description", "empty")
+    if require_target and not texts.get("diagnosis"):
+        raise DataError(path, lineno, "diagnosis", f"{'empty' if 'diagnosis' in texts else 'missing'} (every row of "
+                        "a labelled file needs one; a test file without diagnoses is imported with --unlabeled)")
     if check_text is not None:
         for name, value in texts.items():
             if value and (problem := check_text(value)):
@@ -355,6 +360,7 @@ def import_competition_csv(
     separator_token: str = "<sep>",
     on_error: OnError = "raise",
     check_text: TextCheck | None = None,
+    require_target: bool = False,
 ) -> LoadedExamples:
     """Read the competition's header-less CSV: ``report_id,description[,diagnosis[,clinical]]``.
 
@@ -362,7 +368,8 @@ def import_competition_csv(
     space-separated non-negative integer token ids; whitespace is normalised to single spaces.
     ``source`` is ``clinical <sep> description`` when the file has a clinical column (the separator
     is there even when clinical is empty: ``<sep> 5 6 7``), else the description. An empty or absent
-    diagnosis gives ``target=None``. ``check_text`` is called on each non-empty text column. Bad rows
+    diagnosis gives ``target=None``, or with ``require_target`` (a labelled file) makes the row bad.
+    ``check_text`` is called on each non-empty text column. Bad rows
     (wrong column count, a non-integer token, empty description or id, duplicate id) raise
     :class:`DataError` or, with ``on_error="skip"``, are counted and logged as in :func:`iter_examples`.
     """
@@ -392,7 +399,8 @@ def import_competition_csv(
                             f"expected 2 to 4 columns ({', '.join(COMPETITION_COLUMNS)}), got {len(cells)}",
                         )
                     width = len(cells)
-                example = _parse_csv_row(cells, width, path_str, lineno, separator_token, check_text, seen)
+                example = _parse_csv_row(cells, width, path_str, lineno, separator_token, check_text, seen,
+                                         require_target)
             except DataError as err:
                 if on_error == "raise":
                     raise

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -82,13 +84,16 @@ def atomic_write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> int:
 def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling directory that is renamed to ``path`` when the block succeeds.
 
-    An existing ``path`` is replaced (moved aside, then deleted) only after the new one is complete.
-    Temporary directories start with ``.tmp-`` so scanners can ignore them.
+    An existing ``path`` is replaced (moved aside to a uniquely named ``.old-NAME-*``, then deleted) only after
+    the new one is complete. Temporary directories start with ``.tmp-`` so scanners can ignore them. What a
+    killed earlier write left behind is dealt with first: a ``path`` that a kill between the two renames left
+    missing comes back from its ``.old-NAME-*`` copy, other such copies are deleted.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _recover_old_copies(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
-    old = path.parent / f".old-{path.name}-{os.getpid()}"
+    old: Path | None = None
     try:
         os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes it owner-only (see atomic_open)
         yield tmp
@@ -97,6 +102,8 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
                 with open(sub, "rb") as f:
                     os.fsync(f.fileno())
         if path.exists():
+            # a fresh name: a leftover of a killed run (with this pid, say) cannot be in the way
+            old = path.parent / f".old-{path.name}-{os.getpid()}-{secrets.token_hex(4)}"
             os.replace(path, old)
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
@@ -104,10 +111,39 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
             os.replace(tmp, path)
         _fsync_dir(path.parent)
     except BaseException:
-        if old.exists() and not path.exists():  # interrupted between the two renames: the old one goes back
+        if old is not None and old.exists() and not path.exists():  # interrupted between the two renames
             os.replace(old, path)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _recover_old_copies(path: Path) -> None:
+    """Before writing ``path``: the newest ``.old-NAME-<pid>-<hex>`` copy becomes ``path`` again when ``path`` is
+    missing (a process killed between atomic_directory's two renames); the other copies are deleted. A copy of a
+    live other process is its replacement in progress: left alone."""
+    pattern = re.compile(rf"\.old-{re.escape(path.name)}-(\d+)(-[0-9a-f]{{8}})?")
+    olds = []
+    for p in path.parent.iterdir():
+        if (m := pattern.fullmatch(p.name)) and p.is_dir() and not p.is_symlink() and not _alive(int(m[1])):
+            olds.append(p)
+    olds.sort(key=lambda p: p.stat().st_mtime)
+    if olds and not path.exists() and not path.is_symlink():
+        os.replace(olds.pop(), path)
+    for old in olds:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether another process ``pid`` runs (this one's own pid: a killed run's, reused)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process; a number no pid can be
+        return True
+    return True
 
 
 class JsonlAppender:

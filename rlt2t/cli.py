@@ -9,10 +9,12 @@ the parser from them and runs the chosen command with one error policy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from rlt2t import (
     cmd_annotate,
@@ -45,24 +47,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A config override `key.path=value` (a dotted key: a file name with `=` in it rarely has one before the `=`).
+OVERRIDE = re.compile(r"^[a-z_]+(\.[a-z_0-9]+)+=")
+
+
+def _chosen_parsers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Iterator[argparse.ArgumentParser]:
+    """``parser`` and the subcommand parsers ``args`` went through."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            if chosen is not None:
+                yield from _chosen_parsers(chosen, args)
+
+
+def _take_trailing_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """Overrides an option of many values swallowed (`--files a.jsonl run.dir=X`): taken out of its list and
+    returned. A value that is an existing file stays a value."""
+    moved: list[str] = []
+    for p in _chosen_parsers(parser, args):
+        for action in p._actions:
+            values = getattr(args, action.dest, None)
+            if not action.option_strings or action.nargs not in ("+", "*") or not isinstance(values, list):
+                continue
+            kept = [v for v in values if not (isinstance(v, str) and OVERRIDE.match(v) and not os.path.exists(v))]
+            if len(kept) == len(values):
+                continue
+            moved += [v for v in values if v not in kept]
+            if not kept and action.nargs == "+":
+                parser.error(f"argument {'/'.join(action.option_strings)}: expected at least one value before the "
+                             f"overrides ({' '.join(values)})")
+            setattr(args, action.dest, kept)
+    return moved
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    # Overrides may come before or after options (`demo --fresh a=1 b=2`): argparse leaves the later ones over.
+    # Overrides may come before or after options (`demo --fresh a=1 b=2`): argparse leaves the later ones over,
+    # or an option of many values takes them (`data validate --files a.jsonl run.dir=X`).
     args, extra = parser.parse_known_args(argv)
     stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    if extra:
-        args.overrides = [*args.overrides, *extra]
+    if hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *_take_trailing_overrides(parser, args), *extra]
     setup_logging(logging.DEBUG if args.verbose else logging.INFO)
     if os.environ.get("CI") or not sys.stderr.isatty():
         os.environ.setdefault("TQDM_MININTERVAL", "5")
     try:
         code = args.fn(args)
-    except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+    except BrokenPipeError:  # `rlt2t config --explain | head`: the reader has gone, nothing is wrong
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no more writes to the closed pipe, at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command the pipe ended
+    except (ConfigError, ValueError, OSError) as e:
         if args.verbose:
             raise
-        print(f"rlt2t {args.command}: error: {e}", file=sys.stderr)
+        print(f"rlt2t {args.command}: error: {_message(e)}", file=sys.stderr)
         return 2
     except ResumableFailure as e:
         if args.verbose:
@@ -74,6 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted; completed checkpoints are kept (resume with --resume)", file=sys.stderr)
         return 130
     return int(code or 0)
+
+
+def _message(e: Exception) -> str:
+    """One line for an error: an operating-system error as `<file>: <reason>` (not `[Errno 21] Is a ...`)."""
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:
+        files = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else f"{e.filename}"
+        return f"{files}: {e.strerror}"
+    return str(e)
 
 
 if __name__ == "__main__":

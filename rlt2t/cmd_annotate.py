@@ -21,6 +21,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from rlt2t.cmd_common import load_cfg
+
 log = logging.getLogger("rlt2t.annotate")
 
 
@@ -57,11 +59,10 @@ def _check_source_args(args) -> None:
 
 
 def cmd_add_user(args) -> None:
-    from rlt2t.common.config import load_config
     from rlt2t.common.io import atomic_write_text
     from rlt2t.services.annotation.store import open_store
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_cfg(args)
     store = open_store(cfg)
     try:
         token = store.reset_token(args.name) if args.reset else store.add_annotator(
@@ -76,13 +77,12 @@ def cmd_add_user(args) -> None:
 
 
 def cmd_load(args) -> None:
-    from rlt2t.common.config import load_config
     from rlt2t.services.annotation.store import open_store
 
     _check_source_args(args)
     if not args.candidates and not args.sources:
         raise ValueError("give --candidates FILE.jsonl or --sources FILE.jsonl (sampled on --policy-url)")
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_cfg(args)
     store = open_store(cfg)
     try:
         _load_items(cfg, store, candidates=args.candidates, sources=args.sources, policy_url=args.policy_url,
@@ -93,11 +93,10 @@ def cmd_load(args) -> None:
 
 def cmd_serve(args) -> None:
     from rlt2t.cmd_serve import run_server
-    from rlt2t.common.config import load_config
     from rlt2t.services.annotation.app import create_app
     from rlt2t.services.annotation.store import open_store
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_cfg(args)
     host = args.host or cfg.annotate.host
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -121,7 +120,6 @@ def cmd_serve(args) -> None:
 
 
 def cmd_terminal(args) -> None:
-    from rlt2t.common.config import load_config
     from rlt2t.services.annotation.store import open_store
     from rlt2t.services.annotation.terminal import run_terminal
 
@@ -129,7 +127,7 @@ def cmd_terminal(args) -> None:
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401 - line editing for input() on a terminal
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_cfg(args)
     a = cfg.annotate
     store = open_store(cfg)
     try:
@@ -154,11 +152,10 @@ def cmd_terminal(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from rlt2t.common.config import load_config
     from rlt2t.services.annotation.export import FILES, export_all
     from rlt2t.services.annotation.store import open_store
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_cfg(args)
     out = Path(args.out) if args.out else cfg.run_dir / "annotate" / "export"
     store = open_store(cfg)
     try:
@@ -180,11 +177,10 @@ def cmd_export(args) -> None:
 
 
 def cmd_agreement(args) -> None:
-    from rlt2t.common.config import load_config
     from rlt2t.services.annotation.agreement import agreement
     from rlt2t.services.annotation.store import open_store
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_cfg(args)
     store = open_store(cfg)
     try:
         report = agreement(store.judgements())

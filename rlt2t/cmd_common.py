@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from rlt2t.common.config import Config, load_config
@@ -17,9 +17,9 @@ def config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. sft.lr=3e-4")
 
 
-def load_cfg(args: argparse.Namespace) -> Config:
-    """The config tree of a command's --config files and overrides."""
-    return load_config(args.config, args.overrides)
+def load_cfg(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
+    """The config tree of a command's --config files and overrides, then ``extra`` overrides (from its flags)."""
+    return load_config(args.config, [*args.overrides, *extra])
 
 
 def print_table(title: str, rows: Mapping[str, Mapping[str, float]], file: TextIO | None = None) -> None:

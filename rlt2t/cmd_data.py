@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from rlt2t.cmd_common import load_cfg
@@ -20,7 +21,9 @@ def cmd_config(args) -> None:
 def cmd_data_synth(args) -> None:
     from rlt2t.jobs import make_synthetic_data
 
-    files = make_synthetic_data(load_cfg(args), fmt=args.format)
+    cfg = load_cfg(args)
+    _check_task_out(cfg, args.format, args.force)
+    files = make_synthetic_data(cfg, fmt=args.format)
     for split, path in files.items():
         print(f"{split}: {path}")
 
@@ -28,16 +31,29 @@ def cmd_data_synth(args) -> None:
 def cmd_data_wordnet(args) -> None:
     from rlt2t.jobs import make_wordnet_data
 
-    for split, path in make_wordnet_data(load_cfg(args), size=args.size, seed=args.seed,
-                                         wordnet_dir=args.wordnet_dir).items():
+    cfg = load_cfg(args)
+    _check_task_out(cfg, "jsonl", args.force)
+    for split, path in make_wordnet_data(cfg, size=args.size, seed=args.seed, wordnet_dir=args.wordnet_dir).items():
         print(f"{split}: {path}")
 
 
 def cmd_data_docstrings(args) -> None:
     from rlt2t.jobs import make_docstring_data
 
-    for split, path in make_docstring_data(load_cfg(args), size=args.size, seed=args.seed).items():
+    cfg = load_cfg(args)
+    _check_task_out(cfg, "jsonl", args.force)
+    for split, path in make_docstring_data(cfg, size=args.size, seed=args.seed).items():
         print(f"{split}: {path}")
+
+
+def _check_task_out(cfg, fmt: str, force: bool) -> None:
+    """Refuse to write a generated task over split files already in data.train's directory unless --force (the
+    demo, which regenerates its own synthetic task, does not come through here)."""
+    out = cfg.path(cfg.data.train).parent
+    existing = [str(out / f"{s}.{fmt}") for s in ("train", "valid", "test") if (out / f"{s}.{fmt}").exists()]
+    if existing and not force:
+        raise FileExistsError(f"{out} already holds {', '.join(existing)} (pass --force to replace them, or give "
+                              "the task another run.dir)")
 
 
 def cmd_data_import(args) -> None:
@@ -52,10 +68,14 @@ def cmd_data_import(args) -> None:
     keep_test = not args.unlabeled and args.test_fraction == 0 and unlabeled_test
     owned = ("test",) if args.unlabeled else ("train", "valid", "test")  # the split files this import replaces
     _check_import_out(out, tuple(s for s in owned if not (keep_test and s == "test")), args.force)
-    examples = import_competition_csv(args.input, on_error=cfg.data.on_error)
+    # A labelled file's rows all need a diagnosis; an --unlabeled file has none (any it has are dropped, so the
+    # test set reads as unlabeled: _unlabeled_file, a later labelled re-import keeps it)
+    examples = import_competition_csv(args.input, on_error=cfg.data.on_error, require_target=not args.unlabeled)
     if args.unlabeled:
-        write_examples(test_path, examples)
-        print(f"test: {test_path} ({len(examples)} rows)")
+        dropped = sum(e.target is not None for e in examples)
+        write_examples(test_path, [replace(e, target=None) for e in examples])
+        note = f"; {dropped} diagnoses left out: --unlabeled imports inputs only" if dropped else ""
+        print(f"test: {test_path} ({len(examples)} rows{note})")
         return
     parts = split_examples(examples, args.valid_fraction, args.test_fraction, cfg.run.seed)
     for split, rows in zip(owned, parts, strict=True):
@@ -137,6 +157,7 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p = data.add_parser("synth", help="write the synthetic report task (synth.size, synth.seed) to data.train's dir")
     config_args(p)
     p.add_argument("--format", choices=["jsonl", "csv"], default="jsonl", help="JSONL, or the competition CSV layout")
+    p.add_argument("--force", action="store_true", help="replace split files already in data.train's directory")
     p.set_defaults(fn=cmd_data_synth)
     for name, what, fn in (
         ("wordnet", "the WordNet definition-modelling task (natural language)", cmd_data_wordnet),
@@ -150,6 +171,7 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
         if name == "wordnet":
             p.add_argument("--wordnet-dir", default=None,
                            help="WordNet dict directory (default: Debian's wordnet-base)")
+        p.add_argument("--force", action="store_true", help="replace split files already in data.train's directory")
         p.set_defaults(fn=fn)
     p = data.add_parser("import-csv", help="convert a competition CSV (report_id,description,diagnosis[,clinical])")
     config_args(p)
@@ -158,8 +180,9 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("--valid-fraction", type=float, default=0.05)
     p.add_argument("--test-fraction", type=float, default=0.0)
     p.add_argument("--unlabeled", action="store_true",
-                   help="the file is a test set without diagnoses (writes test.jsonl only; import it after the "
-                        "labeled file, whose import owns train/valid/test)")
+                   help="the file is a test set without diagnoses (writes test.jsonl only, inputs without targets; "
+                        "import it after the labeled file, whose import owns train/valid/test, and whose rows all "
+                        "need a diagnosis)")
     p.add_argument("--force", action="store_true",
                    help="replace existing split files in --out (a labeled import removes the ones it does not "
                         "write, but keeps the test.jsonl of an --unlabeled import unless it has test rows itself)")

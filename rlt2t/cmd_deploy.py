@@ -10,7 +10,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rlt2t.common.config import ConfigError, load_config
+from rlt2t.cmd_common import load_cfg
+from rlt2t.common.config import ConfigError
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -36,7 +37,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                         working_dir=args.working_dir, name=args.name)
             return 0
         if args.deploy_command == "serve-start":
-            url = deploy.start_policy_server(load_config(args.config, args.overrides), name=args.name,
+            url = deploy.start_policy_server(load_cfg(args), name=args.name,
                                              timeout_s=args.timeout)
             print(f"{deploy.URL_MARKER}{url}", flush=True)
             return 0
@@ -45,7 +46,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         return 0
     except (deploy.DeployError, ConfigError) as e:
         print(f"rlt2t deploy {args.deploy_command}: error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, ConfigError) else 1  # a config error exits 2, as in every command (rlt2t.cli)
 
 
 def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:

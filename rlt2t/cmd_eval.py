@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from rlt2t.common.config import load_config
+from rlt2t.cmd_common import load_cfg
 
 
 def cmd_eval(args) -> None:
     from rlt2t.eval_table import eval_table, print_eval_table, resolve_models
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_cfg(args)
     table = eval_table(cfg, resolve_models(cfg, args.checkpoint), split=args.split, metrics=args.metrics)
     print_eval_table(table)
     paths = table.save(cfg.run_dir / "eval", args.name)

@@ -6,8 +6,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from rlt2t.cmd_common import print_table
-from rlt2t.common.config import load_config
+from rlt2t.cmd_common import load_cfg, print_table
 
 RERANK_HELP = (
     "mean_logprob: length-normalised log-likelihood averaged over scorers; idf: the same, tokens weighted by "
@@ -26,7 +25,7 @@ def _paths(value: str, flag: str) -> list[str]:
 def cmd_export(args) -> None:
     from rlt2t.jobs import export_job
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_cfg(args)
     out = export_job(cfg, args.checkpoint, args.out, quantization=args.quantization, force=args.force)
     print(f"export: {args.checkpoint} → {out} ({args.quantization or cfg.export.quantization})")
 
@@ -34,7 +33,7 @@ def cmd_export(args) -> None:
 def cmd_predict(args) -> None:
     from rlt2t.predict import predict
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_cfg(args)
     result = predict(cfg, _paths(args.generators, "--generators"), _paths(args.scorers, "--scorers"), args.input,
                      args.out, rerank=args.rerank)
     print(f"predict: {len(result.ids)} inputs, {result.mean_candidates:.1f} candidates each, rerank={result.rerank}")
@@ -48,7 +47,9 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p = sub.add_parser("export", help="convert a checkpoint to CTranslate2 (int8 by default) with its IDF table")
     config_args(p)
     p.add_argument("--checkpoint", required=True, help="model directory, checkpoint, or checkpoint root (newest)")
-    p.add_argument("--out", default=None, help="export directory (default: {export.out}/<checkpoint name>)")
+    p.add_argument("--out", default=None,
+                   help="export directory (default: {export.out}/<stage>-<checkpoint name>, e.g. sft-epoch-0003; "
+                        "a model directory: its name)")
     p.add_argument("--quantization", default=None,
                    choices=["int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",
                             "bfloat16", "float32"],

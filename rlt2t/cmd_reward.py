@@ -12,27 +12,21 @@ import argparse
 import json
 from collections.abc import Callable
 
-from rlt2t.cmd_common import print_table
-from rlt2t.common.config import load_config
+from rlt2t.cmd_common import load_cfg, print_table
 
 
-def _with_files(args, key: str, flag_values: dict[str, list[str] | str | None]) -> list[str]:
+def _flag_overrides(key: str, flag_values: dict[str, list[str] | str | None]) -> list[str]:
     """Overrides from command-line flags (they replace the config's lists / values)."""
-    extra = []
-    for field, value in flag_values.items():
-        if value:
-            extra.append(f"{key}.{field}={json.dumps(value)}")
-    return [*args.overrides, *extra]
+    return [f"{key}.{field}={json.dumps(value)}" for field, value in flag_values.items() if value]
 
 
 def cmd_reward_model_train(args) -> None:
+    from rlt2t.common.checkpoint import complete_checkpoint
     from rlt2t.reward_jobs import reward_model_job
 
-    overrides = _with_files(args, "reward_model", {"rank_lists": args.rank_lists, "pairs": args.pairs,
-                                                   "ratings": args.ratings, "init": args.init})
-    from rlt2t.common.checkpoint import complete_checkpoint
-
-    result = reward_model_job(load_config(args.config, overrides), resume=args.resume)
+    flags = _flag_overrides("reward_model", {"rank_lists": args.rank_lists, "pairs": args.pairs,
+                                             "ratings": args.ratings, "init": args.init})
+    result = reward_model_job(load_cfg(args, flags), resume=args.resume)
     best = complete_checkpoint(result.checkpoint).meta.get("best")
     print(f"reward-model: {result.steps} steps → {result.checkpoint}"
           + (f"; best held-out pair accuracy {best['score']:.3f} ({best['path']})" if best else
@@ -70,15 +64,15 @@ def _score_rows(path: str) -> list[dict]:
 def cmd_classifier_train(args) -> None:
     from rlt2t.reward_jobs import classifier_job
 
-    overrides = _with_files(args, "classifier", {"train": args.train, "valid": args.valid, "init": args.init})
-    result = classifier_job(load_config(args.config, overrides), resume=args.resume)
+    flags = _flag_overrides("classifier", {"train": args.train, "valid": args.valid, "init": args.init})
+    result = classifier_job(load_cfg(args, flags), resume=args.resume)
     print(f"classifier: {result.steps} steps → {result.checkpoint}")
 
 
 def cmd_feedback_loop(args) -> None:
     from rlt2t.feedback import run_loop, summary_rows
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_cfg(args)
     summaries = run_loop(cfg)
     print_table(f"feedback loop (scripted annotator prefers token {summaries[0]['token']!r}): held-out sources",
                 summary_rows(summaries))

@@ -24,6 +24,7 @@ from rlt2t.common.checkpoint import (
     latest_complete_checkpoint,
     read_checkpoint,
     resolve_model_dir,
+    resume_point,
 )
 from rlt2t.common.collate import encode_examples
 from rlt2t.common.config import Config, config_to_yaml, shared_directory
@@ -102,16 +103,12 @@ def build_tokenizer_job(cfg: Config) -> Path:
 def _stage_start(cfg: Config, stage: str, init: str | Path | None, resume: bool
                  ) -> tuple[Policy, CheckpointInfo | None]:
     """Load the policy for a stage: resume its own newest checkpoint, else start from ``init``."""
-    ckpt_root = cfg.run_dir / stage / "checkpoints"
-    latest = latest_complete_checkpoint(ckpt_root) if resume else None
+    latest = resume_point(cfg.run_dir / stage / "checkpoints", resume)
     if latest is not None:
         info = read_checkpoint(latest)
         if is_adapter_checkpoint(latest):  # a LoRA stage: its base + the adapters, trainable
             return load_lora_policy(cfg.model, cfg.tokenizer_dir, latest), info
         return load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest), info
-    if not resume and ckpt_root.exists() and any(ckpt_root.iterdir()):
-        raise FileExistsError(f"{ckpt_root} already holds checkpoints; "
-                              "pass --resume to continue or use another run.dir")
     if init is not None:
         init = resolve_model_dir(init)
         log.info("%s: starting from %s", stage, init)
@@ -184,6 +181,12 @@ def _by_name(ckpt_root: Path, recorded: str) -> Path | None:
     return path if read_checkpoint(path) is not None else None
 
 
+def checkpoint_label(path: Path) -> str:
+    """A checkpoint ``<stage>/checkpoints/<name>`` reads ``<stage>-<name>`` (``sft-epoch-0003``: the stages' own
+    checkpoints share names, as eval's tables label them), a model directory its name: export's default --out."""
+    return f"{path.parent.parent.name}-{path.name}" if path.parent.name == "checkpoints" else path.name
+
+
 def export_job(cfg: Config, checkpoint: str | Path, out: str | Path | None = None, *,
                quantization: str | None = None, force: bool = False) -> Path:
     """CTranslate2 export of a model dir / checkpoint / checkpoint root (newest), with its IDF table."""
@@ -198,7 +201,7 @@ def export_job(cfg: Config, checkpoint: str | Path, out: str | Path | None = Non
         model_dir = resolve_model_dir(source)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--checkpoint: {e}") from None
-    out = Path(out) if out else cfg.path(cfg.export.out) / model_dir.name
+    out = Path(out) if out else cfg.path(cfg.export.out) / checkpoint_label(model_dir)
     quantization = quantization or cfg.export.quantization
     export_ct2(model_dir, out, quantization, force=force,
                tokenizer_dir=cfg.tokenizer_dir if cfg.tokenizer_dir.is_dir() else None)
@@ -229,6 +232,9 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
 # What `rlt2t demo` writes under run.dir, all that `demo --fresh` deletes: anything else there (annotations,
 # feedback rounds, reward models, the user's own files) is kept.
 FRESH_ENTRIES = ("config", "data", "tokenizer", "pretrain", "sft", "rl", "eval", "logs", "export", "predict")
+# The demo's mark on a run.dir whose stage outputs it wrote (prepare_sft leaves it in a run.dir that held none of
+# them); --fresh deletes nothing in a run.dir without it.
+DEMO_MARKER = ".rlt2t-demo"
 
 
 def _check_deletable_run_dir(cfg: Config) -> Path:
@@ -241,29 +247,57 @@ def _check_deletable_run_dir(cfg: Config) -> Path:
     return cfg.run_dir.expanduser().resolve()
 
 
-def clean_run(cfg: Config) -> None:
-    """Delete the stage outputs of the run (``FRESH_ENTRIES`` under run.dir) so the demo starts over.
-
-    Refuses a run.dir that is the current directory, the home directory, the root or a parent of one of them;
-    only the known entries go (a symlink among them is unlinked, never followed), everything else stays, and
-    ``data/`` only when it holds the demo's synthetic task (an import-csv or `rlt2t data` task stays)."""
-    run_dir = _check_deletable_run_dir(cfg)
-    if not run_dir.is_dir():
-        return
-    # with what a killed atomic write of one of them left beside it (rlt2t.common.io: .tmp-NAME-*, .old-NAME-*)
-    leftovers = [p for name in FRESH_ENTRIES for pattern in (f".tmp-{name}-*", f".old-{name}-*")
-                 for p in run_dir.glob(pattern)]
-    entries = [run_dir / name for name in FRESH_ENTRIES]
+def _fresh_deletions(run_dir: Path) -> list[Path]:
+    """What --fresh deletes in ``run_dir``: the ``FRESH_ENTRIES`` there (``data/`` only when it holds the demo's
+    synthetic task) and what a killed atomic write of one of them left beside it (rlt2t.common.io: .tmp-NAME-*,
+    .old-NAME-*)."""
+    entries = [run_dir / name for name in FRESH_ENTRIES if (run_dir / name).exists() or (run_dir / name).is_symlink()]
     data = run_dir / "data"
     if data.is_dir() and not (data / SYNTH_META).is_file():  # imported or generated by the user, not the demo
         entries.remove(data)
+    leftovers = [p for name in FRESH_ENTRIES for pattern in (f".tmp-{name}-*", f".old-{name}-*")
+                 for p in run_dir.glob(pattern)]
+    return entries + leftovers
+
+
+def mark_demo_run(cfg: Config) -> None:
+    """Leave ``DEMO_MARKER`` in run.dir when the demo's stages start there and it holds none of their outputs yet
+    (or only data the demo keeps): the outputs that follow are the demo's, for --fresh to delete. A run.dir with
+    outputs of unknown origin stays unmarked, so --fresh refuses it."""
+    run_dir = cfg.run_dir
+    if (run_dir / DEMO_MARKER).is_file() or (run_dir.is_dir() and _fresh_deletions(run_dir)):
+        return
+    atomic_write_text(run_dir / DEMO_MARKER, "outputs of `rlt2t demo`: `rlt2t demo --fresh` deletes them "
+                                             f"({', '.join(FRESH_ENTRIES)})\n")
+
+
+def clean_run(cfg: Config) -> None:
+    """Delete the stage outputs of the run (``FRESH_ENTRIES`` under run.dir) so the demo starts over.
+
+    Refuses a run.dir that is the current directory, the home directory, the root or a parent of one of them,
+    and one that holds such entries without the demo's ``DEMO_MARKER`` (not the demo's run: config/, logs/ ...
+    may be the user's); only the known entries go (a symlink among them is unlinked, never followed), everything
+    else stays, and ``data/`` only when it holds the demo's synthetic task (an import-csv or `rlt2t data` task
+    stays)."""
+    run_dir = _check_deletable_run_dir(cfg)
+    if not run_dir.is_dir():
+        return
+    doomed = _fresh_deletions(run_dir)
+    if doomed and not (run_dir / DEMO_MARKER).is_file():
+        names = ", ".join(sorted(p.name for p in doomed))
+        raise FileExistsError(
+            f"--fresh: {run_dir} holds {names} but not the demo's marker {DEMO_MARKER}: they may not be the demo's "
+            f"outputs, so nothing was deleted. Give the demo its own run.dir (e.g. run.dir=runs/demo) or delete them "
+            f"yourself (if an earlier demo wrote them: `touch {run_dir / DEMO_MARKER}`, then rerun)")
+    data = run_dir / "data"
+    if data.is_dir() and data not in doomed:
         log.info("--fresh: kept %s (no %s: not the demo's synthetic data)", data, SYNTH_META)
-    for entry in entries + leftovers:
+    for entry in doomed:
         if entry.is_symlink() or entry.is_file():
             entry.unlink()
         elif entry.is_dir():
             shutil.rmtree(entry)
-    kept = sorted(p.name for p in run_dir.iterdir())
+    kept = sorted(p.name for p in run_dir.iterdir() if p.name != DEMO_MARKER)
     if kept:
         log.info("--fresh: kept %s in %s (not written by the demo)", ", ".join(kept), run_dir)
 
@@ -289,11 +323,7 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     from rlt2t.train import STAGE, train
 
     save_run_config(cfg, STAGE)
-    ckpt_root = cfg.run_dir / STAGE / "checkpoints"
-    latest = latest_complete_checkpoint(ckpt_root) if resume else None
-    if latest is None and not resume and ckpt_root.exists() and any(ckpt_root.iterdir()):
-        raise FileExistsError(f"{ckpt_root} already holds checkpoints; "
-                              "pass --resume to continue or use another run.dir")
+    latest = resume_point(cfg.run_dir / STAGE / "checkpoints", resume)
     resumed = read_checkpoint(latest) if latest else None
     if init:
         start = resolve_model_dir(init)
@@ -312,7 +342,9 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
 
 def prepare_sft(cfg: Config) -> Path:
     """Data, tokenizer, pretraining and SFT, each resumed or skipped when already done; returns the SFT
-    checkpoint that later stages start from (the demo and the quality benchmark share this)."""
+    checkpoint that later stages start from (the demo and the quality benchmark share this). A run.dir that
+    holds none of these outputs yet gets the demo's marker (``mark_demo_run``)."""
+    mark_demo_run(cfg)
     if not cfg.path(cfg.data.train).is_file():
         make_synthetic_data(cfg)
     if not cfg.tokenizer_dir.is_dir():

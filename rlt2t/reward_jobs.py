@@ -13,7 +13,7 @@ import logging
 import random
 from pathlib import Path
 
-from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint, resolve_model_dir
+from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir, resume_point
 from rlt2t.common.config import Config
 from rlt2t.common.preferences import check_preference_texts, load_preferences, split_by_source
 from rlt2t.common.reward_model import init_reward_model, load_reward_model
@@ -24,14 +24,6 @@ from rlt2t.learner.reward_model import train_reward_model
 from rlt2t.learner.trainer import StageResult
 
 log = logging.getLogger("rlt2t.reward_jobs")
-
-
-def _resume_point(ckpt_root: Path, resume: bool):
-    latest = latest_complete_checkpoint(ckpt_root) if resume else None
-    if latest is None and not resume and ckpt_root.exists() and any(ckpt_root.iterdir()):
-        raise FileExistsError(f"{ckpt_root} already holds checkpoints; pass --resume to continue or use another "
-                              "output directory")
-    return latest
 
 
 def reward_model_job(cfg: Config, resume: bool = False) -> StageResult:
@@ -52,7 +44,7 @@ def reward_model_job(cfg: Config, resume: bool = False) -> StageResult:
         log.warning("reward model: reward_model.valid_fraction=%s held out no source (too few sources); no "
                     "held-out pair accuracy", rm.valid_fraction)
     out_dir = cfg.path(rm.out)
-    latest = _resume_point(out_dir / "checkpoints", resume)
+    latest = resume_point(out_dir / "checkpoints", resume, elsewhere="use another output directory")
     if latest is not None:
         model = load_reward_model(latest, dropout=rm.dropout)
         info = read_checkpoint(latest)
@@ -89,7 +81,7 @@ def classifier_job(cfg: Config, resume: bool = False) -> StageResult:
     if c.valid:
         check_labels(valid, labels, str(cfg.path(c.valid)))
     out_dir = cfg.path(c.out)
-    latest = _resume_point(out_dir / "checkpoints", resume)
+    latest = resume_point(out_dir / "checkpoints", resume, elsewhere="use another output directory")
     if latest is not None:
         model_dir, info = latest, read_checkpoint(latest)
         from_config = [v for _, v in sorted(_id2label(model_dir).items())]

@@ -53,7 +53,7 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 from rlt2t.common.config import Config
 
@@ -291,9 +291,19 @@ class Store:
 
     @classmethod
     def open(cls, url: str, *, rating_range: tuple[float, float] = (-2.0, 2.0), migrate: bool = True) -> Store:
-        """Connect to ``url`` and upgrade its schema to the newest revision (see :func:`upgrade`)."""
+        """Connect to ``url`` and upgrade its schema to the newest revision (see :func:`upgrade`); StoreError
+        naming annotate.database_url (password hidden) when the database cannot be reached."""
         store = cls(create_store_engine(url), rating_range=rating_range)
-        if migrate and _stamped_revision(store) != SCHEMA_HEAD:
+        try:
+            stamped = _stamped_revision(store) if migrate else SCHEMA_HEAD
+        except OperationalError as e:  # no server, refused, wrong password, a SQLite file that cannot be opened
+            store.close()
+            reason = " ".join(str(e.orig or e).split())
+            password = store.engine.url.password
+            if password:
+                reason = reason.replace(str(password), "***")
+            raise StoreError(f"annotate.database_url: cannot open {store.url}: {reason}") from None
+        if stamped != SCHEMA_HEAD:
             try:
                 upgrade(store)
             except BaseException:

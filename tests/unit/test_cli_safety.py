@@ -82,9 +82,10 @@ def test_fresh_deletes_only_the_demo_outputs(tmp_path, monkeypatch):
     (run / "notes.md").write_text("mine")
     (run / ".tmp-tokenizer-123").mkdir()  # a killed atomic write's leftovers
     (run / ".old-export-456").mkdir()
+    (run / jobs.DEMO_MARKER).write_text("")  # the demo created this run.dir
 
     clean_run(_cfg("runs/demo"))
-    assert sorted(p.name for p in run.iterdir()) == ["annotate", "notes.md"]
+    assert sorted(p.name for p in run.iterdir()) == [jobs.DEMO_MARKER, "annotate", "notes.md"]
     assert (shared / "train.jsonl").exists()
     clean_run(_cfg(tmp_path / "missing"))  # nothing there: nothing to do
 
@@ -94,12 +95,59 @@ def test_fresh_keeps_data_the_demo_did_not_write(tmp_path, monkeypatch):
     run = tmp_path / "runs" / "exp1"
     (run / "data").mkdir(parents=True)
     (run / "data" / "train.jsonl").write_text('{"id": "1", "source": "a", "target": "b"}\n')  # import-csv's
+    jobs.mark_demo_run(_cfg("runs/exp1"))  # the demo starting on imported data: its outputs follow
+    assert (run / jobs.DEMO_MARKER).is_file()
     (run / "sft").mkdir()
     clean_run(_cfg("runs/exp1"))
     assert (run / "data" / "train.jsonl").exists() and not (run / "sft").exists()
     (run / "data" / "synth_meta.json").write_text("{}")  # the demo's synthetic task: regenerated, so it goes
     clean_run(_cfg("runs/exp1"))
     assert not (run / "data").exists()
+
+
+def test_fresh_deletes_nothing_in_a_run_dir_the_demo_did_not_create(tmp_path, monkeypatch, capsys):
+    # Only data/ was checked for the demo's mark: config/, logs/, export/ ... of any run.dir were deleted.
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "p"
+    for name in ("config", "logs", "export", "src"):
+        (run / name).mkdir(parents=True)
+    (run / "config" / "settings.yaml").write_text("keep")
+    monkeypatch.setattr(jobs, "prepare_sft", lambda cfg: pytest.fail("a stage ran"))
+    code, _, err = _cli(capsys, "demo", "--fresh", "--config", "tiny", "run.dir=p")
+    assert code == 2 and err.startswith(f"rlt2t demo: error: --fresh: {run} holds config, export, logs but not the "
+                                        f"demo's marker {jobs.DEMO_MARKER}")
+    assert "nothing was deleted" in err and "run.dir=runs/demo" in err
+    assert (run / "config" / "settings.yaml").read_text() == "keep" and (run / "logs").is_dir()
+    # the demo does not claim it either: its stages would start beside files it did not write
+    jobs.mark_demo_run(_cfg("p"))
+    assert not (run / jobs.DEMO_MARKER).exists()
+
+    # a run.dir without any of the demo's entries has nothing to delete: --fresh goes on
+    empty = tmp_path / "q"
+    (empty / "src").mkdir(parents=True)
+    clean_run(_cfg("q"))
+    assert (empty / "src").is_dir()
+
+
+def test_the_demo_marks_the_run_dir_it_starts_in(tmp_path, monkeypatch):
+    # prepare_sft (the demo's first stage) marks a new run.dir before it writes there; --fresh then cleans it.
+    monkeypatch.chdir(tmp_path)
+
+    def synth(cfg):
+        (cfg.run_dir / "data").mkdir(parents=True)
+        (cfg.run_dir / "data" / "synth_meta.json").write_text("{}")
+
+    monkeypatch.setattr(jobs, "make_synthetic_data", synth)
+    monkeypatch.setattr(jobs, "build_tokenizer_job", lambda cfg: (cfg.run_dir / "tokenizer").mkdir())
+    monkeypatch.setattr(jobs, "pretrain_job", lambda cfg, resume: (cfg.run_dir / "pretrain").mkdir())
+    monkeypatch.setattr(jobs, "sft_job", lambda cfg, resume: (cfg.run_dir / "sft").mkdir())
+    monkeypatch.setattr(jobs, "best_or_latest", lambda root: root)
+    jobs.prepare_sft(_cfg("runs/new"))
+    run = tmp_path / "runs" / "new"
+    assert (run / jobs.DEMO_MARKER).is_file() and (run / "sft").is_dir()
+    (run / "notes.md").write_text("mine")
+    clean_run(_cfg("runs/new"))
+    assert sorted(p.name for p in run.iterdir()) == [jobs.DEMO_MARKER, "notes.md"]
 
 
 def test_demo_fresh_with_the_current_directory_exits_2_before_any_stage(tmp_path, monkeypatch, capsys):
@@ -305,6 +353,72 @@ def test_a_labeled_reimport_keeps_the_unlabeled_test_set(tmp_path, capsys):
     # ... and that test.jsonl is then the labeled import's: a later one without test rows removes it
     code, printed, _ = _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out), "--force")
     assert code == 0 and "test.jsonl removed" in printed and not (out / "test.jsonl").exists()
+
+
+def test_a_labeled_import_refuses_a_row_without_a_diagnosis(tmp_path, capsys):
+    # It became an example without a target, refused much later (by SFT) with a Python argument's name.
+    csv = tmp_path / "train.csv"
+    csv.write_text("".join(f"{i},{i} {i + 1} 7,{'' if i == 3 else i + 2}\n" for i in range(20)))
+    out = tmp_path / "data"
+    code, _, err = _cli(capsys, "data", "import-csv", "--input", str(csv), "--out", str(out))
+    assert code == 2 and f"{csv}:4: field 'diagnosis': empty" in err and "--unlabeled" in err
+    assert not out.exists()
+    code, _, _ = _cli(capsys, "data", "import-csv", "--input", str(csv), "--out", str(out), "--valid-fraction", "0",
+                      "data.on_error=skip")
+    rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert code == 0 and len(rows) == 19 and "3" not in {r["id"] for r in rows}
+
+
+def test_an_unlabeled_import_drops_diagnoses_so_a_labeled_reimport_keeps_it(tmp_path, capsys):
+    # A test CSV imported with --unlabeled that had diagnoses kept them, so it read as labeled: a labeled
+    # --force re-import then deleted it as its own stale test split.
+    out = tmp_path / "data"
+    labeled, test_csv = _csv(tmp_path / "train.csv", 40), _csv(tmp_path / "test.csv", 5)  # test.csv has diagnoses
+    assert _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out))[0] == 0
+    code, printed, _ = _cli(capsys, "data", "import-csv", "--input", test_csv, "--out", str(out), "--unlabeled")
+    assert code == 0 and "5 diagnoses left out" in printed
+    assert all("target" not in json.loads(line) for line in (out / "test.jsonl").read_text().splitlines())
+    test = (out / "test.jsonl").read_bytes()
+    code, printed, _ = _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out), "--force")
+    assert code == 0 and "test.jsonl kept" in printed and (out / "test.jsonl").read_bytes() == test
+
+
+# --- data synth / wordnet / docstrings --------------------------------------------------------------------
+
+def test_generated_tasks_refuse_to_overwrite_split_files_unless_force(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    code, _, _ = _cli(capsys, "data", "synth", f"run.dir={run}", "synth.size=60")
+    assert code == 0
+    before = (run / "data" / "train.jsonl").read_bytes()
+    code, _, err = _cli(capsys, "data", "synth", f"run.dir={run}", "synth.size=80", "synth.seed=5")
+    assert code == 2 and f"{run / 'data' / 'train.jsonl'}" in err and "--force" in err
+    assert (run / "data" / "train.jsonl").read_bytes() == before
+    code, _, _ = _cli(capsys, "data", "synth", f"run.dir={run}", "synth.size=80", "synth.seed=5", "--force")
+    assert code == 0 and (run / "data" / "train.jsonl").read_bytes() != before
+
+    # an imported data set is not overwritten by a generated task either (nor made to look like the demo's)
+    for name, job in (("wordnet", "make_wordnet_data"), ("docstrings", "make_docstring_data")):
+        monkeypatch.setattr(jobs, job, lambda *a, **k: pytest.fail("generated over existing files"))
+        code, _, err = _cli(capsys, "data", name, f"run.dir={run}")
+        assert code == 2 and "already holds" in err and "--force" in err
+
+    # the demo regenerates its own synthetic task without --force (it never comes through the command)
+    jobs.make_synthetic_data(_cfg(run))
+
+
+# --- make clean -------------------------------------------------------------------------------------------
+
+def test_make_clean_keeps_the_users_run_directories():
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    repo = Path(__file__).resolve().parents[2]
+    recipe = subprocess.run(["make", "-s", "-n", "-C", str(repo), "clean"], capture_output=True, text=True,
+                            check=True).stdout.split()
+    assert "runs" not in recipe and "runs/" not in recipe and "runs/*" not in recipe, recipe
+    assert "runs/demo" in recipe
 
 
 def test_annotate_export_says_what_it_left_out_and_merged(tmp_path, monkeypatch, capsys):

@@ -168,3 +168,46 @@ def test_up_rejects_a_relative_run_dir_before_touching_the_cluster(tmp_path):
     with pytest.raises(DeployError, match="run.dir"):
         up("http://127.0.0.1:1", overrides=["run.dir=runs/x"], state_path=tmp_path / "s.json")
     assert not (tmp_path / "s.json").exists()
+
+
+def _package_dirs_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("package_dirs", DEPLOY / "package_dirs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dockerfile_dependency_layer_creates_every_package_pyproject_lists(tmp_path):
+    # The placeholders of the dependency layer: a package pyproject lists without its directory fails the
+    # install ("package directory 'services/annotation' does not exist").
+    import importlib
+    import tomllib
+
+    text = (DEPLOY / "Dockerfile").read_text()
+    lines = [ln.strip() for ln in text.replace("\\\n", " ").splitlines() if ln.strip() and not ln.startswith("#")]
+    deps_at = next(i for i, ln in enumerate(lines) if ln.startswith("RUN ") and 'pip install ".[test]"' in ln)
+    assert "python deploy/package_dirs.py" in lines[deps_at].split("&&")[0]
+    copied = " ".join(ln for ln in lines[:deps_at] if ln.startswith("COPY "))
+    assert "deploy/package_dirs.py" in copied and "pyproject.toml" in copied
+
+    (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
+    _package_dirs_script().main(["package_dirs.py", str(tmp_path)])
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert "rlt2t.services.annotation" in packages and "rlt2t.configs" in packages
+    for package in packages:  # where the installed package's files are, in this checkout
+        where = Path(importlib.import_module(package).__path__[0]).resolve().relative_to(REPO)
+        assert (tmp_path / where / "__init__.py").is_file(), f"{package}: no {where}/__init__.py placeholder"
+
+
+def test_the_docs_name_configs_that_ship_and_the_rl_stages_paths():
+    docs = [REPO / "README.md", *sorted(p for p in DEPLOY.rglob("*") if p.is_file() and p.suffix in (".md", ".yaml"))]
+    for doc in docs:
+        text = doc.read_text()
+        for name in re.findall(r"\bconfigs/[\w.-]+\.yaml\b", text):
+            assert (REPO / name).is_file(), f"{doc.name} names {name}, which does not exist"
+        # the RL stage writes rl/ (rlt2t.train.STAGE); rank/ is only the name of runs made before the rename
+        assert not re.search(r"runs/\w+/rank/|logs/rank/", text), f"{doc.name}: a rank/ path of the RL stage"
+    gpu = load_config([REPO / "configs" / "gpu.yaml"]).run
+    assert (gpu.device, gpu.mixed_precision) == ("cuda", "bf16")

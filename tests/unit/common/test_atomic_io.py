@@ -61,3 +61,34 @@ def test_an_interrupted_directory_replace_puts_the_old_one_back(tmp_path, monkey
         (d / "v").write_text("2")
     assert (target / "v").read_text() == "1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_a_killed_runs_old_copy_with_this_pid_is_not_in_the_way(tmp_path):
+    # An earlier run killed after moving the old copy aside left .old-final-<pid>; a run with the same pid (pids
+    # are reused, in containers often) failed to move its own old copy there (ENOTEMPTY).
+    target = tmp_path / "final"
+    with atomic_directory(target) as d:
+        (d / "v").write_text("1")
+    leftover = tmp_path / f".old-final-{os.getpid()}"
+    leftover.mkdir()
+    (leftover / "v").write_text("0")
+    with atomic_directory(target) as d:
+        (d / "v").write_text("2")
+    assert (target / "v").read_text() == "2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # the leftover is gone, no new one left
+
+
+def test_a_directory_a_kill_left_missing_comes_back_from_its_old_copy(tmp_path):
+    # Killed between the two renames: no `final`, only its old copy. The next write starts by putting it back,
+    # so a write that then fails leaves the old content, not nothing; a sibling's old copy is not touched.
+    target = tmp_path / "final"
+    old = tmp_path / f".old-final-{os.getpid()}-0123abcd"
+    old.mkdir()
+    (old / "v").write_text("1")
+    other = tmp_path / f".old-final-x-{os.getpid()}-0123abcd"  # the old copy of `final-x`
+    other.mkdir()
+    with pytest.raises(RuntimeError), atomic_directory(target) as d:
+        assert (target / "v").read_text() == "1"
+        (d / "v").write_text("2")
+        raise RuntimeError("the write failed")
+    assert (target / "v").read_text() == "1" and not old.exists() and other.is_dir()

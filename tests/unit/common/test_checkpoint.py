@@ -16,6 +16,7 @@ from rlt2t.common.checkpoint import (
     prune_checkpoints,
     read_checkpoint,
     resolve_model_dir,
+    resume_point,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -70,6 +71,21 @@ def test_empty_or_missing_root(tmp_path):
     assert latest_complete_checkpoint(tmp_path / "none") is None
     with pytest.raises(FileNotFoundError):
         resolve_model_dir(tmp_path)
+
+
+def test_resume_point_continues_with_resume_and_refuses_to_start_over_checkpoints(tiny_policy, tmp_path):
+    # The one guard of every stage (pretrain, sft, rl, reward models, classifiers).
+    root = tmp_path / "sft" / "checkpoints"
+    assert resume_point(root, resume=False) is None and resume_point(root, resume=True) is None
+    root.mkdir(parents=True)
+    assert resume_point(root, resume=False) is None  # empty: a new run may start here
+    saved = _save(root, tiny_policy, checkpoint_name(epoch=1), 1)
+    assert resume_point(root, resume=True) == saved
+    with pytest.raises(FileExistsError, match=r"already holds checkpoints; pass --resume to continue or use another "
+                                              r"run\.dir"):
+        resume_point(root, resume=False)
+    with pytest.raises(FileExistsError, match="or use another output directory"):
+        resume_point(root, resume=False, elsewhere="use another output directory")
 
 
 def test_overwrite_and_prune_keep_protected(tiny_policy, tmp_path):

@@ -255,6 +255,26 @@ def test_import_skip_counts_and_logs(tmp_path, caplog):
     assert "skipped 2 of 4" in message and f"{path}:3: field 'description'" in message
 
 
+def test_a_labelled_import_needs_a_diagnosis_on_every_row(tmp_path):
+    # An empty diagnosis made target=None; the later error named a Python argument, not the CLI's --unlabeled.
+    path = _write(tmp_path / "train.csv", ["1,5 6,7", "2,5 6,", "3,5 6, ", "4,8,9"])
+    assert [e.target for e in import_competition_csv(path)] == ["7", None, None, "9"]  # unlabelled: allowed
+    with pytest.raises(DataError, match=r"train\.csv:2: field 'diagnosis': empty .*--unlabeled"):
+        import_competition_csv(path, require_target=True)
+    loaded = import_competition_csv(path, require_target=True, on_error="skip")
+    assert [e.id for e in loaded] == ["1", "4"] and loaded.report.skipped == 2
+    two = _write(tmp_path / "two.csv", ["1,5 6"])
+    with pytest.raises(DataError, match=r"two\.csv:1: field 'diagnosis': missing"):
+        import_competition_csv(two, require_target=True)
+
+
+def test_a_missing_target_names_the_command_lines_flag(tmp_path):
+    path = _write(tmp_path / "test.jsonl", ['{"id": "1", "source": "5 6"}'])
+    with pytest.raises(DataError, match=r"test\.jsonl:1: field 'target': missing .*pass --unlabeled on the command "
+                                        r"line, require_target=False in Python"):
+        load_examples(path)
+
+
 def test_export_is_headerless_and_normalised(tmp_path):
     path = tmp_path / "sub.csv"
     assert export_competition_csv(path, [10, "11", 12], ["1 2", " 3\n4 ", ""]) == 3

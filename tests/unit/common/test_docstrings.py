@@ -4,6 +4,7 @@ over-shared summaries left out, the rows deterministic; on a package written by 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -57,6 +58,20 @@ def test_pairs_keep_public_documented_functions_and_drop_boilerplate(package):
         ("fakepkg core : grow ( factor )", "grow the thing by a factor and return it ."),
     ]
     assert rows[0]["id"] == "fakepkg/core.py:compute_num_maskedSpan:0"
+
+
+def test_reading_the_packages_says_how_far_it_got(package, tmp_path, caplog):
+    # `rlt2t data docstrings` reads every installed package for minutes: one line per package, with the count.
+    other = tmp_path / "otherpkg"
+    other.mkdir()
+    (other / "mod.py").write_text(MODULE)
+    with caplog.at_level(logging.INFO, logger="rlt2t.docstrings"):
+        docstring_pairs([package, other])
+    lines = [r.getMessage() for r in caplog.records if r.name == "rlt2t.docstrings"]
+    assert lines[0].startswith("docstrings: reading fakepkg (1 of 2 packages, ")
+    assert lines[0].endswith("; 0 pairs so far")
+    assert lines[1] == "docstrings: reading otherpkg (2 of 2 packages, 1 files); 7 pairs so far"
+    assert lines[2].startswith("docstrings: 9 pairs from 2 packages")
 
 
 def test_the_task_files_are_deterministic_and_split(tmp_path):

@@ -1,0 +1,116 @@
+"""The `rlt2t` command line's arguments and error policy (rlt2t.cli.main): overrides after an option of many
+values, one-line errors instead of tracebacks, exit codes; and export's default directory."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from rlt2t.cli import main
+from rlt2t.common.config import load_config
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- overrides after an option of many values -------------------------------------------------------------
+
+def test_overrides_after_data_validate_files_are_overrides(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "t.jsonl"
+    data.write_text(json.dumps({"id": "1", "source": "5 6", "target": "7"}) + "\n")
+    code, out, err = _cli(capsys, "data", "validate", "--files", str(data), "run.dir=X", "data.on_error=skip")
+    assert code == 0, err
+    assert out.splitlines() == ["(no tokenizer at X/tokenizer: token checks and lengths skipped; `rlt2t tokenizer "
+                                "build` first)", f"{data}: 1 examples"]
+    # a file whose name looks like an override stays a file
+    (tmp_path / "a.b=c").write_text(data.read_text())
+    code, out, err = _cli(capsys, "data", "validate", "--files", str(data), "a.b=c", "run.dir=X")
+    assert code == 0 and "a.b=c: 1 examples" in out and "X/tokenizer" in out, err
+    # nothing left for the option itself
+    with pytest.raises(SystemExit) as exit_:
+        main(["data", "validate", "--files", "run.dir=X"])
+    assert exit_.value.code == 2 and "--files: expected at least one value" in capsys.readouterr().err
+
+
+def test_overrides_after_reward_model_rank_lists_are_overrides(tmp_path, capsys, monkeypatch):
+    import rlt2t.common.checkpoint as checkpoint
+    import rlt2t.reward_jobs as reward_jobs
+
+    seen = {}
+
+    def job(cfg, resume):
+        seen["cfg"] = cfg
+        return types.SimpleNamespace(steps=1, checkpoint=tmp_path)
+
+    monkeypatch.setattr(reward_jobs, "reward_model_job", job)
+    monkeypatch.setattr(checkpoint, "complete_checkpoint", lambda path: types.SimpleNamespace(meta={}))
+    code, _, err = _cli(capsys, "reward-model", "train", "--rank-lists", "rl.tsv", "run.dir=X",
+                        "reward_model.epochs=3")
+    assert code == 0, err
+    cfg = seen["cfg"]
+    assert cfg.run.dir == "X" and cfg.reward_model.epochs == 3 and cfg.reward_model.rank_lists == ["rl.tsv"]
+
+
+# --- one-line errors --------------------------------------------------------------------------------------
+
+def test_an_os_error_is_one_line_naming_the_file(tmp_path, capsys):
+    code, _, err = _cli(capsys, "data", "validate", "--files", str(tmp_path))
+    assert code == 2 and err == f"rlt2t data: error: {tmp_path}: Is a directory\n"
+
+
+def test_a_closed_pipe_ends_quietly(capsys, monkeypatch):
+    # `rlt2t config --explain | head -5`
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    code = main(["config", "--explain"])
+    monkeypatch.undo()
+    assert code == 141 and capsys.readouterr().err == ""
+
+
+def test_an_unreachable_annotation_database_is_named_with_its_password_hidden(capsys):
+    code, _, err = _cli(capsys, "annotate", "agreement", "annotate.database_url=postgresql://u:secret@127.0.0.1:1/db")
+    assert code == 2 and err.startswith("rlt2t annotate: error: annotate.database_url: cannot open "
+                                        "postgresql+psycopg://u:***@127.0.0.1:1/db: ")
+    assert "secret" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_deploy_config_errors_exit_2_like_every_command(capsys):
+    code, _, err = _cli(capsys, "deploy", "serve-start", "no_such.key=1")
+    assert code == 2 and err.startswith("rlt2t deploy serve-start: error: ")
+
+
+# --- export's default directory ---------------------------------------------------------------------------
+
+def test_export_defaults_to_a_directory_per_stage_and_checkpoint(tmp_path, monkeypatch):
+    # Both stages name their checkpoints epoch-0001: the RL export went over the SFT one.
+    import rlt2t.common.ct2 as ct2
+    import rlt2t.predict as predict
+    from rlt2t.jobs import export_job
+
+    written = []
+    monkeypatch.setattr(ct2, "export_ct2", lambda model_dir, out, *a, **k: written.append(Path(out)))
+    monkeypatch.setattr(predict, "save_idf_beside", lambda cfg, out: None)
+    cfg = load_config(["tiny"], [f"run.dir={tmp_path}"])
+    for stage in ("sft", "rl"):
+        ckpt = tmp_path / stage / "checkpoints" / "epoch-0001"
+        ckpt.mkdir(parents=True)
+        (ckpt / "config.json").write_text("{}")
+        export_job(cfg, ckpt)
+    assert written == [tmp_path / "export" / "sft-epoch-0001", tmp_path / "export" / "rl-epoch-0001"]
+    model = tmp_path / "models" / "mine"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    export_job(cfg, model)
+    assert written[-1] == tmp_path / "export" / "mine"
