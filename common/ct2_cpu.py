@@ -3,7 +3,7 @@ environment once).
 
 On an x86 CPU without VNNI (AVX2 only: AMD Zen 1-3, older Xeons) CTranslate2 picks oneDNN for int8 products
 on AMD, whose u8·s8 pairs saturate in 16 bits: an int8 export then scores about 0.5 nats per token off its
-float32 weights (measured on a 2-core AMD EPYC with AVX2: 0.51 mean |Δ log p| per token; 0.02 with MKL, which
+float32 weights (measured on a 2-core AMD EPYC with AVX2: 0.51 mean |Δ log p| per token; 0.06 with MKL, which
 it uses by default on Intel). There MKL is asked for, unless ``CT2_USE_MKL`` is already set.
 """
 
