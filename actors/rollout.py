@@ -29,6 +29,7 @@ from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import ModelConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.families import positions_or
+from rlt2t.common.io import pid_running
 from rlt2t.common.lora import apply_lora, load_weights, merged_model, reference_policy
 from rlt2t.common.policy import Policy, PolicyModel, load_policy
 from rlt2t.common.sampling import (
@@ -57,20 +58,10 @@ def sweep_stale_ct2_dirs(root: str | None = None) -> list[str]:
     removed: list[str] = []
     for entry in os.scandir(root):
         match = _CT2_DIR.fullmatch(entry.name)
-        if match and entry.is_dir(follow_symlinks=False) and not _pid_runs(int(match[1])):
+        if match and entry.is_dir(follow_symlinks=False) and not pid_running(int(match[1])):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
     return removed
-
-
-def _pid_runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class RolloutWorker:

@@ -135,13 +135,16 @@ def _recover_old_copies(path: Path) -> None:
 
 def _alive(pid: int) -> bool:
     """Whether another process ``pid`` runs (this one's own pid: a killed run's, reused)."""
-    if pid == os.getpid():
-        return False
+    return pid != os.getpid() and pid_running(pid)
+
+
+def pid_running(pid: int) -> bool:
+    """Whether a process ``pid`` runs here (another user's counts; a number no pid can be, too: left alone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OverflowError):  # another user's process; a number no pid can be
+    except (PermissionError, OverflowError):
         return True
     return True
 

@@ -50,7 +50,7 @@ def _check_task_out(cfg, fmt: str, force: bool) -> None:
     """Refuse to write a generated task over split files already in data.train's directory unless --force (the
     demo, which regenerates its own synthetic task, does not come through here)."""
     out = cfg.path(cfg.data.train).parent
-    existing = [str(out / f"{s}.{fmt}") for s in ("train", "valid", "test") if (out / f"{s}.{fmt}").exists()]
+    existing = _existing_splits(out, ("train", "valid", "test"), fmt)
     if existing and not force:
         raise FileExistsError(f"{out} already holds {', '.join(existing)} (pass --force to replace them, or give "
                               "the task another run.dir)")
@@ -106,11 +106,16 @@ def _unlabeled_file(path: Path) -> bool:
     return bool(examples) and all(e.target is None for e in examples)
 
 
+def _existing_splits(out: Path, splits: tuple[str, ...], fmt: str = "jsonl") -> list[str]:
+    """The split files among ``splits`` already in ``out``."""
+    return [str(out / f"{s}.{fmt}") for s in splits if (out / f"{s}.{fmt}").exists()]
+
+
 def _check_import_out(out: Path, splits: tuple[str, ...], force: bool) -> None:
     """Refuse an --out that is a file, or that holds split files of an earlier import unless --force."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file, not a directory")
-    existing = [str(out / f"{s}.jsonl") for s in splits if (out / f"{s}.jsonl").exists()]
+    existing = _existing_splits(out, splits)
     if existing and not force:
         raise FileExistsError(f"--out {out} already holds {', '.join(existing)} (pass --force to replace them; "
                               "split files this import does not write are then removed, except the test.jsonl "

@@ -17,6 +17,8 @@ import signal
 import socket
 from collections.abc import Callable
 
+from rlt2t.cmd_common import load_cfg
+
 log = logging.getLogger("rlt2t.services.serve")
 
 
@@ -80,10 +82,9 @@ def _document_frequency(cfg, given: str | None) -> str | None:
 def _serve(args, name: str, make_app: Callable, port_setting: str) -> None:
     """What both servers do: load the config, refuse to listen beyond loopback without a token, build the app
     (``make_app(cfg, document_frequency)``) and serve it on ``--port``, else ``serve.<port_setting>``."""
-    from rlt2t.common.config import load_config
     from rlt2t.services.http import check_exposure, load_token
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_cfg(args)
     host = args.host or cfg.serve.host
     check_exposure(cfg.serve, host, load_token(cfg.serve))
     app = make_app(cfg, _document_frequency(cfg, args.document_frequency))
