@@ -13,6 +13,7 @@ from rlt2t.common.tokenization import template_affixes
 
 log = logging.getLogger("rlt2t.batching")
 
+# Label padding, Hugging Face's convention (its built-in loss ignores exactly this value); the one definition.
 IGNORE_INDEX = -100
 
 

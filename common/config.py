@@ -13,14 +13,45 @@ import json
 import os
 import re
 import textwrap
+import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlt2t.common.family_table import FAMILIES, PRESETS, check_mixed_precision, family_of
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field holds a number and not a boolean (``float``, ``int | None``, ...)."""
+    if annotation in (int, float):
+        return True
+    if get_origin(annotation) is Annotated:
+        return _numeric(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = get_args(annotation)
+        return bool not in args and any(_numeric(a) for a in args)
+    return False
+
+
+def _boolean_numbers(tree: Any, model: type[BaseModel], prefix: str = "") -> list[str]:
+    """The keys of ``tree`` (a config as loaded) that give a boolean for a number: pydantic reads true as 1 and
+    false as 0, so `sft.lr=true` would train at lr 1.0."""
+    if not isinstance(tree, dict):
+        return []
+    found = []
+    for key, value in tree.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            continue  # unknown keys are pydantic's to name
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            found += _boolean_numbers(value, annotation, f"{prefix}{key}.")
+        elif isinstance(value, bool) and _numeric(annotation):
+            found.append(f"{prefix}{key}: expected a number, got {str(value).lower()}")
+    return found
 
 
 class _Section(BaseModel):
@@ -592,7 +623,7 @@ class EvalConfig(_Section):
     num_beams: int = Field(1, ge=1)
     """1 = greedy decoding."""
     max_new_tokens: int = Field(64, ge=1)
-    """Longest generated target."""
+    """Longest generated target (left unset, at most 4x data.max_target_len)."""
     batch_size: int = Field(64, ge=1)
     """Sources per generate call."""
     limit: int = Field(0, ge=0)
@@ -844,7 +875,12 @@ class Config(_Section):
             raise ValueError(f"predict.num_hypotheses={self.predict.num_hypotheses} exceeds predict.beam_size="
                              f"{self.predict.beam_size}")
         if self.eval.max_new_tokens > self.data.max_target_len * 4:
-            raise ValueError("eval.max_new_tokens is more than 4x data.max_target_len; likely a typo")
+            if "max_new_tokens" not in self.eval.model_fields_set:  # left unset: follows short targets down
+                self.eval.max_new_tokens = self.data.max_target_len * 4
+                self.eval.model_fields_set.discard("max_new_tokens")
+            else:
+                raise ValueError(f"eval.max_new_tokens={self.eval.max_new_tokens} is more than 4x data.max_target_len="
+                                 f"{self.data.max_target_len}; likely a typo")
         return self
 
     def path(self, template: str) -> Path:
@@ -986,9 +1022,9 @@ def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ())
             raise ConfigError(f"override {item!r}: {e}") from None
         _set_dotted(tree, key.strip(), value)
     origin = ", ".join([str(p) for p in paths] + list(overrides)) or "defaults"
-    retired = _retired_keys(tree)
-    if retired:
-        raise ConfigError(f"invalid config ({origin}):\n  " + "\n  ".join(retired))
+    problems = _retired_keys(tree) + _boolean_numbers(tree, Config)
+    if problems:
+        raise ConfigError(f"invalid config ({origin}):\n  " + "\n  ".join(problems))
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

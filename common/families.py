@@ -70,6 +70,7 @@ from transformers import (
     T5Config,
 )
 
+from rlt2t.common.collate import IGNORE_INDEX
 from rlt2t.common.family_table import (  # noqa: F401 - re-exported: the one place callers ask about families
     FAMILIES,
     PRESET_FAMILIES,
@@ -82,8 +83,6 @@ from rlt2t.common.family_table import (  # noqa: F401 - re-exported: the one pla
 )
 
 log = logging.getLogger("rlt2t.families")
-
-IGNORE_INDEX = -100
 
 
 # --------------------------------------------------------------------------------------------------

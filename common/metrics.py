@@ -700,6 +700,23 @@ class Distinct:
         return len(set(grams)) / len(grams) if grams else 0.0
 
 
+def class_index(id2label: dict[int, str], label: str | int, what: str, where: str) -> int:
+    """The output index of a classifier's class named by ``label``: one of its ``id2label`` names, else a class
+    id (an int, or a string of digits that names no class). The one rule of the classifier metric and reward."""
+    if isinstance(label, bool) or not isinstance(label, int | str):
+        raise TypeError(f"{what} must be a label name or class id, got {type(label).__name__}")
+    if isinstance(label, str):
+        names = {name: index for index, name in id2label.items()}
+        if label in names:
+            return names[label]
+        if not label.isdigit():
+            raise ValueError(f"{what}={label!r} is not a label of {where} (labels: {', '.join(names)})")
+        label = int(label)
+    if label not in id2label:
+        raise ValueError(f"{what}={label}: {where} has classes 0..{len(id2label) - 1}")
+    return label
+
+
 class ClassifierAccuracy:
     """Share of outputs a text classifier puts in the expected class (intent, sentiment), in [0, 1].
 
@@ -729,19 +746,11 @@ class ClassifierAccuracy:
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.model = AutoModelForSequenceClassification.from_pretrained(str(path)).to(device).eval()
         self.id2label = {int(k): str(v) for k, v in self.model.config.id2label.items()}
-        self.labels = None if labels is None else [self._label_name(x, f"labels[{i}]") for i, x in enumerate(labels)]
-        self.target_label = None if target_label is None else self._label_name(target_label, "target_label")
-
-    def _label_name(self, label: str | int, what: str) -> str:
-        if isinstance(label, bool) or not isinstance(label, int | str):
-            raise TypeError(f"{what} must be a label name or class id, got {type(label).__name__}")
-        if isinstance(label, int):
-            if label not in self.id2label:
-                raise ValueError(f"{what}={label}: {self.path} has classes 0..{len(self.id2label) - 1}")
-            return self.id2label[label]
-        if label not in self.id2label.values():
-            raise ValueError(f"{what}={label!r} is not a label of {self.path} ({sorted(self.id2label.values())})")
-        return label
+        where = str(path)
+        self.labels = None if labels is None else [
+            self.id2label[class_index(self.id2label, x, f"labels[{i}]", where)] for i, x in enumerate(labels)]
+        self.target_label = None if target_label is None else \
+            self.id2label[class_index(self.id2label, target_label, "target_label", where)]
 
     def predict(self, texts: Sequence[str]) -> list[str]:
         """The classifier's label name for each text."""

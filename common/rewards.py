@@ -44,7 +44,7 @@ from rlt2t.common.config import (
     RewardModelTerm,
     RewardTerm,
 )
-from rlt2t.common.metrics import DocumentFrequency, Metric, available_metrics, get_metric
+from rlt2t.common.metrics import DocumentFrequency, Metric, available_metrics, class_index, get_metric
 from rlt2t.common.reward_model import RewardModel, load_reward_model
 from rlt2t.common.tokenization import load_tokenizer
 from rlt2t.common.types import CandidateSet, SampledGroup, ScoredGroup, ScoredPair
@@ -167,7 +167,8 @@ class ClassifierReward:
         self.tokenizer = load_tokenizer(path)
         self.term = term
         self.device = device
-        self.label = label_index(self.model.config, term.label, str(path))
+        id2label = {int(k): str(v) for k, v in (self.model.config.id2label or {}).items()}
+        self.label = class_index(id2label, term.label, "label", str(path))
         self._inputs = set(inspect.signature(self.model.forward).parameters)
 
     @torch.inference_mode()
@@ -191,16 +192,6 @@ class ClassifierReward:
                     values = values.exp()
             out[first : first + len(cands)] = values.double().cpu().numpy()
         return out
-
-
-def label_index(config, label: str, where: str) -> int:
-    """The index of ``label`` (a name of ``config.id2label`` or an index) in a classifier's outputs."""
-    names = {str(v): int(k) for k, v in (config.id2label or {}).items()}
-    if label in names:
-        return names[label]
-    if label.isdigit() and int(label) < config.num_labels:
-        return int(label)
-    raise ValueError(f"label {label!r} is not a label of {where} (labels: {', '.join(names) or config.num_labels})")
 
 
 class HttpReward:

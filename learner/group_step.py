@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 from transformers.modeling_outputs import BaseModelOutput
 
+from rlt2t.common.collate import IGNORE_INDEX
 from rlt2t.learner.rank_step import (
-    IGNORE_INDEX,
     _decoder_special_ids,
     shared_cross_attention_cache,
     shift_right,

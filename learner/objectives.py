@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from rlt2t.common.collate import IGNORE_INDEX
 from rlt2t.common.config import RLConfig, RolloutConfig
 from rlt2t.common.families import decoder_hidden_size
 from rlt2t.common.lora import is_lora, load_weights, reference_policy
@@ -41,7 +42,7 @@ from rlt2t.learner.losses import (
     mask_leak,
     masked_mean,
 )
-from rlt2t.learner.rank_step import IGNORE_INDEX, RankBatch, SharedEncoderRankLoss
+from rlt2t.learner.rank_step import RankBatch, SharedEncoderRankLoss
 
 log = logging.getLogger("rlt2t.learner")
 

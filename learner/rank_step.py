@@ -18,13 +18,11 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
+from rlt2t.common.collate import IGNORE_INDEX
 from rlt2t.common.families import cross_attention_states, cross_attentions, shift_labels
 from rlt2t.common.policy import PolicyModel
 from rlt2t.common.scoring import SCORE_KINDS, ScoreKind, token_scores
 from rlt2t.learner.losses import pairwise_rank_loss
-
-# Hugging Face's label padding convention; its built-in loss ignores exactly this value.
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True, eq=False)

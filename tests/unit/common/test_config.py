@@ -166,3 +166,27 @@ def test_run_dir_rule_without_a_home_directory(monkeypatch):
     monkeypatch.setattr(Path, "home", staticmethod(no_home))
     assert load_config(overrides=["run.dir=runs/x"]).run.dir == "runs/x"
     assert load_config(overrides=["run.dir=~nosuchuser_rlt2t/runs"]).run.dir == "~nosuchuser_rlt2t/runs"
+
+
+@pytest.mark.parametrize("override, key", [("sft.lr=true", "sft.lr"), ("rollout.top_k=false", "rollout.top_k"),
+                                           ("rl.kl.target=yes", "rl.kl.target")])
+def test_a_boolean_for_a_number_names_the_key(override, key, tmp_path):
+    """pydantic reads true as 1 for a number: `sft.lr=true` trained at lr 1.0 without a word."""
+    with pytest.raises(ConfigError, match=rf"{key}: expected a number, got (true|false)"):
+        load_config(overrides=[override])
+    path = tmp_path / "c.yaml"
+    section, _, leaf = key.partition(".")
+    path.write_text(f"{section}:\n  {leaf.replace('.', ': {')}: true{'}' * leaf.count('.')}\n")
+    with pytest.raises(ConfigError, match=rf"{key}: expected a number, got true"):
+        load_config([path])
+    assert load_config(overrides=["rollout.include_gold=false"]).rollout.include_gold is False  # booleans still are
+
+
+def test_eval_length_follows_short_targets_unless_set():
+    """eval.max_new_tokens (64 by default) refused any data.max_target_len below 16 with a message about a key
+    the user never set; left unset it now follows the targets down, and set explicitly the check names both."""
+    cfg = load_config(overrides=["data.max_target_len=12"])
+    assert cfg.eval.max_new_tokens == 48 and "max_new_tokens" not in cfg.eval.model_fields_set
+    assert load_config(overrides=["data.max_target_len=40"]).eval.max_new_tokens == 64
+    with pytest.raises(ConfigError, match=r"eval.max_new_tokens=64 is more than 4x data.max_target_len=12"):
+        load_config(overrides=["data.max_target_len=12", "eval.max_new_tokens=64"])

@@ -12,7 +12,7 @@ from nltk.translate.meteor_score import single_meteor_score
 from rouge_score import rouge_scorer
 from transformers import BartConfig, BartForSequenceClassification
 
-from rlt2t.common.metrics import ClassifierAccuracy, Meteor, available_metrics, get_metric
+from rlt2t.common.metrics import ClassifierAccuracy, Meteor, available_metrics, class_index, get_metric
 from rlt2t.common.tokenization import load_tokenizer, save_tokenizer
 from rlt2t.common.wordnet import nltk_wordnet
 
@@ -193,3 +193,21 @@ def test_classifier_bad_input(classifier_dir, tmp_path):
         ClassifierAccuracy(classifier_dir, labels=[0, 5])
     with pytest.raises(ValueError, match="2 expected labels for 3"):
         ClassifierAccuracy(classifier_dir, labels=[0, 1]).per_sample(TEXTS[:3], [[t] for t in TEXTS[:3]])
+
+
+def test_metric_and_reward_read_a_label_by_one_rule(classifier_dir, tmp_path):
+    """`"1"` named class 1 for the classifier reward (a string of digits is a class id when no class has that
+    name) but was refused by the classifier metric; both now go through one rule, names first."""
+    from rlt2t.common.config import ClassifierTerm
+    from rlt2t.common.rewards import ClassifierReward
+
+    assert class_index(LABELS, "1", "label", "m") == class_index(LABELS, 1, "label", "m") == 1
+    assert class_index(LABELS, "question", "label", "m") == 1
+    assert ClassifierAccuracy(classifier_dir, target_label="1").target_label == "question"
+    assert ClassifierReward(ClassifierTerm(path=str(classifier_dir), label="1")).label == 1
+    named = {0: "2", 1: "1", 2: "0"}  # classes named by digits: the name wins over the id
+    assert class_index(named, "0", "label", "m") == 2 and class_index(named, 0, "label", "m") == 0
+    with pytest.raises(ValueError, match="classes 0..2"):
+        class_index(LABELS, "7", "label", "m")
+    with pytest.raises(TypeError, match="label name or class id"):
+        class_index(LABELS, True, "label", "m")

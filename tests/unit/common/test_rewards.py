@@ -134,7 +134,7 @@ def test_rewards_follow_the_metric_settings_unless_set():
 
 def test_unknown_names_fail_with_the_term_named(classifier_dir):
     path, _, _ = classifier_dir
-    with pytest.raises(ValueError, match=r"label 'happy' is not a label of .*\(labels: neg, neu, pos\)"):
+    with pytest.raises(ValueError, match=r"label='happy' is not a label of .*\(labels: neg, neu, pos\)"):
         build_reward(RewardConfig(terms=[ClassifierTerm(path=str(path), label="happy")]))
     with pytest.raises(ValueError, match=r"reward.terms\[1\]: unknown metric 'nope'"):
         build_reward(RewardConfig(terms=[{"kind": "metric"}, {"kind": "metric", "name": "nope"}]))

@@ -6,9 +6,9 @@ import copy
 
 import torch
 
+from rlt2t.common.collate import IGNORE_INDEX
 from rlt2t.learner.group_step import GroupPolicy, ValueHead, group_forward, naive_group_forward
 from rlt2t.learner.losses import clipped_policy_loss, masked_mean
-from rlt2t.learner.rank_step import IGNORE_INDEX
 
 
 def _batch(vocab: int, size: int = 3, k: int = 4, seed: int = 0):

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlt2t.common.collate import collate_seq2seq, encode_texts, pad
+from rlt2t.common.collate import IGNORE_INDEX, collate_seq2seq, encode_texts, pad
 from rlt2t.common.config import ModelConfig
 from rlt2t.common.families import cross_attentions
 from rlt2t.common.policy import load_policy
-from rlt2t.learner.rank_step import IGNORE_INDEX, RankBatch, naive_rank_loss, shared_encoder_rank_loss
+from rlt2t.learner.rank_step import RankBatch, naive_rank_loss, shared_encoder_rank_loss
 
 FAMILIES = ("bart", "t5", "t5-v1.0", "marian", "mbart", "pegasus", "encoder-decoder")
 SOURCES = ["alpha beta gamma delta epsilon", "river stone", "quick slow red green blue small", "mu nu"]
