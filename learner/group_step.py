@@ -46,8 +46,10 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        """[N, T, H] -> [N, T] (float32)."""
-        return self.linear(hidden.float()).squeeze(-1)
+        """[N, T, H] -> [N, T] (float32, also under mixed precision: autocast would run the product in bf16 and
+        round the critic's values, hence GAE's advantages and returns)."""
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.linear(hidden.float()).squeeze(-1)
 
 
 def _check(input_ids: Tensor, labels: Tensor, k: int) -> int:

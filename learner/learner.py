@@ -20,6 +20,7 @@ import resource
 import socket
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -264,6 +265,10 @@ class Learner:
         self.optimizer.step()  # skipped by accelerate's wrapper on an fp16 overflow
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
+
+    def autocast(self) -> AbstractContextManager:
+        """The mixed precision (if any) that ``forward`` runs under, for passes outside the prepared module."""
+        return self._prepare().autocast()
 
     def all_min(self, value: int) -> int:
         """The smallest of each rank's ``value`` (itself with one rank)."""

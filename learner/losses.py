@@ -52,6 +52,20 @@ def rank_weights(
     return torch.where(exponent >= 0, weights, torch.zeros_like(weights))
 
 
+def counted_rank_weights(labels_a: Tensor, labels_b: Tensor, use_rank: Tensor, alpha: float,
+                         ignore_index: int = -100, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """The delay weights of the steps `pairwise_rank_loss` counts (0 elsewhere) and the [B, T] mask of those
+    steps; the weights' sum is the loss's denominator."""
+    weights = rank_weights(labels_a, labels_b, alpha, dtype=dtype)
+    counted = (
+        (labels_a != ignore_index)
+        & (labels_b != ignore_index)
+        & (weights > MIN_WEIGHT)
+        & use_rank.bool().unsqueeze(1)
+    )
+    return torch.where(counted, weights, torch.zeros_like(weights)), counted
+
+
 def pairwise_rank_loss(
     scores_a: Tensor,
     scores_b: Tensor,
@@ -100,14 +114,7 @@ def pairwise_rank_loss(
 
     dtype = torch.promote_types(scores_a.dtype, torch.float32)
     z_a, z_b = scores_a.to(dtype), scores_b.to(dtype)
-    weights = rank_weights(labels_a, labels_b, alpha, dtype=dtype)
-    counted = (
-        (labels_a != ignore_index)
-        & (labels_b != ignore_index)
-        & (weights > MIN_WEIGHT)
-        & use_rank.bool().unsqueeze(1)
-    )
-    weights = torch.where(counted, weights, torch.zeros_like(weights))
+    weights, counted = counted_rank_weights(labels_a, labels_b, use_rank, alpha, ignore_index, dtype)
 
     # where (not multiply) drops excluded steps, so an infinite score there cannot turn into 0 * inf = NaN.
     step_loss = -F.logsigmoid(z_a - z_b)

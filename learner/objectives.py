@@ -17,6 +17,7 @@ import copy
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -36,6 +37,7 @@ from rlt2t.learner.losses import (
     AdaptiveKLController,
     clipped_policy_loss,
     clipped_value_loss,
+    counted_rank_weights,
     gae,
     group_advantages,
     kl_estimate,
@@ -73,6 +75,10 @@ class StepRunner(Protocol):
         """The smallest of the ranks' values (so every rank takes the same number of optimizer steps)."""
         ...
 
+    def autocast(self) -> AbstractContextManager:
+        """The mixed precision ``forward`` runs under, for the objective's other passes (reference, mask)."""
+        ...
+
 
 # How the learner reduces a step's scalars over its ranks: the mean, but counts add up and a "largest" stays the
 # largest (a mean over 4 ranks would log one rank's 0.5 ratio deviation as 0.125).
@@ -80,14 +86,29 @@ SUMMED_METRICS = ("tokens", "excluded_tokens")
 MAXED_METRICS = ("ratio_max", "sampler_ratio_max_dev")
 
 
+def rank_shares(run: StepRunner, *counts: float) -> list[float]:
+    """For each of this rank's counts (tokens, weight mass), the factor that turns a mean over them into its part
+    of the mean over every rank's: the number of ranks times this rank's share of the count's sum over the ranks
+    (exactly 1 with one rank). DDP averages the ranks' gradients; unscaled, a rank with few tokens (short samples)
+    would weigh as much as one with many, and the result would depend on rl.learners."""
+    *totals, ranks = run.all_sum(torch.tensor([*counts, 1.0], dtype=torch.float64)).tolist()
+    return [ranks * local / total if total > 0 else 1.0 for local, total in zip(counts, totals, strict=True)]
+
+
 def rank_token_share(run: StepRunner, mask: Tensor) -> float:
-    """The factor that turns this rank's token means into its part of the token mean over every rank's tokens:
-    the number of ranks times this rank's share of the tokens (exactly 1 with one rank). DDP averages the ranks'
-    gradients; unscaled, a rank with few tokens (short samples) would weigh as much as one with many, and the
-    result would depend on rl.learners."""
-    local = float(mask.sum())
-    total, ranks = run.all_sum(torch.tensor([local, 1.0], dtype=torch.float64)).tolist()
-    return ranks * local / total if total > 0 else 1.0
+    """`rank_shares` of the tokens of ``mask``: for a token mean over the mask."""
+    return rank_shares(run, float(mask.sum()))[0]
+
+
+def pooled_rank_loss(run: StepRunner, ce: Tensor, rank: Tensor, batch: RankBatch, loss_weight: float,
+                     alpha: float) -> Tensor:
+    """Rank RL's CE + λ·rank loss with the CE's mean over the gold tokens and the rank loss's weighted mean over
+    the counted steps each taken over every rank's batch, as one learner would (``ce + loss_weight * rank``
+    exactly, with one rank)."""
+    gold = float((batch.gold_labels != IGNORE_INDEX).sum())
+    mass = float(counted_rank_weights(batch.labels_a, batch.labels_b, batch.use_rank, alpha, IGNORE_INDEX)[0].sum())
+    ce_share, rank_share = rank_shares(run, gold, mass)
+    return ce * ce_share + loss_weight * (rank * rank_share)
 
 
 class RankObjective:
@@ -98,6 +119,7 @@ class RankObjective:
 
     def __init__(self, rl: RLConfig, policy: Policy) -> None:
         self.policy = policy
+        self.loss_weight, self.alpha = rl.rank.loss_weight, rl.rank.delay_alpha
         self.module: nn.Module = SharedEncoderRankLoss(policy.model, score_kind=rl.rank.score,
                                                        loss_weight=rl.rank.loss_weight, alpha=rl.rank.delay_alpha)
         policy.model.train()  # rank RL trains with dropout, as SFT does
@@ -121,7 +143,7 @@ class RankObjective:
 
     def step(self, run: StepRunner, batch: RankBatch, items: Sequence[ScoredPair], step: int) -> dict[str, float]:
         out = run.forward(batch)
-        grad_norm = run.optimize(out.loss)
+        grad_norm = run.optimize(pooled_rank_loss(run, out.ce, out.rank, batch, self.loss_weight, self.alpha))
         n = len(items)
         return {"loss": out.loss.item(), "ce": out.ce.item(), "rank_loss": out.rank.item(),
                 "pair_accuracy": out.accuracy.item(), "reward_a": sum(p.score_a for p in items) / n,
@@ -257,9 +279,9 @@ class PolicyGradientObjective:
         # [K*B, T, V] logits, still alive while the gradient pass runs; NLPO's action mask (the masking
         # policy's forward) and its row-indexed copy; the learner's reference pass for policy-server samples;
         # the entropy bonus's softmax.
-        action_mask = self._action_mask(batch)
+        action_mask = self._action_mask(run, batch)
         if self.rl.uses_kl:
-            self._reference_logprobs(batch)
+            self._reference_logprobs(run, batch)
         rows = torch.arange(batch.labels.shape[0], device=batch.labels.device)
         with torch.no_grad():
             held = run.forward(batch.input_ids, batch.attention_mask, batch.labels, batch.k)
@@ -294,14 +316,14 @@ class PolicyGradientObjective:
         load_weights(self.mask_model, self._masks.pop(version))
         self._mask_loaded = version
 
-    def _action_mask(self, batch: GroupBatch, items: Sequence[ScoredGroup] = ()) -> Tensor | None:
+    def _action_mask(self, run: StepRunner, batch: GroupBatch, items: Sequence[ScoredGroup] = ()) -> Tensor | None:
         """NLPO's allowed tokens per row [K*B, T, V], each group's from the masking policy it was sampled under."""
         if self.mask_model is None:
             return None
         size = batch.rewards.shape[0]
         versions = [g.mask_version for g in items] if len(items) == size else [None] * size
         mask: Tensor | None = None
-        with torch.no_grad():
+        with torch.no_grad(), run.autocast():  # the policy's precision: its top-p set as the sampler's
             for version in sorted(set(versions), key=lambda v: -1 if v is None else v):  # the driver's order
                 self._load_mask(version)
                 sources = torch.tensor([i for i, v in enumerate(versions) if v == version],
@@ -319,18 +341,19 @@ class PolicyGradientObjective:
                 mask[rows] = allowed
         return mask
 
-    def _reference_logprobs(self, batch: GroupBatch) -> Tensor:
+    def _reference_logprobs(self, run: StepRunner, batch: GroupBatch) -> Tensor:
         if batch.reference_logprobs is not None:
             return batch.reference_logprobs
+        # Under the policy's mixed precision: at the start (policy = reference) the KL is then exactly 0.
         if is_lora(self.policy.model):  # the reference is the base: the same model with its adapters disabled
-            with torch.no_grad(), reference_policy(self.policy.model):
+            with torch.no_grad(), run.autocast(), reference_policy(self.policy.model):
                 logits = group_forward(self.policy.model, batch.input_ids, batch.attention_mask, batch.labels,
                                        batch.k).logits
             return token_scores(logits, batch.labels, "logprobs", IGNORE_INDEX)
         if self.reference is None:
             raise RuntimeError("the batch carries no reference log-probs and the learner holds no reference "
                                "policy (rollout workers compute them when rl.kl.coef > 0)")
-        with torch.no_grad():
+        with torch.no_grad(), run.autocast():
             logits = group_forward(self.reference, batch.input_ids, batch.attention_mask, batch.labels, batch.k).logits
         return token_scores(logits, batch.labels, "logprobs", IGNORE_INDEX)
 
@@ -341,7 +364,7 @@ class PolicyGradientObjective:
         # policy (probability 1 under the sampling process): no KL term, no reward position, no value target.
         valid = batch.loss_mask
         # 1. the batch's starting policy, without gradient
-        action_mask = self._action_mask(batch, items)
+        action_mask = self._action_mask(run, batch, items)
         with torch.no_grad():
             out = run.forward(batch.input_ids, batch.attention_mask, batch.labels, k)
             old_logp, old_raw = _token_logprobs(out.logits, batch.labels, self.transform, action_mask)
@@ -355,7 +378,7 @@ class PolicyGradientObjective:
             sampler_ratio = torch.exp(sampler_log_ratio)
             beta = self.kl.coef
             if rl.uses_kl:
-                reference = self._reference_logprobs(batch)
+                reference = self._reference_logprobs(run, batch)
                 k1 = torch.where(valid, kl_estimate(old_raw, reference, "k1"), torch.zeros_like(old_raw))
                 k3 = torch.where(valid, kl_estimate(old_raw, reference, "k3"), torch.zeros_like(old_raw))
             else:
@@ -517,7 +540,12 @@ class PolicyGradientObjective:
         return state  # NLPO's masking policy is not state: each step comes with the weights its groups need
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.kl.load_state_dict(state["kl"])
+        kl = state["kl"]
+        if kl.get("target") != self.rl.kl.target:  # the config decides: the coefficient carries over
+            log.warning("rl.kl.target=%s where the checkpoint's controller had %s: resuming with its coefficient "
+                        "%.4g, %s", self.rl.kl.target, kl.get("target"), kl["coef"],
+                        "now fixed" if self.rl.kl.target is None else "moving towards the new target")
+        self.kl.load_state_dict({**kl, "target": self.rl.kl.target})
         head = getattr(self.module, "value_head", None)
         if head is not None:
             head.load_state_dict(state["value_head"])

@@ -367,3 +367,62 @@ def test_step_scalars_over_ranks_average_but_counts_add_and_maxima_stay_maxima(i
     assert two["loss"] == pytest.approx(1.5 * alone["loss"], rel=1e-6)  # the mean of x and 2x
     assert two["tokens"] == pytest.approx(3 * alone["tokens"])  # x + 2x
     assert two["ratio_max"] == pytest.approx(2 * alone["ratio_max"], rel=1e-6)  # max(x, 2x)
+
+
+def test_under_mixed_precision_the_reference_pass_matches_the_policy_and_values_stay_float32(init_dir):
+    """Under bf16 autocast (CUDA runs; exercised with CPU autocast) the policy's pass is autocast, but the learner's
+    own reference pass (the LoRA base, adapters off) ran in float32: at step 0, policy = reference, the KL was
+    1e-3 per token instead of 0. And the value head's product ran in bf16, rounding the critic's values."""
+    import dataclasses as dc
+
+    from accelerate.state import AcceleratorState
+
+    from rlt2t.learner.group_step import ValueHead
+
+    head = ValueHead(16)
+    torch.nn.init.normal_(head.linear.weight, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        values = head(hidden)
+    assert values.dtype == torch.float32 and torch.equal(values, head(hidden))
+
+    lora_model = ModelConfig(preset="tiny", dropout=0.1, lora={"enabled": True, "r": 4, "alpha": 8.0, "dropout": 0.0})
+    rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
+    rl = RLConfig(algorithm="grpo", batch_size=8, lr=5e-3, warmup_ratio=0.0, kl={"coef": 0.1})
+    full = load_policy(MODEL, checkpoint=init_dir).model.state_dict()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        learner = Learner(lora_model, None, rl, rollout, init_checkpoint=str(init_dir), rank=0, world_size=1,
+                          total_steps=10, seed=0, max_source_len=16, max_target_len=16)
+        learner.mixed_precision = "bf16"
+        assert learner._prepare().mixed_precision == "bf16"
+        worker = RolloutWorker(lora_model, str(init_dir), rollout, seed=3, max_source_len=16,
+                               spec=RolloutSpec.for_algorithm("grpo", kl=True), start_weights=full)
+        worker.set_weights(0, learner.weights())
+        # without the worker's reference log-probs, the learner scores the reference itself (its LoRA base)
+        groups = [dc.replace(g, group=dc.replace(g.group, reference_logprobs=None)) for g in _scored(worker)]
+        metrics = learner.train_step(groups)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert metrics["kl_k1"] == 0.0 and metrics["kl_k3"] == 0.0
+
+
+def test_a_resume_follows_the_configured_kl_target(init_dir, caplog):
+    """The checkpoint's KL controller kept its own target: a run resumed with rl.kl.target=null (a fixed β) went
+    on adapting β. The coefficient carries over; the target is the config's, with a warning when they differ."""
+    rollout = RolloutConfig(num_samples=2)
+    adaptive = _learner(init_dir, RLConfig(algorithm="grpo", kl={"coef": 0.1, "target": 1.0}), rollout)
+    adaptive.objective.kl.update(5.0, 50)
+    state = adaptive.objective.state_dict()
+    coef = state["kl"]["coef"]
+    assert coef > 0.1
+    fixed = _learner(init_dir, RLConfig(algorithm="grpo", kl={"coef": 0.1}), rollout)
+    with caplog.at_level("WARNING", logger="rlt2t.learner"):
+        fixed.objective.load_state_dict(state)
+    assert fixed.objective.kl.target is None and fixed.objective.kl.coef == coef
+    assert fixed.objective.kl.update(5.0, 50) == coef  # fixed from here on
+    assert "rl.kl.target" in caplog.text
+    same = _learner(init_dir, RLConfig(algorithm="grpo", kl={"coef": 0.1, "target": 1.0}), rollout)
+    caplog.clear()
+    same.objective.load_state_dict(state)
+    assert same.objective.kl.coef == coef and same.objective.kl.target == 1.0 and not caplog.text

@@ -4,6 +4,7 @@ sampling process): it carries no KL term, in the loss, the shaped reward or the 
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -50,6 +51,9 @@ class _Runner:
 
     def all_min(self, value):
         return value
+
+    def autocast(self):
+        return contextlib.nullcontext()
 
 
 @pytest.mark.parametrize("algorithm", ["rloo", "ppo", "grpo"])
