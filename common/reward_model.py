@@ -8,7 +8,11 @@
   token: r = w·h + b. A batch encodes each distinct source once and gives its states to all of its candidates.
 - ``encoder``: any local encoder or sequence-classification directory (BERT, MiniLM, RoBERTa, ...) as a
   one-label sequence classifier over the text pair (source, candidate), each cut to its own limit before
-  they are paired (special tokens kept); r is its logit.
+  they are paired (special tokens kept); r is its logit. Limits whose longest pair exceeds the backbone's
+  positions are refused when the model is built or loaded.
+
+Either kind's backbone trains with the configured dropout (``reward_model.dropout``), set in its config before
+it is built; eval mode (scoring) has none.
 
 A saved reward model is a Hugging Face model directory of the backbone (``from_pretrained`` works on it),
 its tokenizer, ``rlt2t_reward_model.json`` (kind and lengths) and, for ``seq2seq``, the head in
@@ -98,6 +102,7 @@ class RewardModel(nn.Module):
         self.version = 0
         self.path: Path | None = None
         if spec.kind == "encoder":
+            _check_pair_length(backbone, tokenizer, spec)
             accepted = inspect.signature(backbone.forward).parameters
             self._encoder_inputs = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in accepted]
 
@@ -227,6 +232,43 @@ def _pair_fields(tok: PreTrainedTokenizerBase, enc: BatchEncoding, row: int, sou
     return fields
 
 
+def _longest_pair(tok: PreTrainedTokenizerBase, spec: RewardModelSpec) -> int:
+    """The most tokens an encoder reward model's pair can have (``_encode_pairs``): each field's content budget
+    (its limit minus the special tokens around one text) plus the special tokens of the pair template."""
+    specials = sum(template_affixes(tok))
+    return (max(spec.max_source_len - specials, 0) + max(spec.max_candidate_len - specials, 0)
+            + tok.num_special_tokens_to_add(pair=True))
+
+
+def _position_limit(backbone: PreTrainedModel) -> int | None:
+    """The longest input an encoder backbone takes: the rows of its absolute position embedding, less the
+    offset of RoBERTa-style positions (which start after the padding index); None for one with relative
+    positions only. Else (an embedding module not found) ``config.max_position_embeddings``, when set."""
+    embeddings = getattr(backbone.base_model, "embeddings", None)
+    if embeddings is not None and hasattr(embeddings, "position_embeddings"):
+        table = embeddings.position_embeddings
+        if not isinstance(table, nn.Embedding):
+            return None  # e.g. DeBERTa-v2 without position_biased_input: relative attention, no length limit
+        return table.num_embeddings - (table.padding_idx + 1 if table.padding_idx is not None else 0)
+    limit = getattr(backbone.config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) else None
+
+
+def _check_pair_length(backbone: PreTrainedModel, tok: PreTrainedTokenizerBase, spec: RewardModelSpec) -> None:
+    """Refuse limits whose longest pair the backbone cannot take: its forward would fail on the first long pair
+    (a tensor size mismatch, mid-training or in the reward server), not here."""
+    limit = _position_limit(backbone)
+    longest = _longest_pair(tok, spec)
+    if limit is None or longest <= limit:
+        return
+    raise ValueError(
+        f"reward_model.max_source_len={spec.max_source_len} + reward_model.max_candidate_len="
+        f"{spec.max_candidate_len}: a (source, candidate) pair can be {longest} tokens (special tokens included), "
+        f"but the encoder backbone ({backbone.config.model_type}) takes at most {limit} positions; lower them by "
+        f"{longest - limit} in all"
+    )
+
+
 def _length_mask(seqs: Sequence[Sequence[int]], width: int) -> Tensor:
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
     return (torch.arange(width)[None, :] < lengths[:, None]).long()
@@ -241,6 +283,23 @@ def backbone_kind(path: str | Path) -> Kind:
 def _seq2seq_backbone(path: Path, dropout: float):
     policy = load_policy(ModelConfig(preset=None, dropout=dropout), checkpoint=path)
     return policy.model, policy.tokenizer
+
+
+def _encoder_backbone(path: Path, dropout: float, *, one_label: bool = False) -> PreTrainedModel:
+    """The sequence classifier at ``path`` with ``dropout`` as every dropout probability of its config (the
+    ``*dropout``, ``*dropout_prob``, ``*dropout_rate`` numbers), set before the model is built as ``load_policy``
+    sets the seq2seq backbone's: a BERT-like encoder's hidden and attention dropout, and its classifier's when the
+    config sets one (unset, it follows the hidden dropout). ``one_label``: a directory with another label count
+    gets a fresh one-label head."""
+    config = AutoConfig.from_pretrained(str(path))
+    for name, value in vars(config).items():
+        if name.endswith(("dropout", "dropout_prob", "dropout_rate")) and isinstance(value, float | int) \
+                and not isinstance(value, bool):
+            setattr(config, name, dropout)
+    if one_label:
+        config.num_labels = 1
+    return AutoModelForSequenceClassification.from_pretrained(str(path), config=config,
+                                                              ignore_mismatched_sizes=one_label)
 
 
 def init_reward_model(init: str | Path, *, max_source_len: int, max_candidate_len: int, dropout: float = 0.1,
@@ -258,9 +317,7 @@ def init_reward_model(init: str | Path, *, max_source_len: int, max_candidate_le
         nn.init.normal_(head.weight, std=0.02)
         nn.init.zeros_(head.bias)
         return RewardModel(backbone, tokenizer, spec, head)
-    # A sequence-classification directory with another label count gets a fresh one-label head.
-    backbone = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, ignore_mismatched_sizes=True)
-    return RewardModel(backbone, load_tokenizer(path), spec)
+    return RewardModel(_encoder_backbone(path, dropout, one_label=True), load_tokenizer(path), spec)
 
 
 def load_reward_model(path: str | os.PathLike[str], *, dropout: float = 0.0,
@@ -280,7 +337,7 @@ def load_reward_model(path: str | os.PathLike[str], *, dropout: float = 0.0,
         head.load_state_dict(load_file(str(path / HEAD_FILE)))
         model = RewardModel(backbone, tokenizer, spec, head)
     elif spec.kind == "encoder":
-        model = RewardModel(AutoModelForSequenceClassification.from_pretrained(str(path)), load_tokenizer(path), spec)
+        model = RewardModel(_encoder_backbone(path, dropout), load_tokenizer(path), spec)
     else:
         raise ValueError(f"{spec_file}: unknown reward model kind {spec.kind!r}")
     info = read_checkpoint(path)
