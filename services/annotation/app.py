@@ -56,6 +56,7 @@ from rlt2t.services.annotation.schemas import (
     NextResponse,
     PairAgreementView,
     Progress,
+    StoredText,
     SubmissionRequest,
     SubmissionResponse,
 )
@@ -301,7 +302,7 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
         return annotate_page(request, item_id)
 
     @app.get("/history", response_class=HTMLResponse, include_in_schema=False)
-    def history(request: Request, annotator: str | None = None,
+    def history(request: Request, annotator: StoredText | None = None,
                 page: int = Query(0, ge=0, le=MAX_OFFSET // PAGE_SIZE)) -> Response:
         who = page_user(request)
         if who is None:
@@ -366,7 +367,7 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
                                   progress=progress_of(who.annotator))
 
     @app.get("/api/annotations", response_model=AnnotationList, tags=["annotation"], responses=ERRORS)
-    def list_annotations(annotator: str | None = None, offset: int = Query(0, ge=0, le=MAX_OFFSET),
+    def list_annotations(annotator: StoredText | None = None, offset: int = Query(0, ge=0, le=MAX_OFFSET),
                          limit: int = Query(50, ge=1, le=500),
                          who: Principal = Depends(api_user)) -> AnnotationList:  # noqa: B008
         """The caller's annotations, newest first (an admin: everyone's, or `annotator`'s)."""

@@ -6,7 +6,8 @@ Candidates JSONL, one item per line::
 
 ``id`` is optional (kept as the item's external id); a candidate is a string or an object with a ``text``
 field, so ``rlt2t predict``'s ``<out>.candidates.jsonl`` loads as it is. Candidates are deduplicated (first
-occurrence kept). A bad line fails with ``file:line: field '…': reason`` (``DataError``, as the data loaders).
+occurrence kept). A bad line fails with ``file:line: field '…': reason`` (``DataError``, as the data loaders),
+text no database can store (a NUL character, a lone surrogate) included.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from tqdm import tqdm
 
 from rlt2t.common.data import DataError, Example
-from rlt2t.services.annotation.store import NewItem
+from rlt2t.services.annotation.store import NewItem, unstorable
 from rlt2t.services.client import PolicyClient
 
 
@@ -27,13 +28,12 @@ def distinct(texts: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(texts))
 
 
-def _encodable(text: str, path: str, lineno: int, field: str, what: str = "") -> None:
-    """A lone surrogate (``"\\ud800"`` in JSON) parses into a str that no database or file can store as UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise DataError(path, lineno, field, f"{what}not encodable as UTF-8 ({e.reason} {text[e.start]!r} at "
-                                             f"character {e.start})") from None
+def _storable(text: str, path: str, lineno: int, field: str, what: str = "") -> None:
+    """JSON can spell text no database stores: a lone surrogate (``"\\ud800"``: no UTF-8) or NUL (``"\\u0000"``:
+    PostgreSQL refuses it)."""
+    problem = unstorable(text)
+    if problem is not None:
+        raise DataError(path, lineno, field, f"{what}{problem}")
 
 
 def _candidate_texts(value: object, path: str, lineno: int) -> list[str]:
@@ -46,7 +46,7 @@ def _candidate_texts(value: object, path: str, lineno: int) -> list[str]:
         if not isinstance(c, str):
             raise DataError(path, lineno, "candidates", f"candidate {k}: expected a string or an object with a "
                                                         f"string 'text', got {type(c).__name__}")
-        _encodable(c, path, lineno, "candidates", f"candidate {k}: ")
+        _storable(c, path, lineno, "candidates", f"candidate {k}: ")
         texts.append(c)
     return texts
 
@@ -72,7 +72,7 @@ def read_candidates(path: str | os.PathLike, *, max_candidates: int, max_chars: 
             if not isinstance(source, str) or not source.strip():
                 raise DataError(path, lineno, "source", "missing or empty" if source is None or isinstance(source, str)
                                 else f"expected a string, got {type(source).__name__}")
-            _encodable(source, path, lineno, "source")
+            _storable(source, path, lineno, "source")
             if "candidates" not in row:
                 raise DataError(path, lineno, "candidates", "missing")
             texts = distinct(_candidate_texts(row["candidates"], path, lineno))
@@ -87,7 +87,7 @@ def read_candidates(path: str | os.PathLike, *, max_candidates: int, max_chars: 
                 raise DataError(path, lineno, where, f"longer than {max_chars} characters (annotate.max_text_chars)")
             ext_id = None if row.get("id") is None else str(row["id"])[:200]
             if ext_id is not None:
-                _encodable(ext_id, path, lineno, "id")
+                _storable(ext_id, path, lineno, "id")
             yield NewItem(source=source, candidates=texts, origin=os.path.basename(path), ext_id=ext_id)
 
 

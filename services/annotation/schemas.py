@@ -1,29 +1,44 @@
 """The annotation app's JSON API: request and response models (``rlt2t.services.annotation.app``).
 
-Requests forbid unknown fields and non-finite numbers: a typo or a NaN rating is a 422 naming the field.
+Requests forbid unknown fields and non-finite numbers: a typo or a NaN rating is a 422 naming the field; so is
+an id beyond the database's id columns, and text no database can store (a NUL character).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+from rlt2t.services.annotation.store import unstorable
 
 MAX_CANDIDATES = 256
 """Hard cap on a list in a submission (annotate.max_candidates_per_item is at most this)."""
 NOTE_MAX_CHARS = 2000
 
-MAX_ID = 2**63 - 1
-"""Ids are 64-bit signed integers in the database: a larger one in a request is a 422, not a driver overflow."""
+MAX_ID = 2**31 - 1
+"""Ids are ``Integer`` columns (``tables``): 32-bit signed on PostgreSQL, so a larger id in a request is a 422
+naming the field on either backend, not a driver overflow (a 500 on PostgreSQL)."""
 MAX_OFFSET = 10**9
-"""Bound on a list's offset (far beyond any annotation count; SQLite's integers end at MAX_ID)."""
+"""Bound on a list's offset (far beyond any annotation count; an OFFSET is 64-bit on SQLite and PostgreSQL)."""
 PAGE_SIZE = 50
 """Rows per page of /history."""
 
 SubmissionId = Annotated[str, StringConstraints(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 DbId = Annotated[int, Field(ge=-MAX_ID, le=MAX_ID)]
-"""An item, candidate or annotation id as a request gives it (a 64-bit integer; one that names nothing is a 404
+"""An item, candidate or annotation id as a request gives it (within ±MAX_ID; one that names nothing is a 404
 or a 422 of the store's checks)."""
+
+
+def _storable(text: str) -> str:
+    problem = unstorable(text)
+    if problem is not None:
+        raise ValueError(problem)
+    return text
+
+
+StoredText = Annotated[str, AfterValidator(_storable)]
+"""Text a request stores or looks up: NUL is a 422 naming the field (PostgreSQL's text cannot hold it)."""
 
 
 class _Request(BaseModel):
@@ -99,10 +114,11 @@ class SubmissionRequest(_Request):
     with earlier ones); `skip`: the item leaves the queue unjudged."""
     order: list[DbId] = Field(default_factory=list, max_length=MAX_CANDIDATES)
     ratings: list[CandidateRating] = Field(default_factory=list, max_length=MAX_CANDIDATES)
-    flagged: bool = False
-    """Mark the item as problematic (bad source, broken candidates); flagged items stay out of exports."""
-    note: str = Field("", max_length=NOTE_MAX_CHARS)
-    """Why it was flagged, or any remark."""
+    flagged: bool | None = None
+    """Mark the item as problematic (bad source, broken candidates); flagged items stay out of exports. Left out
+    (or null): the annotation keeps its flag (none on a new one)."""
+    note: Annotated[str, StringConstraints(max_length=NOTE_MAX_CHARS), AfterValidator(_storable)] | None = None
+    """Why it was flagged, or any remark. Left out (or null): the annotation keeps its note."""
 
 
 class SubmissionResponse(_Response):

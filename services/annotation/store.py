@@ -10,7 +10,9 @@ item (status ``ranked``, ``rated``, ``partial``: some candidates rated, or ``ski
 note) with one *label* per judged candidate (its rank, 0 = best, or its rating). Every write arrives as a
 *submission* with a client-generated id, applied in one transaction together with the record of that id:
 a repeated id (a double click, a retry after a lost answer, a page reloaded with a pending submission) is
-answered with the stored result and changes nothing; an id reused for different content is refused.
+answered with the stored result and changes nothing; an id reused for different content is refused. A
+submission sets the flag and the note only where it gives them: the terminal's ratings, which say nothing of
+either, keep a flag set in the browser (and so keep the item out of the exports).
 
 - ``rank``: a permutation of the item's candidate ids, best first; replaces the annotation's labels.
 - ``rate``: ratings of some or all candidates; merged into earlier ratings (the terminal stores each one as
@@ -173,8 +175,10 @@ class Submission:
     action: Literal["rank", "rate", "skip"]
     order: tuple[int, ...] = ()
     ratings: dict[int, float] = field(default_factory=dict)
-    flagged: bool = False
-    note: str = ""
+    flagged: bool | None = None
+    """Set or clear the annotation's flag; None keeps it (False on a new annotation)."""
+    note: str | None = None
+    """Replace the annotation's note; None keeps it (empty on a new annotation)."""
 
     def digest(self) -> str:
         body = [self.item_id, self.action, list(self.order), sorted(self.ratings.items()), self.flagged, self.note]
@@ -216,6 +220,19 @@ class FlaggedItem:
     annotator: str
     source: str
     note: str
+
+
+def unstorable(text: str) -> str | None:
+    """Why some database of the store cannot hold ``text`` (None: all can): a lone surrogate has no UTF-8, and
+    PostgreSQL's text refuses NUL (SQLite would keep it: the check makes both backends answer alike)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"not encodable as UTF-8 ({e.reason} {text[e.start]!r} at character {e.start})"
+    nul = text.find("\x00")
+    if nul >= 0:
+        return f"contains a NUL character (\\u0000) at character {nul}, which PostgreSQL cannot store"
+    return None
 
 
 def token_digest(token: str) -> str:
@@ -505,10 +522,15 @@ class Store:
         current = conn.execute(select(annotations_table.c.id, annotations_table.c.status).where(
             annotations_table.c.annotator_id == annotator.id, annotations_table.c.item_id == item.id
         ).with_for_update()).first()
-        fields = {"flagged": sub.flagged, "note": sub.note, "submission_id": sub.submission_id, "updated_at": now}
+        fields: dict[str, object] = {"submission_id": sub.submission_id, "updated_at": now}
+        if sub.flagged is not None:
+            fields["flagged"] = sub.flagged
+        if sub.note is not None:
+            fields["note"] = sub.note
         if current is None:
+            new = {"flagged": False, "note": "", **fields}
             ann_id = conn.execute(insert(annotations_table).values(
-                annotator_id=annotator.id, item_id=item.id, status="skipped", created_at=now, **fields)
+                annotator_id=annotator.id, item_id=item.id, status="skipped", created_at=now, **new)
                 .returning(annotations_table.c.id)).scalar_one()
             previous = None
         else:

@@ -18,9 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
+from rlt2t.common.config import load_config
+from rlt2t.common.data import DataError
 from rlt2t.services.annotation import export
+from rlt2t.services.annotation.app import create_app
+from rlt2t.services.annotation.items import read_candidates
 from rlt2t.services.annotation.store import (
     SCHEMA_HEAD,
     NewItem,
@@ -33,6 +38,7 @@ from rlt2t.services.annotation.store import (
     schema_revision,
 )
 from rlt2t.services.annotation.tables import annotations, items, labels, metadata, submissions
+from rlt2t.services.annotation.terminal import run_terminal
 
 pytestmark = pytest.mark.integration
 
@@ -235,8 +241,8 @@ def test_ratings_merge_rankings_replace_skips_clear(store):
     out = store.submit(ann, Submission("rank-000001", item_id, "rank", order=(c, a, b), flagged=True,
                                        note="odd")).annotation
     assert (out.status, out.order, out.ratings, out.flagged, out.note) == ("ranked", (c, a, b), {}, True, "odd")
-    out = store.submit(ann, Submission("skip-000001", item_id, "skip")).annotation
-    assert (out.status, out.order, out.flagged) == ("skipped", (), False)
+    out = store.submit(ann, Submission("skip-000001", item_id, "skip", flagged=False)).annotation
+    assert (out.status, out.order, out.flagged, out.note) == ("skipped", (), False, "odd")  # no note given: kept
     assert _count(store, labels) == 0
 
 
@@ -314,3 +320,42 @@ def test_exports_in_the_trainers_formats(store, tmp_path):
     assert (flagged_too.rank_lists, flagged_too.pairs) == (2, 4)
     assert (tmp_path / "all" / "ranks.tsv").read_text().splitlines()[1] == "src three\tv\tu"
 
+
+
+def test_flags_survive_ratings_and_limits_answer_alike_on_every_backend(store, tmp_path):
+    """PostgreSQL's integer ids end at 2**31 - 1 and its text refuses NUL: both are a 422 naming the field (not a
+    500 DataError), on SQLite as on PostgreSQL; a rating that says nothing of the flag keeps it."""
+    _items(store, n=1, k=2)
+    tokens = {"ann": store.add_annotator("ann"), "boss": store.add_annotator("boss", "admin")}
+    ann = store.annotator_by_name("ann")
+    item = store.next_item(ann)
+    a, b = (c.id for c in item.candidates)
+    store.submit(ann, Submission("web-000001", item.id, "rate", ratings={a: 1.0}, flagged=True, note="garbage"))
+    answers = iter(["-1"])
+    run_terminal(store, ann, rating_range=(-2, 2), shuffle=False, read=lambda _: next(answers), write=lambda _: None)
+    mine = store.annotation_of(ann, item.id)
+    assert (mine.status, mine.flagged, mine.note) == ("rated", True, "garbage")
+    assert list(export.rating_rows(store)) == []
+
+    cfg = load_config([], [f"run.dir={tmp_path}"])
+    with TestClient(create_app(cfg, store), base_url="http://127.0.0.1", raise_server_exceptions=False) as client:
+        h = {"Authorization": f"Bearer {tokens['ann']}"}
+        assert client.get(f"/api/items/{2**31 - 1}", headers=h).status_code == 404
+        for path, loc in ((f"/api/items/{2**31}", ["path", "item_id"]),
+                          (f"/api/annotations/{2**31}", ["path", "annotation_id"])):
+            r = client.get(path, headers=h)
+            assert r.status_code == 422 and r.json()["detail"][0]["loc"] == loc, r.text
+        r = client.post("/api/submissions", headers=h, json={"submission_id": "bigid0001", "item_id": 2**31,
+                                                             "action": "skip"})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "item_id"], r.text
+        r = client.post("/api/submissions", headers=h, json={"submission_id": "nulnote01", "item_id": item.id,
+                                                             "action": "skip", "note": "bad\u0000"})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "note"], r.text
+        r = client.get("/api/annotations", params={"annotator": "a\u0000b"},
+                       headers={"Authorization": f"Bearer {tokens['boss']}"})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "annotator"], r.text
+
+    path = tmp_path / "nul.jsonl"
+    path.write_text(json.dumps({"source": "s\u0000", "candidates": ["a", "b"]}) + "\n")
+    with pytest.raises(DataError, match="nul.jsonl:1: field 'source': contains a NUL character"):
+        store.add_items(list(read_candidates(path, max_candidates=4, max_chars=100)))
