@@ -113,6 +113,7 @@ def test_rollout_worker_samples_on_cuda(ids_tokenizer_dir, init_dir):
 
     worker = RolloutWorker(ModelConfig(dropout=0.0), str(ids_tokenizer_dir), RolloutConfig(num_samples=4,
                            max_new_tokens=8), seed=0, max_source_len=32, device="cuda")
+    assert {p.device.type for p in worker.policy.model.parameters()} == {"cuda"}
     examples = [Example(id=str(i), source="11 12 13", target="14 15") for i in range(3)]
     first, again = worker.sample(examples), worker.sample(examples)
     assert [s.candidates for s in first] == [s.candidates for s in again]  # seeded per (seed, version, id)

@@ -237,6 +237,7 @@ def test_nlpo_ships_its_masking_policy_to_the_rollout_workers(ray_session, copy_
     rows = [json.loads(x) for x in (run / "logs" / "rl" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r.get("kind", "train") == "train"]
     # the sampler masked as the learner does: on-policy samples agree with the learner's masked log-probs
+    assert any(r["staleness_max"] == 0 for r in train), [r["staleness_max"] for r in train]
     assert all(r["sampler_ratio_max_dev"] < 1e-3 for r in train if r["staleness_max"] == 0)
     # the learner masks with the weights each step is sent (those its groups were sampled under): no copy of
     # its own to refresh or checkpoint

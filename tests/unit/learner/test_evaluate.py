@@ -46,10 +46,28 @@ def test_evaluate_scores_the_policy_output(tiny_policy):
         evaluate(tiny_policy, [Example(id="x", source="1", target=None)], EvalConfig(), MetricConfig(), 32)
 
 
-def test_beam_search_runs(tiny_policy):
-    torch.manual_seed(0)
-    out = generate(tiny_policy, ["1 2 3"], num_beams=3, max_new_tokens=4)
-    assert isinstance(out[0], str)
+def test_beam_search_decodes_with_the_beams_asked_for(tiny_policy):
+    from rlt2t.common.collate import encode_texts
+
+    # On this source the untrained tiny model's greedy and 3-beam outputs differ: beam search must really run.
+    source = "1 2 3"
+    model, tok = tiny_policy.model.eval(), tiny_policy.tokenizer
+    input_ids = torch.tensor(encode_texts(tok, [source], 128)[0])
+
+    def hf(num_beams: int) -> str:
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                 num_beams=num_beams, do_sample=False, max_new_tokens=4)
+        return tiny_policy.decode(out)[0]
+
+    beam, greedy = hf(3), hf(1)
+    assert beam != greedy, (beam, greedy)
+    assert generate(tiny_policy, [source], num_beams=3, max_new_tokens=4) == [beam]
+    assert generate(tiny_policy, [source], max_new_tokens=4) == [greedy]
+    # evaluate decodes with eval.num_beams
+    examples = [Example(id="0", source=source, target="1 2")]
+    assert evaluate(tiny_policy, examples, EvalConfig(num_beams=3, max_new_tokens=4), MetricConfig(),
+                    128).predictions == [beam]
 
 
 def test_reference_perplexity_is_exp_of_token_weighted_cross_entropy(tiny_policy):

@@ -5,6 +5,7 @@ queue and from their running call, swaps between calls, failures confined to the
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 from fastapi.testclient import TestClient
 
-from rlt2t.services.backends import Generation, PolicyBackend, Sampling
+from rlt2t.services.backends import Ct2Backend, Generation, PolicyBackend, Sampling, TorchBackend, load_backend
 from rlt2t.services.batching import Batcher, ClientGone, Overloaded
 from rlt2t.services.policy_app import create_app
 
@@ -80,8 +81,23 @@ def batcher_of(backend, *, max_batch_size=8, max_wait_ms=0.0, max_queue_cost=100
                    max_call_cost=max_call_cost)
 
 
-def test_fake_backend_satisfies_the_protocol():
-    assert isinstance(FakeBackend(), PolicyBackend)
+def test_real_backends_satisfy_the_protocol(serve_cfg, checkpoint_root):
+    """Both servable backends have every member of PolicyBackend (a runtime isinstance checks names only),
+    and their methods take the protocol's parameters (what the batcher's runners pass)."""
+    ct2_cfg = serve_cfg.model_copy(update={"serve": serve_cfg.serve.model_copy(update={"backend": "ct2"}),
+                                           "export": serve_cfg.export.model_copy(update={"quantization": "float32"})})
+    backends = [load_backend(serve_cfg, checkpoint_root), load_backend(ct2_cfg, checkpoint_root)]
+    try:
+        assert [type(b) for b in backends] == [TorchBackend, Ct2Backend]
+        for backend in backends:
+            assert isinstance(backend, PolicyBackend), type(backend)
+            for method in ("count_tokens", "check_text", "candidates", "score", "close"):
+                want = list(inspect.signature(getattr(PolicyBackend, method)).parameters)[1:]
+                assert list(inspect.signature(getattr(backend, method)).parameters) == want, (type(backend), method)
+            assert backend.count_tokens(["11 12 13"]) == [3] and backend.version == 0
+    finally:
+        for backend in backends:
+            backend.close()
 
 
 def test_backends_are_closed_only_once_the_call_in_flight_is_done():

@@ -80,10 +80,19 @@ def test_ct2_backend_refuses_top_p_with_a_field_error(ct2_client):
 
 
 def test_ct2_backend_top_k_beyond_the_vocabulary_means_no_filter(ct2_client):
-    r = ct2_client.post("/v1/candidates", json={"sources": ["11 12"], "top_k": 1_000_000, "num_candidates": 2,
-                                                "max_new_tokens": 4, "seed": 1})
-    assert r.status_code == 200, r.text
-    assert len(r.json()["candidates"][0]) == 2
+    body = {"sources": ["11 12", "20 21 22"], "num_candidates": 4, "max_new_tokens": 8, "temperature": 1.5,
+            "seed": 1}
+    beyond = ct2_client.post("/v1/candidates", json={**body, "top_k": 1_000_000})
+    assert beyond.status_code == 200, beyond.text
+    assert [len(c) for c in beyond.json()["candidates"]] == [4, 4]
+    # the same draws as top_k=0 (the whole vocabulary), log-probs and sampler log-probs included
+    whole = ct2_client.post("/v1/candidates", json={**body, "top_k": 0})
+    assert whole.status_code == 200, whole.text
+    assert beyond.json()["candidates"] == whole.json()["candidates"]
+    # and not those of a real filter: the comparison above can tell them apart
+    filtered = ct2_client.post("/v1/candidates", json={**body, "top_k": 2})
+    assert filtered.status_code == 200, filtered.text
+    assert filtered.json()["candidates"] != whole.json()["candidates"]
 
 
 def test_ct2_backend_removes_its_export_when_the_server_stops(serve_cfg, perturbed_root):
