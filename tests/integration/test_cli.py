@@ -67,11 +67,15 @@ def test_eval_command_and_average(demo_run, tmp_path):
     run, _ = demo_run
     proc = rlt2t("eval", "--config", TINY, f"run.dir={run}", "eval.num_beams=2")
     assert "beam 2" in proc.stdout and "cider_d" in proc.stdout
+    saved = json.loads((run / "eval" / "sft-valid.json").read_text())  # what was decoded, not the title
+    assert saved["num_beams"] == 2 and "/sft/checkpoints/" in saved["checkpoint"]
     avg = tmp_path / "avg"
     rlt2t("average", "--dir", str(run / "sft" / "checkpoints"), "--last", "2", "--out", str(avg))
     assert (avg / "config.json").is_file() and (avg / "tokenizer.json").is_file()
     proc = rlt2t("eval", "--config", TINY, f"run.dir={run}", "--checkpoint", str(avg))
     assert "cider_d" in proc.stdout
+    evaluated = [json.loads(p.read_text()) for p in (run / "eval").glob("*-valid.json")]
+    assert [t["num_beams"] for t in evaluated if Path(t.get("checkpoint", "")).resolve() == avg.resolve()] == [1]
 
 
 def test_synth_is_byte_identical_for_a_seed(tmp_path):

@@ -81,7 +81,8 @@ def test_family_sft_rl_serve_export_predict(name, family_dirs, ray_session, tmp_
     assert moved, "SFT did not change the weights"
 
     # Rank RL on Ray from the SFT checkpoint.
-    rl_job(cfg)
+    result = rl_job(cfg)
+    assert (result.steps, result.items_used, result.redispatched) == (1, 8, 0)  # one batch of the 8 sources
     rl_ckpt = latest_complete_checkpoint(run / "rl" / "checkpoints")
     assert rl_ckpt is not None
     assert load_policy(ModelConfig(preset=None), checkpoint=rl_ckpt).family == family
