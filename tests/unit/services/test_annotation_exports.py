@@ -101,20 +101,23 @@ def test_downloaded_rank_exports_are_readable_too(store, tmp_path):
 
 
 BIG = 2**70
+OVER = 2**31  # one past the 32-bit id columns (PostgreSQL's integer: a DataError, a 500, before the bound)
 
 
 @pytest.mark.parametrize("method, path, body, loc", [
     ("GET", f"/api/items/{BIG}", None, ["path", "item_id"]),
-    ("GET", f"/api/items/{-BIG}", None, ["path", "item_id"]),
-    ("GET", f"/api/annotations/{BIG}", None, ["path", "annotation_id"]),
+    ("GET", f"/api/items/{OVER}", None, ["path", "item_id"]),
+    ("GET", f"/api/items/{-OVER}", None, ["path", "item_id"]),
+    ("GET", f"/api/annotations/{OVER}", None, ["path", "annotation_id"]),
+    ("GET", f"/items/{OVER}", None, ["path", "item_id"]),
     ("GET", f"/api/annotations?offset={BIG}", None, ["query", "offset"]),
     ("GET", f"/api/annotations?offset={2**62}", None, ["query", "offset"]),
-    ("POST", "/api/submissions", {"submission_id": "abcdefgh1", "item_id": BIG, "action": "skip"},
+    ("POST", "/api/submissions", {"submission_id": "abcdefgh1", "item_id": OVER, "action": "skip"},
      ["body", "item_id"]),
-    ("POST", "/api/submissions", {"submission_id": "abcdefgh2", "item_id": 1, "action": "rank", "order": [BIG, 2]},
+    ("POST", "/api/submissions", {"submission_id": "abcdefgh2", "item_id": 1, "action": "rank", "order": [OVER, 2]},
      ["body", "order", 0]),
     ("POST", "/api/submissions", {"submission_id": "abcdefgh3", "item_id": 1, "action": "rate",
-                                  "ratings": [{"candidate_id": BIG, "rating": 1}]},
+                                  "ratings": [{"candidate_id": OVER, "rating": 1}]},
      ["body", "ratings", 0, "candidate_id"]),
 ])
 def test_huge_integers_are_a_422_naming_the_field(store, tmp_path, method, path, body, loc):

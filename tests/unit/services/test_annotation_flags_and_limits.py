@@ -85,27 +85,7 @@ def test_the_api_sets_keeps_and_clears_the_flag_and_note(app):
 # --- ids fit the 32-bit id columns --------------------------------------------------------------------------
 
 
-OVER = 2**31  # one past PostgreSQL's integer
-
-
-@pytest.mark.parametrize("method, path, body, loc", [
-    ("GET", f"/api/items/{OVER}", None, ["path", "item_id"]),
-    ("GET", f"/api/items/{-OVER}", None, ["path", "item_id"]),
-    ("GET", f"/api/annotations/{OVER}", None, ["path", "annotation_id"]),
-    ("GET", f"/items/{OVER}", None, ["path", "item_id"]),
-    ("POST", "/api/submissions", {"submission_id": "bigid0001", "item_id": OVER, "action": "skip"},
-     ["body", "item_id"]),
-    ("POST", "/api/submissions", {"submission_id": "bigid0002", "item_id": 1, "action": "rank", "order": [1, OVER]},
-     ["body", "order", 1]),
-    ("POST", "/api/submissions", {"submission_id": "bigid0003", "item_id": 1, "action": "rate",
-                                  "ratings": [{"candidate_id": OVER, "rating": 1}]},
-     ["body", "ratings", 0, "candidate_id"]),
-])
-def test_ids_beyond_32_bits_are_a_422_naming_the_field(app, method, path, body, loc):
-    client, tokens = app
-    r = client.request(method, path, json=body, headers=bearer(tokens["ann"]))
-    assert r.status_code == 422, r.text
-    assert [d["loc"] for d in r.json()["detail"]] == [loc]
+# (ids beyond the columns: test_annotation_exports.test_huge_integers_are_a_422_naming_the_field)
 
 
 def test_the_largest_id_is_an_ordinary_missing_one(app):
