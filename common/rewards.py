@@ -28,14 +28,11 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import httpx
 import numpy as np
-import torch
-from transformers import AutoModelForSequenceClassification
 
-from rlt2t.common.checkpoint import MARKER, resolve_model_dir
 from rlt2t.common.config import (
     ClassifierTerm,
     HttpTerm,
@@ -45,9 +42,14 @@ from rlt2t.common.config import (
     RewardTerm,
 )
 from rlt2t.common.metrics import DocumentFrequency, Metric, available_metrics, class_index, get_metric
-from rlt2t.common.reward_model import RewardModel, load_reward_model
-from rlt2t.common.tokenization import load_tokenizer
 from rlt2t.common.types import CandidateSet, SampledGroup, ScoredGroup, ScoredPair
+
+if TYPE_CHECKING:
+    from rlt2t.common.reward_model import RewardModel
+
+# torch, transformers and the learned terms' modules are imported where a learned term is built (or a device
+# other than the CPU is asked for): a reward of reference metrics only, the default, scores without them,
+# and a reward worker or server that needs none starts in a second instead of several.
 
 # Metrics whose params come from the reward section (bleu_weight, cider_sigma) and the shipped df table.
 _CIDER_METRICS = ("task_score", "cider_d")
@@ -69,6 +71,10 @@ class Reward(Protocol):
 
 def resolve_device(device: str) -> str:
     """``auto`` → ``cuda`` when present, else ``cpu``; an explicit ``cuda`` without CUDA is an error."""
+    if device == "cpu":
+        return device
+    import torch
+
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -127,6 +133,9 @@ class RewardModelReward:
     needs_references = False
 
     def __init__(self, path: str | os.PathLike, *, batch_size: int = 64, device: str = "cpu") -> None:
+        from rlt2t.common.checkpoint import MARKER
+        from rlt2t.common.reward_model import load_reward_model
+
         given = Path(path)
         self.device = device
         self.batch_size = batch_size
@@ -143,6 +152,8 @@ class RewardModelReward:
 
     def load(self, path: str | os.PathLike) -> RewardModel:
         """Load a reward model the way this term does (for hot reload: load, then :meth:`with_model`)."""
+        from rlt2t.common.reward_model import load_reward_model
+
         return load_reward_model(path, device=self.device)
 
     @property
@@ -162,6 +173,11 @@ class ClassifierReward:
     needs_references = False
 
     def __init__(self, term: ClassifierTerm, *, device: str = "cpu") -> None:
+        from transformers import AutoModelForSequenceClassification
+
+        from rlt2t.common.checkpoint import resolve_model_dir
+        from rlt2t.common.tokenization import load_tokenizer
+
         path = resolve_model_dir(term.path)
         self.model = AutoModelForSequenceClassification.from_pretrained(str(path)).to(device).eval()
         self.tokenizer = load_tokenizer(path)
@@ -171,9 +187,14 @@ class ClassifierReward:
         self.label = class_index(id2label, term.label, "label", str(path))
         self._inputs = set(inspect.signature(self.model.forward).parameters)
 
-    @torch.inference_mode()
     def score(self, sources, candidates, references=None) -> np.ndarray:
+        import torch
+
         _check_lengths(sources, candidates, references)
+        with torch.inference_mode():
+            return self._score(sources, candidates)
+
+    def _score(self, sources, candidates) -> np.ndarray:
         t = self.term
         out = np.zeros(len(candidates), dtype=np.float64)
         for first in range(0, len(candidates), t.batch_size):
@@ -304,8 +325,9 @@ def build_reward(cfg: RewardConfig, *, document_frequency: DocumentFrequency | N
     ``document_frequency`` is the CIDEr-D table of task_score / cider_d terms (None: counted from each
     call's references); learned terms are loaded once and run on ``device`` (``auto`` resolves).
     """
-    device = resolve_device(device)
     terms = cfg.terms if terms is None else terms
+    if any(isinstance(t, RewardModelTerm | ClassifierTerm) for t in terms):
+        device = resolve_device(device)  # reference metrics and HTTP terms run on no device
     built = []
     names: dict[str, int] = {}
     for i, term in enumerate(terms):

@@ -164,8 +164,9 @@ class Learner:
     def rendezvous_address(self) -> tuple[str, int]:
         return free_address()
 
-    def join(self, address: str, port: int) -> None:
-        """Form the DDP world (call on every rank concurrently)."""
+    def join(self, rendezvous: tuple[str, int]) -> None:
+        """Form the DDP world at rank 0's ``rendezvous_address()`` (call on every rank concurrently)."""
+        address, port = rendezvous
         if self.world_size > 1:
             # Our own rendezvous (rank 0's node, a free port): accelerate then finds the group initialised.
             backend = "nccl" if self.use_cuda else "gloo"

@@ -19,9 +19,9 @@ def cmd_config(args) -> None:
 
 
 def cmd_data_synth(args) -> None:
+    cfg = load_cfg(args)
     from rlt2t.jobs import make_synthetic_data
 
-    cfg = load_cfg(args)
     _check_task_out(cfg, args.format, args.force)
     files = make_synthetic_data(cfg, fmt=args.format)
     for split, path in files.items():
@@ -29,18 +29,18 @@ def cmd_data_synth(args) -> None:
 
 
 def cmd_data_wordnet(args) -> None:
+    cfg = load_cfg(args)
     from rlt2t.jobs import make_wordnet_data
 
-    cfg = load_cfg(args)
     _check_task_out(cfg, "jsonl", args.force)
     for split, path in make_wordnet_data(cfg, size=args.size, seed=args.seed, wordnet_dir=args.wordnet_dir).items():
         print(f"{split}: {path}")
 
 
 def cmd_data_docstrings(args) -> None:
+    cfg = load_cfg(args)
     from rlt2t.jobs import make_docstring_data
 
-    cfg = load_cfg(args)
     _check_task_out(cfg, "jsonl", args.force)
     for split, path in make_docstring_data(cfg, size=args.size, seed=args.seed).items():
         print(f"{split}: {path}")
@@ -145,9 +145,10 @@ def cmd_data_validate(args) -> None:
 
 
 def cmd_tokenizer_build(args) -> None:
+    cfg = load_cfg(args)
     from rlt2t.jobs import build_tokenizer_job
 
-    print(build_tokenizer_job(load_cfg(args)))
+    print(build_tokenizer_job(cfg))
 
 
 def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:

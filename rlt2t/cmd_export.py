@@ -23,9 +23,9 @@ def _paths(value: str, flag: str) -> list[str]:
 
 
 def cmd_export(args) -> None:
+    cfg = load_cfg(args)
     from rlt2t.jobs import export_job
 
-    cfg = load_cfg(args)
     out = export_job(cfg, args.checkpoint, args.out, quantization=args.quantization, force=args.force)
     print(f"export: {args.checkpoint} → {out} ({args.quantization or cfg.export.quantization})")
 

@@ -10,23 +10,26 @@ from rlt2t.cmd_common import load_cfg, print_table
 
 
 def cmd_pretrain(args) -> None:
+    cfg = load_cfg(args)  # a config error is reported before the seconds of importing torch
     from rlt2t.jobs import pretrain_job
 
-    result = pretrain_job(load_cfg(args), resume=args.resume, init=args.init)
+    result = pretrain_job(cfg, resume=args.resume, init=args.init)
     print(f"pretrain: {result.steps} steps → {result.checkpoint}")
 
 
 def cmd_sft(args) -> None:
+    cfg = load_cfg(args)
     from rlt2t.jobs import sft_job
 
-    result = sft_job(load_cfg(args), resume=args.resume, init=args.init)
+    result = sft_job(cfg, resume=args.resume, init=args.init)
     print(f"sft: {result.steps} steps → {result.checkpoint}")
 
 
 def cmd_train(args) -> None:
+    cfg = load_cfg(args)
     from rlt2t.jobs import rl_job
 
-    result = rl_job(load_cfg(args), resume=args.resume, init=args.init)
+    result = rl_job(cfg, resume=args.resume, init=args.init)
     print(f"rl: {result.steps} steps, {result.items_used} sources, {result.redispatched} chunks re-dispatched "
           f"→ {result.checkpoint}")
 
@@ -53,11 +56,11 @@ def cmd_average(args) -> None:
 
 
 def cmd_demo(args) -> None:
+    cfg = load_cfg(args)
     from rlt2t.eval_table import eval_table, print_eval_table
     from rlt2t.jobs import best_or_latest, clean_run, export_job, prepare_sft, rl_job
     from rlt2t.predict import predict
 
-    cfg = load_cfg(args)
     if args.fresh:
         clean_run(cfg)
     t0 = time.perf_counter()

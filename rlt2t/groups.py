@@ -153,6 +153,7 @@ class LearnerGroup:
                     **r.learner_resources} for _ in range(r.learners)]
         self.pg = placement_group(bundles, strategy="PACK")
         self.ranks: list[Any] = []
+        self._joining: list[ray.ObjectRef] = []  # the DDP rendezvous, sent and not yet confirmed
         self._preflight: list[ray.ObjectRef] = []
         self._loading: list[ray.ObjectRef] = []  # resumed training states, sent and not yet confirmed
         self._masks_held: list[int | None] = [None] * cfg.rl.learners  # NLPO: each rank's masking-policy version
@@ -183,10 +184,12 @@ class LearnerGroup:
                      reference_checkpoint=str(reference_checkpoint))
             for i in range(r.learners)
         ]
-        address, port = self._get(self.ranks[0].rendezvous_address.remote())
-        self._get([rank.join.remote(address, port) for rank in self.ranks])
-        # Not waited for here: it runs while the rollout and reward workers start, and the first
-        # train_step_async checks its outcome (each actor runs its calls in order, so no step overtakes it).
+        # Neither the DDP rendezvous nor the preflight is waited for here: the ranks start (import torch, load
+        # the checkpoints) while the rollout and reward workers start, and _settle confirms both before the
+        # learners' first use. Each actor runs its calls in order, so no step overtakes them; rank 0's address
+        # reaches the other ranks as an object reference.
+        rendezvous = self.ranks[0].rendezvous_address.remote()
+        self._joining = [rank.join.remote(rendezvous) for rank in self.ranks]
         self._preflight = [rank.preflight.remote() for rank in self.ranks] if r.preflight else []
 
     def _get(self, refs):
@@ -203,7 +206,11 @@ class LearnerGroup:
             raise LearnerDied(f"a learner rank failed: {e}") from e
 
     def check_preflight(self) -> None:
-        """Surface the preflight's outcome (once): an out-of-memory error there fails the job before training."""
+        """Surface the rendezvous's and the preflight's outcome (once): a rank that failed to start, or an
+        out-of-memory error in the preflight, fails the job before training."""
+        if self._joining:
+            refs, self._joining = self._joining, []
+            self._get(refs)
         if not self._preflight:
             return
         refs, self._preflight = self._preflight, []
@@ -220,7 +227,7 @@ class LearnerGroup:
                  first["target_tokens"], first["seconds"], first["peak_memory_gib"])
 
     def _settle(self) -> None:
-        """Confirm the setup calls not waited for (preflight, resumed states) before anything uses the
+        """Confirm the setup calls not waited for (rendezvous, preflight, resumed states) before anything uses the
         learners' state: a rank that failed to load its state must not train or be checkpointed."""
         self.check_preflight()
         if self._loading:

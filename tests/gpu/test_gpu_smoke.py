@@ -130,8 +130,8 @@ def test_two_rank_nccl_ddp_keeps_ranks_identical(init_dir):
         ranks = [actor.remote(ModelConfig(dropout=0.0), None, cfg, init_checkpoint=str(init_dir), rank=i,
                               world_size=2, total_steps=4, seed=0, max_source_len=32, max_target_len=16,
                               mixed_precision="bf16") for i in range(2)]
-        addr, port = ray.get(ranks[0].rendezvous_address.remote())
-        ray.get([r.join.remote(addr, port) for r in ranks])
+        rendezvous = ranks[0].rendezvous_address.remote()
+        ray.get([r.join.remote(rendezvous) for r in ranks])
         pairs = _pairs(16)
         for _ in range(2):
             ray.get([r.train_step.remote(pairs[i::2]) for i, r in enumerate(ranks)])

@@ -156,8 +156,8 @@ def test_two_ddp_ranks_stay_identical(ray_session, prepared_run, algorithm):
     ranks = [actor.remote(cfg.model, str(cfg.tokenizer_dir), rl, rollout, rank=i, world_size=2, **kwargs)
              for i in range(2)]
     try:
-        addr, port = ray.get(ranks[0].rendezvous_address.remote())
-        ray.get([r.join.remote(addr, port) for r in ranks])
+        rendezvous = ranks[0].rendezvous_address.remote()
+        ray.get([r.join.remote(rendezvous) for r in ranks])
         for start in range(0, 24, 8):
             groups = reward.score(worker.sample(examples[start : start + 8]))
             metrics = ray.get([r.train_step.remote(groups[i::2]) for i, r in enumerate(ranks)])

@@ -53,8 +53,8 @@ def test_two_ddp_ranks_stay_identical_and_match_one_rank(ray_session, ids_tokeni
     kwargs = dict(init_checkpoint=str(tmp_path / "init"), total_steps=10, seed=0, max_source_len=32, max_target_len=16)
     actor = ray.remote(Learner).options(num_cpus=1)
     ranks = [actor.remote(ModelConfig(dropout=0.0), None, cfg, rank=i, world_size=2, **kwargs) for i in range(2)]
-    addr, port = ray.get(ranks[0].rendezvous_address.remote())
-    ray.get([r.join.remote(addr, port) for r in ranks])
+    rendezvous = ranks[0].rendezvous_address.remote()
+    ray.get([r.join.remote(rendezvous) for r in ranks])
     single = Learner(ModelConfig(dropout=0.0), None, cfg.model_copy(update={"learners": 1}), rank=0, world_size=1,
                          **kwargs)
     # Equal token counts per shard make the DDP gradient average equal the single-rank batch gradient.
@@ -128,38 +128,6 @@ def reference_run(ray_session, copy_prepared, tmp_path_factory):
     return _weights(result.checkpoint)
 
 
-def test_deterministic_and_worker_kill_loses_no_pair(ray_session, copy_prepared, reference_run, tmp_path):
-    run = copy_prepared(tmp_path / "faulty")
-    job, box = _start_in_thread(_config(run, "rl.save_every_steps=2"))
-    killed = None
-    deadline = time.time() + 600
-    while killed is None and time.time() < deadline and job.is_alive():
-        killed = _kill_child("ray::RolloutWorker.sample_version")  # inside a task
-        time.sleep(0.05)
-    job.join(timeout=600)
-    assert "error" not in box, box.get("error")
-    assert killed is not None, "never found a rollout worker to kill"
-    result = box["result"]
-    assert result.redispatched >= 1
-    assert result.items_used == 2 * 96 and result.steps == 12  # no pair lost, none used twice
-    b = _weights(result.checkpoint)
-    assert all(torch.equal(reference_run[k], b[k]) for k in b), "a re-dispatched chunk changed the result"
-
-
-def test_resume_after_real_kill_is_bitwise_identical(ray_session, copy_prepared, kill_training, reference_run,
-                                                     tmp_path):
-    reference = reference_run
-    run = copy_prepared(tmp_path / "killed")
-    killed_at = kill_training(run, "rl.epochs=2", "rl.train_subset=96", "rl.batch_size=16", "rl.chunk_size=8",
-                              "run.log_every=1", "rl.save_every_steps=2")
-    assert 4 <= killed_at < 12
-
-    result = _run_rank(_config(run, "rl.save_every_steps=2"), resume=True)
-    assert result.steps == 12
-    resumed = _weights(result.checkpoint)
-    assert all(torch.equal(reference[k], resumed[k]) for k in reference), "resumed run differs from uninterrupted"
-
-
 def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, copy_prepared, tmp_path, caplog):
     import json
 
@@ -178,7 +146,11 @@ def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, copy_p
     assert (run / "logs" / "rl" / "curves.png").is_file()
 
 
-def test_learner_death_fails_clearly_and_leaves_a_resumable_checkpoint(ray_session, copy_prepared, tmp_path):
+def test_learner_death_fails_clearly_and_resumes_bitwise(ray_session, copy_prepared, reference_run, tmp_path):
+    """Rank RL's resume is exact: killed mid-run, the job resumed from its newest complete checkpoint ends with
+    the uninterrupted run's weights. (A rollout worker killed mid-task: test_pg_ray.py in deterministic mode,
+    and the unordered test below for rank RL; the driver SIGKILLed mid-run: test_pg_ray.py, one loop for
+    every algorithm.)"""
     from rlt2t.groups import LearnerDied
 
     run = copy_prepared(tmp_path / "learner")
@@ -196,7 +168,9 @@ def test_learner_death_fails_clearly_and_leaves_a_resumable_checkpoint(ray_sessi
     assert isinstance(box.get("error"), LearnerDied), box
     assert "learner rank failed" in str(box["error"])
     resumed = _run_rank(cfg, resume=True)
-    assert resumed.steps == 12
+    assert resumed.steps == 12 and resumed.items_used < 2 * 96  # it went on from a checkpoint
+    weights = _weights(resumed.checkpoint)
+    assert all(torch.equal(reference_run[k], weights[k]) for k in reference_run), "resumed run differs"
 
 
 def test_unordered_mode_with_a_dead_worker_uses_every_pair_once(ray_session, copy_prepared, tmp_path):
@@ -310,6 +284,24 @@ def test_learner_group_fails_on_the_first_failed_rank_without_waiting_for_the_ot
     ray.cancel(slow, force=True)
 
 
+def test_a_rank_that_cannot_start_fails_the_groups_first_use_and_leaves_nothing(ray_session, tmp_path):
+    """The group does not wait for its ranks to start (they start beside the rollout and reward workers): a rank
+    whose constructor fails is reported, with its cause, when the learners are first used, and shutdown removes
+    the group's placement group."""
+    from ray.util import placement_group_table
+
+    from rlt2t.groups import LearnerDied, LearnerGroup
+
+    cfg = load_config([TINY], [f"run.dir={tmp_path}"])
+    group = LearnerGroup(cfg, tmp_path / "no-such-checkpoint", 4, reference_checkpoint=tmp_path / "no-such-checkpoint")
+    try:
+        with pytest.raises(LearnerDied, match="no-such-checkpoint"):
+            group.weights()
+    finally:
+        group.shutdown()
+    assert placement_group_table(group.pg)["state"] == "REMOVED"
+
+
 def test_a_preflight_out_of_memory_is_reported_as_a_setting_to_change(ray_session):
     """BatchTooLarge from a rank's preflight becomes a ValueError naming the settings (the CLI's clear
     error, exit 2), not a learner crash that suggests --resume."""
@@ -322,7 +314,7 @@ def test_a_preflight_out_of_memory_is_reported_as_a_setting_to_change(ray_sessio
                             "32 sources (rl.batch_size=32 over rl.learners=1)")
 
     group = LearnerGroup.__new__(LearnerGroup)  # the group's bookkeeping only: no actors are needed
-    group._preflight = [preflight.remote()]
+    group._joining, group._preflight = [], [preflight.remote()]
     with pytest.raises(ValueError, match=r"does not fit in memory.*rl\.batch_size=32") as err:
         group.check_preflight()
     assert "Traceback" not in str(err.value)
@@ -339,7 +331,7 @@ def test_a_resumed_state_that_fails_to_load_stops_the_job_before_the_state_is_us
         raise RuntimeError("loaded state_dict: size mismatch for exp_avg")
 
     group = LearnerGroup.__new__(LearnerGroup)  # bookkeeping only: with no ranks, nothing else is called
-    group.ranks, group._preflight = [], []
+    group.ranks, group._joining, group._preflight = [], [], []
     group._loading = [load_training_state.remote()]
     with pytest.raises(LearnerDied, match="size mismatch for exp_avg"):
         group.training_states()

@@ -89,3 +89,25 @@ def test_reward_config_rejects_impossible_values():
         RewardConfig(bleu_weight=1.5)
     with pytest.raises(ValidationError, match="cider_sigma"):
         RewardConfig(cider_sigma=0.0)
+
+
+def test_a_reward_of_reference_metrics_scores_without_importing_torch_or_transformers(tmp_path):
+    """The default reward worker (task score, reward.device=auto) starts without the multi-second torch and
+    transformers imports: every RL job starts one or more of them beside the learners and rollout workers."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+from rlt2t.actors.reward import RewardWorker
+from rlt2t.common.config import RewardConfig
+from rlt2t.common.metrics import DocumentFrequency
+from rlt2t.common.types import CandidateSet
+worker = RewardWorker(RewardConfig(), DocumentFrequency.from_references([["1 2 3"], ["4 5"]]))
+pair = worker.score([CandidateSet("e", "9 9", "1 2 3", ("4 5", "1 2 3"), ("4 5", "1 2 3"), 0)])[0]
+assert pair.a == "1 2 3" and pair.score_a > pair.score_b, pair
+print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
