@@ -1,4 +1,6 @@
-"""The `rlt2t` command line, run as a user runs it (subprocesses), on the tiny config."""
+"""The `rlt2t` command line on the tiny config: the pipeline as a user runs it (subprocesses), and the quick
+commands and their errors through the same ``main`` in this process (each subprocess would spend seconds
+importing torch)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from rlt2t.cli import main
 
 pytestmark = pytest.mark.integration
 
@@ -23,6 +27,17 @@ def rlt2t(*args: str, check: bool = True, cwd: Path | None = None) -> subprocess
     if check and proc.returncode != 0:
         raise AssertionError(f"rlt2t {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``rlt2t ARGS`` in this process: the exit code, stdout and stderr."""
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse: --help, usage errors
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +72,10 @@ def test_demo_rerun_resumes_instead_of_retraining(demo_run):
     assert sorted(p.name for p in (run / "sft" / "checkpoints").iterdir()) == before
 
 
-def test_stage_refuses_to_overwrite_without_resume(demo_run):
+def test_stage_refuses_to_overwrite_without_resume(demo_run, capsys):
     run, _ = demo_run
-    proc = rlt2t("sft", "--config", TINY, f"run.dir={run}", check=False)
-    assert proc.returncode == 2 and "--resume" in proc.stderr
+    code, _, err = cli(capsys, "sft", "--config", TINY, f"run.dir={run}")
+    assert code == 2 and "--resume" in err
 
 
 def test_eval_command_and_average(demo_run, tmp_path):
@@ -78,67 +93,78 @@ def test_eval_command_and_average(demo_run, tmp_path):
     assert [t["num_beams"] for t in evaluated if Path(t.get("checkpoint", "")).resolve() == avg.resolve()] == [1]
 
 
-def test_synth_is_byte_identical_for_a_seed(tmp_path):
+def test_synth_is_byte_identical_for_a_seed(tmp_path, capsys):
     for name in ("a", "b"):
-        rlt2t("data", "synth", f"run.dir={tmp_path / name}", "synth.size=1000", "synth.seed=3")
+        assert cli(capsys, "data", "synth", f"run.dir={tmp_path / name}", "synth.size=1000", "synth.seed=3")[0] == 0
     for split in ("train", "valid", "test"):
         a = (tmp_path / "a" / "data" / f"{split}.jsonl").read_bytes()
         assert a == (tmp_path / "b" / "data" / f"{split}.jsonl").read_bytes()
 
 
-def test_import_competition_csv(tmp_path):
+def test_import_competition_csv(tmp_path, capsys):
     csv = tmp_path / "train.csv"
     csv.write_text("".join(f"{i},{i} {i + 1} 7,{i + 2},{i % 3}\n" for i in range(40)))
-    proc = rlt2t("data", "import-csv", "--input", str(csv), "--out", str(tmp_path / "d"), "--valid-fraction", "0.1")
-    assert "train:" in proc.stdout and "valid:" in proc.stdout
+    code, out, _ = cli(capsys, "data", "import-csv", "--input", str(csv), "--out", str(tmp_path / "d"),
+                       "--valid-fraction", "0.1")
+    assert code == 0 and "train:" in out and "valid:" in out
     row = json.loads((tmp_path / "d" / "train.jsonl").read_text().splitlines()[0])
     assert row["source"].count("<sep>") == 1
     bad = tmp_path / "bad.csv"
     bad.write_text("1,2 3,4\n2,x y,5\n")
-    proc = rlt2t("data", "import-csv", "--input", str(bad), "--out", str(tmp_path / "e"), check=False)
-    assert proc.returncode == 2 and "bad.csv:2" in proc.stderr
+    code, _, err = cli(capsys, "data", "import-csv", "--input", str(bad), "--out", str(tmp_path / "e"))
+    assert code == 2 and "bad.csv:2" in err
 
 
-def test_validate_names_file_and_line(tmp_path):
+def test_validate_names_file_and_line(tmp_path, capsys):
     run = tmp_path / "r"
-    rlt2t("tokenizer", "build", f"run.dir={run}", "tokenizer.num_data_tokens=100")
+    assert cli(capsys, "tokenizer", "build", f"run.dir={run}", "tokenizer.num_data_tokens=100")[0] == 0
     data = tmp_path / "x.jsonl"
     data.write_text('{"id": 1, "source": "1 2", "target": "3"}\n{"id": 2, "source": "1 200", "target": "3"}\n')
-    proc = rlt2t("data", "validate", f"run.dir={run}", "--files", str(data), check=False)
-    assert proc.returncode == 2 and "x.jsonl:2" in proc.stderr and "outside the vocabulary" in proc.stderr
-    proc = rlt2t("data", "validate", f"run.dir={run}", "data.on_error=skip", "--files", str(data))
-    assert "1 examples, 1 bad line(s) skipped" in proc.stdout, proc.stdout
+    code, _, err = cli(capsys, "data", "validate", f"run.dir={run}", "--files", str(data))
+    assert code == 2 and "x.jsonl:2" in err and "outside the vocabulary" in err
+    code, out, _ = cli(capsys, "data", "validate", f"run.dir={run}", "data.on_error=skip", "--files", str(data))
+    assert code == 0 and "1 examples, 1 bad line(s) skipped" in out, out
 
 
-def test_validate_reports_lengths_against_the_limits(tmp_path):
+def test_validate_reports_lengths_against_the_limits(tmp_path, capsys):
     run = tmp_path / "r"
-    rlt2t("tokenizer", "build", f"run.dir={run}", "tokenizer.num_data_tokens=100")
+    assert cli(capsys, "tokenizer", "build", f"run.dir={run}", "tokenizer.num_data_tokens=100")[0] == 0
     data = tmp_path / "x.jsonl"
     # sources of 1..10 tokens (+ EOS: 2..11), targets of 1 and 5 tokens (+ EOS: 2 and 6)
     data.write_text("".join(json.dumps({"id": i, "source": " ".join(["7"] * i),
                                         "target": "3" if i % 2 else "3 4 5 6 7"}) + "\n" for i in range(1, 11)))
-    proc = rlt2t("data", "validate", f"run.dir={run}", "data.max_source_len=8", "data.max_target_len=4",
-                 "eval.max_new_tokens=8", "--files", str(data))
-    assert "sources: 3 of 10 over data.max_source_len=8 tokens; length p50 6, p90 10, p99 11, max 11" in proc.stdout
-    assert "targets: 5 of 10 over data.max_target_len=4 tokens; length p50 2, p90 6, p99 6, max 6" in proc.stdout
+    code, out, _ = cli(capsys, "data", "validate", f"run.dir={run}", "data.max_source_len=8", "data.max_target_len=4",
+                       "eval.max_new_tokens=8", "--files", str(data))
+    assert code == 0
+    assert "sources: 3 of 10 over data.max_source_len=8 tokens; length p50 6, p90 10, p99 11, max 11" in out
+    assert "targets: 5 of 10 over data.max_target_len=4 tokens; length p50 2, p90 6, p99 6, max 6" in out
 
 
 def test_bad_config_exits_2_naming_the_key():
+    # as a subprocess: what a user sees includes no traceback
     proc = rlt2t("sft", "sft.lr=-0.1", check=False)
     assert proc.returncode == 2 and "sft.lr" in proc.stderr and "Traceback" not in proc.stderr
-    proc = rlt2t("config", "sft.lrr=1", check=False)
-    assert proc.returncode == 2 and "sft.lrr: unknown key" in proc.stderr
 
 
-@pytest.mark.parametrize("cmd", [["--help"], ["data", "synth", "--help"], ["data", "import-csv", "--help"],
+def test_unknown_config_key_exits_2_naming_it(capsys):
+    code, _, err = cli(capsys, "config", "sft.lrr=1")
+    assert code == 2 and "sft.lrr: unknown key" in err
+
+
+def test_help_as_a_user_runs_it():
+    assert "usage: rlt2t" in rlt2t("--help").stdout
+
+
+@pytest.mark.parametrize("cmd", [["data", "synth", "--help"], ["data", "import-csv", "--help"],
                                  ["tokenizer", "build", "--help"], ["pretrain", "--help"], ["sft", "--help"],
                                  ["eval", "--help"], ["convert-model", "--help"], ["average", "--help"],
                                  ["demo", "--help"]])
-def test_help(cmd):
-    assert "usage: rlt2t" in rlt2t(*cmd).stdout
+def test_help(cmd, capsys):
+    code, out, _ = cli(capsys, *cmd)
+    assert code == 0 and f"usage: rlt2t {' '.join(cmd[:-1])}" in out
 
 
-def test_convert_model_cli(tmp_path):
+def test_convert_model_cli(tmp_path, capsys):
     import torch
     from transformers import BartConfig, BartForConditionalGeneration
 
@@ -147,9 +173,9 @@ def test_convert_model_cli(tmp_path):
         vocab_size=500, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
     )).save_pretrained(tmp_path / "pre")
-    rlt2t("tokenizer", "build", f"run.dir={tmp_path / 'r'}", "tokenizer.num_data_tokens=100")
-    rlt2t("convert-model", "--input", str(tmp_path / "pre"), "--vocab-size", "206", "--out", str(tmp_path / "out"),
-          "--tokenizer", str(tmp_path / "r" / "tokenizer"))
+    assert cli(capsys, "tokenizer", "build", f"run.dir={tmp_path / 'r'}", "tokenizer.num_data_tokens=100")[0] == 0
+    assert cli(capsys, "convert-model", "--input", str(tmp_path / "pre"), "--vocab-size", "206", "--out",
+               str(tmp_path / "out"), "--tokenizer", str(tmp_path / "r" / "tokenizer"))[0] == 0
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["vocab_size"] == 206 and cfg["pad_token_id"] == 1
 

@@ -66,8 +66,9 @@ def cluster_state(dashboard: str, env: dict[str, str]) -> dict:
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
-def test_deploy_to_two_node_loopback_cluster(tmp_path):
-    run_dir = tmp_path / "run"
+def test_deploy_to_two_node_loopback_cluster(copy_prepared, tmp_path):
+    # An SFT checkpoint to serve at once and to start rank RL from.
+    run_dir = copy_prepared(tmp_path / "run")
     state = tmp_path / "state.json"
     ray_tmp = f"/tmp/rlt2t-dep-{os.getpid()}"
     gcs, dash, client, agent1, agent2 = free_ports(5)
@@ -76,10 +77,6 @@ def test_deploy_to_two_node_loopback_cluster(tmp_path):
     env["RAY_AUTH_MODE"] = "token"
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # "0" would make the head refuse a second node
 
-    # An SFT checkpoint to serve at once and to start rank RL from; prepared while the cluster starts.
-    prep = subprocess.Popen([sys.executable, "-m", "rlt2t.cli", "demo", "--config", "configs/tiny.yaml",
-                             f"run.dir={run_dir}", "rl.enabled=false", "--no-predict"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     sft_root = run_dir / "sft" / "checkpoints"
     token = run([RAY, "get-auth-token", "--generate"], env)
     assert token.returncode == 0, token.stderr
@@ -93,8 +90,6 @@ def test_deploy_to_two_node_loopback_cluster(tmp_path):
                     '--resources={"fake_gpu": 2}', f"--dashboard-agent-listen-port={agent2}",
                     f"--temp-dir={ray_tmp}", "--disable-usage-stats"], env)
         assert node.returncode == 0, node.stdout + node.stderr
-        _, err = prep.communicate(timeout=300)
-        assert prep.returncode == 0, err[-3000:]
         assert latest_complete_checkpoint(sft_root) is not None
 
         deploy_env = {**env, "RAY_ADDRESS": dashboard}
@@ -153,8 +148,6 @@ def test_deploy_to_two_node_loopback_cluster(tmp_path):
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
         assert "nothing to stop" in again.stdout and "no server was touched" in again.stdout
     finally:
-        if prep.poll() is None:
-            prep.kill()
         stop_cluster(ray_tmp)
         left = cluster_processes(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)

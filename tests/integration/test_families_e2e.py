@@ -10,7 +10,6 @@ import random
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 from fastapi.testclient import TestClient
 
@@ -30,15 +29,6 @@ TINY = REPO / "configs" / "tiny.yaml"
 FAMILIES = ("bart", "t5", "marian", "mbart", "pegasus", "encoder-decoder")
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu",
          "xi", "river", "stone"]
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=3, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-                                       "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
 
 
 def write_data(run: Path) -> None:

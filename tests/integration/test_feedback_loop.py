@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import ray
 
 from rlt2t.cli import main
 from rlt2t.common.config import HttpTerm, load_config
@@ -29,15 +28,10 @@ OVERRIDES = [
 
 
 @pytest.fixture(scope="module")
-def loop(tmp_path_factory):
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}})
-    try:
-        run = tmp_path_factory.mktemp("feedback")
-        cfg = load_config([REPO / "configs" / "tiny.yaml"], [f"run.dir={run}", *OVERRIDES])
-        yield cfg, run_loop(cfg)
-    finally:
-        ray.shutdown()
+def loop(ray_session, tmp_path_factory):
+    run = tmp_path_factory.mktemp("feedback")
+    cfg = load_config([REPO / "configs" / "tiny.yaml"], [f"run.dir={run}", *OVERRIDES])
+    return cfg, run_loop(cfg)
 
 
 def test_reward_model_learns_the_preference_and_rl_raises_it(loop):

@@ -7,7 +7,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -42,29 +41,22 @@ def free_port() -> int:
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
-def test_submit_tiny_training_job_to_local_head(tmp_path):
-    run = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "rlt2t.cli", "demo", "--config", str(REPO / "configs" / "tiny.yaml"),
-                    f"run.dir={run}", "rl.enabled=false", "--no-predict"], check=True, capture_output=True, cwd=REPO,
-                   timeout=600)
+def test_submit_tiny_training_job_to_local_head(copy_prepared, tmp_path):
+    run = copy_prepared(tmp_path / "run")
     ray_tmp = f"/tmp/rlt2t-test-{os.getpid()}"
     agent = f"RAY_AGENT_PORT={free_port()}"  # not Ray's default: another Ray on this machine may hold it
-    # A head too small for the job (2 CPUs; the default job asks for 2.5): it fails at once, naming the
-    # settings and the cluster's totals, instead of waiting forever for a worker that never starts.
-    up = make("ray-up", f"RAY_TMP={ray_tmp}", "RAY_CPUS=2", agent)
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
-        job = make("train-submit", "TRAIN_CONFIG=configs/tiny.yaml", f"RUN_DIR={run}",
-                   "TRAIN_ARGS=rl.epochs=1 rl.train_subset=32 run.progress=false", timeout=300)
-        out = job.stdout + job.stderr
-        assert job.returncode != 0 and "cannot hold this job" in out, out[-3000:]
-        assert "rl.rollout_cpus=1" in out and "but the cluster has 2 in all" in out, out[-3000:]
-    finally:
-        assert make("ray-down", f"RAY_TMP={ray_tmp}").returncode == 0
     # `make ray-up` as a user runs it on this machine: a head the default job fits on.
     up = make("ray-up", f"RAY_TMP={ray_tmp}", agent)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
+        # A job the head cannot hold fails at once, naming the settings and the cluster's totals, instead of
+        # waiting forever for a worker that never starts.
+        job = make("train-submit", "TRAIN_CONFIG=configs/tiny.yaml", f"RUN_DIR={run}",
+                   "TRAIN_ARGS=rl.epochs=1 rl.train_subset=32 run.progress=false rl.learner_cpus=512", timeout=300)
+        out = job.stdout + job.stderr
+        assert job.returncode != 0 and "cannot hold this job" in out, out[-3000:]
+        assert "rl.learner_cpus=512" in out and "in all" in out and "more than any node offers" in out, out[-3000:]
+        assert latest_complete_checkpoint(run / "rl" / "checkpoints") is None
         job = make("train-submit", "TRAIN_CONFIG=configs/tiny.yaml", f"RUN_DIR={run}",
                    "TRAIN_ARGS=rl.epochs=1 rl.train_subset=32 run.progress=false")
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
