@@ -67,9 +67,14 @@ def test_a_checkpoints_decoding_settings_do_not_reach_evaluation(family_dirs, tm
     ids = ("decoder_start_token_id", "eos_token_id", "pad_token_id", "bos_token_id", "forced_eos_token_id")
     assert {k: getattr(b.model.generation_config, k) for k in ids} == {k: getattr(a.model.config, k) for k in ids}
     sources = ["alpha beta gamma delta", "red green blue"]
-    for beams in (1, 2):
-        assert generate(b, sources, num_beams=beams, max_new_tokens=30) == \
-            generate(a, sources, num_beams=beams, max_new_tokens=30)
+    decoded = {beams: generate(b, sources, num_beams=beams, max_new_tokens=30) for beams in (1, 2)}
+    for beams, texts in decoded.items():
+        assert texts == generate(a, sources, num_beams=beams, max_new_tokens=30)
+    assert decoded[1] != decoded[2], "these sources do not tell beam search from greedy decoding"
+    # and the shipped settings would have changed the output had they reached generate
+    hf = b.model.generate(**b.tokenizer(sources, return_tensors="pt", padding=True), num_beams=2, max_new_tokens=30,
+                          no_repeat_ngram_size=3, min_length=20, length_penalty=2.0, repetition_penalty=1.5)
+    assert b.tokenizer.batch_decode(hf, skip_special_tokens=True) != decoded[2]
 
 
 def test_a_models_ban_on_rows_it_must_never_emit_is_kept(family_dirs, tmp_path):

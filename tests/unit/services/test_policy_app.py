@@ -96,15 +96,21 @@ def test_top_k_1_and_tiny_top_p_are_greedy(client, tiny_policy):
 
 
 def test_beam_returns_hypotheses_with_teacher_forced_logprobs(client, tiny_policy):
-    r = client.post("/v1/candidates", json={"sources": SOURCES[:2], "mode": "beam", "beam_size": 4,
-                                            "num_candidates": 3, "max_new_tokens": 6})
+    # 3 beams, 4 tokens: where the untrained tiny model's beam and greedy outputs differ (a server that
+    # decoded greedily would fail below)
+    sources = SOURCES[:2]
+    r = client.post("/v1/candidates", json={"sources": sources, "mode": "beam", "beam_size": 3,
+                                            "num_candidates": 3, "max_new_tokens": 4})
     assert r.status_code == 200, r.text
-    for source, cands in zip(SOURCES, r.json()["candidates"], strict=False):
+    differs = []
+    for source, cands in zip(sources, r.json()["candidates"], strict=True):
         assert len(cands) == 3
-        best = generate(tiny_policy, [source], num_beams=4, max_new_tokens=6)[0]
+        best = generate(tiny_policy, [source], num_beams=3, max_new_tokens=4)[0]
         assert cands[0]["text"] == best
+        differs.append(best != generate(tiny_policy, [source], max_new_tokens=4)[0])
         for cand in cands:
             assert cand["logprobs"] == pytest.approx(teacher_forced(tiny_policy, source, cand["token_ids"]), abs=1e-4)
+    assert any(differs), "no source here tells beam search from greedy decoding"
     bad = client.post("/v1/candidates", json={"sources": ["1"], "mode": "beam", "beam_size": 2, "num_candidates": 3})
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "num_candidates"]
 
