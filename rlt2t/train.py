@@ -91,6 +91,10 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
     if resume_from is not None:  # before any actor starts: the learners restore the scheduler
         check_schedule_length(STAGE, resume_from, total_steps, "rl.epochs, rl.max_steps, rl.batch_size, "
                               "rl.train_subset", f"remove {out_dir}, or `rlt2t demo --fresh` for the demo's run")
+        if resume_from.step >= total_steps:  # a finished run (the demo rerun): no actor to start, nothing to do
+            log.info("rl: %s is the run's last step (%d of %d): nothing left to train", resume_from.path,
+                     resume_from.step, total_steps)
+            return TrainResult(checkpoint=Path(resume_from.path), steps=resume_from.step)
     spec = RolloutSpec.for_algorithm(r.algorithm, kl=r.uses_kl, mask_top_p=r.pg.nlpo_top_p)
     init_ray(cfg)
     check_cluster(cfg)

@@ -66,10 +66,13 @@ def test_demo_pipeline_end_to_end(demo_run):
 
 def test_demo_rerun_resumes_instead_of_retraining(demo_run):
     run, _ = demo_run
-    before = sorted(p.name for p in (run / "sft" / "checkpoints").iterdir())
+    before = {stage: sorted(p.name for p in (run / stage / "checkpoints").iterdir()) for stage in ("sft", "rl")}
     proc = rlt2t("demo", "--config", TINY, f"run.dir={run}", "--no-predict")
     assert "resuming" in proc.stderr
-    assert sorted(p.name for p in (run / "sft" / "checkpoints").iterdir()) == before
+    assert "nothing left to train" in proc.stderr and "rl: rank on" not in proc.stderr  # no Ray job for a done RL
+    assert {stage: sorted(p.name for p in (run / stage / "checkpoints").iterdir()) for stage in before} == before
+    saved = json.loads((run / "eval" / "demo-test.json").read_text())
+    assert list(saved["rows"])[1].startswith("rl (")  # the tables still compare SFT with the finished RL
 
 
 def test_stage_refuses_to_overwrite_without_resume(demo_run, capsys):
