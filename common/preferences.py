@@ -178,14 +178,23 @@ def read_ratings(path: str | os.PathLike) -> list[PreferenceGroup]:
 
 def load_preferences(rank_lists: Sequence[str | os.PathLike] = (), pairs: Sequence[str | os.PathLike] = (),
                      ratings: Sequence[str | os.PathLike] = ()) -> list[PreferenceGroup]:
-    """All groups of the given files, in file order."""
+    """All groups of the given files, in file order. Preferences that two files share are warned about: the
+    annotation export writes the same rankings as rank lists, pairs and ratings, so passing two of its files
+    would weight each preference twice."""
     groups: list[PreferenceGroup] = []
-    for p in rank_lists:
-        groups += read_rank_lists(p)
-    for p in pairs:
-        groups += read_pairs(p)
-    for p in ratings:
-        groups += read_ratings(p)
+    per_file: list[tuple[str, set[tuple[str, str, str]]]] = []
+    for paths, read in ((rank_lists, read_rank_lists), (pairs, read_pairs), (ratings, read_ratings)):
+        for p in paths:
+            read_now = read(p)
+            groups += read_now
+            per_file.append((str(p), {(g.source, g.candidates[b], g.candidates[w]) for g in read_now
+                                      for b, w in g.pairs}))
+    for i, (first, a) in enumerate(per_file):
+        for second, b in per_file[i + 1:]:
+            if shared := len(a & b):
+                log.warning("%s and %s share %d preferences (of %d and %d): each shared one is learned twice; the "
+                            "annotation export writes the same rankings in each of its formats, so pass one of "
+                            "them", first, second, shared, len(a), len(b))
     return groups
 
 

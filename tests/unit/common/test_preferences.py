@@ -126,3 +126,20 @@ def test_texts_under_the_tokenizers_token_rule(tmp_path, ids_tokenizer_dir):
     check_preference_texts(groups[:1], check)  # fine
     with pytest.raises(DataError, match=r"lists.tsv:2: field 'candidate 1': special token"):
         check_preference_texts(groups, check)
+
+
+def test_files_that_share_preferences_are_warned_about(tmp_path, caplog):
+    """The annotation export's rank lists and pairs hold the same preferences: both passed, each counts twice."""
+    ranked = [("1 2", ["3", "4", "5"]), ("6", ["7", "8"])]
+    write_rank_lists(tmp_path / "ranks.tsv", ranked)
+    write_pairs(tmp_path / "pairs.jsonl", [(s, c[i], c[j]) for s, c in ranked for i in range(len(c))
+                                           for j in range(i + 1, len(c))])
+    write_pairs(tmp_path / "other.jsonl", [("9", "10", "11")])
+    with caplog.at_level("WARNING", logger="rlt2t.preferences"):
+        groups = load_preferences(rank_lists=[tmp_path / "ranks.tsv"], pairs=[tmp_path / "other.jsonl"])
+    assert len(groups) == 3 and not caplog.records  # nothing shared: no warning
+    with caplog.at_level("WARNING", logger="rlt2t.preferences"):
+        load_preferences(rank_lists=[tmp_path / "ranks.tsv"],
+                         pairs=[tmp_path / "pairs.jsonl", tmp_path / "other.jsonl"])
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "ranks.tsv and" in warning and "pairs.jsonl share 4 preferences (of 4 and 4)" in warning
