@@ -182,12 +182,12 @@ def load_preferences(rank_lists: Sequence[str | os.PathLike] = (), pairs: Sequen
     annotation export writes the same rankings as rank lists, pairs and ratings, so passing two of its files
     would weight each preference twice."""
     groups: list[PreferenceGroup] = []
-    per_file: list[tuple[str, set[tuple[str, str, str]]]] = []
+    per_file: list[tuple[str, set[int]]] = []  # each file's (source, better, worse) preferences, hashed
     for paths, read in ((rank_lists, read_rank_lists), (pairs, read_pairs), (ratings, read_ratings)):
         for p in paths:
             read_now = read(p)
             groups += read_now
-            per_file.append((str(p), {(g.source, g.candidates[b], g.candidates[w]) for g in read_now
+            per_file.append((str(p), {hash((g.source, g.candidates[b], g.candidates[w])) for g in read_now
                                       for b, w in g.pairs}))
     for i, (first, a) in enumerate(per_file):
         for second, b in per_file[i + 1:]:
