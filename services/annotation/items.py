@@ -13,6 +13,7 @@ text no database can store (a NUL character, a lone surrogate) included.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
 
@@ -21,6 +22,8 @@ from tqdm import tqdm
 from rlt2t.common.data import DataError, Example
 from rlt2t.services.annotation.store import NewItem, unstorable
 from rlt2t.services.client import PolicyClient
+
+log = logging.getLogger("rlt2t.services.annotation")
 
 
 def distinct(texts: Sequence[str]) -> tuple[str, ...]:
@@ -95,8 +98,14 @@ def sample_items(client: PolicyClient, examples: Sequence[Example], *, num_candi
                  temperature: float, max_new_tokens: int, batch_size: int = 16, progress: bool = True
                  ) -> list[NewItem]:
     """Sample ``num_candidates`` candidates per source on a policy server; duplicates of a source are merged, so an
-    item may hold fewer (a source whose samples are all alike yields one candidate)."""
+    item may hold fewer (a source whose samples are all alike yields one candidate). A source no database can
+    store is a ValueError naming its example, before anything is sampled; a sampled candidate no database can
+    store (a byte-level tokenizer can decode NUL) is left out, and counted in a warning."""
+    for e in examples:
+        if (problem := unstorable(e.source)) is not None:
+            raise ValueError(f"source of example {e.id!r}: {problem}")
     out: list[NewItem] = []
+    dropped = 0
     with tqdm(total=len(examples), desc="sampling candidates", unit="source", disable=not progress) as bar:
         for start in range(0, len(examples), batch_size):
             chunk = examples[start:start + batch_size]
@@ -104,7 +113,13 @@ def sample_items(client: PolicyClient, examples: Sequence[Example], *, num_candi
                                        temperature=temperature, max_new_tokens=max_new_tokens)
             origin = f"{client.base_url} policy version {answer.policy_version}"
             for example, cands in zip(chunk, answer.candidates, strict=True):
-                out.append(NewItem(source=example.source, candidates=distinct([c.text for c in cands]), origin=origin,
-                                   ext_id=example.id, policy_version=answer.policy_version))
+                texts = [c.text for c in cands if unstorable(c.text) is None]
+                dropped += len(cands) - len(texts)
+                if texts:
+                    out.append(NewItem(source=example.source, candidates=distinct(texts), origin=origin,
+                                       ext_id=example.id, policy_version=answer.policy_version))
             bar.update(len(chunk))
+    if dropped:
+        log.warning("annotate: %d sampled candidates left out: text no database can store (a NUL character or a "
+                    "lone surrogate)", dropped)
     return out

@@ -136,3 +136,33 @@ def test_read_candidates_refuses_nul_naming_file_line_and_field(tmp_path, row, w
     with pytest.raises(DataError) as e:
         list(read_candidates(path, max_candidates=4, max_chars=100))
     assert str(e.value).startswith(f"{path}:{where}")
+
+
+def test_sampled_items_leave_out_candidates_no_database_stores_and_refuse_such_sources(caplog):
+    """A byte-level tokenizer can decode NUL: such a sampled candidate is dropped (counted in a warning), and a
+    source that holds one is refused, naming its example, before anything is sampled."""
+    from rlt2t.common.data import Example
+    from rlt2t.services.annotation.items import sample_items
+    from rlt2t.services.schemas import Candidate, CandidatesResponse
+
+    class Server:  # the policy server's answers, as PolicyClient returns them
+        base_url = "http://127.0.0.1:1"
+        calls = 0
+
+        def candidates(self, sources, **params):
+            self.calls += 1
+            texts = {"a": ["x", "y\x00z", "x"], "b": ["\x00"]}
+            return CandidatesResponse(policy_version=3, candidates=[
+                [Candidate(text=t, token_ids=[1], logprobs=[0.0], total_logprob=0.0, sample_logprobs=[0.0])
+                 for t in texts[s]] for s in sources])
+
+    server = Server()
+    with caplog.at_level("WARNING", logger="rlt2t.services.annotation"):
+        examples = [Example(id="1", source="a", target=None), Example(id="2", source="b", target=None)]
+        items = sample_items(server, examples, num_candidates=3, top_k=0, temperature=1.0, max_new_tokens=4, progress=False)
+    assert [(i.source, i.candidates, i.ext_id, i.policy_version) for i in items] == [("a", ("x",), "1", 3)]
+    assert any("2 sampled candidates left out" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match=r"source of example '9': contains a NUL"):
+        sample_items(server, [Example(id="9", source="p\x00q", target=None)], num_candidates=3, top_k=0,
+                     temperature=1.0, max_new_tokens=4, progress=False)
+    assert server.calls == 1  # the bad source was refused before sampling
