@@ -159,7 +159,8 @@ def test_sampled_items_leave_out_candidates_no_database_stores_and_refuse_such_s
     server = Server()
     with caplog.at_level("WARNING", logger="rlt2t.services.annotation"):
         examples = [Example(id="1", source="a", target=None), Example(id="2", source="b", target=None)]
-        items = sample_items(server, examples, num_candidates=3, top_k=0, temperature=1.0, max_new_tokens=4, progress=False)
+        items = sample_items(server, examples, num_candidates=3, top_k=0, temperature=1.0, max_new_tokens=4,
+                             progress=False)
     assert [(i.source, i.candidates, i.ext_id, i.policy_version) for i in items] == [("a", ("x",), "1", 3)]
     assert any("2 sampled candidates left out" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match=r"source of example '9': contains a NUL"):
