@@ -47,7 +47,7 @@ from transformers import (
 from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir
 from rlt2t.common.collate import encode_texts, pad
 from rlt2t.common.config import ModelConfig
-from rlt2t.common.families import cross_attention_states, decoder_hidden_size, decoder_stack
+from rlt2t.common.families import cross_attention_states, decoder_hidden_size, decoder_stack, max_positions
 from rlt2t.common.io import atomic_write_json
 from rlt2t.common.policy import load_policy
 from rlt2t.common.tokenization import load_tokenizer, template_affixes
@@ -101,6 +101,8 @@ class RewardModel(nn.Module):
         self.spec = spec
         self.version = 0
         self.path: Path | None = None
+        if spec.kind == "seq2seq":
+            _check_seq2seq_lengths(backbone, spec)
         if spec.kind == "encoder":
             _check_pair_length(backbone, tokenizer, spec)
             accepted = inspect.signature(backbone.forward).parameters
@@ -267,6 +269,21 @@ def _check_pair_length(backbone: PreTrainedModel, tok: PreTrainedTokenizerBase, 
         f"but the encoder backbone ({backbone.config.model_type}) takes at most {limit} positions; lower them by "
         f"{longest - limit} in all"
     )
+
+
+def _check_seq2seq_lengths(backbone: PreTrainedModel, spec: RewardModelSpec) -> None:
+    """Refuse limits an encoder–decoder backbone with learned positions cannot take: the source goes to the
+    encoder, the candidate after the decoder start token to the decoder (T5's relative positions: no limit)."""
+    limit = max_positions(backbone.config)
+    if limit is None:
+        return
+    for key, value, needs in (("max_source_len", spec.max_source_len, spec.max_source_len),
+                              ("max_candidate_len", spec.max_candidate_len, spec.max_candidate_len + 1)):
+        if needs > limit:
+            start = " after the decoder start token" if key == "max_candidate_len" else ""
+            raise ValueError(f"reward_model.{key}={value}: {needs} positions{start}, but the "
+                             f"{backbone.config.model_type} backbone has {limit}; set it to at most "
+                             f"{limit - (needs - value)}")
 
 
 def _length_mask(seqs: Sequence[Sequence[int]], width: int) -> Tensor:

@@ -118,3 +118,27 @@ def test_impossible_limits_fail_at_init_and_load_not_mid_training(encoder_dir, t
     (tmp_path / SPEC_FILE).write_text(json.dumps({**spec, "max_source_len": 30}))  # e.g. a backbone swapped under it
     with pytest.raises(ValueError, match=r"reward_model\.max_source_len=30 .* at most 32 positions"):
         load_reward_model(tmp_path)
+
+
+def test_a_seq2seq_backbones_positions_bound_the_source_and_candidate_limits(family_dirs):
+    """BART (128 learned positions here): the source takes the encoder's, the candidate after the decoder start
+    token the decoder's; limits beyond them are refused at build, and the longest that fit score. T5 (relative
+    positions) takes any."""
+    bart = family_dirs["bart"]
+    with pytest.raises(ValueError, match=r"reward_model\.max_source_len=129: 129 positions, but the bart backbone "
+                                         r"has 128; set it to at most 128"):
+        init_reward_model(bart, max_source_len=129, max_candidate_len=8)
+    with pytest.raises(ValueError, match=r"reward_model\.max_candidate_len=128: 129 positions after the decoder "
+                                         r"start token, but the bart backbone has 128; set it to at most 127"):
+        init_reward_model(bart, max_source_len=16, max_candidate_len=128)
+    model = init_reward_model(bart, max_source_len=128, max_candidate_len=127, dropout=0.0).eval()
+    long = " ".join(["alpha beta"] * 200)  # far past both limits: cut to them
+    scores = model.score([long, "alpha"], [long, "beta"])
+    assert np.isfinite(scores).all()
+    # the longest inputs fill the positions; one more and BART's forward fails: the check guards a real limit
+    enc = model.encode([long], [long])
+    assert enc["input_ids"].shape[1] == 128 and enc["decoder_input_ids"].shape[1] == 128
+    with pytest.raises(IndexError):
+        model.backbone(input_ids=torch.cat([enc["input_ids"], enc["input_ids"][:, :1]], dim=1))
+    t5 = init_reward_model(family_dirs["t5"], max_source_len=4096, max_candidate_len=4096)
+    assert t5.spec.max_source_len == 4096
