@@ -348,15 +348,19 @@ def load_reward_model(path: str | os.PathLike[str], *, dropout: float = 0.0,
                                 "train`")
     raw = json.loads(spec_file.read_text())
     spec = RewardModelSpec(raw["kind"], int(raw["max_source_len"]), int(raw["max_candidate_len"]))
-    if spec.kind == "seq2seq":
-        backbone, tokenizer = _seq2seq_backbone(path, dropout)
-        head = nn.Linear(decoder_hidden_size(backbone.config), 1)
-        head.load_state_dict(load_file(str(path / HEAD_FILE)))
-        model = RewardModel(backbone, tokenizer, spec, head)
-    elif spec.kind == "encoder":
-        model = RewardModel(_encoder_backbone(path, dropout), load_tokenizer(path), spec)
-    else:
-        raise ValueError(f"{spec_file}: unknown reward model kind {spec.kind!r}")
+    try:
+        if spec.kind == "seq2seq":
+            backbone, tokenizer = _seq2seq_backbone(path, dropout)
+            head = nn.Linear(decoder_hidden_size(backbone.config), 1)
+            head.load_state_dict(load_file(str(path / HEAD_FILE)))
+            model = RewardModel(backbone, tokenizer, spec, head)
+        elif spec.kind == "encoder":
+            model = RewardModel(_encoder_backbone(path, dropout), load_tokenizer(path), spec)
+        else:
+            raise ValueError(f"unknown reward model kind {spec.kind!r}")
+    except ValueError as e:  # the limits a saved model was trained with are its spec file's, not settings
+        raise ValueError(f"{spec_file}: {e} (the saved model's limits: retrain it with lower reward_model.* "
+                         "limits)") from None
     info = read_checkpoint(path)
     model.version = info.step if info is not None else 0
     model.path = path

@@ -15,12 +15,25 @@ from typing import Any
 from rlt2t.common.io import JsonlAppender
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """A handler on whatever ``sys.stderr`` is when a record is written (a notebook's or a test's capture that
+    replaced it since), not on the stream of the first ``setup_logging`` call, which may be closed by then."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """Readable single-line logs on stderr for the CLI (idempotent)."""
     root = logging.getLogger()
     if any(getattr(h, "_rlt2t", False) for h in root.handlers):
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _CurrentStderr()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     handler._rlt2t = True  # type: ignore[attr-defined]
     root.addHandler(handler)

@@ -234,6 +234,19 @@ class LearnerGroup:
             refs, self._loading = self._loading, []
             self._get(refs)
 
+    def _log_setup_failures(self) -> None:
+        """A setup call (rendezvous, preflight, resumed state) that failed while the job stopped on another error
+        first (a worker that could not be placed, a policy server that never answered): logged, not lost."""
+        pending = [*self._joining, *self._preflight, *self._loading]
+        if not pending:
+            return
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except (RayActorError, RayTaskError) as e:
+                log.warning("rl: a learner rank had failed before the job stopped: %s", e)
+
     def train_step_async(self, items: Sequence[ScoredPair] | Sequence[ScoredGroup],
                          published: Mapping[int, ray.ObjectRef] | None = None) -> list[ray.ObjectRef]:
         """Shard a global batch over the ranks (rank i takes items i, i+N, ...). NLPO: each rank is also sent the
@@ -290,6 +303,7 @@ class LearnerGroup:
                           for r in self.ranks])[0]
 
     def shutdown(self) -> None:
+        self._log_setup_failures()
         with contextlib.suppress(Exception):  # best effort on the way out
             ray.get([r.shutdown.remote() for r in self.ranks], timeout=30)
         for r in self.ranks:

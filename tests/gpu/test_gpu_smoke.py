@@ -45,7 +45,7 @@ def test_learner_steps_on_cuda_with_mixed_precision(init_dir, precision):
                       RLConfig(algorithm="rank", lr=1e-3, warmup_ratio=0.0, learner_gpus=1),
                       init_checkpoint=str(init_dir), rank=0, world_size=1, total_steps=4, seed=0,
                       max_source_len=32, max_target_len=16, mixed_precision=precision)
-    learner.join("127.0.0.1", 0)
+    learner.join(("127.0.0.1", 0))
     assert learner.device.type == "cuda"
     assert learner.accelerator.mixed_precision == precision
     stats = learner.preflight()  # the largest batch first, as the job's learners do
@@ -82,7 +82,7 @@ def test_policy_gradient_learner_steps_on_cuda_with_its_frozen_models(init_dir, 
     model = ModelConfig(preset="tiny", dropout=0.0)
     learner = Learner(model, None, rl, rollout, init_checkpoint=str(init_dir), rank=0,
                       world_size=1, total_steps=4, seed=0, max_source_len=32, max_target_len=16)
-    learner.join("127.0.0.1", 0)
+    learner.join(("127.0.0.1", 0))
     assert learner.device.type == "cuda"
     frozen = learner.objective.frozen_modules()
     assert len(frozen) == 1 and all(p.device.type == "cuda" for m in frozen for p in m.parameters())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,7 @@ def test_demo_pipeline_end_to_end(demo_run):
 def test_demo_rerun_resumes_instead_of_retraining(demo_run):
     run, _ = demo_run
     before = {stage: sorted(p.name for p in (run / stage / "checkpoints").iterdir()) for stage in ("sft", "rl")}
+    shutil.rmtree(run / "eval")  # the rerun writes its tables again
     proc = rlt2t("demo", "--config", TINY, f"run.dir={run}", "--no-predict")
     assert "resuming" in proc.stderr
     assert "nothing left to train" in proc.stderr and "rl: rank on" not in proc.stderr  # no Ray job for a done RL

@@ -284,10 +284,10 @@ def test_learner_group_fails_on_the_first_failed_rank_without_waiting_for_the_ot
     ray.cancel(slow, force=True)
 
 
-def test_a_rank_that_cannot_start_fails_the_groups_first_use_and_leaves_nothing(ray_session, tmp_path):
+def test_a_rank_that_cannot_start_fails_the_groups_first_use_and_leaves_nothing(ray_session, tmp_path, caplog):
     """The group does not wait for its ranks to start (they start beside the rollout and reward workers): a rank
-    whose constructor fails is reported, with its cause, when the learners are first used, and shutdown removes
-    the group's placement group."""
+    whose constructor fails is reported, with its cause, when the learners are first used, or logged when the job
+    stops on another error first; shutdown removes the group's placement group."""
     from ray.util import placement_group_table
 
     from rlt2t.groups import LearnerDied, LearnerGroup
@@ -295,11 +295,15 @@ def test_a_rank_that_cannot_start_fails_the_groups_first_use_and_leaves_nothing(
     cfg = load_config([TINY], [f"run.dir={tmp_path}"])
     group = LearnerGroup(cfg, tmp_path / "no-such-checkpoint", 4, reference_checkpoint=tmp_path / "no-such-checkpoint")
     try:
-        with pytest.raises(LearnerDied, match="no-such-checkpoint"):
-            group.weights()
+        ray.wait(group._joining, num_returns=len(group._joining), timeout=300)  # the rank has failed by now
     finally:
-        group.shutdown()
+        with caplog.at_level("WARNING", logger="rlt2t.train"):
+            group.shutdown()  # as when the job stops on another error before using the learners
+    assert any("failed before the job stopped" in r.getMessage() and "no-such-checkpoint" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert placement_group_table(group.pg)["state"] == "REMOVED"
+    with pytest.raises(LearnerDied, match="no-such-checkpoint"):
+        group.weights()
 
 
 def test_a_preflight_out_of_memory_is_reported_as_a_setting_to_change(ray_session):

@@ -116,7 +116,8 @@ def test_impossible_limits_fail_at_init_and_load_not_mid_training(encoder_dir, t
     save_tokenizer(tok, tmp_path)
     spec = json.loads((tmp_path / SPEC_FILE).read_text())
     (tmp_path / SPEC_FILE).write_text(json.dumps({**spec, "max_source_len": 30}))  # e.g. a backbone swapped under it
-    with pytest.raises(ValueError, match=r"reward_model\.max_source_len=30 .* at most 32 positions"):
+    with pytest.raises(ValueError, match=rf"{SPEC_FILE}: reward_model\.max_source_len=30 .* at most 32 positions.*"
+                                         r"the saved model's limits: retrain it"):
         load_reward_model(tmp_path)
 
 

@@ -45,3 +45,24 @@ def test_the_run_logger_says_when_it_cut_a_line(tmp_path, caplog):
     logger = RunLogger(tmp_path, "rl", tensorboard=False)
     logger.close()
     assert "cut off a line a crash left unfinished" in caplog.text
+
+
+def test_cli_logs_go_to_the_stderr_of_the_moment(monkeypatch):
+    """`rlt2t` commands run in-process (a notebook, a test) may replace sys.stderr and close the old one between
+    calls: the logs follow the current stream instead of failing on the closed one."""
+    import io
+    import logging
+
+    from rlt2t.common.tracking import setup_logging
+
+    first = io.StringIO()
+    monkeypatch.setattr("sys.stderr", first)
+    setup_logging()
+    logging.getLogger("rlt2t.test").info("to the first")
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr("sys.stderr", second)
+    setup_logging()  # idempotent: still one handler of ours
+    logging.getLogger("rlt2t.test").info("to the second")
+    assert "rlt2t.test: to the second" in second.getvalue() and "Logging error" not in second.getvalue()
+    assert sum(getattr(h, "_rlt2t", False) for h in logging.getLogger().handlers) == 1
