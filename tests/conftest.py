@@ -72,6 +72,23 @@ class LiveServer:
         self.sock.close()
 
 
+@pytest.fixture
+def cli(capsys):
+    """``cli(*argv)``: ``rlt2t ARGV`` through ``main`` in this process (no seconds spent importing torch again):
+    (exit code, stdout, stderr). --help and usage errors end in argparse's SystemExit: its code."""
+    from rlt2t.cli import main
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        try:
+            code = main(list(argv))
+        except SystemExit as e:
+            code = int(e.code or 0)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
 @pytest.fixture(scope="session")  # a class, not a server: usable from fixtures of any scope
 def live_server() -> type[LiveServer]:
     """The LiveServer class: `with live_server(app) as s: httpx.get(s.url + ...)`."""

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from rlt2t.cli import main
-
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,17 +26,6 @@ def rlt2t(*args: str, check: bool = True, cwd: Path | None = None) -> subprocess
     if check and proc.returncode != 0:
         raise AssertionError(f"rlt2t {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    """``rlt2t ARGS`` in this process: the exit code, stdout and stderr."""
-    capsys.readouterr()
-    try:
-        code = main(list(args))
-    except SystemExit as e:  # argparse: --help, usage errors
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +64,9 @@ def test_demo_rerun_resumes_instead_of_retraining(demo_run):
     assert list(saved["rows"])[1].startswith("rl (")  # the tables still compare SFT with the finished RL
 
 
-def test_stage_refuses_to_overwrite_without_resume(demo_run, capsys):
+def test_stage_refuses_to_overwrite_without_resume(demo_run, cli):
     run, _ = demo_run
-    code, _, err = cli(capsys, "sft", "--config", TINY, f"run.dir={run}")
+    code, _, err = cli("sft", "--config", TINY, f"run.dir={run}")
     assert code == 2 and "--resume" in err
 
 
@@ -98,47 +85,47 @@ def test_eval_command_and_average(demo_run, tmp_path):
     assert [t["num_beams"] for t in evaluated if Path(t.get("checkpoint", "")).resolve() == avg.resolve()] == [1]
 
 
-def test_synth_is_byte_identical_for_a_seed(tmp_path, capsys):
+def test_synth_is_byte_identical_for_a_seed(tmp_path, cli):
     for name in ("a", "b"):
-        assert cli(capsys, "data", "synth", f"run.dir={tmp_path / name}", "synth.size=1000", "synth.seed=3")[0] == 0
+        assert cli("data", "synth", f"run.dir={tmp_path / name}", "synth.size=1000", "synth.seed=3")[0] == 0
     for split in ("train", "valid", "test"):
         a = (tmp_path / "a" / "data" / f"{split}.jsonl").read_bytes()
         assert a == (tmp_path / "b" / "data" / f"{split}.jsonl").read_bytes()
 
 
-def test_import_competition_csv(tmp_path, capsys):
+def test_import_competition_csv(tmp_path, cli):
     csv = tmp_path / "train.csv"
     csv.write_text("".join(f"{i},{i} {i + 1} 7,{i + 2},{i % 3}\n" for i in range(40)))
-    code, out, _ = cli(capsys, "data", "import-csv", "--input", str(csv), "--out", str(tmp_path / "d"),
+    code, out, _ = cli("data", "import-csv", "--input", str(csv), "--out", str(tmp_path / "d"),
                        "--valid-fraction", "0.1")
     assert code == 0 and "train:" in out and "valid:" in out
     row = json.loads((tmp_path / "d" / "train.jsonl").read_text().splitlines()[0])
     assert row["source"].count("<sep>") == 1
     bad = tmp_path / "bad.csv"
     bad.write_text("1,2 3,4\n2,x y,5\n")
-    code, _, err = cli(capsys, "data", "import-csv", "--input", str(bad), "--out", str(tmp_path / "e"))
+    code, _, err = cli("data", "import-csv", "--input", str(bad), "--out", str(tmp_path / "e"))
     assert code == 2 and "bad.csv:2" in err
 
 
-def test_validate_names_file_and_line(tmp_path, capsys):
+def test_validate_names_file_and_line(tmp_path, cli):
     run = tmp_path / "r"
-    assert cli(capsys, "tokenizer", "build", f"run.dir={run}", "tokenizer.num_data_tokens=100")[0] == 0
+    assert cli("tokenizer", "build", f"run.dir={run}", "tokenizer.num_data_tokens=100")[0] == 0
     data = tmp_path / "x.jsonl"
     data.write_text('{"id": 1, "source": "1 2", "target": "3"}\n{"id": 2, "source": "1 200", "target": "3"}\n')
-    code, _, err = cli(capsys, "data", "validate", f"run.dir={run}", "--files", str(data))
+    code, _, err = cli("data", "validate", f"run.dir={run}", "--files", str(data))
     assert code == 2 and "x.jsonl:2" in err and "outside the vocabulary" in err
-    code, out, _ = cli(capsys, "data", "validate", f"run.dir={run}", "data.on_error=skip", "--files", str(data))
+    code, out, _ = cli("data", "validate", f"run.dir={run}", "data.on_error=skip", "--files", str(data))
     assert code == 0 and "1 examples, 1 bad line(s) skipped" in out, out
 
 
-def test_validate_reports_lengths_against_the_limits(tmp_path, capsys):
+def test_validate_reports_lengths_against_the_limits(tmp_path, cli):
     run = tmp_path / "r"
-    assert cli(capsys, "tokenizer", "build", f"run.dir={run}", "tokenizer.num_data_tokens=100")[0] == 0
+    assert cli("tokenizer", "build", f"run.dir={run}", "tokenizer.num_data_tokens=100")[0] == 0
     data = tmp_path / "x.jsonl"
     # sources of 1..10 tokens (+ EOS: 2..11), targets of 1 and 5 tokens (+ EOS: 2 and 6)
     data.write_text("".join(json.dumps({"id": i, "source": " ".join(["7"] * i),
                                         "target": "3" if i % 2 else "3 4 5 6 7"}) + "\n" for i in range(1, 11)))
-    code, out, _ = cli(capsys, "data", "validate", f"run.dir={run}", "data.max_source_len=8", "data.max_target_len=4",
+    code, out, _ = cli("data", "validate", f"run.dir={run}", "data.max_source_len=8", "data.max_target_len=4",
                        "eval.max_new_tokens=8", "--files", str(data))
     assert code == 0
     assert "sources: 3 of 10 over data.max_source_len=8 tokens; length p50 6, p90 10, p99 11, max 11" in out
@@ -151,8 +138,8 @@ def test_bad_config_exits_2_naming_the_key():
     assert proc.returncode == 2 and "sft.lr" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_unknown_config_key_exits_2_naming_it(capsys):
-    code, _, err = cli(capsys, "config", "sft.lrr=1")
+def test_unknown_config_key_exits_2_naming_it(cli):
+    code, _, err = cli("config", "sft.lrr=1")
     assert code == 2 and "sft.lrr: unknown key" in err
 
 
@@ -164,12 +151,12 @@ def test_help_as_a_user_runs_it():
                                  ["tokenizer", "build", "--help"], ["pretrain", "--help"], ["sft", "--help"],
                                  ["eval", "--help"], ["convert-model", "--help"], ["average", "--help"],
                                  ["demo", "--help"]])
-def test_help(cmd, capsys):
-    code, out, _ = cli(capsys, *cmd)
+def test_help(cmd, cli):
+    code, out, _ = cli(*cmd)
     assert code == 0 and f"usage: rlt2t {' '.join(cmd[:-1])}" in out
 
 
-def test_convert_model_cli(tmp_path, capsys):
+def test_convert_model_cli(tmp_path, cli):
     import torch
     from transformers import BartConfig, BartForConditionalGeneration
 
@@ -178,8 +165,8 @@ def test_convert_model_cli(tmp_path, capsys):
         vocab_size=500, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
     )).save_pretrained(tmp_path / "pre")
-    assert cli(capsys, "tokenizer", "build", f"run.dir={tmp_path / 'r'}", "tokenizer.num_data_tokens=100")[0] == 0
-    assert cli(capsys, "convert-model", "--input", str(tmp_path / "pre"), "--vocab-size", "206", "--out",
+    assert cli("tokenizer", "build", f"run.dir={tmp_path / 'r'}", "tokenizer.num_data_tokens=100")[0] == 0
+    assert cli("convert-model", "--input", str(tmp_path / "pre"), "--vocab-size", "206", "--out",
                str(tmp_path / "out"), "--tokenizer", str(tmp_path / "r" / "tokenizer"))[0] == 0
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["vocab_size"] == 206 and cfg["pad_token_id"] == 1

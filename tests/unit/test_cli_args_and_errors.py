@@ -14,26 +14,19 @@ import pytest
 from rlt2t.cli import main
 from rlt2t.common.config import load_config
 
-
-def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 # --- overrides after an option of many values -------------------------------------------------------------
 
-def test_overrides_after_data_validate_files_are_overrides(tmp_path, capsys, monkeypatch):
+def test_overrides_after_data_validate_files_are_overrides(tmp_path, capsys, cli, monkeypatch):
     monkeypatch.chdir(tmp_path)
     data = tmp_path / "t.jsonl"
     data.write_text(json.dumps({"id": "1", "source": "5 6", "target": "7"}) + "\n")
-    code, out, err = _cli(capsys, "data", "validate", "--files", str(data), "run.dir=X", "data.on_error=skip")
+    code, out, err = cli("data", "validate", "--files", str(data), "run.dir=X", "data.on_error=skip")
     assert code == 0, err
     assert out.splitlines() == ["(no tokenizer at X/tokenizer: token checks and lengths skipped; `rlt2t tokenizer "
                                 "build` first)", f"{data}: 1 examples"]
     # a file whose name looks like an override stays a file
     (tmp_path / "a.b=c").write_text(data.read_text())
-    code, out, err = _cli(capsys, "data", "validate", "--files", str(data), "a.b=c", "run.dir=X")
+    code, out, err = cli("data", "validate", "--files", str(data), "a.b=c", "run.dir=X")
     assert code == 0 and "a.b=c: 1 examples" in out and "X/tokenizer" in out, err
     # nothing left for the option itself
     with pytest.raises(SystemExit) as exit_:
@@ -41,7 +34,7 @@ def test_overrides_after_data_validate_files_are_overrides(tmp_path, capsys, mon
     assert exit_.value.code == 2 and "--files: expected at least one value" in capsys.readouterr().err
 
 
-def test_overrides_after_reward_model_rank_lists_are_overrides(tmp_path, capsys, monkeypatch):
+def test_overrides_after_reward_model_rank_lists_are_overrides(tmp_path, cli, monkeypatch):
     import rlt2t.common.checkpoint as checkpoint
     import rlt2t.reward_jobs as reward_jobs
 
@@ -53,7 +46,7 @@ def test_overrides_after_reward_model_rank_lists_are_overrides(tmp_path, capsys,
 
     monkeypatch.setattr(reward_jobs, "reward_model_job", job)
     monkeypatch.setattr(checkpoint, "complete_checkpoint", lambda path: types.SimpleNamespace(meta={}))
-    code, _, err = _cli(capsys, "reward-model", "train", "--rank-lists", "rl.tsv", "run.dir=X",
+    code, _, err = cli("reward-model", "train", "--rank-lists", "rl.tsv", "run.dir=X",
                         "reward_model.epochs=3")
     assert code == 0, err
     cfg = seen["cfg"]
@@ -62,8 +55,8 @@ def test_overrides_after_reward_model_rank_lists_are_overrides(tmp_path, capsys,
 
 # --- one-line errors --------------------------------------------------------------------------------------
 
-def test_an_os_error_is_one_line_naming_the_file(tmp_path, capsys):
-    code, _, err = _cli(capsys, "data", "validate", "--files", str(tmp_path))
+def test_an_os_error_is_one_line_naming_the_file(tmp_path, cli):
+    code, _, err = cli("data", "validate", "--files", str(tmp_path))
     assert code == 2 and err == f"rlt2t data: error: {tmp_path}: Is a directory\n"
 
 
@@ -79,15 +72,15 @@ def test_a_closed_pipe_ends_quietly(capsys, monkeypatch):
     assert code == 141 and capsys.readouterr().err == ""
 
 
-def test_an_unreachable_annotation_database_is_named_with_its_password_hidden(capsys):
-    code, _, err = _cli(capsys, "annotate", "agreement", "annotate.database_url=postgresql://u:secret@127.0.0.1:1/db")
+def test_an_unreachable_annotation_database_is_named_with_its_password_hidden(cli):
+    code, _, err = cli("annotate", "agreement", "annotate.database_url=postgresql://u:secret@127.0.0.1:1/db")
     assert code == 2 and err.startswith("rlt2t annotate: error: annotate.database_url: cannot open "
                                         "postgresql+psycopg://u:***@127.0.0.1:1/db: ")
     assert "secret" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_deploy_config_errors_exit_2_like_every_command(capsys):
-    code, _, err = _cli(capsys, "deploy", "serve-start", "no_such.key=1")
+def test_deploy_config_errors_exit_2_like_every_command(cli):
+    code, _, err = cli("deploy", "serve-start", "no_such.key=1")
     assert code == 2 and err.startswith("rlt2t deploy serve-start: error: ")
 
 

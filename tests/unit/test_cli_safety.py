@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import rlt2t.jobs as jobs
-from rlt2t.cli import main
 from rlt2t.common.config import load_config
 from rlt2t.common.convert import average_checkpoints
 from rlt2t.jobs import clean_run
@@ -21,12 +20,6 @@ DEMO_OUTPUTS = ("config", "data", "tokenizer", "pretrain", "sft", "rl", "eval", 
 
 def _cfg(run_dir: str | Path):
     return load_config(["tiny"], [f"run.dir={run_dir}"])
-
-
-def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # --- demo --fresh -----------------------------------------------------------------------------------------
@@ -105,7 +98,7 @@ def test_fresh_keeps_data_the_demo_did_not_write(tmp_path, monkeypatch):
     assert not (run / "data").exists()
 
 
-def test_fresh_deletes_nothing_in_a_run_dir_the_demo_did_not_create(tmp_path, monkeypatch, capsys):
+def test_fresh_deletes_nothing_in_a_run_dir_the_demo_did_not_create(tmp_path, monkeypatch, cli):
     # Only data/ was checked for the demo's mark: config/, logs/, export/ ... of any run.dir were deleted.
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "p"
@@ -113,7 +106,7 @@ def test_fresh_deletes_nothing_in_a_run_dir_the_demo_did_not_create(tmp_path, mo
         (run / name).mkdir(parents=True)
     (run / "config" / "settings.yaml").write_text("keep")
     monkeypatch.setattr(jobs, "prepare_sft", lambda cfg: pytest.fail("a stage ran"))
-    code, _, err = _cli(capsys, "demo", "--fresh", "--config", "tiny", "run.dir=p")
+    code, _, err = cli("demo", "--fresh", "--config", "tiny", "run.dir=p")
     assert code == 2 and err.startswith(f"rlt2t demo: error: --fresh: {run} holds config, export, logs but not the "
                                         f"demo's marker {jobs.DEMO_MARKER}")
     assert "nothing was deleted" in err and "run.dir=runs/demo" in err
@@ -150,11 +143,11 @@ def test_the_demo_marks_the_run_dir_it_starts_in(tmp_path, monkeypatch):
     assert sorted(p.name for p in run.iterdir()) == [jobs.DEMO_MARKER, "notes.md"]
 
 
-def test_demo_fresh_with_the_current_directory_exits_2_before_any_stage(tmp_path, monkeypatch, capsys):
+def test_demo_fresh_with_the_current_directory_exits_2_before_any_stage(tmp_path, monkeypatch, cli):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "precious.txt").write_text("keep")
     monkeypatch.setattr(jobs, "prepare_sft", lambda cfg: pytest.fail("a stage ran"))
-    code, _, err = _cli(capsys, "demo", "--fresh", "--config", "tiny", f"run.dir={tmp_path}")
+    code, _, err = cli("demo", "--fresh", "--config", "tiny", f"run.dir={tmp_path}")
     assert code == 2 and err.startswith("rlt2t demo: error: invalid config")
     assert f"run.dir='{tmp_path}' resolves to" in err and "the current directory" in err
     assert (tmp_path / "precious.txt").exists()
@@ -185,35 +178,35 @@ def test_average_refuses_an_out_that_is_contains_or_lies_inside_an_input(checkpo
     assert not (inputs[1] / "avg").exists()
 
 
-def test_average_refuses_an_existing_out_unless_force(checkpoint_root, tmp_path, capsys):
+def test_average_refuses_an_existing_out_unless_force(checkpoint_root, tmp_path, cli):
     inputs = [str(checkpoint_root / "epoch-0001"), str(checkpoint_root / "epoch-0002")]
     out = tmp_path / "avg"
     out.mkdir()
     (out / "mine.txt").write_text("keep")
-    code, _, err = _cli(capsys, "average", *inputs, "--out", str(out))
+    code, _, err = cli("average", *inputs, "--out", str(out))
     assert code == 2 and err.startswith("rlt2t average: error: --out") and "--force" in err
     assert (out / "mine.txt").exists()
-    code, printed, _ = _cli(capsys, "average", *inputs, "--out", str(out), "--force")
+    code, printed, _ = cli("average", *inputs, "--out", str(out), "--force")
     assert code == 0 and printed.strip() == str(out) and (out / "config.json").is_file()
     assert not (out / "mine.txt").exists()
 
 
-def test_average_out_inside_the_dir_it_reads_is_refused_even_with_force(checkpoint_root, capsys):
-    code, _, err = _cli(capsys, "average", "--dir", str(checkpoint_root), "--last", "2",
+def test_average_out_inside_the_dir_it_reads_is_refused_even_with_force(checkpoint_root, cli):
+    code, _, err = cli("average", "--dir", str(checkpoint_root), "--last", "2",
                         "--out", str(checkpoint_root / "avg"), "--force")
     assert code == 2 and "--out" in err and "is inside" in err
-    code, _, err = _cli(capsys, "average", "--dir", str(checkpoint_root), "--out", str(checkpoint_root), "--force")
+    code, _, err = cli("average", "--dir", str(checkpoint_root), "--out", str(checkpoint_root), "--force")
     assert code == 2 and "--out" in err
     assert sorted(p.name for p in checkpoint_root.iterdir()) == ["epoch-0001", "epoch-0002"]
 
 
 @pytest.mark.parametrize("last", ["0", "-1"])
-def test_average_last_below_one_is_refused(checkpoint_root, tmp_path, capsys, monkeypatch, last):
+def test_average_last_below_one_is_refused(checkpoint_root, tmp_path, cli, monkeypatch, last):
     # --last 0 took every checkpoint (infos[-0:]), a negative count dropped the oldest instead.
     import rlt2t.common.convert as convert
 
     monkeypatch.setattr(convert, "average_checkpoints", lambda *a, **k: pytest.fail("averaged"))
-    code, _, err = _cli(capsys, "average", "--dir", str(checkpoint_root), "--last", last,
+    code, _, err = cli("average", "--dir", str(checkpoint_root), "--last", last,
                         "--out", str(tmp_path / "avg"))
     assert code == 2 and err.startswith("rlt2t average: error: --last must be >= 1") and f"got {last}" in err
     assert not (tmp_path / "avg").exists()
@@ -227,7 +220,7 @@ def test_average_last_below_one_is_refused(checkpoint_root, tmp_path, capsys, mo
     ('"a b"', "expected a JSON object with `source` and `candidate`, got str"),
     ('{"source": "a", ', "not valid JSON"),
 ])
-def test_reward_model_score_names_the_files_own_line(tmp_path, capsys, monkeypatch, bad, reason):
+def test_reward_model_score_names_the_files_own_line(tmp_path, cli, monkeypatch, bad, reason):
     import rlt2t.common.reward_model as reward_model
 
     model = types.SimpleNamespace(score=lambda sources, candidates, batch_size: [0.5] * len(sources))
@@ -235,31 +228,31 @@ def test_reward_model_score_names_the_files_own_line(tmp_path, capsys, monkeypat
     good = json.dumps({"source": "a b", "candidate": "c"})
     inputs = tmp_path / "in.jsonl"
     inputs.write_text(f"{good}\n\n   \n{good}\n\n{bad}\n{good}\n")  # the bad row is the file's line 6
-    code, _, err = _cli(capsys, "reward-model", "score", "--model", str(tmp_path / "rm"), "--input", str(inputs))
+    code, _, err = cli("reward-model", "score", "--model", str(tmp_path / "rm"), "--input", str(inputs))
     assert code == 2 and f"--input {inputs}:6: {reason}" in err, err
     inputs.write_text(f"{good}\n\n   \n{good}\n")  # blank lines alone are skipped
-    code, out, _ = _cli(capsys, "reward-model", "score", "--model", str(tmp_path / "rm"), "--input", str(inputs))
+    code, out, _ = cli("reward-model", "score", "--model", str(tmp_path / "rm"), "--input", str(inputs))
     assert code == 0 and [json.loads(line)["reward"] for line in out.splitlines()] == [0.5, 0.5]
 
 
 # --- predict --out ----------------------------------------------------------------------------------------
 
-def test_predict_refuses_a_directory_out_before_decoding(tmp_path, capsys, monkeypatch):
+def test_predict_refuses_a_directory_out_before_decoding(tmp_path, cli, monkeypatch):
     import rlt2t.predict as predict
 
     inputs = tmp_path / "in.jsonl"
     inputs.write_text(json.dumps({"id": "1", "source": "1 2 3"}) + "\n")
     monkeypatch.setattr(predict, "resolve_model", lambda *a: pytest.fail("models resolved before --out was checked"))
-    code, _, err = _cli(capsys, "predict", "--config", "tiny", "--generators", "g", "--scorers", "s",
+    code, _, err = cli("predict", "--config", "tiny", "--generators", "g", "--scorers", "s",
                         "--input", str(inputs), "--out", str(tmp_path))
     assert code == 2 and err.startswith("rlt2t predict: error: --out") and "is a directory" in err
     (tmp_path / "file").write_text("")
-    code, _, err = _cli(capsys, "predict", "--config", "tiny", "--generators", "g", "--scorers", "s",
+    code, _, err = cli("predict", "--config", "tiny", "--generators", "g", "--scorers", "s",
                         "--input", str(inputs), "--out", str(tmp_path / "file" / "pred.csv"))
     assert code == 2 and "--out" in err and "is a file" in err
 
 
-def test_predict_refuses_an_out_or_candidates_file_that_is_the_input_before_decoding(tmp_path, capsys, monkeypatch):
+def test_predict_refuses_an_out_or_candidates_file_that_is_the_input_before_decoding(tmp_path, cli, monkeypatch):
     import rlt2t.predict as predict
 
     monkeypatch.setattr(predict, "resolve_model", lambda *a: pytest.fail("models resolved before --out was checked"))
@@ -276,7 +269,7 @@ def test_predict_refuses_an_out_or_candidates_file_that_is_the_input_before_deco
         (inputs, tmp_path / "link.jsonl", "is the --input file"),  # a symlink to it
         (candidates_of_in, tmp_path / "in.csv", "the candidates file beside it"),  # in.csv's: in.candidates.jsonl
     ):
-        code, _, err = _cli(capsys, "predict", "--config", "tiny", "--generators", "g", "--scorers", "s",
+        code, _, err = cli("predict", "--config", "tiny", "--generators", "g", "--scorers", "s",
                             "--input", str(input_), "--out", str(out))
         assert code == 2 and err.startswith("rlt2t predict: error: --out"), err
         assert what in err and "--input" in err
@@ -295,19 +288,19 @@ def _csv(path: Path, n: int) -> str:
     return str(path)
 
 
-def test_import_csv_refuses_to_overwrite_and_force_removes_stale_splits(tmp_path, capsys):
+def test_import_csv_refuses_to_overwrite_and_force_removes_stale_splits(tmp_path, cli):
     out = tmp_path / "data"
-    code, _, _ = _cli(capsys, "data", "import-csv", "--input", _csv(tmp_path / "a.csv", 40), "--out", str(out),
+    code, _, _ = cli("data", "import-csv", "--input", _csv(tmp_path / "a.csv", 40), "--out", str(out),
                       "--valid-fraction", "0.1", "--test-fraction", "0.1")
     assert code == 0 and {p.name for p in out.glob("*.jsonl")} == {"train.jsonl", "valid.jsonl", "test.jsonl"}
     before = (out / "train.jsonl").read_bytes()
 
-    code, _, err = _cli(capsys, "data", "import-csv", "--input", _csv(tmp_path / "b.csv", 30), "--out", str(out))
+    code, _, err = cli("data", "import-csv", "--input", _csv(tmp_path / "b.csv", 30), "--out", str(out))
     assert code == 2 and err.startswith("rlt2t data: error: --out") and "--force" in err
     assert (out / "train.jsonl").read_bytes() == before
 
     # --force with no test split: the old test.jsonl (rows now in train) is removed, not left to leak
-    code, printed, _ = _cli(capsys, "data", "import-csv", "--input", str(tmp_path / "b.csv"), "--out", str(out),
+    code, printed, _ = cli("data", "import-csv", "--input", str(tmp_path / "b.csv"), "--out", str(out),
                             "--valid-fraction", "0.1", "--force")
     assert code == 0 and "test.jsonl removed" in printed
     assert {p.name for p in out.glob("*.jsonl")} == {"train.jsonl", "valid.jsonl"}
@@ -315,7 +308,7 @@ def test_import_csv_refuses_to_overwrite_and_force_removes_stale_splits(tmp_path
     assert rows == 30
 
     # an unlabeled test set beside them owns test.jsonl only
-    code, _, _ = _cli(capsys, "data", "import-csv", "--input", _csv(tmp_path / "t.csv", 5), "--out", str(out),
+    code, _, _ = cli("data", "import-csv", "--input", _csv(tmp_path / "t.csv", 5), "--out", str(out),
                       "--unlabeled")
     assert code == 0 and {p.name for p in out.glob("*.jsonl")} == {"train.jsonl", "valid.jsonl", "test.jsonl"}
 
@@ -325,15 +318,15 @@ def _unlabeled_csv(path: Path, n: int) -> str:
     return str(path)
 
 
-def test_a_labeled_reimport_keeps_the_unlabeled_test_set(tmp_path, capsys):
+def test_a_labeled_reimport_keeps_the_unlabeled_test_set(tmp_path, cli):
     out = tmp_path / "data"
     labeled, unlabeled = _csv(tmp_path / "train.csv", 40), _unlabeled_csv(tmp_path / "test.csv", 5)
-    assert _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out))[0] == 0
-    assert _cli(capsys, "data", "import-csv", "--input", unlabeled, "--out", str(out), "--unlabeled")[0] == 0
+    assert cli("data", "import-csv", "--input", labeled, "--out", str(out))[0] == 0
+    assert cli("data", "import-csv", "--input", unlabeled, "--out", str(out), "--unlabeled")[0] == 0
     test = (out / "test.jsonl").read_bytes()
 
     # re-import the labeled file with another --valid-fraction: train/valid replaced, the test set kept
-    code, printed, _ = _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out),
+    code, printed, _ = cli("data", "import-csv", "--input", labeled, "--out", str(out),
                             "--valid-fraction", "0.2", "--force")
     assert code == 0 and "removed" not in printed
     assert "test.jsonl kept" in printed and "--unlabeled" in printed
@@ -341,65 +334,65 @@ def test_a_labeled_reimport_keeps_the_unlabeled_test_set(tmp_path, capsys):
     assert len((out / "valid.jsonl").read_text().splitlines()) == 8
 
     # without --force only train/valid are in the way: the test set is not this import's to replace
-    code, _, err = _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out))
+    code, _, err = cli("data", "import-csv", "--input", labeled, "--out", str(out))
     assert code == 2 and str(out / "train.jsonl") in err and str(out / "test.jsonl") not in err
 
     # a labeled import with test rows of its own does replace it (with --force), and says so
-    code, printed, _ = _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out),
+    code, printed, _ = cli("data", "import-csv", "--input", labeled, "--out", str(out),
                             "--test-fraction", "0.1", "--force")
     assert code == 0 and "replaced an --unlabeled import's test set" in printed
     assert all("target" in json.loads(line) for line in (out / "test.jsonl").read_text().splitlines())
 
     # ... and that test.jsonl is then the labeled import's: a later one without test rows removes it
-    code, printed, _ = _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out), "--force")
+    code, printed, _ = cli("data", "import-csv", "--input", labeled, "--out", str(out), "--force")
     assert code == 0 and "test.jsonl removed" in printed and not (out / "test.jsonl").exists()
 
 
-def test_a_labeled_import_refuses_a_row_without_a_diagnosis(tmp_path, capsys):
+def test_a_labeled_import_refuses_a_row_without_a_diagnosis(tmp_path, cli):
     # It became an example without a target, refused much later (by SFT) with a Python argument's name.
     csv = tmp_path / "train.csv"
     csv.write_text("".join(f"{i},{i} {i + 1} 7,{'' if i == 3 else i + 2}\n" for i in range(20)))
     out = tmp_path / "data"
-    code, _, err = _cli(capsys, "data", "import-csv", "--input", str(csv), "--out", str(out))
+    code, _, err = cli("data", "import-csv", "--input", str(csv), "--out", str(out))
     assert code == 2 and f"{csv}:4: field 'diagnosis': empty" in err and "--unlabeled" in err
     assert not out.exists()
-    code, _, _ = _cli(capsys, "data", "import-csv", "--input", str(csv), "--out", str(out), "--valid-fraction", "0",
+    code, _, _ = cli("data", "import-csv", "--input", str(csv), "--out", str(out), "--valid-fraction", "0",
                       "data.on_error=skip")
     rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     assert code == 0 and len(rows) == 19 and "3" not in {r["id"] for r in rows}
 
 
-def test_an_unlabeled_import_drops_diagnoses_so_a_labeled_reimport_keeps_it(tmp_path, capsys):
+def test_an_unlabeled_import_drops_diagnoses_so_a_labeled_reimport_keeps_it(tmp_path, cli):
     # A test CSV imported with --unlabeled that had diagnoses kept them, so it read as labeled: a labeled
     # --force re-import then deleted it as its own stale test split.
     out = tmp_path / "data"
     labeled, test_csv = _csv(tmp_path / "train.csv", 40), _csv(tmp_path / "test.csv", 5)  # test.csv has diagnoses
-    assert _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out))[0] == 0
-    code, printed, _ = _cli(capsys, "data", "import-csv", "--input", test_csv, "--out", str(out), "--unlabeled")
+    assert cli("data", "import-csv", "--input", labeled, "--out", str(out))[0] == 0
+    code, printed, _ = cli("data", "import-csv", "--input", test_csv, "--out", str(out), "--unlabeled")
     assert code == 0 and "5 diagnoses left out" in printed
     assert all("target" not in json.loads(line) for line in (out / "test.jsonl").read_text().splitlines())
     test = (out / "test.jsonl").read_bytes()
-    code, printed, _ = _cli(capsys, "data", "import-csv", "--input", labeled, "--out", str(out), "--force")
+    code, printed, _ = cli("data", "import-csv", "--input", labeled, "--out", str(out), "--force")
     assert code == 0 and "test.jsonl kept" in printed and (out / "test.jsonl").read_bytes() == test
 
 
 # --- data synth / wordnet / docstrings --------------------------------------------------------------------
 
-def test_generated_tasks_refuse_to_overwrite_split_files_unless_force(tmp_path, capsys, monkeypatch):
+def test_generated_tasks_refuse_to_overwrite_split_files_unless_force(tmp_path, cli, monkeypatch):
     run = tmp_path / "run"
-    code, _, _ = _cli(capsys, "data", "synth", f"run.dir={run}", "synth.size=60")
+    code, _, _ = cli("data", "synth", f"run.dir={run}", "synth.size=60")
     assert code == 0
     before = (run / "data" / "train.jsonl").read_bytes()
-    code, _, err = _cli(capsys, "data", "synth", f"run.dir={run}", "synth.size=80", "synth.seed=5")
+    code, _, err = cli("data", "synth", f"run.dir={run}", "synth.size=80", "synth.seed=5")
     assert code == 2 and f"{run / 'data' / 'train.jsonl'}" in err and "--force" in err
     assert (run / "data" / "train.jsonl").read_bytes() == before
-    code, _, _ = _cli(capsys, "data", "synth", f"run.dir={run}", "synth.size=80", "synth.seed=5", "--force")
+    code, _, _ = cli("data", "synth", f"run.dir={run}", "synth.size=80", "synth.seed=5", "--force")
     assert code == 0 and (run / "data" / "train.jsonl").read_bytes() != before
 
     # an imported data set is not overwritten by a generated task either (nor made to look like the demo's)
     for name, job in (("wordnet", "make_wordnet_data"), ("docstrings", "make_docstring_data")):
         monkeypatch.setattr(jobs, job, lambda *a, **k: pytest.fail("generated over existing files"))
-        code, _, err = _cli(capsys, "data", name, f"run.dir={run}")
+        code, _, err = cli("data", name, f"run.dir={run}")
         assert code == 2 and "already holds" in err and "--force" in err
 
     # the demo regenerates its own synthetic task without --force (it never comes through the command)
