@@ -3,9 +3,6 @@ rank-RL step, give the gradient one learner gives on the whole batch, whatever t
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -77,9 +74,10 @@ def _rank_model() -> torch.nn.Linear:
     return torch.nn.Linear(1, 90, bias=False)
 
 
-def _rank(rank: int, port: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _rank(rank: int, rendezvous: str, out: dict) -> None:
+    # A file, not a port chosen in advance: a port free when chosen can be taken by another process (a Ray of
+    # the test session) before rank 0 binds it, and rank 1 would then wait on a stranger forever.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     try:
         model = torch.nn.parallel.DistributedDataParallel(_model())
         logp = model(torch.ones(1, 1)).expand(4, 10)
@@ -92,25 +90,19 @@ def _rank(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_one_rank_is_unscaled():
     assert rank_token_share(_Ranks(), MASK) == 1.0
     assert rank_token_share(_Ranks(), torch.zeros(2, 3, dtype=torch.bool)) == 1.0
 
 
 @pytest.mark.timeout(120)
-def test_two_ddp_ranks_step_as_one_learner_on_the_whole_batch():
+def test_two_ddp_ranks_step_as_one_learner_on_the_whole_batch(tmp_path):
     single = _model()
     _loss(single(torch.ones(1, 1)).expand(4, 10), [0, 1, 2, 3]).backward()
     expected = single.weight.grad.flatten().tolist()
     with mp.get_context("spawn").Manager() as manager:
         out = manager.dict()
-        mp.spawn(_rank, args=(_free_port(), out), nprocs=2)
+        mp.spawn(_rank, args=(str(tmp_path / "rendezvous"), out), nprocs=2)
         grads = dict(out)
     # Unscaled, the mean of the ranks' token means weighted the 4 short tokens like the 20 long ones: -0.225
     # where the whole batch's token mean gives -0.125.
