@@ -1,5 +1,5 @@
-"""Fixtures of the Ray integration tests: one embedded Ray and one prepared run (data, tokenizer and an SFT
-checkpoint made by the CLI on the tiny config), each shared by the whole session."""
+"""Fixtures of the Ray integration tests: an embedded Ray per module, and one prepared run (data, tokenizer and
+an SFT checkpoint made by the CLI on the tiny config) shared by the whole session."""
 
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_session():
-    """Started once (seconds each time): the jobs of every test that asks for it run on it, each releasing its
-    actors and placement groups as a job does."""
+    """One per module (seconds each time): the jobs of the module's tests run on it, each releasing its actors
+    and placement groups as a job does. Not one per session: CI twice hung the unit suite's 2-process gloo test
+    while a session-wide Ray was still up (not understood; module scope ran clean before)."""
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
              runtime_env={"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                                        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
