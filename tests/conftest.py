@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import threading
@@ -22,6 +23,14 @@ torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_unconfigure(config) -> None:
+    """A multiprocessing child a failed test left running is killed: at exit Python joins every non-daemon child,
+    so one hung child would keep a finished session, and CI, waiting until its time limit."""
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(5)
 
 
 @pytest.fixture(scope="session")

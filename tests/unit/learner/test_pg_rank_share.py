@@ -3,6 +3,13 @@ rank-RL step, give the gradient one learner gives on the whole batch, whatever t
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -74,20 +81,53 @@ def _rank_model() -> torch.nn.Linear:
     return torch.nn.Linear(1, 90, bias=False)
 
 
-def _rank(rank: int, rendezvous: str, out: dict) -> None:
+def _rank(rank: int, rendezvous: str, results: str) -> None:
     # A file, not a port chosen in advance: a port free when chosen can be taken by another process (a Ray of
     # the test session) before rank 0 binds it, and rank 1 would then wait on a stranger forever.
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    logp = model(torch.ones(1, 1)).expand(4, 10)
+    _loss(logp, list(SHARDS[rank])).backward()
+    grads = {"pg": model.module.weight.grad.flatten().tolist()}
+    ranked = torch.nn.parallel.DistributedDataParallel(_rank_model())
+    _rank_loss(ranked(torch.ones(1, 1)).view(1, 9, 10).expand(2, 9, 10), [rank]).backward()
+    grads["rank"] = ranked.module.weight.grad.flatten().tolist()
+    Path(results, f"{rank}.json").write_text(json.dumps(grads))
+    # No teardown: with torch 2.13's gloo, freeing a DDP model can deadlock. The Reducer's dealloc holds the GIL
+    # while ~ProcessGroupGloo joins a worker thread that is itself freeing a finished all-reduce and waits for
+    # the GIL (py-spy --native on a hung rank; 9 of 20 runs of the old teardown hung here, 0 of 20 with this exit;
+    # CI hung on it twice). The learner never frees its DDP module (shutdown destroys the group, then Ray kills
+    # the actor); a test rank just exits.
+    os._exit(0)
+
+
+def _run_two_ranks(tmp_path: Path, deadline_s: float = 90.0) -> dict[int, dict]:
+    """Both ranks' gradients. A rank still running at the deadline has its Python stacks dumped into the test's
+    captured stderr (faulthandler on SIGABRT) and both are killed, so a hang fails here, it does not outlive the
+    session (pytest waits on live non-daemon children at exit)."""
+    os.environ["PYTHONFAULTHANDLER"] = "1"
     try:
-        model = torch.nn.parallel.DistributedDataParallel(_model())
-        logp = model(torch.ones(1, 1)).expand(4, 10)
-        _loss(logp, list(SHARDS[rank])).backward()
-        out[rank] = model.module.weight.grad.flatten().tolist()
-        ranked = torch.nn.parallel.DistributedDataParallel(_rank_model())
-        _rank_loss(ranked(torch.ones(1, 1)).view(1, 9, 10).expand(2, 9, 10), [rank]).backward()
-        out[("rank", rank)] = ranked.module.weight.grad.flatten().tolist()
+        context = mp.start_processes(_rank, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
+                                     join=False, start_method="spawn")
     finally:
-        dist.destroy_process_group()
+        del os.environ["PYTHONFAULTHANDLER"]
+    try:
+        stop = time.monotonic() + deadline_s
+        while not context.join(timeout=1.0):
+            if time.monotonic() > stop:
+                for process in context.processes:  # one at a time, so that the two dumps do not interleave
+                    if process.is_alive():
+                        os.kill(process.pid, signal.SIGABRT)
+                        process.join(5)
+                pytest.fail(f"the two gloo ranks did not finish in {deadline_s:.0f} s; their stacks are in the "
+                            "captured stderr")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+    return {rank: json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)}
 
 
 def test_one_rank_is_unscaled():
@@ -100,21 +140,18 @@ def test_two_ddp_ranks_step_as_one_learner_on_the_whole_batch(tmp_path):
     single = _model()
     _loss(single(torch.ones(1, 1)).expand(4, 10), [0, 1, 2, 3]).backward()
     expected = single.weight.grad.flatten().tolist()
-    with mp.get_context("spawn").Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_rank, args=(str(tmp_path / "rendezvous"), out), nprocs=2)
-        grads = dict(out)
+    grads = _run_two_ranks(tmp_path)
     # Unscaled, the mean of the ranks' token means weighted the 4 short tokens like the 20 long ones: -0.225
     # where the whole batch's token mean gives -0.125.
-    assert grads[0] == grads[1]
-    assert grads[0] == pytest.approx(expected, abs=1e-7)
+    assert grads[0]["pg"] == grads[1]["pg"]
+    assert grads[0]["pg"] == pytest.approx(expected, abs=1e-7)
     # Rank RL: CE over the gold tokens and the rank loss over the counted steps' weights, pooled over the ranks
     # (before, each rank's own means: the short pair's 2 gold tokens weighed as much as the long pair's 9).
     single = _rank_model()
     _rank_loss(single(torch.ones(1, 1)).view(1, 9, 10).expand(2, 9, 10), [0, 1]).backward()
     expected = single.weight.grad.flatten().tolist()
-    assert grads[("rank", 0)] == grads[("rank", 1)]
-    assert grads[("rank", 0)] == pytest.approx(expected, abs=1e-6)
+    assert grads[0]["rank"] == grads[1]["rank"]
+    assert grads[0]["rank"] == pytest.approx(expected, abs=1e-6)
 
 
 def test_rank_rl_with_one_rank_is_its_loss_exactly():
