@@ -24,8 +24,8 @@ TINY = REPO / "configs" / "tiny.yaml"
 @pytest.fixture(scope="module")
 def ray_session():
     """One per module (seconds each time): the jobs of the module's tests run on it, each releasing its actors
-    and placement groups as a job does. Not one per session: CI twice hung the unit suite's 2-process gloo test
-    while a session-wide Ray was still up (not understood; module scope ran clean before)."""
+    and placement groups as a job does; none stays up while other modules run (a session-wide one was suspected
+    of CI's hung gloo test, which turned out to be torch's DDP teardown: tests/unit/learner/test_pg_rank_share.py)."""
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
              runtime_env={"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                                        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
