@@ -213,7 +213,7 @@ class RolloutWorker:
             for i, ex in enumerate(chunk):
                 own = rows[i * k : (i + 1) * k]
                 out.append(SampledGroup(
-                    example_id=ex.id, source=ex.source, reference=ex.target or "",
+                    example_id=ex.id, source=ex.source, reference=ex.target or "", references=ex.references,
                     candidates=tuple(texts[i * k : (i + 1) * k]),
                     token_ids=tuple(tuple(r.token_ids) for r in own),
                     sample_logprobs=tuple(tuple(r.sample_logprobs) for r in own),
@@ -287,6 +287,6 @@ class RolloutWorker:
         if ex.target is None:
             raise ValueError(f"example {ex.id!r} has no target; rank RL needs a reference")
         return candidate_set(ex.id, ex.source, ex.target, samples, include_gold=self.rollout.include_gold,
-                             seed=self.seed, version=self._version)
+                             seed=self.seed, version=self._version, references=ex.references)
 
 

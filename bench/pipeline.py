@@ -65,7 +65,7 @@ from machine_info import save  # noqa: E402
 from rlt2t.actors.reward import RewardWorker  # noqa: E402
 from rlt2t.actors.rollout import RolloutWorker  # noqa: E402
 from rlt2t.common.config import Config, ModelConfig, load_config  # noqa: E402
-from rlt2t.common.data import Example  # noqa: E402
+from rlt2t.common.data import Example, reference_sets  # noqa: E402
 from rlt2t.common.io import atomic_directory  # noqa: E402
 from rlt2t.common.metrics import DocumentFrequency  # noqa: E402
 from rlt2t.common.policy import load_policy  # noqa: E402
@@ -111,7 +111,7 @@ def epoch_chunks(cfg: Config, train: list[Example]) -> list[list[Example]]:
 
 def generate(cfg: Config, train: list[Example], ckpt: Path) -> tuple[list[Any], dict[str, Any]]:
     """G: sample + score every chunk, sequentially, one thread; returns the scored items and G's timings."""
-    df = DocumentFrequency.from_references([[e.target] for e in train])  # as the job computes it
+    df = DocumentFrequency.from_references(reference_sets(train))  # as the job computes it
     start = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt).model.state_dict()
     spec = RolloutSpec.for_algorithm(cfg.rl.algorithm, kl=cfg.rl.uses_kl, mask_top_p=cfg.rl.pg.nlpo_top_p)
     rollout = RolloutWorker(cfg.model, str(cfg.tokenizer_dir), cfg.rollout, seed=cfg.run.seed,

@@ -9,6 +9,12 @@ line::
 ``target`` a non-empty string (optional for unlabeled inputs such as a prediction-only test split);
 every other field is kept in :attr:`Example.extra`.
 
+Several references (COCO-style captions, several translations): ``"references": ["...", "..."]``, a
+non-empty list of non-empty strings, every output a source may be scored against; metrics, rewards and
+CIDEr-D's document frequencies use them all (:attr:`Example.refs`). SFT and rank RL's gold still learn
+``target``, which defaults to the first reference; to learn every reference, write one row per reference
+(each with the same ``references``), as COCO-style likelihood training does.
+
 Bad data is never dropped silently. Each problem becomes a :class:`DataError` whose message names
 the file, the 1-based line and the field (``data/train.jsonl:17: field 'source': empty``). With
 ``on_error="skip"`` the bad lines are skipped instead, counted in a :class:`LoadReport`, and a warning
@@ -39,7 +45,7 @@ OnError = Literal["raise", "skip"]
 TextCheck = Callable[[str], str | None]
 T = TypeVar("T")
 
-RESERVED_FIELDS = ("id", "source", "target")
+RESERVED_FIELDS = ("id", "source", "target", "references")
 # How many skip reasons a LoadReport keeps (and the warning shows): enough to diagnose, bounded in memory.
 MAX_REASONS = 5
 # The competition CSV columns, in file order; a file has the first 2, 3 or 4 of them.
@@ -66,6 +72,9 @@ class Example:
     source: str
     target: str | None
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
+    references: tuple[str, ...] = ()
+    """Every reference an output of this source is scored against, when the data gives several; empty: the
+    target alone (:attr:`refs`)."""
 
     def __post_init__(self) -> None:
         # The loaders report problems with file:line context before they get here; this guards
@@ -78,17 +87,56 @@ class Example:
             raise ValueError(f"Example.target must be a string or None (id {self.id!r})")
         if not isinstance(self.extra, dict):
             raise ValueError(f"Example.extra must be a dict (id {self.id!r})")
+        if not (isinstance(self.references, tuple) and all(isinstance(r, str) and r.strip() for r in self.references)):
+            raise ValueError(f"Example.references must be a tuple of non-empty strings (id {self.id!r})")
         clash = [k for k in RESERVED_FIELDS if k in self.extra]
         if clash:
             raise ValueError(f"Example.extra must not contain reserved field(s) {clash} (id {self.id!r})")
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSONL row: ``id``, ``source``, ``target`` (left out when None), then the extra fields."""
+        """The JSONL row: ``id``, ``source``, ``target`` (left out when None), ``references`` (when given), then
+        the extra fields."""
         row: dict[str, Any] = {"id": self.id, "source": self.source}
         if self.target is not None:
             row["target"] = self.target
+        if self.references:
+            row["references"] = list(self.references)
         row.update(self.extra)
         return row
+
+    @property
+    def refs(self) -> tuple[str, ...]:
+        """What outputs of this source are scored against: its references, else its target alone (empty for
+        an unlabeled example)."""
+        if self.references:
+            return self.references
+        return (self.target,) if self.target is not None else ()
+
+
+def references_of(examples: Sequence[Example], what: str) -> list[list[str]]:
+    """Each labelled example's references (:attr:`Example.refs`), in order: what ``metric.corpus`` and
+    ``per_sample`` take; ValueError naming ``what`` for an unlabeled one."""
+    targets_of(examples, what)
+    return [list(e.refs) for e in examples]
+
+
+def unique_references(examples: Iterable[Example]) -> Iterator[tuple[Example, tuple[str, ...]]]:
+    """Each example with its references (:attr:`Example.refs`), or none when an earlier row gave the same source
+    the same ``references`` (one row per reference, COCO-style): what a corpus of the data holds once."""
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    for e in examples:
+        if e.references:
+            if (e.source, e.references) in seen:
+                yield e, ()
+                continue
+            seen.add((e.source, e.references))
+        yield e, e.refs
+
+
+def reference_sets(examples: Iterable[Example]) -> list[list[str]]:
+    """The reference sets of labelled ``examples`` for CIDEr-D's document frequencies: one per example, except
+    that rows repeating the same source and ``references`` count once, as the source they describe does."""
+    return [list(refs) for _, refs in unique_references(examples) if refs]
 
 
 def targets_of(examples: Sequence[Example], what: str) -> list[str]:
@@ -190,7 +238,10 @@ def _parse_jsonl_line(
     if not source.strip():
         raise DataError(path, lineno, "source", "empty")
 
+    references = _references(row.pop("references", None), path, lineno)
     target = row.pop("target", None)
+    if target is None and references:
+        target = references[0]
     if target is None:
         if require_target:
             raise DataError(path, lineno, "target", "missing (a file without targets is unlabeled data: pass "
@@ -201,12 +252,28 @@ def _parse_jsonl_line(
         raise DataError(path, lineno, "target", "empty")
 
     if check_text is not None:
-        for name, value in (("source", source), ("target", target)):
+        refs = ((f"references[{i}]", r) for i, r in enumerate(references))
+        for name, value in (("source", source), ("target", target), *refs):
             if value is not None and (problem := check_text(value)):
                 raise DataError(path, lineno, name, problem)
 
     seen[ex_id] = lineno
-    return Example(id=ex_id, source=source, target=target, extra=row)
+    return Example(id=ex_id, source=source, target=target, extra=row, references=references)
+
+
+def _references(value: Any, path: str, lineno: int) -> tuple[str, ...]:
+    """A row's ``references``: absent, or a non-empty list of non-empty strings."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not value:
+        raise DataError(path, lineno, "references", "expected a non-empty list of strings, got "
+                        + (repr(value) if value == [] else type(value).__name__))
+    for i, ref in enumerate(value):
+        if not isinstance(ref, str):
+            raise DataError(path, lineno, f"references[{i}]", f"expected a string, got {type(ref).__name__}")
+        if not ref.strip():
+            raise DataError(path, lineno, f"references[{i}]", "empty")
+    return tuple(value)
 
 
 def iter_examples(
@@ -219,7 +286,7 @@ def iter_examples(
 ) -> Iterator[Example]:
     """Stream examples from a JSONL file (see the module docstring for the format and the errors).
 
-    Blank lines are ignored. ``check_text`` is called on the source and on the target; a non-empty
+    Blank lines are ignored. ``check_text`` is called on the source, the target and each reference; a non-empty
     string it returns is the reason the line is bad. Pass a ``report`` to read the counts afterwards;
     skipped lines are logged when the file has been read to the end.
     """
@@ -453,7 +520,7 @@ def _csv_rows(reader: Any, path: str) -> Iterator[list[str]]:
             raise DataError(path, reader.line_num, None, f"not readable as CSV ({e})") from None
 
 
-def _split_sizes(n: int, valid_fraction: float, test_fraction: float, what: str) -> tuple[int, int]:
+def split_sizes(n: int, valid_fraction: float, test_fraction: float, what: str) -> tuple[int, int]:
     """Rows of valid and test out of ``n``: at least one for a positive fraction, and train keeps one."""
     n_valid = max(1, round(n * valid_fraction)) if valid_fraction > 0 else 0
     n_test = max(1, round(n * test_fraction)) if test_fraction > 0 else 0
@@ -476,7 +543,7 @@ def split_examples(
     if valid_fraction + test_fraction >= 1.0:
         raise ValueError(f"valid_fraction + test_fraction must be < 1, got {valid_fraction + test_fraction}")
     n = len(items)
-    n_valid, n_test = _split_sizes(n, valid_fraction, test_fraction, "items")
+    n_valid, n_test = split_sizes(n, valid_fraction, test_fraction, "items")
     order = list(range(n))
     random.Random(seed).shuffle(order)
     valid_idx = sorted(order[:n_valid])
@@ -501,7 +568,7 @@ def write_sampled_task(out_dir: str | os.PathLike, rows: Sequence[dict[str, Any]
     for name, frac in (("valid_fraction", valid_fraction), ("test_fraction", test_fraction)):
         if not 0.0 <= frac < 0.5:
             raise ValueError(f"{name} must be in [0, 0.5), got {frac}")
-    n_valid, n_test = _split_sizes(size, valid_fraction, test_fraction, "size")
+    n_valid, n_test = split_sizes(size, valid_fraction, test_fraction, "size")
     picked = random.Random(seed).sample(list(rows), size)
     splits = {"valid": picked[:n_valid], "test": picked[n_valid : n_valid + n_test],
               "train": picked[n_valid + n_test :]}

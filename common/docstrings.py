@@ -15,6 +15,12 @@ tokenizer does before CIDEr-D). Boilerplate summaries (generated stubs, "see ...
 summaries shared by more than three functions are left out. The same installed packages and arguments give the
 same bytes (files and functions are walked in sorted order, rows drawn with ``random.Random(seed)``); the
 package versions are recorded.
+
+A second task from the same functions has several references per source, as image captioning does (each
+image described by several people): a function's *name* alone → the summaries of every documented function
+of that name across the packages (``close`` → "closes the plot window .", "close the connection .", ...).
+The metric scores an output against all of them; likelihood training learns a mixture of them and its greedy
+decode the mode, where CIDEr-D rewards what the references share (`write_docstring_names_task`).
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import random
 import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from rlt2t.common.data import write_sampled_task
+from rlt2t.common.data import split_sizes, write_sampled_task
+from rlt2t.common.io import atomic_write_json, atomic_write_jsonl
 from rlt2t.common.wordnet import tokenize
 
 log = logging.getLogger("rlt2t.docstrings")
@@ -126,11 +134,62 @@ def write_docstring_task(out_dir: str | os.PathLike, size: int, seed: int, valid
     rows = docstring_pairs(dirs)
     if size > len(rows):
         raise ValueError(f"size={size}: the installed packages give only {len(rows)} documented functions")
+    return write_sampled_task(out_dir, rows, size, seed, valid_fraction, test_fraction, "docstrings_meta.json",
+                              {"task": "docstring-summaries", "packages": package_versions(dirs)})
+
+
+def package_versions(dirs: Sequence[Path]) -> dict[str, str]:
+    """The installed version of each package directory's distribution ("unknown" when none is found)."""
     versions = {}
     for d in dirs:
         try:
             versions[d.name] = importlib.metadata.version(d.name if d.name != "yaml" else "pyyaml")
         except importlib.metadata.PackageNotFoundError:
             versions[d.name] = "unknown"
-    return write_sampled_task(out_dir, rows, size, seed, valid_fraction, test_fraction, "docstrings_meta.json",
-                              {"task": "docstring-summaries", "packages": versions})
+    return versions
+
+
+def name_of(source: str) -> str:
+    """The function name words of a docstring-task source (``module : name words ( arguments )``)."""
+    return source.split(" : ", 1)[1].split(" ( ", 1)[0]
+
+
+def write_docstring_names_task(out_dir: str | os.PathLike, seed: int, valid_fraction: float = 0.08,
+                               test_fraction: float = 0.13, min_references: int = 2, max_references: int = 10,
+                               packages: Sequence[str] = PACKAGES) -> dict[str, Path]:
+    """The several-reference task: every function name with at least ``min_references`` distinct summaries,
+    at most ``max_references`` of them kept (drawn with ``random.Random(seed)``), names split into valid, test
+    and train. Train has one row per reference (``target`` that reference, ``references`` all of them), the
+    likelihood training of captioning; valid and test one row per name (``target`` the first reference).
+    Writes ``train``/``valid``/``test`` JSONL and ``docstring_names_meta.json`` last; returns their paths."""
+    if not 1 <= min_references <= max_references:
+        raise ValueError(f"need 1 <= min_references <= max_references, got {min_references} and {max_references}")
+    dirs = package_dirs(packages)
+    if not dirs:
+        raise FileNotFoundError(f"none of the packages {', '.join(packages)} is installed in this environment")
+    summaries: dict[str, list[str]] = {}
+    for row in docstring_pairs(dirs):
+        refs = summaries.setdefault(name_of(row["source"]), [])
+        if row["target"] not in refs:
+            refs.append(row["target"])
+    rng = random.Random(seed)
+    names = sorted(name for name, refs in summaries.items() if len(refs) >= min_references)
+    rng.shuffle(names)
+    kept = {name: rng.sample(summaries[name], min(max_references, len(summaries[name]))) for name in names}
+    n_valid, n_test = split_sizes(len(names), valid_fraction, test_fraction, "function names")
+    splits = {"valid": names[:n_valid], "test": names[n_valid : n_valid + n_test], "train": names[n_valid + n_test :]}
+    out = Path(out_dir)
+    paths = {split: out / f"{split}.jsonl" for split in splits}
+    atomic_write_jsonl(paths["train"], ({"id": f"{name}:{i}", "source": name, "target": ref, "references": kept[name]}
+                                        for name in splits["train"] for i, ref in enumerate(kept[name])))
+    for split in ("valid", "test"):
+        atomic_write_jsonl(paths[split], ({"id": name, "source": name, "target": kept[name][0],
+                                           "references": kept[name]} for name in splits[split]))
+    paths["meta"] = out / "docstring_names_meta.json"
+    atomic_write_json(paths["meta"], {
+        "task": "docstring-names", "seed": seed, "min_references": min_references,
+        "max_references": max_references, **{f"{k}_sources": len(v) for k, v in splits.items()},
+        "train_rows": sum(len(kept[name]) for name in splits["train"]),
+        "references_per_source": round(sum(map(len, kept.values())) / max(len(kept), 1), 2),
+        "packages": package_versions(dirs)})
+    return paths

@@ -354,7 +354,7 @@ def score_pairs(reward: Reward | Metric, sets: Sequence[CandidateSet]) -> list[S
         reward = MetricReward(reward)
     hyps = [text for s in sets for text in s.pair]
     sources = [s.source for s in sets for _ in range(2)]
-    refs = [[s.reference] for s in sets for _ in range(2)]
+    refs = [list(s.refs) for s in sets for _ in range(2)]
     scores = reward.score(sources, hyps, refs).tolist() if hyps else []
     for i, value in enumerate(scores):
         if not math.isfinite(value):
@@ -374,7 +374,7 @@ def score_groups(reward: Reward | Metric, groups: Sequence[SampledGroup]) -> lis
         texts = list(g.candidates) + ([g.greedy] if g.greedy is not None else [])
         hyps += texts
         sources += [g.source] * len(texts)
-        refs += [[g.reference]] * len(texts)
+        refs += [list(g.refs)] * len(texts)
     scores = reward.score(sources, hyps, refs).tolist() if hyps else []
     for i, value in enumerate(scores):
         if not math.isfinite(value):

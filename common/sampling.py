@@ -228,9 +228,10 @@ def sample_candidates(
 
 
 def candidate_set(example_id: str, source: str, reference: str, samples: Sequence[str], *, include_gold: bool,
-                  seed: int, version: int) -> CandidateSet:
+                  seed: int, version: int, references: Sequence[str] = ()) -> CandidateSet:
     """A source's candidate set from its samples: the gold added (``include_gold``), whitespace-normalised,
-    empties dropped, deduplicated keeping the first occurrence, and the rank pair drawn.
+    empties dropped, deduplicated keeping the first occurrence, and the rank pair drawn. ``references``: every
+    reference of the example when it has several (the pair is scored against them; the gold is ``reference``).
 
     The pair draw is keyed on (seed, version, example id), so any sampler (Ray actor, policy server) that
     produces the same samples gives the same pair; one candidate pairs with itself (the reward then turns
@@ -247,4 +248,4 @@ def candidate_set(example_id: str, source: str, reference: str, samples: Sequenc
         only = candidates[0] if candidates else ""
         pair = (only, only)
     return CandidateSet(example_id=example_id, source=source, reference=reference, candidates=candidates,
-                        pair=pair, policy_version=version)
+                        pair=pair, policy_version=version, references=tuple(references))

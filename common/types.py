@@ -34,6 +34,13 @@ class CandidateSet:
     candidate paired with itself when only one exists (``("", "")`` when there is none)."""
     policy_version: int
     """Version of the weights that sampled the candidates."""
+    references: tuple[str, ...] = ()
+    """Every reference of the example when it has several (``Example.references``); empty: the gold alone."""
+
+    @property
+    def refs(self) -> tuple[str, ...]:
+        """What the pair is scored against."""
+        return self.references or (self.reference,)
 
     def __post_init__(self) -> None:
         if not isinstance(self.candidates, tuple):
@@ -118,6 +125,13 @@ class SampledGroup:
     mask_version: int | None = None
     """NLPO: the policy version of the masking policy whose top-p set the samples were drawn in (the learner
     masks with those same weights); None without a mask, or one the driver did not version."""
+    references: tuple[str, ...] = ()
+    """Every reference of the example when it has several (``Example.references``); empty: the gold alone."""
+
+    @property
+    def refs(self) -> tuple[str, ...]:
+        """What the samples are scored against."""
+        return self.references or (self.reference,)
 
     def __post_init__(self) -> None:
         k = len(self.candidates)

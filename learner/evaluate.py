@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import EvalConfig, MetricConfig
-from rlt2t.common.data import Example, targets_of
+from rlt2t.common.data import Example, references_of
 from rlt2t.common.families import decoder_input_ids, generation_config, positions_or
 from rlt2t.common.metrics import available_metrics, get_metric
 from rlt2t.common.policy import Policy
@@ -155,7 +155,8 @@ def classifier_params(cfg: EvalConfig, examples: Sequence[Example]) -> dict[str,
 
 def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metric: MetricConfig,
              max_source_len: int, progress: bool = False, *, max_target_len: int | None = None) -> EvalResult:
-    """Decode ``examples`` with the policy and score against their targets: the columns ``cfg.metrics``.
+    """Decode ``examples`` with the policy and score against their references (``Example.refs``): the columns
+    ``cfg.metrics``.
 
     ``max_target_len`` (``data.max_target_len``) cuts the references of the perplexity column as training cut
     its targets; None: the model's position limit."""
@@ -169,7 +170,7 @@ def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metri
                     batch_size=cfg.batch_size, max_source_len=max_source_len, progress=progress)
     text_names = [n for n in names if n not in MODEL_METRICS]
     params = {"classifier_accuracy": classifier_params(cfg, examples)} if "classifier_accuracy" in names else {}
-    values = metric_table(hyps, [[t] for t in targets], metric, text_names, params)
+    values = metric_table(hyps, references_of(examples, "evaluation"), metric, text_names, params)
     if "perplexity" in names:
         values["perplexity"] = reference_perplexity(policy, [e.source for e in examples], targets,
                                                     batch_size=cfg.batch_size,
@@ -180,7 +181,7 @@ def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metri
 def monitor_score(policy: Policy, examples: Sequence[Example], metric: MetricConfig, *, max_source_len: int,
                   max_new_tokens: int, batch_size: int = 64) -> dict[str, float]:
     """The validation monitor: greedy decoding scored with (1-w)·CIDEr-D + w·BLEU-4, w = monitor weight."""
-    refs = [[t] for t in targets_of(examples, "the validation monitor")]
+    refs = references_of(examples, "the validation monitor")
     hyps = generate(policy, [e.source for e in examples], max_new_tokens=max_new_tokens, batch_size=batch_size,
                     max_source_len=max_source_len)
     score = get_metric("task_score", bleu_weight=metric.monitor_bleu_weight, sigma=metric.cider_sigma)

@@ -330,7 +330,7 @@ class Learner:
             dist.all_gather_object(pieces, list(zip(shard, hyps, strict=True)))
         ordered = sorted((i, h) for piece in pieces for i, h in piece)
         all_hyps = [h for _, h in ordered]
-        refs = [[examples[i].target] for i, _ in ordered]
+        refs = [list(examples[i].refs) for i, _ in ordered]
         table = metric_table(all_hyps, refs, metric)
         monitor_w = metric.monitor_bleu_weight
         table["monitor"] = (1 - monitor_w) * table["cider_d"] + monitor_w * table["bleu4"]

@@ -46,6 +46,15 @@ def cmd_data_docstrings(args) -> None:
         print(f"{split}: {path}")
 
 
+def cmd_data_docstring_names(args) -> None:
+    cfg = load_cfg(args)
+    from rlt2t.jobs import make_docstring_names_data
+
+    _check_task_out(cfg, "jsonl", args.force)
+    for split, path in make_docstring_names_data(cfg, seed=args.seed, max_references=args.max_references).items():
+        print(f"{split}: {path}")
+
+
 def _check_task_out(cfg, fmt: str, force: bool) -> None:
     """Refuse to write a generated task over split files already in data.train's directory unless --force (the
     demo, which regenerates its own synthetic task, does not come through here)."""
@@ -179,6 +188,13 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
                            help="WordNet dict directory (default: Debian's wordnet-base)")
         p.add_argument("--force", action="store_true", help="replace split files already in data.train's directory")
         p.set_defaults(fn=fn)
+    p = data.add_parser("docstring-names", help="write the several-reference docstring task (a function's name → "
+                                                "the summaries of every function of that name) to data.train's dir")
+    config_args(p)
+    p.add_argument("--seed", type=int, default=7, help="which references are kept and how names are split")
+    p.add_argument("--max-references", type=int, default=10, help="references kept per name (at least 2)")
+    p.add_argument("--force", action="store_true", help="replace split files already in data.train's directory")
+    p.set_defaults(fn=cmd_data_docstring_names)
     p = data.add_parser("import-csv", help="convert a competition CSV (report_id,description,diagnosis[,clinical])")
     config_args(p)
     p.add_argument("--input", required=True, help="header-less competition CSV")

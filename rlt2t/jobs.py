@@ -28,7 +28,7 @@ from rlt2t.common.checkpoint import (
 )
 from rlt2t.common.collate import encode_examples
 from rlt2t.common.config import Config, config_to_yaml, shared_directory
-from rlt2t.common.data import Example, load_examples, targets_of
+from rlt2t.common.data import Example, load_examples, reference_sets, targets_of, unique_references
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from rlt2t.common.lora import load_lora_policy
 from rlt2t.common.policy import Policy, check_lengths, is_adapter_checkpoint, load_policy
@@ -75,6 +75,18 @@ def make_docstring_data(cfg: Config, *, size: int = 8000, seed: int = 7) -> dict
     return files
 
 
+def make_docstring_names_data(cfg: Config, *, seed: int = 7, max_references: int = 10) -> dict[str, Path]:
+    """The several-reference docstring task (function name → every summary of that name;
+    ``rlt2t.common.docstrings``) into data.train's directory."""
+    from rlt2t.common.docstrings import write_docstring_names_task
+
+    out = cfg.path(cfg.data.train).parent
+    files = write_docstring_names_task(out, seed, valid_fraction=cfg.synth.valid_fraction,
+                                       test_fraction=cfg.synth.test_fraction, max_references=max_references)
+    log.info("docstring names (seed %d, at most %d references each) → %s", seed, max_references, out)
+    return files
+
+
 def load_split(cfg: Config, split: str, require_target: bool = True) -> list[Example]:
     """Load a configured split, checking texts against the tokenizer's vocabulary when it has one."""
     path = cfg.path(getattr(cfg.data, split))
@@ -91,7 +103,7 @@ def build_tokenizer_job(cfg: Config) -> Path:
     texts = None
     if t.kind == "subword":
         train = load_examples(cfg.path(cfg.data.train), on_error=cfg.data.on_error)
-        texts = [x for e in train for x in (e.source, e.target or "")]
+        texts = [x for e, refs in unique_references(train) for x in (e.source, *refs)]
     tok = build_tokenizer(t.kind, num_data_tokens=t.num_data_tokens, num_sentinels=t.num_sentinels,
                           vocab_size=t.vocab_size, train_texts=texts, path=cfg.path(t.path) if t.path else None)
     with atomic_directory(out) as tmp:
@@ -130,7 +142,7 @@ def pretrain_job(cfg: Config, resume: bool = False, init: str | Path | None = No
         examples = load_split(cfg, split, require_target=False)
         texts += [e.source for e in examples]
         if split == "train":  # held-out targets stay unseen
-            texts += [e.target for e in examples if e.target]
+            texts += [r for refs in reference_sets(examples) for r in refs]
     ids = tok(texts, add_special_tokens=False)["input_ids"]
     limit = cfg.data.max_source_len - 1
     ids = [x[:limit] for x in ids if x]
@@ -224,7 +236,8 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
                       {"checkpoint": str(ckpt), "split": cfg.eval.split, "num_beams": cfg.eval.num_beams,
                        "examples": len(result.predictions), **result.metrics})
     atomic_write_jsonl(out / f"{label}-{cfg.eval.split}.predictions.jsonl",
-                       ({"id": e.id, "prediction": p, "target": e.target}
+                       ({"id": e.id, "prediction": p, "target": e.target,
+                         **({"references": list(e.references)} if e.references else {})}
                         for e, p in zip(examples, result.predictions, strict=False)))
     return result.metrics
 

@@ -39,7 +39,7 @@ from rlt2t.common.checkpoint import resolve_model_dir
 from rlt2t.common.collate import encode_texts
 from rlt2t.common.config import Config
 from rlt2t.common.ct2 import Ct2Policy, Hypothesis, export_ct2, is_export_dir, source_checksum, source_family
-from rlt2t.common.data import Example, export_competition_csv, import_competition_csv, load_examples
+from rlt2t.common.data import Example, export_competition_csv, import_competition_csv, load_examples, reference_sets
 from rlt2t.common.io import atomic_write_jsonl
 from rlt2t.common.metrics import CiderD, DocumentFrequency, get_metric
 from rlt2t.common.rerank import (
@@ -172,15 +172,16 @@ def load_idf_table(cfg: Config, exports: Sequence[Path]) -> IdfTable:
 
 
 def build_idf_table(cfg: Config) -> IdfTable:
-    """IDF table of the training targets (``data.train``), n-grams up to ``predict.idf_max_n``."""
+    """IDF table of the training references (``data.train``: the targets, or every reference of a row that has
+    several), n-grams up to ``predict.idf_max_n``."""
     train = load_examples(cfg.path(cfg.data.train), on_error=cfg.data.on_error)
-    return IdfTable.from_texts((e.target for e in train if e.target), cfg.predict.idf_max_n)
+    return IdfTable.from_texts((r for e in train for r in e.refs), cfg.predict.idf_max_n)
 
 
 def _consensus_cider(cfg: Config) -> CiderD:
     train = cfg.path(cfg.data.train)
     if train.is_file():
-        targets = [[e.target] for e in load_examples(train, on_error=cfg.data.on_error) if e.target]
+        targets = reference_sets(load_examples(train, on_error=cfg.data.on_error))
         if targets:
             return CiderD(sigma=cfg.metric.cider_sigma, df=DocumentFrequency.from_references(targets))
     log.info("rerank=consensus: data.train %s not found; CIDEr-D takes its df from the candidates", train)
@@ -319,9 +320,8 @@ def predict(
     export_competition_csv(out_path, ids, predictions)
     atomic_write_jsonl(jsonl_path, rows)
     metrics = None
-    targets = [e.target for e in examples if e.target is not None]
-    if len(targets) == len(examples):
-        metrics = _metric_rows(cfg, targets, tops, predictions, candidates, mode)
+    if all(e.target is not None for e in examples):
+        metrics = _metric_rows(cfg, [list(e.refs) for e in examples], tops, predictions, candidates, mode)
     log.info("predict: %d inputs, %.1f candidates each, rerank=%s → %s", len(examples),
              np.mean([len(c) for c in candidates]), mode, out_path)
     return PredictResult(ids=ids, predictions=predictions, csv_path=out_path, jsonl_path=jsonl_path, rerank=mode,
@@ -367,11 +367,10 @@ def _json_float(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
-def _metric_rows(cfg: Config, targets: Sequence[str], tops: dict[str, list[str]], predictions: list[str],
+def _metric_rows(cfg: Config, refs: Sequence[Sequence[str]], tops: dict[str, list[str]], predictions: list[str],
                  candidates: list[list[str]], mode: str) -> dict[str, dict[str, float]]:
     from rlt2t.learner.evaluate import metric_table
 
-    refs = [[t] for t in targets]
     rows = {name: metric_table(hyps, refs, cfg.metric) for name, hyps in tops.items()}
     rows[f"ensemble ({mode})"] = metric_table(predictions, refs, cfg.metric)
     # Oracle: per input, the candidate with the best task score. CIDEr-D's df comes from the inputs'

@@ -46,7 +46,7 @@ from rlt2t.common.checkpoint import (
 )
 from rlt2t.common.collate import encode_texts
 from rlt2t.common.config import Config
-from rlt2t.common.data import Example
+from rlt2t.common.data import Example, reference_sets
 from rlt2t.common.lora import apply_lora, is_lora, load_weights, policy_weights
 from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.plots import plot_curves
@@ -99,7 +99,7 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
     init_ray(cfg)
     check_cluster(cfg)
     # CIDEr-D document frequencies: once, from the training references, shipped to every reward worker.
-    df = DocumentFrequency.from_references([[e.target] for e in examples])  # type: ignore[list-item]
+    df = DocumentFrequency.from_references(reference_sets(examples))
     df.save(out_dir / "document_frequency.json")  # for reward / policy servers scoring this task
     start = Path(resume_from.path) if resume_from else (start or init)
     job = _Job.start(cfg, spec, start=start, init=init, total_steps=total_steps, df=df)

@@ -63,7 +63,8 @@ class HttpRolloutWorker:
                 raise ValueError(f"examples[{i}] (id {ex.id!r}) has no target; rank RL needs a reference")
         cfg = self.rollout
         return [candidate_set(ex.id, ex.source, ex.target or "", [c.text for c in candidates],
-                              include_gold=cfg.include_gold, seed=self.seed, version=response.policy_version)
+                              include_gold=cfg.include_gold, seed=self.seed, version=response.policy_version,
+                              references=ex.references)
                 for chunk, _, response in self._sampled_chunks(version, examples)
                 for ex, candidates in zip(chunk, response.candidates, strict=True)]
 
@@ -76,7 +77,7 @@ class HttpRolloutWorker:
                                                 max_new_tokens=self.rollout.max_new_tokens, seed=seed).candidates
             for i, (ex, cands) in enumerate(zip(chunk, response.candidates, strict=True)):
                 out.append(SampledGroup(
-                    example_id=ex.id, source=ex.source, reference=ex.target or "",
+                    example_id=ex.id, source=ex.source, reference=ex.target or "", references=ex.references,
                     candidates=tuple(c.text for c in cands), token_ids=tuple(tuple(c.token_ids) for c in cands),
                     sample_logprobs=tuple(tuple(c.sample_logprobs) for c in cands),
                     forced_eos=tuple(c.forced_eos for c in cands), policy_version=response.policy_version,
@@ -118,7 +119,7 @@ class HttpRewardWorker:
         self.url = url
         self.client = RewardClient(url, token=token, timeout=reward.timeout_s, transport=transport)
 
-    def _scores(self, hyps: list[str], refs: list[str]) -> list[float]:
+    def _scores(self, hyps: list[str], refs: list[tuple[str, ...]]) -> list[float]:
         scores = self.client.reward(hyps, refs, metrics=["task_score"]).scores["task_score"]
         if len(scores) != len(hyps):
             raise RuntimeError(f"reward server {self.url} returned {len(scores)} scores for {len(hyps)} candidates")
@@ -131,7 +132,7 @@ class HttpRewardWorker:
             groups: Sequence[SampledGroup] = items  # type: ignore[assignment]
             texts = [list(g.candidates) + ([g.greedy] if g.greedy is not None else []) for g in groups]
             flat = self._scores([t for ts in texts for t in ts],
-                                [g.reference for g, ts in zip(groups, texts, strict=True) for _ in ts])
+                                [g.refs for g, ts in zip(groups, texts, strict=True) for _ in ts])
             out, pos = [], 0
             for g, ts in zip(groups, texts, strict=True):
                 k = len(g.candidates)
@@ -140,7 +141,7 @@ class HttpRewardWorker:
                 pos += len(ts)
             return out
         sets: Sequence[CandidateSet] = items  # type: ignore[assignment]
-        scores = self._scores([text for s in sets for text in s.pair], [s.reference for s in sets for _ in range(2)])
+        scores = self._scores([text for s in sets for text in s.pair], [s.refs for s in sets for _ in range(2)])
         return [order_pair(s, scores[2 * i], scores[2 * i + 1]) for i, s in enumerate(sets)]
 
     def pid(self) -> int:

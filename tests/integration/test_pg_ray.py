@@ -242,3 +242,25 @@ def test_nlpo_ships_its_masking_policy_to_the_rollout_workers(ray_session, copy_
     # the learner masks with the weights each step is sent (those its groups were sampled under): no copy of
     # its own to refresh or checkpoint
     assert "mask_model" not in _learner_state(result.checkpoint)
+
+
+def test_several_references_reach_the_rewards_and_the_document_frequencies(ray_session, copy_prepared, tmp_path):
+    """Rows with `references`: the job's CIDEr-D frequencies count every reference, and its rewards score the
+    same samples against all of them (a second reference the samples do not say lowers CIDEr-D, a mean over
+    the references)."""
+    rewards = {}
+    for name in ("target", "references"):
+        run = copy_prepared(tmp_path / name)
+        train = run / "data" / "train.jsonl"
+        rows = [json.loads(x) for x in train.read_text().splitlines()]
+        if name == "references":
+            rows = [{**r, "references": [r["target"], "57 58 59 57 58 59"]} for r in rows]
+            train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        result = rl_job(_config(run, "grpo", "rl.epochs=1", "rl.train_subset=8", "reward.bleu_weight=0"))
+        assert result.steps == 1
+        [step] = [json.loads(x) for x in (run / "logs" / "rl" / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(x).get("kind", "train") == "train"]
+        rewards[name] = step["reward_mean"]
+    df = DocumentFrequency.from_json((run / "rl" / "document_frequency.json").read_text())
+    assert df.counts[("57", "58", "59")] == df.num_ref_sets == 8  # in the references of each source trained on
+    assert 0 < rewards["references"] < 0.75 * rewards["target"], rewards

@@ -390,7 +390,8 @@ def test_generated_tasks_refuse_to_overwrite_split_files_unless_force(tmp_path, 
     assert code == 0 and (run / "data" / "train.jsonl").read_bytes() != before
 
     # an imported data set is not overwritten by a generated task either (nor made to look like the demo's)
-    for name, job in (("wordnet", "make_wordnet_data"), ("docstrings", "make_docstring_data")):
+    for name, job in (("wordnet", "make_wordnet_data"), ("docstrings", "make_docstring_data"),
+                      ("docstring-names", "make_docstring_names_data")):
         monkeypatch.setattr(jobs, job, lambda *a, **k: pytest.fail("generated over existing files"))
         code, _, err = cli("data", name, f"run.dir={run}")
         assert code == 2 and "already holds" in err and "--force" in err

@@ -8,7 +8,16 @@ import logging
 
 import pytest
 
-from rlt2t.common.docstrings import docstring_pairs, first_sentence, split_name, write_docstring_task
+from rlt2t.common.data import load_examples, reference_sets
+from rlt2t.common.docstrings import (
+    docstring_pairs,
+    first_sentence,
+    name_of,
+    package_dirs,
+    split_name,
+    write_docstring_names_task,
+    write_docstring_task,
+)
 
 MODULE = '''
 def compute_num_maskedSpan(input_length, *, min_masks=0):
@@ -86,3 +95,43 @@ def test_the_task_files_are_deterministic_and_split(tmp_path):
         write_docstring_task(tmp_path / "c", 10**7, seed=3, packages=("yaml",))
     with pytest.raises(FileNotFoundError, match="installed"):
         write_docstring_task(tmp_path / "d", 10, seed=3, packages=("no_such_package_xyz",))
+
+
+SMALL = ("yaml", "jinja2", "rich", "pydantic")
+
+
+def test_the_names_task_has_every_summary_of_a_name_as_its_references(tmp_path):
+    a = write_docstring_names_task(tmp_path / "a", seed=3, max_references=4, packages=SMALL)
+    b = write_docstring_names_task(tmp_path / "b", seed=3, max_references=4, packages=SMALL)
+    for split in ("train", "valid", "test"):
+        assert a[split].read_bytes() == b[split].read_bytes()
+    summaries: dict[str, set[str]] = {}
+    for row in docstring_pairs(package_dirs(SMALL)):
+        summaries.setdefault(name_of(row["source"]), set()).add(row["target"])
+    splits = {split: list(load_examples(a[split])) for split in ("train", "valid", "test")}
+    sources = {split: {e.source for e in rows} for split, rows in splits.items()}
+    assert not sources["train"] & sources["valid"] and not sources["train"] & sources["test"]
+    assert not sources["valid"] & sources["test"]
+    for split, rows in splits.items():
+        for e in rows:
+            assert 2 <= len(set(e.references)) == len(e.references) <= 4
+            assert set(e.references) <= summaries[e.source]
+            assert len(e.references) == min(4, len(summaries[e.source]))
+            if split != "train":
+                assert e.target == e.references[0]
+    # Train: one row per reference, each naming all of them; CIDEr-D counts each name once.
+    by_source: dict[str, list] = {}
+    for e in splits["train"]:
+        by_source.setdefault(e.source, []).append(e)
+    for rows in by_source.values():
+        assert [e.target for e in rows] == list(rows[0].references)
+        assert all(e.references == rows[0].references for e in rows)
+    assert len(reference_sets(splits["train"])) == len(by_source)
+    meta = json.loads(a["meta"].read_text())
+    assert (meta["train_sources"], meta["train_rows"]) == (len(by_source), len(splits["train"]))
+    assert meta["valid_sources"] == len(splits["valid"]) >= 1 and meta["test_sources"] == len(splits["test"]) >= 1
+
+
+def test_the_names_task_refuses_bad_reference_bounds(tmp_path):
+    with pytest.raises(ValueError, match="min_references <= max_references"):
+        write_docstring_names_task(tmp_path, seed=3, min_references=5, max_references=2, packages=SMALL)
