@@ -175,6 +175,11 @@ def _body(model: type[BaseModel], fields: dict[str, Any]) -> dict[str, Any]:
     return model(**fields).model_dump(mode="json", exclude_none=True)
 
 
+def _references(references: Sequence[str | Sequence[str]]) -> list[str | list[str]]:
+    """Per source its gold text or a list of its references, as ``PairsRequest.references`` takes them."""
+    return [given if isinstance(given, str) else list(given) for given in references]
+
+
 class _SyncBase(_Retrying):
     def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 60.0, connect_timeout: float = 5.0,
                  retries: int = 3, backoff_s: float = 0.2, max_backoff_s: float = 5.0, max_retry_after_s: float = 10.0,
@@ -271,9 +276,10 @@ class PolicyClient(_SyncBase):
         body = _body(CandidatesRequest, {"sources": list(sources), **params})
         return self._request("POST", "/v1/candidates", CandidatesResponse, body)
 
-    def pairs(self, sources: Sequence[str], references: Sequence[str], **params: Any) -> PairsResponse:
-        """POST /v1/pairs; ``params`` are the other ``PairsRequest`` fields (example_ids, seed, ...)."""
-        body = _body(PairsRequest, {"sources": list(sources), "references": list(references), **params})
+    def pairs(self, sources: Sequence[str], references: Sequence[str | Sequence[str]], **params: Any) -> PairsResponse:
+        """POST /v1/pairs; ``references``: per source its gold, or a list of its references (the first the gold);
+        ``params`` are the other ``PairsRequest`` fields (example_ids, seed, ...)."""
+        body = _body(PairsRequest, {"sources": list(sources), "references": _references(references), **params})
         return self._request("POST", "/v1/pairs", PairsResponse, body)
 
     def score(self, source: str, targets: Sequence[str]) -> ScoreResponse:
@@ -297,8 +303,9 @@ class AsyncPolicyClient(_AsyncBase):
         body = _body(CandidatesRequest, {"sources": list(sources), **params})
         return await self._request("POST", "/v1/candidates", CandidatesResponse, body)
 
-    async def pairs(self, sources: Sequence[str], references: Sequence[str], **params: Any) -> PairsResponse:
-        body = _body(PairsRequest, {"sources": list(sources), "references": list(references), **params})
+    async def pairs(self, sources: Sequence[str], references: Sequence[str | Sequence[str]],
+                    **params: Any) -> PairsResponse:
+        body = _body(PairsRequest, {"sources": list(sources), "references": _references(references), **params})
         return await self._request("POST", "/v1/pairs", PairsResponse, body)
 
     async def score(self, source: str, targets: Sequence[str]) -> ScoreResponse:

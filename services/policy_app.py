@@ -8,9 +8,10 @@ Routes (see ``rlt2t.services.schemas`` for the bodies):
 - ``POST /v1/candidates``: sampling (top-k / top-p / temperature) or beam search → texts, token ids,
   raw per-token log-probs, and the policy version.
 - ``POST /v1/pairs``: the rank-RL rollout over HTTP: K samples per source, the gold added,
-  deduplicated, a pair drawn and scored with the task score, ``a`` the better (``rlt2t.common.types.ScoredPair``
-  fields). CIDEr-D document frequencies come from ``document_frequency`` (the JSON rank training writes)
-  when given, else from the request's own references, in which case a pair's scores depend on the other
+  deduplicated, a pair drawn and scored with the task score against the source's reference or references,
+  ``a`` the better (``rlt2t.common.types.ScoredPair`` fields; ``reference`` is the gold, the first). CIDEr-D
+  document frequencies come from ``document_frequency`` (the JSON rank training writes) when given, else from
+  the request's own references (one set per source), in which case a pair's scores depend on the other
   references in the request.
 - ``POST /v1/score``: teacher-forced per-token log-probs of targets given a source (the rerank primitive).
 - ``GET /v1/model``, ``POST /v1/reload`` (serve the newest checkpoint on disk even when older: an
@@ -214,14 +215,14 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         # EOS takes one position: a text of n tokens is n + 1 ids on the encoder or decoder side.
         return min(serve.max_tokens_per_source, loaded().max_positions - 1)
 
-    def check_texts(field: str, texts: Sequence[str], listed: bool = True) -> list[int]:
+    def check_texts(field: str, texts: Sequence[str], listed: bool = True, at: tuple[int, ...] = ()) -> list[int]:
         """Each text under the token rule and the length limit; returns their token counts. Text by text, so
         that a request is refused at its first bad text without tokenizing the rest. Run it on the check
-        thread (``checks.run``): it tokenizes."""
+        thread (``checks.run``): it tokenizes. ``at``: the list's own index in ``field`` (a list of lists)."""
         backend, limit = loaded(), token_limit()
         counts = []
         for i, text in enumerate(texts):
-            loc = ("body", field, i) if listed else ("body", field)
+            loc: tuple[str | int, ...] = ("body", field, *at, i) if listed else ("body", field, *at)
             if (problem := backend.check_text(text)) is not None:
                 raise field_error(loc, problem, text)
             (n,) = backend.count_tokens([text])
@@ -315,7 +316,13 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         max_new = req.max_new_tokens if req.max_new_tokens is not None else r.max_new_tokens
         check_new_tokens(max_new)
         counts = await checks.run(check_texts, "sources", req.sources)
-        await checks.run(check_texts, "references", req.references)
+        refs = [(given,) if isinstance(given, str) else tuple(given) for given in req.references]
+
+        def check_references() -> None:
+            for i, given in enumerate(req.references):
+                check_texts("references", [given] if isinstance(given, str) else given, isinstance(given, list), (i,))
+
+        await checks.run(check_references)
         check_top_p(req.top_p)
         costs = sampling_costs(counts, num_samples, max_new, "samples")
         sampling = Sampling(mode="sample", num_candidates=num_samples,
@@ -329,10 +336,10 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
                                      _run_pair_samples, costs)
 
         def score() -> list:
-            sets = [candidate_set(ex_id, src, ref, [g.text for g in gens], include_gold=include_gold, seed=seed,
-                                  version=used.version)
-                    for ex_id, src, ref, gens in zip(ids, req.sources, req.references, results, strict=True)]
-            table = df if df is not None else DocumentFrequency.from_references([[ref] for ref in req.references])
+            sets = [candidate_set(ex_id, src, rs[0], [g.text for g in gens], include_gold=include_gold, seed=seed,
+                                  version=used.version, references=rs if len(rs) > 1 else ())
+                    for ex_id, src, rs, gens in zip(ids, req.sources, refs, results, strict=True)]
+            table = df if df is not None else DocumentFrequency.from_references([list(rs) for rs in refs])
             return score_pairs(task_reward(cfg.reward, table), sets)
 
         scored = await run_in_threadpool(score)  # metric work stays off the event loop

@@ -112,8 +112,11 @@ class PairsRequest(_Request):
 
     sources: list[SourceText] = Field(min_length=1, max_length=LIST_MAX_ITEMS)
     """Source texts."""
-    references: list[Text] = Field(min_length=1, max_length=LIST_MAX_ITEMS)
-    """Gold target of each source (same length as sources)."""
+    references: list[Text | Annotated[list[Text], Field(min_length=1, max_length=64)]] = Field(
+        min_length=1, max_length=LIST_MAX_ITEMS)
+    """Per source (same length as sources): its gold target, or a list of its references, the first the gold
+    (added to the candidates with include_gold); every reference scores the pair, as rank training does with a
+    row's "references"."""
     example_ids: list[Name] | None = Field(None, max_length=LIST_MAX_ITEMS)
     """Example ids keying the sampling randomness (default: "0", "1", ... by position)."""
     num_samples: int | None = Field(None, ge=1, le=LIST_MAX_ITEMS)

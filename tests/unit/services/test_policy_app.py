@@ -149,6 +149,33 @@ def test_pairs_equal_the_ray_rollout_and_reward_workers(serve_cfg, checkpoint_ro
     assert r.json()["policy_version"] == 0
 
 
+def test_pairs_score_every_reference_of_a_source_as_rank_training_does(serve_cfg, checkpoint_root, ids_tokenizer_dir):
+    """A source given a list of references: its pair is scored against all of them, the first is the gold, and
+    the request's document frequencies count one set per source: equal to the Ray rollout and reward workers
+    on examples that carry those references (a row's "references")."""
+    refs = [["11 12 13", "11 12 40", "41 12 13 14"], "20 22", ["30 31 32", "33 34 35 36"]]
+    rollout = RolloutConfig(num_samples=4, top_k=3, temperature=0.8, max_new_tokens=8)
+    serve_cfg.rollout = rollout
+    body = {"sources": SOURCES, "example_ids": ["a", "b", "c"], "seed": 77}
+    with TestClient(create_app(serve_cfg, checkpoint_dir=checkpoint_root)) as c:
+        r = c.post("/v1/pairs", json={**body, "references": refs})
+        gold_only = c.post("/v1/pairs", json={**body, "references": [g if isinstance(g, str) else g[0] for g in refs]})
+    assert r.status_code == 200 and gold_only.status_code == 200, (r.text, gold_only.text)
+    worker = RolloutWorker(ModelConfig(path=str(checkpoint_root / "epoch-0001"), dropout=0.0),
+                           str(ids_tokenizer_dir), rollout, seed=77, max_source_len=128)
+    examples = [Example(id=i, source=s, target=g if isinstance(g, str) else g[0],
+                        references=() if isinstance(g, str) else tuple(g))
+                for i, s, g in zip("abc", SOURCES, refs, strict=True)]
+    df = DocumentFrequency.from_references([list(e.refs) for e in examples])
+    expected = RewardWorker(serve_cfg.reward, df).score(worker.sample(examples))
+    pairs = r.json()["pairs"]
+    assert pairs == [vars(p) for p in expected]
+    assert [p["reference"] for p in pairs] == ["11 12 13", "20 22", "30 31 32"]
+    # the same samples, scored against more references: the scores move
+    assert [(p["score_a"], p["score_b"]) for p in pairs] != [(p["score_a"], p["score_b"])
+                                                             for p in gold_only.json()["pairs"]]
+
+
 @pytest.mark.parametrize(("route", "body", "loc", "token"), [
     # The #16 reproducers on every route that takes texts (the tiny vocabulary has data tokens 0..59).
     ("/v1/candidates", {"sources": ["7", "999999 7"]}, ["body", "sources", 1], "'999999' is outside the vocabulary"),
@@ -156,6 +183,8 @@ def test_pairs_equal_the_ray_rollout_and_reward_workers(serve_cfg, checkpoint_ro
     ("/v1/candidates", {"sources": ["１２ ７"]}, ["body", "sources", 0], "'１２' is not a non-negative integer"),
     ("/v1/pairs", {"sources": ["1", "2 x"], "references": ["3", "4"]}, ["body", "sources", 1], "'x'"),
     ("/v1/pairs", {"sources": ["1"], "references": ["3 60"]}, ["body", "references", 0], "'60' is outside"),
+    ("/v1/pairs", {"sources": ["1", "2"], "references": ["3", ["4", "5 60"]]}, ["body", "references", 1, 1],
+     "'60' is outside"),
     ("/v1/score", {"source": "1 ü", "targets": ["2"]}, ["body", "source"], "'ü'"),
     ("/v1/score", {"source": "1", "targets": ["2", "3 007"]}, ["body", "targets", 1], "'007'"),
     # The special-token rule (#18): refused, naming the token; only <sep> may appear in a text.
