@@ -80,6 +80,7 @@ from rlt2t.services.schemas import (
     ScoreRequest,
     ScoreResponse,
     TargetScore,
+    reference_lists,
 )
 
 log = logging.getLogger("rlt2t.services.policy")
@@ -316,7 +317,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         max_new = req.max_new_tokens if req.max_new_tokens is not None else r.max_new_tokens
         check_new_tokens(max_new)
         counts = await checks.run(check_texts, "sources", req.sources)
-        refs = [(given,) if isinstance(given, str) else tuple(given) for given in req.references]
+        refs = reference_lists(req.references)
 
         def check_references() -> None:
             for i, given in enumerate(req.references):
@@ -337,9 +338,9 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
 
         def score() -> list:
             sets = [candidate_set(ex_id, src, rs[0], [g.text for g in gens], include_gold=include_gold, seed=seed,
-                                  version=used.version, references=rs if len(rs) > 1 else ())
+                                  version=used.version, references=tuple(rs) if len(rs) > 1 else ())
                     for ex_id, src, rs, gens in zip(ids, req.sources, refs, results, strict=True)]
-            table = df if df is not None else DocumentFrequency.from_references([list(rs) for rs in refs])
+            table = df if df is not None else DocumentFrequency.from_references(refs)
             return score_pairs(task_reward(cfg.reward, table), sets)
 
         scored = await run_in_threadpool(score)  # metric work stays off the event loop

@@ -60,7 +60,7 @@ from rlt2t.services.http import (
     load_token,
 )
 from rlt2t.services.learned_rewards import NamedRewards, Snapshot
-from rlt2t.services.schemas import RewardRequest, RewardResponse
+from rlt2t.services.schemas import RewardRequest, RewardResponse, reference_lists
 
 log = logging.getLogger("rlt2t.services.reward")
 
@@ -227,7 +227,7 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
                                   "sources")
         if len(set(req.metrics)) != len(req.metrics):
             raise field_error(("body", "metrics"), "metric names repeat")
-        refs = [[r] if isinstance(r, str) else list(r) for r in req.references] if req.references is not None else None
+        refs = reference_lists(req.references) if req.references is not None else None
         await checks.run(check_texts, req)
 
         sources = list(req.sources) if req.sources is not None else [None] * n

@@ -14,6 +14,7 @@ reject; the configured limits (``serve.max_sources_per_call``, ``serve.max_token
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
@@ -101,6 +102,11 @@ class CandidatesResponse(_Response):
     """One list per source, in request order (``num_candidates`` each)."""
     policy_version: int
     """Version of the weights that produced every candidate of this response."""
+
+
+def reference_lists(given: Sequence[str | Sequence[str]]) -> list[list[str]]:
+    """A request's ``references`` (per item one text, or a list of texts) as one list of texts per item."""
+    return [[r] if isinstance(r, str) else list(r) for r in given]
 
 
 class PairsRequest(_Request):
