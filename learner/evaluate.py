@@ -95,6 +95,38 @@ def metric_table(hyps: Sequence[str], refs: Sequence[Sequence[str]], metric: Met
             for name in names}
 
 
+def distinct_outputs(sources: Sequence[str], texts: Sequence[str]) -> float:
+    """Distinct texts per distinct source: 1.0 when every source has a text of its own, 1/n when n sources share
+    one. A source that repeats counts once, with its first text."""
+    first: dict[str, str] = {}
+    for source, text in zip(sources, texts, strict=True):
+        first.setdefault(source, text)
+    return len(set(first.values())) / max(len(first), 1)
+
+
+COLLAPSE_RATIO = 0.1
+"""Greedy outputs this much less varied than the references (distinct outputs per distinct source) mean a
+decoder that writes the same few texts whatever its source."""
+COLLAPSE_MIN_SOURCES = 20
+
+
+def collapse_warning(what: str, distinct: float, examples: Sequence[Example], advice: str) -> str | None:
+    """A warning when ``distinct`` (:func:`distinct_outputs` of a model's greedy outputs on ``examples``) is below
+    ``COLLAPSE_RATIO`` of the references' own (each example's first reference), over at least
+    ``COLLAPSE_MIN_SOURCES`` distinct sources; None otherwise. A task whose targets are few (labels) keeps
+    few outputs and is not warned about."""
+    sources = [e.source for e in examples]
+    n = len(set(sources))
+    if n < COLLAPSE_MIN_SOURCES or not all(e.refs for e in examples):
+        return None
+    reference = distinct_outputs(sources, [e.refs[0] for e in examples])
+    if distinct >= COLLAPSE_RATIO * reference:
+        return None
+    return (f"{what}: the greedy outputs on {n} validation sources hold {distinct * n:.0f} distinct texts "
+            f"(distinct_outputs={distinct:.3f}; the references {reference:.3f}): the decoder writes the same few "
+            f"texts whatever the source, and a score from this model measures nothing; {advice}")
+
+
 @torch.no_grad()
 def reference_perplexity(policy: Policy, sources: Sequence[str], targets: Sequence[str], *, batch_size: int = 64,
                          max_source_len: int = 128, max_target_len: int | None = None) -> float:
@@ -180,10 +212,13 @@ def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metri
 
 def monitor_score(policy: Policy, examples: Sequence[Example], metric: MetricConfig, *, max_source_len: int,
                   max_new_tokens: int, batch_size: int = 64) -> dict[str, float]:
-    """The validation monitor: greedy decoding scored with (1-w)·CIDEr-D + w·BLEU-4, w = monitor weight."""
+    """The validation monitor: greedy decoding scored with (1-w)·CIDEr-D + w·BLEU-4, w = monitor weight, with
+    CIDEr-D alone and the outputs' variety (:func:`distinct_outputs`, which shows a decoder that ignores its
+    source)."""
     refs = references_of(examples, "the validation monitor")
     hyps = generate(policy, [e.source for e in examples], max_new_tokens=max_new_tokens, batch_size=batch_size,
                     max_source_len=max_source_len)
     score = get_metric("task_score", bleu_weight=metric.monitor_bleu_weight, sigma=metric.cider_sigma)
     return {"monitor": score.corpus(hyps, refs),
-            "cider_d": get_metric("cider_d", sigma=metric.cider_sigma).corpus(hyps, refs)}
+            "cider_d": get_metric("cider_d", sigma=metric.cider_sigma).corpus(hyps, refs),
+            "distinct_outputs": distinct_outputs([e.source for e in examples], hyps)}

@@ -35,7 +35,7 @@ from rlt2t.common.families import check_mixed_precision
 from rlt2t.common.lora import apply_lora, is_lora, policy_weights
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.types import ScoredGroup, ScoredPair
-from rlt2t.learner.evaluate import generate, metric_table
+from rlt2t.learner.evaluate import distinct_outputs, generate, metric_table
 from rlt2t.learner.objectives import (
     MAXED_METRICS,
     SUMMED_METRICS,
@@ -334,6 +334,7 @@ class Learner:
         table = metric_table(all_hyps, refs, metric)
         monitor_w = metric.monitor_bleu_weight
         table["monitor"] = (1 - monitor_w) * table["cider_d"] + monitor_w * table["bleu4"]
+        table["distinct_outputs"] = distinct_outputs([examples[i].source for i, _ in ordered], all_hyps)
         return table
 
     def shutdown(self) -> None:

@@ -172,8 +172,28 @@ def sft_job(cfg: Config, resume: bool = False, init: str | Path | None = None):
             return monitor_score(Policy(model, policy.tokenizer, policy.origin), valid, cfg.metric,
                                  max_source_len=cfg.data.max_source_len, max_new_tokens=cfg.eval.max_new_tokens)
 
-    return run_sft(policy, enc.sources, enc.targets, cfg.sft, cfg.run, cfg.run_dir / "sft", resume_from=info,
-                   evaluate=evaluate, lora=cfg.model.lora, max_source_len=cfg.data.max_source_len)
+    result = run_sft(policy, enc.sources, enc.targets, cfg.sft, cfg.run, cfg.run_dir / "sft", resume_from=info,
+                     evaluate=evaluate, lora=cfg.model.lora, max_source_len=cfg.data.max_source_len)
+    if evaluate is not None:
+        warn_if_collapsed(cfg, best_or_latest(cfg.run_dir / "sft" / "checkpoints"), valid)
+    return result
+
+
+def warn_if_collapsed(cfg: Config, checkpoint: Path, valid: list[Example]) -> None:
+    """Warn when an SFT checkpoint (the one RL starts from) writes the same few texts whatever its source: its
+    recorded validation ``distinct_outputs`` (:func:`rlt2t.learner.evaluate.collapse_warning`)."""
+    from rlt2t.learner.evaluate import collapse_warning
+
+    info = read_checkpoint(checkpoint)
+    distinct = (info.meta.get("metrics") or {}).get("distinct_outputs") if info is not None else None
+    if distinct is None:  # a model directory, or a checkpoint written before the monitor recorded it
+        return
+    message = collapse_warning(
+        f"sft: {checkpoint}", distinct, valid,
+        f"train it again with a lower sft.lr (now {cfg.sft.lr:g}), a longer warm-up (sft.warmup_ratio, now "
+        f"{cfg.sft.warmup_ratio:g}) or another run.seed before RL starts from it")
+    if message:
+        log.warning(message)
 
 
 def best_or_latest(ckpt_root: Path) -> Path:
@@ -350,6 +370,8 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     train_set = load_split(cfg, "train")
     valid = load_split(cfg, "valid")[: cfg.metric.monitor_size] if cfg.path(cfg.data.valid).is_file() else []
     log.info("rl: starting from %s (KL reference %s)", latest or start, ref)
+    if resumed is None and valid:
+        warn_if_collapsed(cfg, start, valid)
     return train(cfg, train_set, valid, init=ref, start=start, resume_from=resumed, stop_after_steps=stop_after_steps)
 
 

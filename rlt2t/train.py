@@ -55,6 +55,7 @@ from rlt2t.common.tracking import RunLogger
 from rlt2t.common.types import RolloutSpec
 from rlt2t.common.waiting import NotYet, wait_until
 from rlt2t.groups import LearnerGroup, WorkerPool, check_cluster, init_ray
+from rlt2t.learner.evaluate import collapse_warning
 from rlt2t.learner.trainer import epoch_order
 from rlt2t.scheduler import Chunk, ChunkFailed, EpochScheduler, mask_version, needed_version
 from rlt2t.services.http import load_token
@@ -393,6 +394,12 @@ class _Job:
                 if scores:
                     logger.log(step, {**scores, "epoch": epoch}, kind="valid")
                     log.info("rl epoch %d: %s", epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+                    collapsed = collapse_warning(
+                        f"rl epoch {epoch}", scores["distinct_outputs"], valid,
+                        "the reward is probably being gamed by one output; raise the KL coefficient (rl.kl.coef) "
+                        "or lower rl.lr, and keep an earlier checkpoint") if "distinct_outputs" in scores else None
+                    if collapsed:
+                        log.warning(collapsed)
                 result.checkpoint = checkpoint(epoch + 1, 0, step, {**last, **scores})
                 result.history.append({"epoch": epoch, **scores})
             result.steps = step

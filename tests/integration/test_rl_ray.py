@@ -132,8 +132,9 @@ def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, copy_p
     import json
 
     run = copy_prepared(tmp_path / "refresh")
+    cfg = _config(run, "rl.refresh_every_steps=2", "rl.epochs=1")
     with caplog.at_level("INFO", logger="rlt2t.train"):
-        result = _run_rank(_config(run, "rl.refresh_every_steps=2", "rl.epochs=1"))
+        result = _run_rank(cfg)
     # The learner's preflight ran on the largest batch (16 pairs, tiny.yaml's max lengths) before step 1.
     preflight = [r.getMessage() for r in caplog.records if "learner preflight" in r.getMessage()]
     assert len(preflight) == 1 and "16 sources per rank" in preflight[0], preflight
@@ -144,6 +145,16 @@ def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, copy_p
     assert max(r["staleness_max"] for r in train) <= 3  # 2N - 1 with N = 2
     assert any(r["staleness_max"] >= 2 for r in train)
     assert (run / "logs" / "rl" / "curves.png").is_file()
+    # Validation records the variety of the greedy outputs and warns exactly when they have collapsed.
+    from rlt2t.jobs import load_split
+    from rlt2t.learner.evaluate import collapse_warning
+
+    valid = load_split(cfg, "valid")[: cfg.metric.monitor_size]
+    [epoch] = result.history
+    assert 0 < epoch["distinct_outputs"] <= 1
+    collapsed = collapse_warning("rl epoch 0", epoch["distinct_outputs"], valid, "")
+    warned = [r for r in caplog.records if r.getMessage().startswith("rl epoch 0: the greedy outputs")]
+    assert len(warned) == (collapsed is not None)
 
 
 def test_learner_death_fails_clearly_and_resumes_bitwise(ray_session, copy_prepared, reference_run, tmp_path):

@@ -24,7 +24,7 @@ from rlt2t.common.metrics import DocumentFrequency, get_metric
 from rlt2t.common.rewards import MetricReward, score_groups, score_pairs
 from rlt2t.common.sampling import candidate_set
 from rlt2t.common.types import RolloutSpec, SampledGroup
-from rlt2t.learner.evaluate import evaluate, generate, metric_table, monitor_score
+from rlt2t.learner.evaluate import distinct_outputs, evaluate, generate, metric_table, monitor_score
 
 REFS = ["1 2 3 4", "1 2 5 6", "7 8 9"]
 
@@ -136,3 +136,4 @@ def test_evaluation_and_the_monitor_score_against_every_reference(tiny_policy):
     monitor = monitor_score(tiny_policy, examples, metric, max_source_len=16, max_new_tokens=6)
     assert monitor["cider_d"] == pytest.approx(get_metric("cider_d").corpus(said, refs))
     assert monitor["cider_d"] > get_metric("cider_d").corpus(said, [["1 1 1"]] * 3)
+    assert monitor["distinct_outputs"] == distinct_outputs(sources, said)

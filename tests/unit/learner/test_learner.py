@@ -8,6 +8,7 @@ import torch
 from rlt2t.common.config import MetricConfig, ModelConfig, RLConfig
 from rlt2t.common.data import Example
 from rlt2t.common.types import ScoredPair
+from rlt2t.learner.evaluate import distinct_outputs, generate
 from rlt2t.learner.learner import BatchTooLarge, Learner
 
 
@@ -54,6 +55,8 @@ def test_evaluate_returns_the_metric_table_and_monitor(tmp_path, tiny_policy):
     table = learner.evaluate(examples, MetricConfig(), max_new_tokens=4)
     assert {"cider_d", "bleu4", "task_score", "monitor"} <= set(table)
     assert table["monitor"] == table["cider_d"]  # monitor_bleu_weight = 0
+    said = generate(tiny_policy, [e.source for e in examples], max_new_tokens=4)
+    assert table["distinct_outputs"] == distinct_outputs([e.source for e in examples], said)
 
 
 def test_accelerate_autocast_path_runs_in_bf16(tmp_path, tiny_policy):
