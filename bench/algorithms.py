@@ -33,7 +33,9 @@ a from-scratch `small` model only reaches a validation CIDEr-D of about 0.09 on 
 start to compare RL algorithms on.
 
 Everything is resumable: a --workdir that holds finished stages or arms reuses them (an arm's result is
-cached in <arm>/result.json). Saves bench/results/algorithms_<task>.json and .png.
+cached in <arm>/result.json). Saves bench/results/algorithms_<task>.json and .png. A seed whose SFT checkpoint
+writes the same few texts whatever the source is flagged in the output (its arms compare nothing). `--pool`
+merges saved results of the same settings on disjoint seeds (a confirmation run beside the first) into one.
 """
 
 from __future__ import annotations
@@ -109,6 +111,9 @@ VARIANTS = {
     "ct2_float32": ["rollout.backend=ct2", "rollout.ct2_compute_type=float32"],
     "lr5e-5": ["rl.lr=5e-5"],
     "kl0.2": ["rl.kl.coef=0.2"],
+    # An adaptive β aiming at 1 nat per sequence (GRPO's KL at 32 steps on the several-reference task), with a
+    # horizon short enough to move β within a 32-step run (up to ±3.8 % a step at 192 sequences a step).
+    "klt1": ["rl.kl.target=1", "rl.kl.horizon=1000"],
     "topk3": ["rollout.top_k=3", "rollout.temperature=0.8"],  # sampling closer to the greedy decode, as rank's
     "lora": ["model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16"],  # adapters only, same steps
     "k16": ["rollout.num_samples=16"],  # 16 samples per source instead of 6: a less noisy advantage, same sources
@@ -462,6 +467,10 @@ def print_summary(task: str, seeds: list[int], rl_epochs: int, train_subset: int
         print(line)
     for name, value in oracles.items():
         print(f"  {name:>14}: test {value:.4f}")
+    for seed in seeds:
+        if sft[seed].get("collapsed"):
+            print(f"  seed {seed}: the SFT checkpoint writes the same few texts whatever the source "
+                  f"(distinct_outputs {sft[seed]['valid_distinct_outputs']:.3f}); its arms compare nothing")
     for split in ("test", "heldout"):
         if f"headroom_{split}" in summary["sft"]:
             h = summary["sft"][f"headroom_{split}"]
@@ -482,6 +491,38 @@ def resummarize(path: Path) -> None:
                   payload["oracles"], summary)
     atomic_write_json(path, payload)
     print("rewrote", path)
+
+
+def pool(payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """One reading from several saved ones of the same benchmark on disjoint seeds (a confirmation run beside the
+    first): their per-seed readings side by side and the summary recomputed over all of them. Readings of
+    another task, other settings (seeds aside) or another CPU model are refused: a pooled figure must be one
+    experiment, run again."""
+    if len(payloads) < 2:
+        raise ValueError("--pool: give two or more results")
+    first = payloads[0]
+    same = {k: v for k, v in first["settings"].items() if k != "seeds"}
+    seen: set[str] = set()
+    for i, p in enumerate(payloads):
+        for key, want, got in (("task", first["task"], p["task"]), ("machine.cpu", first["machine"]["cpu"],
+                                                                     p["machine"]["cpu"])):
+            if got != want:
+                raise ValueError(f"--pool: result {i + 1}'s {key} is {got!r}, result 1's {want!r}")
+        for key, value in p["settings"].items():
+            if key != "seeds" and value != same.get(key):
+                raise ValueError(f"--pool: result {i + 1}'s settings.{key} is {value!r}, result 1's "
+                                 f"{same.get(key)!r}")
+        if overlap := seen & set(p["sft"]):
+            raise ValueError(f"--pool: seed {', '.join(sorted(overlap))} is in more than one result")
+        seen |= set(p["sft"])
+    sft = {int(s): v for p in payloads for s, v in p["sft"].items()}
+    arms = {arm: {int(s): r for p in payloads for s, r in p["arms"][arm].items()} for arm in first["arms"]}
+    settings = {**first["settings"], "seeds": sorted(sft)}
+    return {"benchmark": first["benchmark"], "task": first["task"], "settings": settings,
+            "sft": {str(s): sft[s] for s in sorted(sft)}, "oracles": first["oracles"],
+            "arms": {arm: {str(s): runs[s] for s in sorted(runs)} for arm, runs in arms.items()},
+            "summary": summarize(sft, arms), "pooled_from": [p["machine"]["date"] for p in payloads],
+            "total_seconds": round(sum(p["total_seconds"] for p in payloads), 1)}
 
 
 def main() -> None:
@@ -509,9 +550,26 @@ def main() -> None:
     ap.add_argument("--resummarize", type=Path, default=None, metavar="JSON",
                     help="run nothing: recompute a saved result's summary from its per-seed readings, print it and "
                          "rewrite the file (after a change to the summary's rules)")
+    ap.add_argument("--pool", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="run nothing: pool saved results of the same settings on disjoint seeds into one "
+                         "(--results-name names it), print and save it")
     args = ap.parse_args()
     if args.resummarize:
         resummarize(args.resummarize)
+        return
+    if args.pool:
+        if not args.results_name:
+            ap.error("--pool needs --results-name")
+        try:
+            payload = pool([json.loads(path.read_text()) for path in args.pool])
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(str(e))
+        sft = {int(k): v for k, v in payload["sft"].items()}
+        arms = {arm: {int(k): r for k, r in runs.items()} for arm, runs in payload["arms"].items()}
+        print_summary(payload["task"], sorted(sft), payload["settings"]["rl_epochs"],
+                      payload["settings"]["train_subset"], sft, list(arms), payload["oracles"], payload["summary"])
+        plot(RESULTS / f"{args.results_name}.png", payload["task"], sft, arms)
+        print("saved", save(args.results_name, payload), "and", RESULTS / f"{args.results_name}.png")
         return
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -543,7 +601,7 @@ def main() -> None:
                 heldout = heldout_split(base, args.heldout) if args.heldout else None
                 sources = fresh_sources(base, args.fresh_sources, heldout) if args.fresh_sources else None
                 probe = arm_config(base, "continued_sft", args)  # the SFT checkpoint's own readings
-                sft[seed] = {"valid_task_score": _valid_score(probe, sft_ckpt),
+                sft[seed] = {**_valid_readings(probe, sft_ckpt, seed),
                              "test_task_score": eval_job(probe, checkpoint=sft_ckpt, label="sft")["task_score"],
                              "seconds": round(time.perf_counter() - t0, 1)}
                 sft[seed]["headroom_test"] = headroom(probe, sft_ckpt, load_split(probe, "test"), "sft-test")
@@ -587,15 +645,25 @@ def main() -> None:
     print("saved", save(name, payload), "and", RESULTS / f"{name}.png")
 
 
-def _valid_score(cfg: Config, checkpoint: Path) -> float:
-    """The SFT checkpoint's validation task score, decoded as the RL job's per-epoch validation does."""
-    from rlt2t.learner.evaluate import generate, metric_table
+def _valid_readings(cfg: Config, checkpoint: Path, seed: int) -> dict[str, Any]:
+    """The SFT checkpoint's validation task score, decoded as the RL job's per-epoch validation does, and the
+    variety of its outputs; a checkpoint that writes the same few texts whatever the source is flagged
+    ``collapsed`` (its arms compare nothing: RL from it is not RL from a trained model)."""
+    from rlt2t.learner.evaluate import collapse_warning, distinct_outputs, generate, metric_table
 
     valid = load_split(cfg, "valid")[: cfg.metric.monitor_size]
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=checkpoint)
     hyps = generate(policy, [e.source for e in valid], max_new_tokens=cfg.eval.max_new_tokens,
                     max_source_len=cfg.data.max_source_len)
-    return metric_table(hyps, [list(e.refs) for e in valid], cfg.metric)["task_score"]
+    distinct = distinct_outputs([e.source for e in valid], hyps)
+    out = {"valid_task_score": metric_table(hyps, [list(e.refs) for e in valid], cfg.metric)["task_score"],
+           "valid_distinct_outputs": distinct}
+    message = collapse_warning(f"seed {seed}'s SFT checkpoint {checkpoint}", distinct, valid,
+                               "its arms compare nothing; fix the SFT stage before reading them")
+    if message:
+        log.warning(message)
+        out["collapsed"] = True
+    return out
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def summarize():
+def bench():
     path = REPO / "bench" / "algorithms.py"
     spec = importlib.util.spec_from_file_location("bench_algorithms_under_test", path)
     module = importlib.util.module_from_spec(spec)
@@ -25,7 +25,12 @@ def summarize():
         spec.loader.exec_module(module)
     finally:
         sys.modules.pop(spec.name, None)
-    return module.summarize
+    return module
+
+
+@pytest.fixture(scope="module")
+def summarize(bench):
+    return bench.summarize
 
 
 def _run(valid: float, test: float, heldout: float | None = None) -> dict:
@@ -94,3 +99,53 @@ def test_without_a_continued_sft_arm_the_start_is_the_baseline_and_there_is_no_v
     assert out["baseline"] == "sft" and out["baseline_candidates"] == ["sft"]
     assert out["grpo"]["paired_diff_test"]["per_seed"] == pytest.approx([0.4, 0.5])
     assert "beats_sft_on_test" not in out["grpo"]  # the target asks for continued SFT as well
+
+
+def test_a_seed_whose_sft_checkpoint_ignores_its_source_is_flagged(bench, tmp_path, tiny_policy, capsys):
+    """A fresh tiny BART says the same (nothing) for every validation source: the bench flags that seed's base
+    instead of reading RL arms from it as if it were a trained model."""
+    import json
+
+    from rlt2t.common.checkpoint import save_checkpoint
+    from rlt2t.common.config import load_config
+
+    cfg = load_config(overrides=[f"run.dir={tmp_path}", "model.preset=tiny", "eval.max_new_tokens=4",
+                                 f"tokenizer.path={tiny_policy.tokenizer.name_or_path}"])
+    rows = [{"id": str(i), "source": f"{i} {i + 1}", "target": f"{i} {i} {i + 2}"} for i in range(30)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ckpt = save_checkpoint(tmp_path / "ckpt", "epoch-0001", model=tiny_policy.model, tokenizer=tiny_policy.tokenizer,
+                           step=1)
+    readings = bench._valid_readings(cfg, ckpt, seed=6)
+    assert readings["collapsed"] is True and readings["valid_distinct_outputs"] < 0.1
+    sft = {6: {**readings, "test_task_score": 0.0, "seconds": 1.0}}
+    bench.print_summary("synth", [6], 1, 8, sft, [], {}, bench.summarize(sft, {}))
+    assert "seed 6: the SFT checkpoint writes the same few texts" in capsys.readouterr().out
+
+
+def _payload(seeds: list[int], *, cpu: str = "Xeon", lr: str = "sft.lr=1e-3") -> dict:
+    return {"benchmark": "algorithms", "task": "docstring_names", "machine": {"cpu": cpu, "date": f"d{seeds[0]}"},
+            "settings": {"seeds": seeds, "rl_epochs": 2, "train_subset": 8, "task_settings": [lr]},
+            "oracles": {}, "total_seconds": 10.0,
+            "sft": {str(s): _sft(0.5, 0.40) for s in seeds},
+            "arms": {"continued_sft": {str(s): _run(0.45, 0.40 + 0.01 * s) for s in seeds},
+                     "grpo": {str(s): _run(0.55, 0.44 + 0.01 * s + 0.002 * s * s) for s in seeds}}}
+
+
+def test_pooling_a_confirmation_run_recomputes_the_summary_over_every_seed(bench, summarize):
+    pooled = bench.pool([_payload([1, 2, 3]), _payload([4, 5])])
+    assert pooled["settings"]["seeds"] == [1, 2, 3, 4, 5] and list(pooled["sft"]) == ["1", "2", "3", "4", "5"]
+    diffs = [0.04 + 0.002 * s * s for s in (1, 2, 3, 4, 5)]
+    each = pooled["summary"]["grpo"]["paired_diff_test_each"]["continued_sft"]
+    assert each["mean"] == pytest.approx(sum(diffs) / 5)
+    assert pooled["total_seconds"] == 20.0 and pooled["pooled_from"] == ["d1", "d4"]
+
+
+@pytest.mark.parametrize(("other", "named"), [
+    (_payload([4], cpu="EPYC"), "machine.cpu"),
+    (_payload([4], lr="sft.lr=5e-4"), "settings.task_settings"),
+    (_payload([3]), "seed 3"),
+])
+def test_pooling_refuses_what_is_not_the_same_experiment(bench, other, named):
+    with pytest.raises(ValueError, match=named):
+        bench.pool([_payload([1, 2, 3]), other])
