@@ -104,9 +104,11 @@ def distinct_outputs(sources: Sequence[str], texts: Sequence[str]) -> float:
     return len(set(first.values())) / max(len(first), 1)
 
 
-COLLAPSE_RATIO = 0.1
+COLLAPSE_RATIO = 0.05
 """Greedy outputs this much less varied than the references (distinct outputs per distinct source) mean a
-decoder that writes the same few texts whatever its source."""
+decoder that writes the same few texts whatever its source. A collapsed SFT run gave 0.01 of its references'
+variety (2 texts for 200 sources); the CPU demo's short SFT keeps about 0.2, and its RL dips to 0.1 at the first
+epoch before recovering: a twentieth flags the first and not the second."""
 COLLAPSE_MIN_SOURCES = 20
 
 
@@ -123,8 +125,8 @@ def collapse_warning(what: str, distinct: float, examples: Sequence[Example], ad
     if distinct >= COLLAPSE_RATIO * reference:
         return None
     return (f"{what}: the greedy outputs on {n} validation sources hold {distinct * n:.0f} distinct texts "
-            f"(distinct_outputs={distinct:.3f}; the references {reference:.3f}): the decoder writes the same few "
-            f"texts whatever the source, and a score from this model measures nothing; {advice}")
+            f"(distinct_outputs={distinct:.3f}; the references {reference:.3f}): the decoder writes nearly the same "
+            f"text whatever the source; {advice}")
 
 
 @torch.no_grad()
