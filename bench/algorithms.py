@@ -347,9 +347,13 @@ def mean_std(values: list[float]) -> dict[str, float]:
 
 
 def summarize(sft: dict[int, dict[str, Any]], arms: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
-    seeds = sorted(sft)
+    # A seed whose SFT checkpoint collapsed (`_valid_readings`) compares nothing: it is left out and named.
+    excluded = [s for s in sorted(sft) if sft[s].get("collapsed")]
+    seeds = [s for s in sorted(sft) if s not in excluded]
+    if not seeds:
+        raise ValueError(f"every seed's SFT checkpoint collapsed ({excluded}): nothing to compare")
     out: dict[str, Any] = {"sft": {k: mean_std([sft[s][k] for s in seeds]) for k in sft[seeds[0]]
-                                   if k.endswith("task_score")}}
+                                   if k.endswith("task_score")}, "excluded_seeds": excluded}
     for arm, runs in arms.items():
         out[arm] = {"valid_task_score": mean_std([runs[s]["valid"][-1]["task_score"] for s in seeds]),
                     "test_task_score": mean_std([runs[s]["test"]["task_score"] for s in seeds]),
@@ -446,6 +450,7 @@ def plot(path: Path, task: str, sft: dict[int, dict[str, Any]], arms: dict[str, 
 def print_summary(task: str, seeds: list[int], rl_epochs: int, train_subset: int, sft: dict[int, dict[str, Any]],
                   arms: list[str], oracles: dict[str, float], summary: dict[str, Any]) -> None:
     """The benchmark's table on stdout: each arm's scores and its paired difference to the baseline."""
+    seeds = [s for s in seeds if s not in summary.get("excluded_seeds", [])]
     print(f"\n{task}: task score, mean ± std over seeds {seeds} ({rl_epochs} RL epochs of "
           f"{train_subset} sources)")
     print(f"  {'SFT checkpoint':>14}: valid {summary['sft']['valid_task_score']['mean']:.4f}  "
@@ -467,10 +472,11 @@ def print_summary(task: str, seeds: list[int], rl_epochs: int, train_subset: int
         print(line)
     for name, value in oracles.items():
         print(f"  {name:>14}: test {value:.4f}")
-    for seed in seeds:
+    for seed in summary.get("excluded_seeds", []):
         if sft[seed].get("collapsed"):
             print(f"  seed {seed}: the SFT checkpoint writes the same few texts whatever the source "
-                  f"(distinct_outputs {sft[seed]['valid_distinct_outputs']:.3f}); its arms compare nothing")
+                  f"(distinct_outputs {sft[seed]['valid_distinct_outputs']:.3f}); its arms compare nothing and "
+                  f"are left out of the figures above")
     for split in ("test", "heldout"):
         if f"headroom_{split}" in summary["sft"]:
             h = summary["sft"][f"headroom_{split}"]
@@ -508,10 +514,10 @@ def pool(payloads: list[dict[str, Any]]) -> dict[str, Any]:
                                                                      p["machine"]["cpu"])):
             if got != want:
                 raise ValueError(f"--pool: result {i + 1}'s {key} is {got!r}, result 1's {want!r}")
-        for key, value in p["settings"].items():
-            if key != "seeds" and value != same.get(key):
-                raise ValueError(f"--pool: result {i + 1}'s settings.{key} is {value!r}, result 1's "
-                                 f"{same.get(key)!r}")
+        for key in sorted((set(p["settings"]) | set(same)) - {"seeds"}):
+            if p["settings"].get(key) != same.get(key):
+                raise ValueError(f"--pool: result {i + 1}'s settings.{key} is {p['settings'].get(key)!r}, "
+                                 f"result 1's {same.get(key)!r}")
         if overlap := seen & set(p["sft"]):
             raise ValueError(f"--pool: seed {', '.join(sorted(overlap))} is in more than one result")
         seen |= set(p["sft"])
@@ -521,7 +527,7 @@ def pool(payloads: list[dict[str, Any]]) -> dict[str, Any]:
     return {"benchmark": first["benchmark"], "task": first["task"], "settings": settings,
             "sft": {str(s): sft[s] for s in sorted(sft)}, "oracles": first["oracles"],
             "arms": {arm: {str(s): runs[s] for s in sorted(runs)} for arm, runs in arms.items()},
-            "summary": summarize(sft, arms), "pooled_from": [p["machine"]["date"] for p in payloads],
+            "summary": summarize(sft, arms), "pooled_from": [p["machine"] for p in payloads],
             "total_seconds": round(sum(p["total_seconds"] for p in payloads), 1)}
 
 

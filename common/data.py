@@ -12,8 +12,8 @@ every other field is kept in :attr:`Example.extra`.
 Several references (COCO-style captions, several translations): ``"references": ["...", "..."]``, a
 non-empty list of non-empty strings, every output a source may be scored against; metrics, rewards and
 CIDEr-D's document frequencies use them all (:attr:`Example.refs`). SFT and rank RL's gold still learn
-``target``, which defaults to the first reference; to learn every reference, write one row per reference
-(each with the same ``references``), as COCO-style likelihood training does.
+``target``, which defaults to the first reference and must be one of them; to learn every reference, write one
+row per reference (each with the same ``references``), as COCO-style likelihood training does.
 
 Bad data is never dropped silently. Each problem becomes a :class:`DataError` whose message names
 the file, the 1-based line and the field (``data/train.jsonl:17: field 'source': empty``). With
@@ -250,6 +250,10 @@ def _parse_jsonl_line(
         raise DataError(path, lineno, "target", f"expected a string, got {type(target).__name__}")
     elif not target.strip():
         raise DataError(path, lineno, "target", "empty")
+    elif references and target not in references:
+        raise DataError(path, lineno, "target", "not one of the row's references (SFT would learn a text nothing "
+                                                "is scored against): add it to references, or leave target out "
+                                                "to take the first")
 
     if check_text is not None:
         refs = ((f"references[{i}]", r) for i, r in enumerate(references))

@@ -180,18 +180,21 @@ def sft_job(cfg: Config, resume: bool = False, init: str | Path | None = None):
 
 
 def warn_if_collapsed(cfg: Config, checkpoint: Path, valid: list[Example]) -> None:
-    """Warn when an SFT checkpoint (the one RL starts from) writes the same few texts whatever its source: its
-    recorded validation ``distinct_outputs`` (:func:`rlt2t.learner.evaluate.collapse_warning`)."""
+    """Warn when a checkpoint RL starts from (an SFT one, or an earlier RL round's) writes the same few texts
+    whatever its source: its recorded validation ``distinct_outputs``
+    (:func:`rlt2t.learner.evaluate.collapse_warning`). The figure was measured on the validation subset of the
+    run that wrote it; ``valid`` gives the references' variety to compare it with."""
     from rlt2t.learner.evaluate import collapse_warning
 
     info = read_checkpoint(checkpoint)
     distinct = (info.meta.get("metrics") or {}).get("distinct_outputs") if info is not None else None
     if distinct is None:  # a model directory, or a checkpoint written before the monitor recorded it
         return
-    message = collapse_warning(
-        f"sft: {checkpoint}", distinct, valid,
-        f"train it again with a lower sft.lr (now {cfg.sft.lr:g}), a longer warm-up (sft.warmup_ratio, now "
-        f"{cfg.sft.warmup_ratio:g}) or another run.seed before RL starts from it")
+    stage = info.meta.get("stage") or "sft"
+    advice = (f"train it again with a lower sft.lr (now {cfg.sft.lr:g}), a longer warm-up (sft.warmup_ratio, now "
+              f"{cfg.sft.warmup_ratio:g}) or another run.seed before RL starts from it" if stage == "sft" else
+              f"start from an earlier checkpoint of that {stage} run, or rerun it with a lower learning rate")
+    message = collapse_warning(f"{stage}: {checkpoint}", distinct, valid, advice)
     if message:
         log.warning(message)
 

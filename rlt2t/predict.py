@@ -173,9 +173,10 @@ def load_idf_table(cfg: Config, exports: Sequence[Path]) -> IdfTable:
 
 def build_idf_table(cfg: Config) -> IdfTable:
     """IDF table of the training references (``data.train``: the targets, or every reference of a row that has
-    several), n-grams up to ``predict.idf_max_n``."""
+    several; rows repeating a source's references count them once, as CIDEr-D's document frequencies do),
+    n-grams up to ``predict.idf_max_n``."""
     train = load_examples(cfg.path(cfg.data.train), on_error=cfg.data.on_error)
-    return IdfTable.from_texts((r for e in train for r in e.refs), cfg.predict.idf_max_n)
+    return IdfTable.from_texts((r for refs in reference_sets(train) for r in refs), cfg.predict.idf_max_n)
 
 
 def _consensus_cider(cfg: Config) -> CiderD:

@@ -114,9 +114,9 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
 def _subset(cfg: Config, train_set: Sequence[Example]) -> list[Example]:
     r = cfg.rl
     if r.train_subset and r.train_subset < len(train_set):
-        log.warning("rl: rl.train_subset=%d: training on %d of %d sources (set 0 for all)", r.train_subset,
-                    r.train_subset, len(train_set))
-        train_set = train_set[: r.train_subset]
+        train_set, total = train_set[: r.train_subset], len(train_set)
+        log.warning("rl: rl.train_subset=%d: training on the first %d of %d rows, %d distinct sources (set 0 for "
+                    "all)", r.train_subset, r.train_subset, total, len({e.source for e in train_set}))
     if len(train_set) < r.learners:
         raise ValueError(f"rl: {len(train_set)} training examples for {r.learners} learner ranks")
     return list(train_set)

@@ -118,9 +118,10 @@ def test_a_seed_whose_sft_checkpoint_ignores_its_source_is_flagged(bench, tmp_pa
                            step=1)
     readings = bench._valid_readings(cfg, ckpt, seed=6)
     assert readings["collapsed"] is True and readings["valid_distinct_outputs"] < 0.1
-    sft = {6: {**readings, "test_task_score": 0.0, "seconds": 1.0}}
-    bench.print_summary("synth", [6], 1, 8, sft, [], {}, bench.summarize(sft, {}))
-    assert "seed 6: the SFT checkpoint writes the same few texts" in capsys.readouterr().out
+    sft = {6: {**readings, "test_task_score": 0.0, "seconds": 1.0}, 7: _sft(0.5, 0.4)}
+    bench.print_summary("synth", [6, 7], 1, 8, sft, [], {}, bench.summarize(sft, {}))
+    out = capsys.readouterr().out
+    assert "over seeds [7]" in out and "seed 6: the SFT checkpoint writes the same few texts" in out
 
 
 def _payload(seeds: list[int], *, cpu: str = "Xeon", lr: str = "sft.lr=1e-3") -> dict:
@@ -138,7 +139,7 @@ def test_pooling_a_confirmation_run_recomputes_the_summary_over_every_seed(bench
     diffs = [0.04 + 0.002 * s * s for s in (1, 2, 3, 4, 5)]
     each = pooled["summary"]["grpo"]["paired_diff_test_each"]["continued_sft"]
     assert each["mean"] == pytest.approx(sum(diffs) / 5)
-    assert pooled["total_seconds"] == 20.0 and pooled["pooled_from"] == ["d1", "d4"]
+    assert pooled["total_seconds"] == 20.0 and [m["date"] for m in pooled["pooled_from"]] == ["d1", "d4"]
 
 
 @pytest.mark.parametrize(("other", "named"), [
@@ -149,3 +150,24 @@ def test_pooling_a_confirmation_run_recomputes_the_summary_over_every_seed(bench
 def test_pooling_refuses_what_is_not_the_same_experiment(bench, other, named):
     with pytest.raises(ValueError, match=named):
         bench.pool([_payload([1, 2, 3]), other])
+
+
+def test_pooling_refuses_a_result_that_lacks_a_setting(bench):
+    older = _payload([4])
+    del older["settings"]["task_settings"]
+    with pytest.raises(ValueError, match="settings.task_settings is None"):
+        bench.pool([_payload([1, 2, 3]), older])
+
+
+def test_a_collapsed_seed_is_left_out_of_the_figures_and_named(bench, summarize):
+    sft = {s: _sft(0.5, 0.40) for s in (1, 2, 3)}
+    arms = {"continued_sft": {s: _run(0.45, 0.40 + 0.01 * s) for s in (1, 2, 3)},
+            "grpo": {s: _run(0.55, 0.44 + 0.01 * s + 0.002 * s * s) for s in (1, 2, 3)}}
+    sft[2] = {**_sft(0.05, 0.02), "collapsed": True}
+    arms["grpo"][2] = _run(0.30, 0.30)  # RL from a base that learned nothing: a large, meaningless gain
+    out = summarize(sft, arms)
+    assert out["excluded_seeds"] == [2]
+    assert out["grpo"]["paired_diff_test_each"]["continued_sft"]["mean"] == pytest.approx(0.04 + 0.002 * 5)
+    assert out["sft"]["test_task_score"]["n"] == 2
+    with pytest.raises(ValueError, match="nothing to compare"):
+        summarize({1: {**_sft(0.05, 0.02), "collapsed": True}}, {"grpo": {1: _run(0.3, 0.3)}})

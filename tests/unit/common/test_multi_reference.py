@@ -48,6 +48,28 @@ def test_a_row_with_references_loads_them_and_its_target_defaults_to_the_first(t
     assert "references" not in json.loads((tmp_path / "back.jsonl").read_text().splitlines()[2])
 
 
+def test_a_target_outside_the_rows_references_is_refused_naming_the_line(tmp_path):
+    path = _rows(tmp_path / "d.jsonl", {"id": "a", "source": "s", "target": REFS[1], "references": REFS},
+                 {"id": "b", "source": "s", "target": "5 5", "references": REFS})
+    with pytest.raises(DataError) as err:
+        list(load_examples(path))
+    assert ":2: field 'target': not one of the row's references" in str(err.value)
+
+
+def test_the_idf_table_counts_a_sources_references_once_however_many_rows_repeat_them(tmp_path):
+    """One row per reference (COCO-style): predict's IDF table holds each reference once, as CIDEr-D's document
+    frequencies do, not once per row that repeats it."""
+    from rlt2t.common.config import load_config
+    from rlt2t.predict import build_idf_table
+
+    _rows(tmp_path / "train.jsonl", *({"id": f"s{i}", "source": "s", "target": r, "references": REFS}
+                                      for i, r in enumerate(REFS)),
+          {"id": "t", "source": "t", "target": "1 9"})
+    table = build_idf_table(load_config(overrides=[f"data.train={tmp_path / 'train.jsonl'}"]))
+    assert table.num_docs == len(REFS) + 1
+    assert table.df[("1",)] == 3 and table.df[("7",)] == 1 and table.df[("1", "2")] == 2
+
+
 @pytest.mark.parametrize(("value", "field", "reason"), [
     ("1 2", "references", "expected a non-empty list of strings, got str"),
     ([], "references", "expected a non-empty list of strings, got []"),

@@ -54,9 +54,9 @@ def test_collapse_is_measured_against_the_references_variety():
     assert collapse_warning("sft", 1 / 19, _examples(19), "") is None
 
 
-def _checkpoint(tmp_path, tiny_policy, metrics):
-    return save_checkpoint(tmp_path / "sft" / "checkpoints", "epoch-0001", model=tiny_policy.model,
-                           tokenizer=tiny_policy.tokenizer, step=1, meta={"metrics": metrics})
+def _checkpoint(tmp_path, tiny_policy, metrics, stage="sft"):
+    return save_checkpoint(tmp_path / stage / "checkpoints", "epoch-0001", model=tiny_policy.model,
+                           tokenizer=tiny_policy.tokenizer, step=1, meta={"stage": stage, "metrics": metrics})
 
 
 def test_the_sft_checkpoint_rl_starts_from_is_checked(tmp_path, tiny_policy, caplog):
@@ -67,6 +67,12 @@ def test_the_sft_checkpoint_rl_starts_from_is_checked(tmp_path, tiny_policy, cap
         warn_if_collapsed(cfg, collapsed, valid)
     [record] = caplog.records
     assert str(collapsed) in record.message and "sft.lr (now 0.001)" in record.message
+    caplog.clear()
+    earlier_rl = _checkpoint(tmp_path / "rl", tiny_policy, {"monitor": 0.05, "distinct_outputs": 1 / 30}, "rl")
+    with caplog.at_level(logging.WARNING, logger="rlt2t.jobs"):
+        warn_if_collapsed(cfg, earlier_rl, valid)
+    [record] = caplog.records
+    assert record.message.startswith(f"rl: {earlier_rl}") and "sft.lr" not in record.message
     caplog.clear()
     healthy = _checkpoint(tmp_path / "b", tiny_policy, {"monitor": 0.6, "distinct_outputs": 0.97})
     older = _checkpoint(tmp_path / "c", tiny_policy, {"monitor": 0.6})  # written before the metric existed
