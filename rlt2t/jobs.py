@@ -186,11 +186,11 @@ def warn_if_collapsed(cfg: Config, checkpoint: Path, valid: list[Example]) -> No
     run that wrote it; ``valid`` gives the references' variety to compare it with."""
     from rlt2t.learner.evaluate import collapse_warning
 
-    info = read_checkpoint(checkpoint)
-    distinct = (info.meta.get("metrics") or {}).get("distinct_outputs") if info is not None else None
+    meta = info.meta if (info := read_checkpoint(checkpoint)) is not None else {}
+    distinct = (meta.get("metrics") or {}).get("distinct_outputs")
     if distinct is None:  # a model directory, or a checkpoint written before the monitor recorded it
         return
-    stage = info.meta.get("stage") or "sft"
+    stage = meta.get("stage") or "sft"
     advice = (f"train it again with a lower sft.lr (now {cfg.sft.lr:g}), a longer warm-up (sft.warmup_ratio, now "
               f"{cfg.sft.warmup_ratio:g}) or another run.seed before RL starts from it" if stage == "sft" else
               f"start from an earlier checkpoint of that {stage} run, or rerun it with a lower learning rate")
