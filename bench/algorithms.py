@@ -472,11 +472,10 @@ def print_summary(task: str, seeds: list[int], rl_epochs: int, train_subset: int
         print(line)
     for name, value in oracles.items():
         print(f"  {name:>14}: test {value:.4f}")
-    for seed in summary.get("excluded_seeds", []):
-        if sft[seed].get("collapsed"):
-            print(f"  seed {seed}: the SFT checkpoint writes the same few texts whatever the source "
-                  f"(distinct_outputs {sft[seed]['valid_distinct_outputs']:.3f}); its arms compare nothing and "
-                  f"are left out of the figures above")
+    for seed in summary.get("excluded_seeds", []):  # the seeds whose SFT checkpoint collapsed
+        print(f"  seed {seed}: the SFT checkpoint writes the same few texts whatever the source "
+              f"(distinct_outputs {sft[seed]['valid_distinct_outputs']:.3f}); its arms compare nothing and "
+              f"are left out of the figures above")
     for split in ("test", "heldout"):
         if f"headroom_{split}" in summary["sft"]:
             h = summary["sft"][f"headroom_{split}"]
@@ -486,11 +485,16 @@ def print_summary(task: str, seeds: list[int], rl_epochs: int, train_subset: int
                   f"{h['consensus_gain']['std']:.1%})  best by the reference {h['oracle_best']['mean']:.4f}")
 
 
+def readings(payload: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], dict[str, dict[int, dict[str, Any]]]]:
+    """A saved result's per-seed readings, keyed by int seed: (SFT checkpoint's, each arm's)."""
+    return ({int(s): v for s, v in payload["sft"].items()},
+            {arm: {int(s): r for s, r in runs.items()} for arm, runs in payload["arms"].items()})
+
+
 def resummarize(path: Path) -> None:
     """Recompute a saved result's summary (and its `beats_sft_on_test` flags) from its per-seed readings."""
     payload = json.loads(path.read_text())
-    sft = {int(s): v for s, v in payload["sft"].items()}
-    arms = {arm: {int(s): r for s, r in runs.items()} for arm, runs in payload["arms"].items()}
+    sft, arms = readings(payload)
     payload["summary"] = summary = summarize(sft, arms)
     settings = payload["settings"]
     print_summary(payload["task"], sorted(sft), settings["rl_epochs"], settings["train_subset"], sft, list(arms),
@@ -521,8 +525,9 @@ def pool(payloads: list[dict[str, Any]]) -> dict[str, Any]:
         if overlap := seen & set(p["sft"]):
             raise ValueError(f"--pool: seed {', '.join(sorted(overlap))} is in more than one result")
         seen |= set(p["sft"])
-    sft = {int(s): v for p in payloads for s, v in p["sft"].items()}
-    arms = {arm: {int(s): r for p in payloads for s, r in p["arms"][arm].items()} for arm in first["arms"]}
+    parts = [readings(p) for p in payloads]
+    sft = {s: v for part_sft, _ in parts for s, v in part_sft.items()}
+    arms = {arm: {s: r for _, part_arms in parts for s, r in part_arms[arm].items()} for arm in first["arms"]}
     settings = {**first["settings"], "seeds": sorted(sft)}
     return {"benchmark": first["benchmark"], "task": first["task"], "settings": settings,
             "sft": {str(s): sft[s] for s in sorted(sft)}, "oracles": first["oracles"],
@@ -570,8 +575,7 @@ def main() -> None:
             payload = pool([json.loads(path.read_text()) for path in args.pool])
         except (OSError, ValueError, KeyError) as e:
             ap.error(str(e))
-        sft = {int(k): v for k, v in payload["sft"].items()}
-        arms = {arm: {int(k): r for k, r in runs.items()} for arm, runs in payload["arms"].items()}
+        sft, arms = readings(payload)
         print_summary(payload["task"], sorted(sft), payload["settings"]["rl_epochs"],
                       payload["settings"]["train_subset"], sft, list(arms), payload["oracles"], payload["summary"])
         plot(RESULTS / f"{args.results_name}.png", payload["task"], sft, arms)

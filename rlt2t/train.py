@@ -394,11 +394,10 @@ class _Job:
                 if scores:
                     logger.log(step, {**scores, "epoch": epoch}, kind="valid")
                     log.info("rl epoch %d: %s", epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
-                    collapsed = collapse_warning(
-                        f"rl epoch {epoch}", scores["distinct_outputs"], valid,
-                        "the reward is probably being gamed by one output; raise the KL coefficient (rl.kl.coef) "
-                        "or lower rl.lr, and keep an earlier checkpoint") if "distinct_outputs" in scores else None
-                    if collapsed:
+                    if "distinct_outputs" in scores and (collapsed := collapse_warning(
+                            f"rl epoch {epoch}", scores["distinct_outputs"], valid,
+                            "the reward is probably being gamed by one output; raise the KL coefficient "
+                            "(rl.kl.coef) or lower rl.lr, and keep an earlier checkpoint")):
                         log.warning(collapsed)
                 result.checkpoint = checkpoint(epoch + 1, 0, step, {**last, **scores})
                 result.history.append({"epoch": epoch, **scores})
