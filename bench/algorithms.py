@@ -114,6 +114,9 @@ VARIANTS = {
     # An adaptive β aiming at 1 nat per sequence (GRPO's KL at 32 steps on the several-reference task), with a
     # horizon short enough to move β within a 32-step run (up to ±3.8 % a step at 192 sequences a step).
     "klt1": ["rl.kl.target=1", "rl.kl.horizon=1000"],
+    # A likelihood term beside the policy gradient (rl.pg.sft_coef): CE on the gold targets, weighted 0.25 or 1.
+    "sft0.25": ["rl.pg.sft_coef=0.25"],
+    "sft1": ["rl.pg.sft_coef=1"],
     "topk3": ["rollout.top_k=3", "rollout.temperature=0.8"],  # sampling closer to the greedy decode, as rank's
     "lora": ["model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16"],  # adapters only, same steps
     "k16": ["rollout.num_samples=16"],  # 16 samples per source instead of 6: a less noisy advantage, same sources

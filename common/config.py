@@ -290,6 +290,11 @@ class PolicyGradientConfig(_Section):
     """NLPO: the action space is the top-p tokens of the masking policy."""
     nlpo_mask_refresh_steps: int = Field(10, ge=1)
     """NLPO: the masking policy is a copy of the policy refreshed every N learner steps."""
+    sft_coef: float = Field(0.0, ge=0.0)
+    """Weight of a likelihood term: cross-entropy on each source's gold target (token mean over the gold tokens),
+    added to every optimizer step's loss, as InstructGPT's PPO-ptx adds its pretraining term. Continued SFT and
+    the policy gradient gain in different ways; this term keeps collecting what likelihood training still has
+    to give (docs/design.md, "Policy-gradient algorithms"). 0: off."""
     nlpo_leak_coef: float = Field(1.0, ge=0.0)
     """NLPO: weight of the loss term -log(policy mass inside the mask), token mean. The masked loss does not
     reach the logits of masked-out tokens; without this term mass drifts outside the mask unseen until a

@@ -81,6 +81,8 @@ class GroupBatch:
     """[K*B, T] raw log-probs under the reference policy (None: the learner computes them)."""
     greedy_rewards: Tensor | None = None
     """[B] the greedy decode's reward (SCST)."""
+    gold_labels: Tensor | None = None
+    """[B, Tg] each source's gold target ids (EOS last), -100 padding: the likelihood term (rl.pg.sft_coef)."""
 
     @property
     def k(self) -> int:
@@ -106,7 +108,8 @@ class GroupBatch:
                           labels=pick(self.labels, rows), sample_logprobs=pick(self.sample_logprobs, rows),
                           loss_mask=pick(self.loss_mask, rows), rewards=pick(self.rewards, sources),
                           reference_logprobs=pick_optional(self.reference_logprobs, rows),
-                          greedy_rewards=pick_optional(self.greedy_rewards, sources))
+                          greedy_rewards=pick_optional(self.greedy_rewards, sources),
+                          gold_labels=pick_optional(self.gold_labels, sources))
 
 
 def group_batch(
@@ -114,9 +117,11 @@ def group_batch(
     groups: Sequence[ScoredGroup],
     *,
     max_source_len: int,
+    gold_len: int | None = None,
 ) -> GroupBatch:
     """Collate B scored groups of equal K into a :class:`GroupBatch` (sources tokenised and truncated as
-    the rollout workers did; labels are the sampled ids themselves)."""
+    the rollout workers did; labels are the sampled ids themselves). ``gold_len``: also tokenise each group's
+    gold target, truncated to that many tokens keeping its EOS, as gold_labels (None: no gold labels)."""
     if not groups:
         raise ValueError("groups is empty; a GroupBatch needs at least one scored group")
     k = len(groups[0].rewards)
@@ -146,8 +151,12 @@ def group_batch(
     greedy = None
     if all(g.greedy_reward is not None for g in groups):
         greedy = torch.tensor([g.greedy_reward for g in groups], dtype=torch.float32)
+    gold = None
+    if gold_len is not None:
+        gold = pad(encode_texts(tokenizer, [g.group.reference for g in groups], gold_len, target=True)[0],
+                   IGNORE_INDEX)
     return GroupBatch(
         input_ids=seq2seq["input_ids"], attention_mask=seq2seq["attention_mask"], labels=labels,
         sample_logprobs=sample, loss_mask=mask,
         rewards=torch.tensor([list(g.rewards) for g in groups], dtype=torch.float32),
-        reference_logprobs=reference, greedy_rewards=greedy)
+        reference_logprobs=reference, greedy_rewards=greedy, gold_labels=gold)

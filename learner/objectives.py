@@ -204,7 +204,9 @@ class PolicyGradientObjective:
        token, GAE with the value head, whitened.
     3. rl.pg.epochs × rl.pg.minibatches optimizer steps (minibatches split by source so each keeps its
        shared encoder pass) of the clipped policy loss (+ value loss, − entropy bonus), stopping early when
-       the approximate KL to the batch's start passes 1.5·rl.pg.target_kl.
+       the approximate KL to the batch's start passes 1.5·rl.pg.target_kl. With rl.pg.sft_coef > 0 each step
+       adds that weight times the cross-entropy of the sources' gold targets, decoded as one more row per
+       source on the samples' encoder pass.
     4. The adaptive KL controller moves β towards rl.kl.target with the batch's mean sequence KL.
 
     Dropout is off throughout (the module stays in eval mode): under dropout an on-policy ratio is not 1.
@@ -251,13 +253,17 @@ class PolicyGradientObjective:
             keys.append("mask_leak")
         if self.rl.ppo_like:
             keys += ["value_loss", "value_clip_fraction", "explained_variance"]
+        if self.rl.pg.sft_coef:
+            keys.append("sft_loss")
         return tuple(keys)
 
     # -- batches ---------------------------------------------------------------------------------------------
 
     def collate(self, items: Sequence[ScoredGroup], *, max_source_len: int, max_target_len: int) -> GroupBatch:
-        del max_target_len  # samples are at most rollout.max_new_tokens <= data.max_target_len (config check)
-        return group_batch(self.policy.tokenizer, items, max_source_len=max_source_len)
+        # Samples are at most rollout.max_new_tokens <= data.max_target_len (config check); the gold targets are
+        # truncated to data.max_target_len as in SFT.
+        return group_batch(self.policy.tokenizer, items, max_source_len=max_source_len,
+                           gold_len=max_target_len if self.rl.pg.sft_coef else None)
 
     def preflight_batch(self, sources: int, source_len: int, target_len: int, generator: torch.Generator
                         ) -> GroupBatch:
@@ -272,7 +278,9 @@ class PolicyGradientObjective:
             rewards=torch.zeros(sources, k),
             reference_logprobs=(torch.zeros(rows, target_len) if self.rl.uses_kl and not self.scores_reference
                                 else None),
-            greedy_rewards=torch.zeros(sources) if self.algorithm == "scst" else None)
+            greedy_rewards=torch.zeros(sources) if self.algorithm == "scst" else None,
+            gold_labels=(torch.randint(0, vocab, (sources, target_len), generator=generator) if self.rl.pg.sft_coef
+                         else None))
 
     def preflight(self, run: StepRunner, batch: GroupBatch) -> None:
         # What a step holds at its peak (the first minibatch of step() over the whole batch): the no-grad pass's
@@ -285,7 +293,7 @@ class PolicyGradientObjective:
         rows = torch.arange(batch.labels.shape[0], device=batch.labels.device)
         with torch.no_grad():
             held = run.forward(batch.input_ids, batch.attention_mask, batch.labels, batch.k)
-        out: GroupOutput = run.forward(batch.input_ids, batch.attention_mask, batch.labels, batch.k)
+        out, gold_logits = self._forward(run, batch)
         allowed = None if action_mask is None else action_mask[rows]
         logp, raw = _token_logprobs(out.logits, batch.labels, self.transform, allowed)
         kept = batch.loss_mask & torch.isfinite(logp)  # random labels the transform or the mask excludes
@@ -296,10 +304,35 @@ class PolicyGradientObjective:
             loss = loss - self.rl.pg.entropy_coef * masked_mean(_entropy(out.logits), batch.loss_mask)
         if out.values is not None:
             loss = loss + masked_mean(out.values**2, batch.loss_mask)
+        if gold_logits is not None:
+            loss = loss + self._sft_loss(gold_logits, batch)
         loss.backward()
         del held
 
     # -- one learner step ------------------------------------------------------------------------------------
+
+    def _forward(self, run: StepRunner, batch: GroupBatch) -> tuple[GroupOutput, Tensor | None]:
+        """The gradient pass over a batch's samples: (their output, the gold rows' logits [B, Tg, V] or None).
+        With gold labels (rl.pg.sft_coef) they are decoded as sample K + 1 of each source, on the same encoder
+        pass; the decoder is causal, so padding every row to one width changes no real position's logits."""
+        k = batch.k
+        if batch.gold_labels is None:
+            return run.forward(batch.input_ids, batch.attention_mask, batch.labels, k), None
+        rows, width = batch.labels.shape
+        gold_width = batch.gold_labels.shape[1]
+        wide = max(width, gold_width)
+        labels = torch.cat([nn.functional.pad(batch.labels, (0, wide - width), value=IGNORE_INDEX),
+                            nn.functional.pad(batch.gold_labels, (0, wide - gold_width), value=IGNORE_INDEX)])
+        out: GroupOutput = run.forward(batch.input_ids, batch.attention_mask, labels, k + 1)
+        values = None if out.values is None else out.values[:rows, :width]
+        return GroupOutput(out.logits[:rows, :width], values), out.logits[rows:, :gold_width]
+
+    @staticmethod
+    def _sft_loss(gold_logits: Tensor, batch: GroupBatch) -> Tensor:
+        """Cross-entropy of the gold targets, token mean (the continued-SFT loss, ``RankObjective`` at λ = 0)."""
+        assert batch.gold_labels is not None
+        return nn.functional.cross_entropy(gold_logits.flatten(0, 1).float(), batch.gold_labels.flatten(),
+                                           ignore_index=IGNORE_INDEX)
 
     def receive_masks(self, weights: Mapping[int, dict[str, Tensor]]) -> None:
         """NLPO: the masking-policy weights of the versions the next step's groups were sampled under that this
@@ -416,7 +449,7 @@ class PolicyGradientObjective:
         minibatches = min(rl.optimisation_minibatches, run.all_min(size))
         stats: dict[str, list[float]] = {"loss": [], "policy_loss": [], "clip_fraction": [], "approx_kl": [],
                                          "ratio_mean": [], "ratio_max": [], "grad_norm": [], "value_loss": [],
-                                         "value_clip_fraction": [], "mask_leak": []}
+                                         "value_clip_fraction": [], "mask_leak": [], "sft_loss": []}
         steps = 0
         stop = False
         for _ in range(rl.optimisation_epochs):
@@ -426,7 +459,7 @@ class PolicyGradientObjective:
                 mb = batch.select(part)
                 rows = (torch.arange(k, device=part.device).unsqueeze(1) * size + part.unsqueeze(0)).reshape(-1)
                 mb_mask = mask[rows]
-                out = run.forward(mb.input_ids, mb.attention_mask, mb.labels, k)
+                out, gold_logits = self._forward(run, mb)
                 logp, raw = _token_logprobs(out.logits, mb.labels, self.transform,
                                             None if action_mask is None else action_mask[rows])
                 policy_loss, st = clipped_policy_loss(logp, old_logp[rows], advantages[rows], mb_mask,
@@ -449,7 +482,17 @@ class PolicyGradientObjective:
                     if pg.nlpo_leak_coef > 0:
                         loss = loss + pg.nlpo_leak_coef * leak
                     stats["mask_leak"].append(leak.item())
-                stats["grad_norm"].append(run.optimize(loss * rank_token_share(run, mb_mask)))
+                if gold_logits is None:
+                    objective = loss * rank_token_share(run, mb_mask)
+                else:  # each term a mean over every rank's tokens: the samples', the gold targets'
+                    assert mb.gold_labels is not None
+                    sft_loss = self._sft_loss(gold_logits, mb)
+                    sample_share, gold_share = rank_shares(run, float(mb_mask.sum()),
+                                                           float((mb.gold_labels != IGNORE_INDEX).sum()))
+                    objective = loss * sample_share + pg.sft_coef * sft_loss * gold_share
+                    loss = loss + pg.sft_coef * sft_loss
+                    stats["sft_loss"].append(sft_loss.item())
+                stats["grad_norm"].append(run.optimize(objective))
                 steps += 1
                 for key, value in (("loss", loss), ("policy_loss", policy_loss), *st.items()):
                     stats[key].append(float(value.detach()) if isinstance(value, torch.Tensor) else float(value))

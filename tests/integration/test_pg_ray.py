@@ -139,12 +139,13 @@ def test_a_killed_rollout_worker_is_redispatched_and_nothing_is_lost(references,
     assert all(torch.equal(weights[k], got[k]) for k in weights), "a re-dispatched chunk changed the result"
 
 
-@pytest.mark.parametrize("algorithm", ["rloo", "ppo"])
-def test_two_ddp_ranks_stay_identical(ray_session, prepared_run, algorithm):
+@pytest.mark.parametrize(("algorithm", "pg"), [("rloo", {}), ("ppo", {}), ("grpo", {"sft_coef": 0.5})],
+                         ids=["rloo", "ppo", "grpo-sft"])
+def test_two_ddp_ranks_stay_identical(ray_session, prepared_run, algorithm, pg):
     cfg = _config(prepared_run, algorithm)
     sft = best_or_latest(prepared_run / "sft" / "checkpoints")
     rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=12)
-    rl = RLConfig(algorithm=algorithm, batch_size=8, learners=2, lr=1e-3, kl={"coef": 0.05})
+    rl = RLConfig(algorithm=algorithm, batch_size=8, learners=2, lr=1e-3, kl={"coef": 0.05}, pg=pg)
     examples = load_examples(prepared_run / "data" / "train.jsonl")[:24]
     worker = RolloutWorker(cfg.model, str(cfg.tokenizer_dir), rollout, seed=0, max_source_len=32,
                            spec=RolloutSpec.for_algorithm(algorithm, kl=True),
@@ -162,6 +163,8 @@ def test_two_ddp_ranks_stay_identical(ray_session, prepared_run, algorithm):
             groups = reward.score(worker.sample(examples[start : start + 8]))
             metrics = ray.get([r.train_step.remote(groups[i::2]) for i, r in enumerate(ranks)])
             assert metrics[0] == metrics[1], "logged scalars must be reduced across ranks"
+            # the likelihood term on the gold targets: a cross-entropy, logged only when it is on
+            assert ("sft_loss" in metrics[0]) == bool(pg) and metrics[0].get("sft_loss", 1.0) > 0
         w0, w1 = ray.get([r.weights.remote() for r in ranks])
         assert all(torch.equal(w0[k], w1[k]) for k in w0), "DDP ranks diverged"
         s0, s1 = ray.get([r.training_state.remote() for r in ranks])
