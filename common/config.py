@@ -292,9 +292,9 @@ class PolicyGradientConfig(_Section):
     """NLPO: the masking policy is a copy of the policy refreshed every N learner steps."""
     sft_coef: float = Field(0.0, ge=0.0)
     """Weight of a likelihood term: cross-entropy on each source's gold target (token mean over the gold tokens),
-    added to every optimizer step's loss, as InstructGPT's PPO-ptx adds its pretraining term. Continued SFT and
-    the policy gradient gain in different ways; this term keeps collecting what likelihood training still has
-    to give (docs/design.md, "Policy-gradient algorithms"). 0: off."""
+    added to every optimizer step's loss, as InstructGPT's PPO-ptx adds its pretraining term; meant for an SFT
+    that has not converged, where continued SFT still gains (docs/design.md, "Policy-gradient algorithms"; on
+    the benchmark's pilot it added nothing to GRPO). 0: off. Not for rank RL, which has its own CE."""
     nlpo_leak_coef: float = Field(1.0, ge=0.0)
     """NLPO: weight of the loss term -log(policy mass inside the mask), token mean. The masked loss does not
     reach the logits of masked-out tokens; without this term mass drifts outside the mask unseen until a
@@ -367,6 +367,14 @@ class RLConfig(StageConfig):
     learners sources, data.max_source_len / max_target_len tokens) while the workers start: out-of-memory
     fails the job at setup, and the first step does not pay the fresh process's warm-up. No optimizer step,
     RNGs restored: training is unchanged."""
+
+    @model_validator(mode="after")
+    def _likelihood_term_is_for_policy_gradients(self) -> RLConfig:
+        if self.algorithm == "rank" and self.pg.sft_coef:
+            raise ValueError("rl.pg.sft_coef: rank RL already trains on the gold targets (its CE term, with "
+                             "rl.rank.loss_weight weighing the rank loss against it); the likelihood term is for the "
+                             "policy-gradient algorithms")
+        return self
 
     @property
     def refresh_interval(self) -> int:

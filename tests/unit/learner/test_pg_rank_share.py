@@ -1,13 +1,17 @@
 """Means over every learner rank: under DDP (which averages the ranks' gradients) a policy-gradient step, and a
-rank-RL step, give the gradient one learner gives on the whole batch, whatever the ranks' token counts."""
+rank-RL step, give the gradient one learner gives on the whole batch, whatever the ranks' token counts; so does a
+policy-gradient objective's whole step with its likelihood term (rl.pg.sft_coef), whose gold tokens are counted
+apart from the samples'."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import signal
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -17,8 +21,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from rlt2t.common.collate import IGNORE_INDEX
+from rlt2t.common.config import RLConfig, RolloutConfig
+from rlt2t.learner.batch import GroupBatch
+from rlt2t.learner.group_step import GroupOutput
 from rlt2t.learner.losses import clipped_policy_loss, pairwise_rank_loss
-from rlt2t.learner.objectives import pooled_rank_loss, rank_token_share
+from rlt2t.learner.objectives import PolicyGradientObjective, pooled_rank_loss, rank_token_share
 from rlt2t.learner.rank_step import RankBatch
 
 # Source 0 sampled long (10 tokens per row), source 1 short (2): shards items[i::2] give rank 0 the long one.
@@ -81,6 +88,55 @@ def _rank_model() -> torch.nn.Linear:
     return torch.nn.Linear(1, 90, bias=False)
 
 
+# A GRPO step with the likelihood term on 2 sources x 2 samples. Source 0: long samples (8 tokens), a short gold
+# (2); source 1: short samples (2), a long gold (8). Each rank holds one source, so the two terms' token shares
+# differ: scaling the gold cross-entropy by the samples' share would weigh source 1's 8 gold tokens as 2.
+PG_VOCAB, PG_T = 7, 8
+PG_SAMPLES = torch.full((4, PG_T), IGNORE_INDEX)  # rep-major: row j * 2 + i = sample j of source i
+PG_SAMPLES[0], PG_SAMPLES[2] = torch.arange(PG_T) % 5 + 1, (torch.arange(PG_T) + 2) % 5 + 1
+PG_SAMPLES[1, :2], PG_SAMPLES[3, :2] = torch.tensor([3, 4]), torch.tensor([5, 6])
+PG_GOLD = torch.full((2, PG_T), IGNORE_INDEX)
+PG_GOLD[0, :2], PG_GOLD[1] = torch.tensor([2, 3]), (torch.arange(PG_T) + 1) % 6 + 1
+
+
+def _pg_batch() -> GroupBatch:
+    return GroupBatch(input_ids=torch.tensor([[0], [1]]), attention_mask=torch.ones(2, 1, dtype=torch.long),
+                      labels=PG_SAMPLES, sample_logprobs=torch.zeros(4, PG_T), loss_mask=PG_SAMPLES != IGNORE_INDEX,
+                      rewards=torch.tensor([[1.0, 0.0], [0.0, 2.0]]), gold_labels=PG_GOLD)
+
+
+def _pg_step(batch: GroupBatch, all_sum, all_reduce_grad) -> list[float]:
+    """One GRPO step with rl.pg.sft_coef = 0.5 on a 'policy' whose logits are one parameter per (source, row of
+    the source, position): the objective's own arithmetic, no model. Returns the (rank-averaged) gradient."""
+    weights = torch.nn.Parameter(torch.randn(2, 3, PG_T, PG_VOCAB, generator=torch.Generator().manual_seed(0)))
+    rl = RLConfig(algorithm="grpo", kl={"coef": 0.0}, pg={"sft_coef": 0.5, "epochs": 1, "minibatches": 1})
+    policy = types.SimpleNamespace(model=torch.nn.Linear(1, 1))  # unused: forward below is the policy
+    objective = PolicyGradientObjective(rl, RolloutConfig(num_samples=2), policy, seed=0)
+    grads: list[float] = []
+
+    def forward(input_ids, attention_mask, labels, k):
+        size = input_ids.shape[0]
+        sources = input_ids[:, 0].repeat(k)  # row j * size + i: source i, its row j
+        rows = torch.arange(k).repeat_interleave(size)
+        return GroupOutput(weights[sources, rows, : labels.shape[1]], None)
+
+    def optimize(loss):
+        loss.backward()
+        grads.extend(all_reduce_grad(weights.grad).flatten().tolist())
+        return 0.0
+
+    runner = types.SimpleNamespace(device=torch.device("cpu"), forward=forward, optimize=optimize, all_sum=all_sum,
+                                   all_min=lambda v: v, autocast=contextlib.nullcontext)
+    objective.step(runner, batch, [], 0)
+    return grads
+
+
+def _all_reduce_mean(grad: torch.Tensor) -> torch.Tensor:
+    """What DDP does with each rank's gradient."""
+    dist.all_reduce(grad)
+    return grad / dist.get_world_size()
+
+
 def _rank(rank: int, rendezvous: str, results: str) -> None:
     # A file, not a port chosen in advance: a port free when chosen can be taken by another process (a Ray of
     # the test session) before rank 0 binds it, and rank 1 would then wait on a stranger forever.
@@ -93,6 +149,7 @@ def _rank(rank: int, rendezvous: str, results: str) -> None:
     ranked = torch.nn.parallel.DistributedDataParallel(_rank_model())
     _rank_loss(ranked(torch.ones(1, 1)).view(1, 9, 10).expand(2, 9, 10), [rank]).backward()
     grads["rank"] = ranked.module.weight.grad.flatten().tolist()
+    grads["pg_sft"] = _pg_step(_pg_batch().select(torch.tensor([rank])), _Ranks().all_sum, _all_reduce_mean)
     Path(results, f"{rank}.json").write_text(json.dumps(grads))
     # No teardown: with torch 2.13's gloo, freeing a DDP model can deadlock. The Reducer's dealloc holds the GIL
     # while ~ProcessGroupGloo joins a worker thread that is itself freeing a finished all-reduce and waits for
@@ -152,6 +209,10 @@ def test_two_ddp_ranks_step_as_one_learner_on_the_whole_batch(tmp_path):
     expected = single.weight.grad.flatten().tolist()
     assert grads[0]["rank"] == grads[1]["rank"]
     assert grads[0]["rank"] == pytest.approx(expected, abs=1e-6)
+    # A policy-gradient step with the likelihood term: each term pooled over its own tokens.
+    expected = _pg_step(_pg_batch(), lambda v: v, lambda g: g)
+    assert grads[0]["pg_sft"] == grads[1]["pg_sft"]
+    assert grads[0]["pg_sft"] == pytest.approx(expected, abs=1e-6)
 
 
 def test_rank_rl_with_one_rank_is_its_loss_exactly():

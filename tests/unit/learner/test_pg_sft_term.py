@@ -18,8 +18,10 @@ from rlt2t.learner.objectives import PolicyGradientObjective
 
 K = 3
 SOURCES = ["11 12 13 14", "20 21", "30 31 32 33 34 35"]
-# Gold targets longer and shorter than the samples, so the widened rows are padded both ways.
+# Gold targets longer and shorter than the samples (at most 6 tokens with EOS); SHORT_GOLDS: a batch whose gold
+# rows are all narrower than its sample rows, so the widening pads the gold rows instead.
 GOLDS = ["40 41 42 43 44 45 46 47 48", "50", "52 53 54"]
+SHORT_GOLDS = ["40", "50", "52"]
 
 
 def _runner(objective: PolicyGradientObjective) -> types.SimpleNamespace:
@@ -38,11 +40,11 @@ def _runner(objective: PolicyGradientObjective) -> types.SimpleNamespace:
                                  grads=grads)
 
 
-def _items(policy) -> list[ScoredGroup]:
+def _items(policy, golds: list[str] = GOLDS) -> list[ScoredGroup]:
     g = torch.Generator().manual_seed(0)
     eos = policy.tokenizer.eos_token_id
     items = []
-    for i, (source, gold) in enumerate(zip(SOURCES, GOLDS, strict=True)):
+    for i, (source, gold) in enumerate(zip(SOURCES, golds, strict=True)):
         ids = tuple(tuple(torch.randint(12, 60, (int(n),), generator=g).tolist()) + (eos,)
                     for n in torch.randint(1, 6, (K,), generator=g))
         group = SampledGroup(example_id=str(i), source=source, reference=gold, candidates=("x",) * K,
@@ -73,10 +75,13 @@ def test_the_batch_carries_the_gold_targets_only_when_the_term_is_on(tiny_policy
     torch.testing.assert_close(picked.gold_labels, on.gold_labels[[2, 0]])
 
 
-def test_the_gold_row_shares_the_encoder_pass_and_leaves_the_samples_logits_alone(tiny_policy):
+@pytest.mark.parametrize("golds", [GOLDS, SHORT_GOLDS], ids=["gold-wider", "gold-narrower"])
+def test_the_gold_row_shares_the_encoder_pass_and_leaves_the_samples_logits_alone(tiny_policy, golds):
     model = tiny_policy.model.eval()
     objective = _objective(tiny_policy, 1.0)
-    batch = objective.collate(_items(tiny_policy), max_source_len=16, max_target_len=16)
+    batch = objective.collate(_items(tiny_policy, golds), max_source_len=16, max_target_len=16)
+    assert batch.gold_labels is not None
+    assert (batch.gold_labels.shape[1] > batch.labels.shape[1]) == (golds is GOLDS)
     runner = _runner(objective)
     out, gold_logits = objective._forward(runner, batch)
     plain = runner.forward(batch.input_ids, batch.attention_mask, batch.labels, K)
@@ -84,7 +89,7 @@ def test_the_gold_row_shares_the_encoder_pass_and_leaves_the_samples_logits_alon
     assert out.logits.shape == plain.logits.shape
     torch.testing.assert_close(out.logits[valid], plain.logits[valid], atol=1e-5, rtol=1e-5)
     # the gold rows against a plain forward of the model on (source, gold): Hugging Face's own loss
-    assert batch.gold_labels is not None
+    assert gold_logits is not None and gold_logits.shape[:2] == batch.gold_labels.shape
     with torch.no_grad():
         full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.gold_labels)
     gold_valid = batch.gold_labels != IGNORE_INDEX
@@ -127,6 +132,23 @@ def test_the_step_adds_the_weighted_gold_cross_entropy_to_the_gradient(tiny_poli
         torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_a_negative_coefficient_is_refused_by_name():
+def test_a_negative_coefficient_and_rank_rl_are_refused_by_name():
     with pytest.raises(pydantic.ValidationError, match="sft_coef"):
         RLConfig(pg={"sft_coef": -0.1})
+    with pytest.raises(pydantic.ValidationError, match=r"rl\.pg\.sft_coef: rank RL"):
+        RLConfig(algorithm="rank", pg={"sft_coef": 0.5})
+    assert RLConfig(algorithm="rank").pg.sft_coef == 0  # the default stays valid for every algorithm
+
+
+def test_nlpo_with_minibatches_takes_the_term_in_every_step(tiny_policy):
+    # NLPO's action mask indexes the sample rows only; 2 epochs x 2 minibatches each decode their sources' gold rows.
+    rl = RLConfig(algorithm="nlpo", kl={"coef": 0.0}, pg={"sft_coef": 0.5, "target_kl": 0.0})
+    policy = copy.copy(tiny_policy)
+    policy.model = tiny_policy.model.eval()
+    objective = PolicyGradientObjective(rl, RolloutConfig(num_samples=K), policy, seed=0)
+    items = _items(policy)
+    batch = objective.collate(items, max_source_len=16, max_target_len=16)
+    runner = _runner(objective)
+    metrics = objective.step(runner, batch, items, 0)
+    assert metrics["optimizer_steps"] == 4 and len(runner.grads) == 4
+    assert 0 < metrics["sft_loss"] < 20 and "mask_leak" in metrics
