@@ -7,7 +7,8 @@ divergence with a decaying factor.
 
 Policy gradient: `kl_estimate` (k1, k2, k3), `group_advantages` (SCST, RLOO, GRPO), `gae`,
 `clipped_policy_loss`, `clipped_value_loss`, `masked_mean` / `masked_whiten`, `mask_leak` (NLPO), and the
-`AdaptiveKLController`. "Token mean" everywhere is the sum over valid (mask = 1) tokens divided by their
+`AdaptiveKLController`. Both: `gold_cross_entropy`, the CE on the gold targets (rank RL's CE term, the policy
+gradients' likelihood term). "Token mean" everywhere is the sum over valid (mask = 1) tokens divided by their
 count, over the whole batch.
 
 Running the model to get the logits lives in `rlt2t.learner.rank_step` and `rlt2t.learner.group_step`.
@@ -137,6 +138,12 @@ KLKind = Literal["k1", "k2", "k3"]
 AdvantageKind = Literal["scst", "rloo", "grpo"]
 # GRPO's std guard (docs/design.md): a group whose rewards all tie gets advantage 0, not 0 / 0.
 GRPO_STD_EPS = 1e-4
+
+
+def gold_cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """Likelihood training's loss: the mean of -log p(label) over the non-padding label tokens, in float32
+    (Hugging Face's own loss). logits [B, T, V], labels [B, T]."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index)
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:

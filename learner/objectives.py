@@ -39,6 +39,7 @@ from rlt2t.learner.losses import (
     clipped_value_loss,
     counted_rank_weights,
     gae,
+    gold_cross_entropy,
     group_advantages,
     kl_estimate,
     mask_leak,
@@ -304,8 +305,8 @@ class PolicyGradientObjective:
             loss = loss - self.rl.pg.entropy_coef * masked_mean(_entropy(out.logits), batch.loss_mask)
         if out.values is not None:
             loss = loss + masked_mean(out.values**2, batch.loss_mask)
-        if gold_logits is not None:
-            loss = loss + self._sft_loss(gold_logits, batch)
+        if gold_logits is not None and batch.gold_labels is not None:
+            loss = loss + gold_cross_entropy(gold_logits, batch.gold_labels, IGNORE_INDEX)
         loss.backward()
         del held
 
@@ -326,13 +327,6 @@ class PolicyGradientObjective:
         out: GroupOutput = run.forward(batch.input_ids, batch.attention_mask, labels, k + 1)
         values = None if out.values is None else out.values[:rows, :width]
         return GroupOutput(out.logits[:rows, :width], values), out.logits[rows:, :gold_width]
-
-    @staticmethod
-    def _sft_loss(gold_logits: Tensor, batch: GroupBatch) -> Tensor:
-        """Cross-entropy of the gold targets, token mean (the continued-SFT loss, ``RankObjective`` at λ = 0)."""
-        assert batch.gold_labels is not None
-        return nn.functional.cross_entropy(gold_logits.flatten(0, 1).float(), batch.gold_labels.flatten(),
-                                           ignore_index=IGNORE_INDEX)
 
     def receive_masks(self, weights: Mapping[int, dict[str, Tensor]]) -> None:
         """NLPO: the masking-policy weights of the versions the next step's groups were sampled under that this
@@ -486,7 +480,7 @@ class PolicyGradientObjective:
                     objective = loss * rank_token_share(run, mb_mask)
                 else:  # each term a mean over every rank's tokens: the samples', the gold targets'
                     assert mb.gold_labels is not None
-                    sft_loss = self._sft_loss(gold_logits, mb)
+                    sft_loss = gold_cross_entropy(gold_logits, mb.gold_labels, IGNORE_INDEX)
                     sample_share, gold_share = rank_shares(run, float(mb_mask.sum()),
                                                            float((mb.gold_labels != IGNORE_INDEX).sum()))
                     objective = loss * sample_share + pg.sft_coef * sft_loss * gold_share

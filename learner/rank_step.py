@@ -22,7 +22,7 @@ from rlt2t.common.collate import IGNORE_INDEX
 from rlt2t.common.families import cross_attention_states, cross_attentions, shift_labels
 from rlt2t.common.policy import PolicyModel
 from rlt2t.common.scoring import SCORE_KINDS, ScoreKind, token_scores
-from rlt2t.learner.losses import pairwise_rank_loss
+from rlt2t.learner.losses import gold_cross_entropy, pairwise_rank_loss
 
 
 @dataclass(frozen=True, eq=False)
@@ -193,7 +193,7 @@ def shared_encoder_rank_loss(
     labels_gold = labels[:size]
 
     # Same quantity as HF's outputs.loss for the gold batch: mean over non-padding gold tokens.
-    ce = F.cross_entropy(logits_gold.flatten(0, 1).float(), labels_gold.flatten(), ignore_index=IGNORE_INDEX)
+    ce = gold_cross_entropy(logits_gold, labels_gold, IGNORE_INDEX)
     scores_a = token_scores(logits_a[:, :length], batch.labels_a, score_kind, IGNORE_INDEX)
     scores_b = token_scores(logits_b[:, :length], batch.labels_b, score_kind, IGNORE_INDEX)
     rank, accuracy = pairwise_rank_loss(
@@ -224,7 +224,7 @@ def naive_rank_loss(
         return model(**source, decoder_input_ids=shift_right(labels, start_id, pad_id)).logits
 
     logits_gold = logits(batch.gold_labels)
-    ce = F.cross_entropy(logits_gold.flatten(0, 1).float(), batch.gold_labels.flatten(), ignore_index=IGNORE_INDEX)
+    ce = gold_cross_entropy(logits_gold, batch.gold_labels, IGNORE_INDEX)
     logits_a = logits(batch.labels_a)
     logits_b = logits(batch.labels_b)
     scores_a = token_scores(logits_a, batch.labels_a, score_kind, IGNORE_INDEX)

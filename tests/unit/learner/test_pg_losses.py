@@ -13,6 +13,7 @@ from rlt2t.learner.losses import (
     clipped_policy_loss,
     clipped_value_loss,
     gae,
+    gold_cross_entropy,
     group_advantages,
     kl_estimate,
     mask_leak,
@@ -180,3 +181,11 @@ def test_mask_leak_by_hand():
     assert mask_leak(logits, allowed)[0].item() == pytest.approx(kl)
     with pytest.raises(ValueError, match="one shape"):
         mask_leak(logits, allowed[:, :3])
+
+
+def test_gold_cross_entropy_is_the_mean_over_real_tokens_by_hand():
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    labels = torch.tensor([[1, 4, -100], [0, -100, -100]])
+    logp = logits.log_softmax(-1)
+    by_hand = -(logp[0, 0, 1] + logp[0, 1, 4] + logp[1, 0, 0]) / 3  # padding counts for nothing
+    assert float(gold_cross_entropy(logits, labels)) == pytest.approx(float(by_hand), rel=1e-6)

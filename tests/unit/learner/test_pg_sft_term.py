@@ -14,6 +14,7 @@ import torch
 from rlt2t.common.collate import IGNORE_INDEX, encode_texts
 from rlt2t.common.config import RLConfig, RolloutConfig
 from rlt2t.common.types import SampledGroup, ScoredGroup
+from rlt2t.learner.losses import gold_cross_entropy
 from rlt2t.learner.objectives import PolicyGradientObjective
 
 K = 3
@@ -94,7 +95,7 @@ def test_the_gold_row_shares_the_encoder_pass_and_leaves_the_samples_logits_alon
         full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.gold_labels)
     gold_valid = batch.gold_labels != IGNORE_INDEX
     torch.testing.assert_close(gold_logits[gold_valid], full.logits[gold_valid], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(objective._sft_loss(gold_logits, batch), full.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gold_cross_entropy(gold_logits, batch.gold_labels), full.loss, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
