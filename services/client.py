@@ -176,7 +176,7 @@ def _body(model: type[BaseModel], fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def _references(references: Sequence[str | Sequence[str]]) -> list[str | list[str]]:
-    """Per source its gold text or a list of its references, as ``PairsRequest.references`` takes them."""
+    """Per row its gold text or a list of its references, as the pairs and reward requests take them."""
     return [given if isinstance(given, str) else list(given) for given in references]
 
 
@@ -323,7 +323,7 @@ def _reward_body(candidates: Sequence[str], references: Sequence[str | Sequence[
                  metrics: Sequence[str] | None, sources: Sequence[str] | None) -> dict[str, Any]:
     fields: dict[str, Any] = {"candidates": list(candidates)}
     if references is not None:
-        fields["references"] = [r if isinstance(r, str) else list(r) for r in references]
+        fields["references"] = _references(references)
     if sources is not None:
         fields["sources"] = list(sources)
     if metrics is not None:

@@ -61,11 +61,15 @@ def test_learner_steps_on_cuda_with_mixed_precision(init_dir, precision):
     assert ("scaler" in state) == (precision == "fp16")
 
 
-@pytest.mark.parametrize("algorithm,source", [("nlpo", "ray"), ("grpo", "http")])
-def test_policy_gradient_learner_steps_on_cuda_with_its_frozen_models(init_dir, algorithm, source):
+@pytest.mark.parametrize("algorithm,source,sft_coef,precision",
+                         [("nlpo", "ray", 0.0, "no"), ("grpo", "http", 0.0, "no"), ("grpo", "http", 0.5, "bf16"),
+                          ("ppo", "http", 0.5, "fp16")])
+def test_policy_gradient_learner_steps_on_cuda_with_its_frozen_models(init_dir, algorithm, source, sft_coef,
+                                                                       precision):
     """A policy-gradient learner on the GPU with the models it runs besides the trained one: NLPO's masking
     policy, and the reference it scores samples from policy servers with (they send no reference log-probs).
-    Both must sit on the learner's device: preflight, then steps."""
+    Both must sit on the learner's device: preflight, then steps. With rl.pg.sft_coef under mixed precision the
+    gold rows ride the same autocast pass as the samples (and PPO's value head on the widened rows)."""
     import copy
 
     from accelerate.state import AcceleratorState
@@ -77,13 +81,15 @@ def test_policy_gradient_learner_steps_on_cuda_with_its_frozen_models(init_dir, 
     from rlt2t.common.types import RolloutSpec
 
     AcceleratorState._reset_state(reset_partial_state=True)
-    rl = RLConfig(algorithm=algorithm, lr=1e-3, warmup_ratio=0.0, batch_size=8, learner_gpus=1)
+    rl = RLConfig(algorithm=algorithm, lr=1e-3, warmup_ratio=0.0, batch_size=8, learner_gpus=1,
+                  pg={"sft_coef": sft_coef})
     rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8, source=source)
     model = ModelConfig(preset="tiny", dropout=0.0)
     learner = Learner(model, None, rl, rollout, init_checkpoint=str(init_dir), rank=0,
-                      world_size=1, total_steps=4, seed=0, max_source_len=32, max_target_len=16)
+                      world_size=1, total_steps=4, seed=0, max_source_len=32, max_target_len=16,
+                      mixed_precision=precision)
     learner.join(("127.0.0.1", 0))
-    assert learner.device.type == "cuda"
+    assert learner.device.type == "cuda" and learner.accelerator.mixed_precision == precision
     frozen = learner.objective.frozen_modules()
     assert len(frozen) == 1 and all(p.device.type == "cuda" for m in frozen for p in m.parameters())
     stats = learner.preflight()
@@ -105,6 +111,9 @@ def test_policy_gradient_learner_steps_on_cuda_with_its_frozen_models(init_dir, 
     for _ in range(2):
         metrics = learner.train_step(groups)
         assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+        assert ("sft_loss" in metrics) == bool(sft_coef)
+        if sft_coef:  # CE of the gold ids of an untrained tiny model: about log(vocab), not 0
+            assert metrics["sft_loss"] > 1.0, metrics
     assert any(not torch.equal(before[k], v) for k, v in learner.weights().items()), "no parameter moved"
 
 
