@@ -25,6 +25,9 @@ SFT checkpoint and every arm on N pairs that none of the splits drew (the 800-ro
 the size of RL's effect there). The SFT checkpoint's headroom (test, and held-out with --heldout): the task
 score of its greedy decode against a reference-free choice among that decode and 6 samples (the consensus, a
 minimum-Bayes-risk pick), against one sample, and against the best of them by the reference (an oracle).
+--rl-split F holds a fraction F of the training sources (with all their rows) back from SFT, and every arm trains
+on those instead: RL on sources the checkpoint has not memorised; `continued_sft:replay` then continues SFT on
+all training rows, old and new.
 
 Tasks: `synth` (the demo's synthetic report task, ids tokenizer) and `docstrings` (a function's name and
 arguments → the summary line its authors wrote, from the installed packages: human-written English, a
@@ -120,6 +123,9 @@ VARIANTS = {
     "topk3": ["rollout.top_k=3", "rollout.temperature=0.8"],  # sampling closer to the greedy decode, as rank's
     "lora": ["model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16"],  # adapters only, same steps
     "k16": ["rollout.num_samples=16"],  # 16 samples per source instead of 6: a less noisy advantage, same sources
+    # With --rl-split: the arm trains on every training row (the SFT's and the held-back ones) instead of the
+    # held-back rows only, as a user who gets new labelled sources would continue SFT on old and new together.
+    "replay": [],
 }
 
 
@@ -135,11 +141,11 @@ def arm_overrides(arm: str) -> list[str]:
     return [f"rl.algorithm={arm}"]
 
 
-def base_config(task: str, workdir: Path, seed: int, args: argparse.Namespace) -> Config:
+def base_config(task: str, workdir: Path, seed: int, args: argparse.Namespace, *extra: str) -> Config:
     """One seed's shared stages (data, tokenizer, pretraining, SFT) under <workdir>/<task>/seed<s>/base."""
     return load_config(overrides=[
         f"run.dir={workdir / task / f'seed{seed}' / 'base'}", "run.progress=false", f"run.seed={seed}",
-        *TASK_SETTINGS[task], *args.base_override])
+        *TASK_SETTINGS[task], *args.base_override, *extra])
 
 
 def arm_config(base: Config, arm: str, args: argparse.Namespace, sources: Path | None = None) -> Config:
@@ -147,6 +153,10 @@ def arm_config(base: Config, arm: str, args: argparse.Namespace, sources: Path |
     instead of the SFT training split when given (--fresh-sources: the run dir is named after them too, so a
     reused --workdir never mistakes one reading's cached arm for the other's)."""
     name = arm.replace(":", "-") + (f"-{sources.stem}" if sources else "")
+    if arm.endswith(":replay"):
+        if sources is None or sources.name != "train_rl.jsonl":
+            raise ValueError(f"--arms {arm}: the replay variant needs --rl-split (it adds the held-back rows to SFT's)")
+        sources = sources.with_name("train.jsonl")
     return load_config(overrides=[
         f"run.dir={base.run_dir.parent / name}", "run.progress=false", f"run.seed={base.run.seed}",
         *TASK_SETTINGS[args.task], f"tokenizer.path={base.tokenizer_dir}",
@@ -241,6 +251,30 @@ def fresh_sources(base: Config, rows: int, heldout: Path | None) -> Path:
     name = f"fresh{rows}" + (f"-outside-{heldout.stem}" if heldout else "")  # which rows it avoids, too
     return _outside_splits(base, base.run_dir.parent.parent / f"{name}.jsonl", rows, seed=13,
                            avoid=[heldout] if heldout else [], flag="--fresh-sources")
+
+
+def rl_split(train: Path, fraction: float, seed: int = 17) -> tuple[Path, Path]:
+    """--rl-split: the training split's sources divided in two, ``fraction`` of them (every row of a source goes
+    with it: a several-reference source's references stay together) for the RL arms and the rest for SFT, written
+    once beside ``train`` as ``train_sft.jsonl`` and ``train_rl.jsonl``. The pipeline's SFT then trains on the
+    first only, and every arm, continued SFT included, on the second: sources the SFT checkpoint never saw, with
+    their references, the same rows for every arm. After a converged SFT the model reproduces its training
+    references (a policy gradient there mostly relearns them); on held-back sources the reward says how it
+    writes for new inputs, the test split's case."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"--rl-split {fraction}: give the fraction of training sources held back for RL, in (0, 1)")
+    sft_path, rl_path = train.with_name("train_sft.jsonl"), train.with_name("train_rl.jsonl")
+    if sft_path.is_file() and rl_path.is_file():
+        return sft_path, rl_path
+    lines = [line for line in train.read_text().splitlines() if line.strip()]
+    sources = sorted({json.loads(line)["source"] for line in lines})
+    random.Random(seed).shuffle(sources)
+    held = set(sources[: round(fraction * len(sources))])
+    if not held or len(held) == len(sources):
+        raise ValueError(f"--rl-split {fraction}: {len(sources)} training sources leave one side empty")
+    atomic_write_jsonl(rl_path, (json.loads(line) for line in lines if json.loads(line)["source"] in held))
+    atomic_write_jsonl(sft_path, (json.loads(line) for line in lines if json.loads(line)["source"] not in held))
+    return sft_path, rl_path
 
 
 def _outside_splits(base: Config, path: Path, rows: int, *, seed: int, avoid: list[Path], flag: str) -> Path:
@@ -559,6 +593,9 @@ def main() -> None:
     ap.add_argument("--fresh-sources", type=int, default=0,
                     help="docstring task: the RL arms train on this many pairs outside the run's splits (and the "
                          "held-out rows) instead of the SFT training split; --train-subset still caps them")
+    ap.add_argument("--rl-split", type=float, default=0.0, metavar="FRACTION",
+                    help="hold this fraction of the training sources back from SFT (their rows stay together); every "
+                         "arm, continued SFT included, trains on them instead of the SFT training split")
     ap.add_argument("--results-name", default=None,
                     help="stem of the saved JSON and PNG in bench/results/ (default: algorithms_<task>)")
     ap.add_argument("--resummarize", type=Path, default=None, metavar="JSON",
@@ -593,6 +630,10 @@ def main() -> None:
     for flag in ("heldout", "fresh_sources"):
         if getattr(args, flag) and args.task != "docstrings":
             ap.error(f"--{flag.replace('_', '-')}: only the docstring task has pairs outside its splits to draw from")
+    if args.rl_split and args.fresh_sources:
+        ap.error("--rl-split and --fresh-sources both say where RL's sources come from; give one")
+    if not args.rl_split and any(a.endswith(":replay") for a in arms):
+        ap.error("--arms: the replay variant adds the rows --rl-split holds back to SFT's; give --rl-split")
     setup_logging()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlt2t-algorithms-") as tmp:
@@ -609,10 +650,13 @@ def main() -> None:
                     make_docstring_data(base, size=args.nl_size, seed=7)
                 if args.task == "docstring_names" and not base.path(base.data.train).is_file():
                     make_docstring_names_data(base, seed=7)
-                t0 = time.perf_counter()
-                sft_ckpt = prepare_sft(base)
                 heldout = heldout_split(base, args.heldout) if args.heldout else None
                 sources = fresh_sources(base, args.fresh_sources, heldout) if args.fresh_sources else None
+                if args.rl_split:
+                    sft_rows, sources = rl_split(base.path(base.data.train), args.rl_split)
+                    base = base_config(args.task, workdir, seed, args, f"data.train={sft_rows}")
+                t0 = time.perf_counter()
+                sft_ckpt = prepare_sft(base)
                 probe = arm_config(base, "continued_sft", args)  # the SFT checkpoint's own readings
                 sft[seed] = {**_valid_readings(probe, sft_ckpt, seed),
                              "test_task_score": eval_job(probe, checkpoint=sft_ckpt, label="sft")["task_score"],
@@ -647,7 +691,7 @@ def main() -> None:
     payload = {"benchmark": "algorithms", "task": args.task,
                "settings": {"seeds": seeds, "arms": arms, "rl_epochs": args.rl_epochs,
                             "train_subset": args.train_subset, "batch_size": args.batch_size, "heldout": args.heldout,
-                            "fresh_sources": args.fresh_sources,
+                            "fresh_sources": args.fresh_sources, "rl_split": args.rl_split,
                             "task_settings": TASK_SETTINGS[args.task], "overrides": args.override,
                             "base_overrides": args.base_override},
                "sft": {str(s): v for s, v in sft.items()}, "oracles": oracles,

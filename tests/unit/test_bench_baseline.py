@@ -171,3 +171,44 @@ def test_a_collapsed_seed_is_left_out_of_the_figures_and_named(bench, summarize)
     assert out["sft"]["test_task_score"]["n"] == 2
     with pytest.raises(ValueError, match="nothing to compare"):
         summarize({1: {**_sft(0.05, 0.02), "collapsed": True}}, {"grpo": {1: _run(0.3, 0.3)}})
+
+
+def test_rl_split_holds_back_whole_sources_for_rl_and_keeps_every_row_once(bench, tmp_path):
+    import json
+
+    rows = [{"id": f"{name}:{i}", "source": name, "target": f"summary {i} of {name}", "references": []}
+            for name in (f"name{n}" for n in range(20)) for i in range(1 + len(name) % 3)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sft_path, rl_path = bench.rl_split(train, 0.25)
+    sft = [json.loads(x) for x in sft_path.read_text().splitlines()]
+    rl = [json.loads(x) for x in rl_path.read_text().splitlines()]
+    assert len({r["source"] for r in rl}) == 5  # a quarter of the 20 sources, each with all of its rows
+    assert not {r["source"] for r in sft} & {r["source"] for r in rl}
+    assert sorted(r["id"] for r in sft + rl) == sorted(r["id"] for r in rows)
+    before = rl_path.stat().st_mtime_ns  # a rerun (a resumed benchmark) reuses the split it wrote
+    assert bench.rl_split(train, 0.25) == (sft_path, rl_path) and rl_path.stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0, 0.01])
+def test_rl_split_refuses_a_fraction_that_leaves_a_side_empty(bench, tmp_path, fraction):
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(f'{{"id": "{i}", "source": "s{i}", "target": "t"}}\n' for i in range(10)))
+    with pytest.raises(ValueError, match="--rl-split"):
+        bench.rl_split(train, fraction)
+
+
+def test_the_replay_arm_trains_on_every_training_row_and_needs_the_split(bench, tmp_path):
+    import argparse
+
+    from rlt2t.common.config import load_config
+
+    base = load_config(overrides=[f"run.dir={tmp_path / 'seed1' / 'base'}"])
+    args = argparse.Namespace(task="synth", rl_epochs=1, train_subset=8, batch_size=4, override=[])
+    rl_rows = tmp_path / "data" / "train_rl.jsonl"
+    replay = bench.arm_config(base, "continued_sft:replay", args, rl_rows)
+    plain = bench.arm_config(base, "continued_sft", args, rl_rows)
+    assert Path(replay.data.train) == rl_rows.with_name("train.jsonl") and Path(plain.data.train) == rl_rows
+    assert replay.run_dir != plain.run_dir and replay.rl.algorithm == "rank" and replay.rl.rank.loss_weight == 0
+    with pytest.raises(ValueError, match="needs --rl-split"):
+        bench.arm_config(base, "continued_sft:replay", args, None)
