@@ -61,7 +61,7 @@ from machine_info import RESULTS, save  # noqa: E402
 
 from rlt2t.common.collate import collate_seq2seq, encode_texts  # noqa: E402
 from rlt2t.common.config import Config, load_config  # noqa: E402
-from rlt2t.common.data import reference_sets  # noqa: E402
+from rlt2t.common.data import load_examples, reference_sets, write_examples  # noqa: E402
 from rlt2t.common.io import atomic_open, atomic_write_json, atomic_write_jsonl  # noqa: E402
 from rlt2t.common.metrics import get_metric  # noqa: E402
 from rlt2t.common.policy import load_policy  # noqa: E402
@@ -266,14 +266,14 @@ def rl_split(train: Path, fraction: float, seed: int = 17) -> tuple[Path, Path]:
     sft_path, rl_path = train.with_name("train_sft.jsonl"), train.with_name("train_rl.jsonl")
     if sft_path.is_file() and rl_path.is_file():
         return sft_path, rl_path
-    lines = [line for line in train.read_text().splitlines() if line.strip()]
-    sources = sorted({json.loads(line)["source"] for line in lines})
+    rows = load_examples(train)
+    sources = sorted({e.source for e in rows})
     random.Random(seed).shuffle(sources)
     held = set(sources[: round(fraction * len(sources))])
     if not held or len(held) == len(sources):
         raise ValueError(f"--rl-split {fraction}: {len(sources)} training sources leave one side empty")
-    atomic_write_jsonl(rl_path, (json.loads(line) for line in lines if json.loads(line)["source"] in held))
-    atomic_write_jsonl(sft_path, (json.loads(line) for line in lines if json.loads(line)["source"] not in held))
+    write_examples(rl_path, (e for e in rows if e.source in held))
+    write_examples(sft_path, (e for e in rows if e.source not in held))
     return sft_path, rl_path
 
 

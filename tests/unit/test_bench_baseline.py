@@ -176,8 +176,9 @@ def test_a_collapsed_seed_is_left_out_of_the_figures_and_named(bench, summarize)
 def test_rl_split_holds_back_whole_sources_for_rl_and_keeps_every_row_once(bench, tmp_path):
     import json
 
-    rows = [{"id": f"{name}:{i}", "source": name, "target": f"summary {i} of {name}", "references": []}
-            for name in (f"name{n}" for n in range(20)) for i in range(1 + len(name) % 3)]
+    refs = {f"name{n}": [f"summary {i} of name{n}" for i in range(1 + n % 3)] for n in range(20)}
+    rows = [{"id": f"{name}:{i}", "source": name, "target": ref, "references": refs[name]}
+            for name in refs for i, ref in enumerate(refs[name])]
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
     sft_path, rl_path = bench.rl_split(train, 0.25)
