@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, cast
 
@@ -69,6 +69,7 @@ from transformers import (
     PreTrainedTokenizerBase,
     T5Config,
 )
+from transformers.modeling_outputs import Seq2SeqLMOutput
 
 from rlt2t.common.collate import IGNORE_INDEX
 from rlt2t.common.family_table import (  # noqa: F401 - re-exported: the one place callers ask about families
@@ -83,6 +84,26 @@ from rlt2t.common.family_table import (  # noqa: F401 - re-exported: the one pla
 )
 
 log = logging.getLogger("rlt2t.families")
+
+
+# --------------------------------------------------------------------------------------------------
+# The decoder's KV cache, under this transformers' name for it
+# --------------------------------------------------------------------------------------------------
+
+# transformers 5.24 renamed the seq2seq forward's ``past_key_values`` keyword, and the output field, to
+# ``cache`` in every family (the old name warns there and goes in 5.40); 5.0-5.23 know only the old one. Every
+# incremental decode and shared-cross-attention pass passes and reads the cache through the two helpers below.
+CACHE_KEYWORD = "cache" if "cache" in {f.name for f in fields(Seq2SeqLMOutput)} else "past_key_values"
+
+
+def with_cache(cache: Any) -> dict[str, Any]:
+    """Keyword arguments of a forward that reads and extends ``cache`` (None: start one)."""
+    return {CACHE_KEYWORD: cache, "use_cache": True}
+
+
+def cache_of(output: Any) -> Any:
+    """The KV cache a forward given :func:`with_cache` returned."""
+    return getattr(output, CACHE_KEYWORD)
 
 
 # --------------------------------------------------------------------------------------------------

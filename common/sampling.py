@@ -27,6 +27,7 @@ from torch import Tensor
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 from transformers.modeling_outputs import BaseModelOutput
 
+from rlt2t.common.families import cache_of, with_cache
 from rlt2t.common.types import CandidateSet
 
 
@@ -175,14 +176,14 @@ def sample_candidates(
     cache = None
     for step_index in range(max_new_tokens):
         step = model(encoder_outputs=BaseModelOutput(last_hidden_state=hidden), attention_mask=mask,
-                     decoder_input_ids=next_tokens, past_key_values=cache, use_cache=True)
-        cache = step.past_key_values
+                     decoder_input_ids=next_tokens, **with_cache(cache))
+        cache = cache_of(step)
         logits = step.logits[:, -1, :]
         raw = logits.float().log_softmax(dim=-1)
         if mask_model is not None:
             mask_step = mask_model(encoder_outputs=BaseModelOutput(last_hidden_state=mask_hidden), attention_mask=mask,
-                                   decoder_input_ids=next_tokens, past_key_values=mask_cache, use_cache=True)
-            mask_cache = mask_step.past_key_values
+                                   decoder_input_ids=next_tokens, **with_cache(mask_cache))
+            mask_cache = cache_of(mask_step)
             allowed = torch.isfinite(warp_logits(mask_step.logits[:, -1, :], top_p=mask_top_p))
             logits = logits.masked_fill(~allowed, float("-inf"))
         last = step_index == max_new_tokens - 1

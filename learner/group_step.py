@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from transformers.modeling_outputs import BaseModelOutput
 
 from rlt2t.common.collate import IGNORE_INDEX
+from rlt2t.common.families import with_cache
 from rlt2t.learner.rank_step import (
     _decoder_special_ids,
     shared_cross_attention_cache,
@@ -78,8 +79,7 @@ def group_forward(model: Any, input_ids: Tensor, attention_mask: Tensor, labels:
         encoder_outputs=BaseModelOutput(last_hidden_state=hidden.detach().repeat(k, 1, 1)),
         attention_mask=attention_mask.repeat(k, 1),
         decoder_input_ids=shift_right(labels, start_id, pad_id),
-        past_key_values=cache,
-        use_cache=True,
+        **with_cache(cache),
         output_hidden_states=value_head is not None,
     )
     values = value_head(outputs.decoder_hidden_states[-1]) if value_head is not None else None

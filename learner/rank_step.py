@@ -19,7 +19,7 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
 from rlt2t.common.collate import IGNORE_INDEX
-from rlt2t.common.families import cross_attention_states, cross_attentions, shift_labels
+from rlt2t.common.families import cross_attention_states, cross_attentions, shift_labels, with_cache
 from rlt2t.common.policy import PolicyModel
 from rlt2t.common.scoring import SCORE_KINDS, ScoreKind, token_scores
 from rlt2t.learner.losses import gold_cross_entropy, pairwise_rank_loss
@@ -144,10 +144,6 @@ def shared_cross_attention_cache(model: Any, hidden: Tensor, repeats: int) -> En
     return cache
 
 
-# The name the policy-gradient group step was written against.
-_shared_cross_attention_cache = shared_cross_attention_cache
-
-
 def shared_encoder_rank_loss(
     model: Any,
     batch: RankBatch,
@@ -186,8 +182,7 @@ def shared_encoder_rank_loss(
         encoder_outputs=BaseModelOutput(last_hidden_state=hidden.detach().repeat(3, 1, 1)),
         attention_mask=batch.attention_mask.repeat(3, 1),
         decoder_input_ids=shift_right(labels, start_id, pad_id),
-        past_key_values=cache,
-        use_cache=True,
+        **with_cache(cache),
     )
     logits_gold, logits_a, logits_b = outputs.logits.split(size)  # each [B, L, V]
     labels_gold = labels[:size]

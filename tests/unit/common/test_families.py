@@ -5,22 +5,28 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
+from dataclasses import fields
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.modeling_outputs import BaseModelOutput
 
 from rlt2t.common.config import ConfigError, DataConfig, ModelConfig, load_config
 from rlt2t.common.families import (
+    CACHE_KEYWORD,
     FAMILIES,
     PRESET_FAMILIES,
     UnsupportedModelError,
+    cache_of,
     check_mixed_precision,
     cross_attentions,
     decoder_input_ids,
     max_positions,
     preset_config,
+    with_cache,
 )
 from rlt2t.common.policy import check_lengths, load_policy
 from rlt2t.common.sampling import sample_candidates
@@ -76,6 +82,31 @@ def test_decoder_start_per_family(policies):
     assert starts["encoder-decoder"] == toks["encoder-decoder"].cls_token_id
     # BERT's [SEP] is the warm start's EOS; T5 has no BOS.
     assert toks["encoder-decoder"].eos_token == "[SEP]" and toks["t5"].bos_token is None
+
+
+@pytest.mark.parametrize("name", LOADED)
+def test_incremental_decode_uses_the_installed_cache_keyword(name, policies):
+    # transformers 5.24 renamed past_key_values to cache (the old name warns with a FutureWarning and goes in
+    # 5.40): a decode through with_cache/cache_of, token by token, must not take the deprecated path, and must
+    # give the full forward's logits.
+    model = policies[name].model.eval()
+    batch = policies[name].tokenizer(["alpha beta gamma", "river delta"], return_tensors="pt", padding=True)
+    labels = torch.tensor([[5, 6, 7, 8], [9, 5, 6, 7]])
+    decoder_inputs = decoder_input_ids(labels, model.config)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        encoded = BaseModelOutput(last_hidden_state=model.get_encoder()(**batch).last_hidden_state)
+        full = model(encoder_outputs=encoded, attention_mask=batch["attention_mask"],
+                     decoder_input_ids=decoder_inputs, use_cache=False).logits
+        cache, steps = None, []
+        for t in range(decoder_inputs.shape[1]):
+            out = model(encoder_outputs=encoded, attention_mask=batch["attention_mask"],
+                        decoder_input_ids=decoder_inputs[:, t : t + 1], **with_cache(cache))
+            cache = cache_of(out)
+            assert cache is not None
+            steps.append(out.logits)
+    assert CACHE_KEYWORD in {f.name for f in fields(type(out))}
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
 
 
 def test_cross_attention_found_in_every_family(policies):
