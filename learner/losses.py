@@ -16,6 +16,7 @@ Running the model to get the logits lives in `rlt2t.learner.rank_step` and `rlt2
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -136,6 +137,7 @@ def pairwise_rank_loss(
 
 KLKind = Literal["k1", "k2", "k3"]
 AdvantageKind = Literal["scst", "rloo", "grpo"]
+GroupScale = Literal["group", "batch", "none"]
 # GRPO's std guard (docs/design.md): a group whose rewards all tie gets advantage 0, not 0 / 0.
 GRPO_STD_EPS = 1e-4
 
@@ -202,12 +204,17 @@ def mask_leak(logits: Tensor, allowed: Tensor) -> Tensor:
     return torch.logsumexp(scores, dim=-1) - inside
 
 
-def group_advantages(rewards: Tensor, kind: AdvantageKind, baseline: Tensor | None = None) -> Tensor:
+def group_advantages(rewards: Tensor, kind: AdvantageKind, baseline: Tensor | None = None, *,
+                     scale: GroupScale = "group", all_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Sequence advantages of K candidates per source from their rewards: [N, K] -> [N, K].
 
     scst: A_k = r_k - baseline (baseline [N]: the reward of the source's greedy decode);
     rloo: A_k = r_k - mean of the other K - 1 rewards (K >= 2);
-    grpo: A_k = (r_k - mean(r)) / (std(r) + 1e-4), std unbiased (ddof 1; K >= 2).
+    grpo: A_k = (r_k - mean(r)) / (s + 1e-4) (K >= 2), s by ``scale``: ``"group"``, the std of the source's K
+    rewards (ddof 1; the paper's GRPO); ``"batch"``, the std (ddof 0) of every r_k - mean(r) of the batch, over
+    every learner rank when ``all_sum`` sums a float64 vector over them, so a source's advantages grow with
+    how far apart its rewards are (with ``"group"`` K rewards that differ by a hair get advantages of +-1 like
+    any others); ``"none"``, s = 1 and no guard (Dr. GRPO).
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [N, K], got shape {tuple(rewards.shape)}")
@@ -222,8 +229,19 @@ def group_advantages(rewards: Tensor, kind: AdvantageKind, baseline: Tensor | No
     if kind == "rloo":
         return rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (k - 1)
     if kind == "grpo":
-        mean = rewards.mean(dim=1, keepdim=True)
-        return (rewards - mean) / (rewards.std(dim=1, keepdim=True, unbiased=True) + GRPO_STD_EPS)
+        centred = rewards - rewards.mean(dim=1, keepdim=True)
+        if scale == "group":
+            return centred / (rewards.std(dim=1, keepdim=True, unbiased=True) + GRPO_STD_EPS)
+        if scale == "batch":
+            c = centred.double()
+            sums = torch.stack([(c**2).sum(), torch.tensor(float(c.numel()), dtype=torch.float64)]).cpu()
+            total = all_sum(sums) if all_sum is not None else sums
+            # Each source's deviations sum to 0, so the batch's mean deviation is 0 and the std is the RMS.
+            std = (total[0] / total[1].clamp(min=1)).sqrt()
+            return centred / (std.to(centred) + GRPO_STD_EPS)
+        if scale == "none":
+            return centred
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
     raise ValueError(f"kind must be 'scst', 'rloo' or 'grpo', got {kind!r}")
 
 

@@ -434,7 +434,8 @@ class PolicyGradientObjective:
                     shaped = rewards - beta * seq_kl.view(k, size).t()
                     per_source = group_advantages(shaped, "rloo")
                 else:  # GRPO and SCST: the KL is a loss term (a greedy baseline has no KL to shape it with)
-                    per_source = group_advantages(rewards, self.algorithm, baseline=batch.greedy_rewards)  # type: ignore[arg-type]
+                    per_source = group_advantages(rewards, self.algorithm, baseline=batch.greedy_rewards,  # type: ignore[arg-type]
+                                                  scale=pg.grpo_scale, all_sum=run.all_sum)
                 advantages = per_source.t().reshape(-1, 1).expand_as(old_logp).contiguous()
                 returns = None
         # 3. epochs x minibatches of optimizer steps

@@ -63,6 +63,41 @@ def test_group_advantages_by_hand():
         group_advantages(r[:, :1], "rloo")
 
 
+def test_grpo_scales_by_hand():
+    # Two sources: one whose rewards differ by a hair, one whose rewards differ by 2.
+    r = torch.tensor([[0.00, 0.03, 0.00], [1.0, 3.0, 2.0]], dtype=torch.float64)
+    centred = torch.tensor([[-0.01, 0.02, -0.01], [-1.0, 1.0, 0.0]], dtype=torch.float64)
+    # group: each source divided by its own std (ddof 1): the hair-thin group gets advantages as large as the other
+    group = group_advantages(r, "grpo")
+    torch.testing.assert_close(group[0], centred[0] / (0.03 / 3**0.5 + 1e-4))
+    torch.testing.assert_close(group[1], centred[1] / (1.0 + 1e-4))
+    # batch: one std (ddof 0) of all six deviations, so the sources keep their relative sizes
+    rms = (sum(float(x) ** 2 for x in centred.flatten()) / 6) ** 0.5
+    torch.testing.assert_close(group_advantages(r, "grpo", scale="batch"), centred / (rms + 1e-4))
+    torch.testing.assert_close(group_advantages(r, "grpo", scale="none"), centred)
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(r, "grpo", scale="rank")  # type: ignore[arg-type]
+
+
+def test_grpo_batch_scale_spans_the_ranks():
+    # Two learner ranks holding a source each: all_sum adds the other rank's sums, and each rank's advantages are
+    # what one rank holding both sources computes.
+    r = torch.tensor([[0.00, 0.03, 0.00], [1.0, 3.0, 2.0]], dtype=torch.float64)
+    whole = group_advantages(r, "grpo", scale="batch")
+    shards = [r[:1], r[1:]]
+
+    def sums(x):
+        c = (x - x.mean(dim=1, keepdim=True)).double()
+        return torch.stack([(c**2).sum(), torch.tensor(float(c.numel()), dtype=torch.float64)])
+
+    for i, shard in enumerate(shards):
+        other = sums(shards[1 - i])
+        got = group_advantages(shard, "grpo", scale="batch", all_sum=lambda t, other=other: t + other)
+        torch.testing.assert_close(got, whole[i : i + 1])
+    # without the other rank's sums, a rank's scale is its own
+    assert not torch.allclose(group_advantages(shards[0], "grpo", scale="batch"), whole[:1])
+
+
 def _gae_loop(rewards, values, mask, gamma, lam):
     adv = [[0.0] * len(row) for row in rewards]
     for b in range(len(rewards)):

@@ -105,11 +105,12 @@ def _pg_batch() -> GroupBatch:
                       rewards=torch.tensor([[1.0, 0.0], [0.0, 2.0]]), gold_labels=PG_GOLD)
 
 
-def _pg_step(batch: GroupBatch, all_sum, all_reduce_grad) -> list[float]:
-    """One GRPO step with rl.pg.sft_coef = 0.5 on a 'policy' whose logits are one parameter per (source, row of
-    the source, position): the objective's own arithmetic, no model. Returns the (rank-averaged) gradient."""
+def _pg_step(batch: GroupBatch, all_sum, all_reduce_grad, **pg) -> list[float]:
+    """One GRPO step (rl.pg.sft_coef = 0.5 unless ``pg`` says otherwise) on a 'policy' whose logits are one
+    parameter per (source, row of the source, position): the objective's own arithmetic, no model. Returns the
+    (rank-averaged) gradient."""
     weights = torch.nn.Parameter(torch.randn(2, 3, PG_T, PG_VOCAB, generator=torch.Generator().manual_seed(0)))
-    rl = RLConfig(algorithm="grpo", kl={"coef": 0.0}, pg={"sft_coef": 0.5, "epochs": 1, "minibatches": 1})
+    rl = RLConfig(algorithm="grpo", kl={"coef": 0.0}, pg={"sft_coef": 0.5, "epochs": 1, "minibatches": 1, **pg})
     policy = types.SimpleNamespace(model=torch.nn.Linear(1, 1))  # unused: forward below is the policy
     objective = PolicyGradientObjective(rl, RolloutConfig(num_samples=2), policy, seed=0)
     grads: list[float] = []
@@ -150,6 +151,8 @@ def _rank(rank: int, rendezvous: str, results: str) -> None:
     _rank_loss(ranked(torch.ones(1, 1)).view(1, 9, 10).expand(2, 9, 10), [rank]).backward()
     grads["rank"] = ranked.module.weight.grad.flatten().tolist()
     grads["pg_sft"] = _pg_step(_pg_batch().select(torch.tensor([rank])), _Ranks().all_sum, _all_reduce_mean)
+    grads["pg_batch_scale"] = _pg_step(_pg_batch().select(torch.tensor([rank])), _Ranks().all_sum, _all_reduce_mean,
+                                       sft_coef=0.0, grpo_scale="batch")
     Path(results, f"{rank}.json").write_text(json.dumps(grads))
     # No teardown: with torch 2.13's gloo, freeing a DDP model can deadlock. The Reducer's dealloc holds the GIL
     # while ~ProcessGroupGloo joins a worker thread that is itself freeing a finished all-reduce and waits for
@@ -213,6 +216,13 @@ def test_two_ddp_ranks_step_as_one_learner_on_the_whole_batch(tmp_path):
     expected = _pg_step(_pg_batch(), lambda v: v, lambda g: g)
     assert grads[0]["pg_sft"] == grads[1]["pg_sft"]
     assert grads[0]["pg_sft"] == pytest.approx(expected, abs=1e-6)
+    # GRPO's batch scale (rl.pg.grpo_scale=batch): the std of the rewards' deviations over both ranks' sources,
+    # which the two sources' reward spreads (1 and 2) set apart from the per-source scale.
+    expected = _pg_step(_pg_batch(), lambda v: v, lambda g: g, sft_coef=0.0, grpo_scale="batch")
+    assert grads[0]["pg_batch_scale"] == grads[1]["pg_batch_scale"]
+    assert grads[0]["pg_batch_scale"] == pytest.approx(expected, abs=1e-6)
+    per_source = _pg_step(_pg_batch(), lambda v: v, lambda g: g, sft_coef=0.0)
+    assert max(abs(a - b) for a, b in zip(expected, per_source, strict=True)) > 1e-3
 
 
 def test_rank_rl_with_one_rank_is_its_loss_exactly():
