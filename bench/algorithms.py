@@ -123,9 +123,11 @@ VARIANTS = {
     "topk3": ["rollout.top_k=3", "rollout.temperature=0.8"],  # sampling closer to the greedy decode, as rank's
     "lora": ["model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16"],  # adapters only, same steps
     "k16": ["rollout.num_samples=16"],  # 16 samples per source instead of 6: a less noisy advantage, same sources
-    # GRPO's advantages divided by one std over the batch instead of each source's own (rl.pg.grpo_scale): a
-    # source whose K rewards differ by a hair (all near 0 on sources the model cannot write yet) stays near 0.
+    # GRPO's advantage scale (rl.pg.grpo_scale): one std over the batch (the default since 2026-11-27: a source
+    # whose K rewards differ by a hair, all near 0 on sources the model cannot write yet, stays near 0), or each
+    # source's own std, the default before (every `grpo` reading saved before that date; `groupstd` reruns it).
     "batchstd": ["rl.pg.grpo_scale=batch"],
+    "groupstd": ["rl.pg.grpo_scale=group"],
     # With --rl-split: the arm trains on every training row (the SFT's and the held-back ones) instead of the
     # held-back rows only, as a user who gets new labelled sources would continue SFT on old and new together.
     "replay": [],

@@ -286,11 +286,12 @@ class PolicyGradientConfig(_Section):
     """ε_v of the clipped value loss (A2C: unclipped)."""
     whiten_advantages: bool = True
     """PPO/A2C/NLPO: whiten advantages over the batch's valid tokens."""
-    grpo_scale: Literal["group", "batch", "none"] = "group"
-    """GRPO: what divides each sample's reward minus its source's mean reward. `group`: the std of the source's K
-    rewards (the paper's GRPO): every source whose rewards differ at all gets advantages of about +-1, however
-    little they differ. `batch`: the std of those differences over the whole batch (every rank), so a source
-    weighs by how far apart its rewards are. `none`: nothing (Dr. GRPO; the step then scales with the reward)."""
+    grpo_scale: Literal["group", "batch", "none"] = "batch"
+    """GRPO: what divides each sample's reward minus its source's mean reward. `batch` (the default): the std of
+    those differences over the whole batch (every rank), so a source weighs by how far apart its rewards are, and
+    the step is still independent of the reward's scale. `group`: the std of the source's K rewards (the paper's
+    GRPO; the default before 2026-11-27): every source whose rewards differ at all gets advantages of about +-1,
+    however little they differ. `none`: nothing (Dr. GRPO; the step then scales with the reward)."""
     nlpo_top_p: float = Field(0.9, gt=0.0, le=1.0)
     """NLPO: the action space is the top-p tokens of the masking policy."""
     nlpo_mask_refresh_steps: int = Field(10, ge=1)

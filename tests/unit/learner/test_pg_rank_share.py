@@ -221,7 +221,7 @@ def test_two_ddp_ranks_step_as_one_learner_on_the_whole_batch(tmp_path):
     expected = _pg_step(_pg_batch(), lambda v: v, lambda g: g, sft_coef=0.0, grpo_scale="batch")
     assert grads[0]["pg_batch_scale"] == grads[1]["pg_batch_scale"]
     assert grads[0]["pg_batch_scale"] == pytest.approx(expected, abs=1e-6)
-    per_source = _pg_step(_pg_batch(), lambda v: v, lambda g: g, sft_coef=0.0)
+    per_source = _pg_step(_pg_batch(), lambda v: v, lambda g: g, sft_coef=0.0, grpo_scale="group")
     assert max(abs(a - b) for a, b in zip(expected, per_source, strict=True)) > 1e-3
 
 
