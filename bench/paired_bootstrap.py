@@ -61,15 +61,6 @@ def _predictions(path: Path) -> dict[str, tuple[str, list[str]]]:
     return {r["id"]: (r["prediction"], r["references"]) for r in rows}
 
 
-def _checked(preds: dict[str, tuple[str, list[str]]], ids: list[str], metric: Metric, saved: float,
-             what: str) -> list[str]:
-    texts = [preds[i][0] for i in ids]
-    got = metric.corpus(texts, [preds[i][1] for i in ids])
-    if not math.isclose(got, saved, abs_tol=1e-9):
-        raise ValueError(f"{what}: the saved predictions score {got:.6f}, the result says {saved:.6f}")
-    return texts
-
-
 def measure(payload: dict[str, Any], samples: int, only: Sequence[str] = ()) -> dict[str, Any]:
     """Per arm (those in ``only``, or all) and baseline: each seed's difference and its bootstrap std, and the
     spread over seeds."""
@@ -77,6 +68,21 @@ def measure(payload: dict[str, Any], samples: int, only: Sequence[str] = ()) -> 
     if unknown := sorted(set(only) - set(arms)):
         raise ValueError(f"--arms: {', '.join(unknown)} not in the result (arms: {', '.join(arms)})")
     baselines = ["sft"] + (["continued_sft"] if "continued_sft" in arms else [])
+    checked: dict[Path, tuple[list[str], list[str], list[list[str]]]] = {}
+
+    def read(path: Path, saved: float, what: str, metric: Metric) -> tuple[list[str], list[str], list[list[str]]]:
+        """(ids, predictions, references) of a predictions file, once per file (a seed's SFT readings serve every
+        arm), after checking that they score what the result saved."""
+        if path not in checked:
+            preds = _predictions(path)
+            ids = sorted(preds)
+            texts, refs = [preds[i][0] for i in ids], [preds[i][1] for i in ids]
+            got = metric.corpus(texts, refs)
+            if not math.isclose(got, saved, abs_tol=1e-9):
+                raise ValueError(f"{what}: the saved predictions score {got:.6f}, the result says {saved:.6f}")
+            checked[path] = ids, texts, refs
+        return checked[path]
+
     out: dict[str, Any] = {}
     for arm, runs in arms.items():
         if only and arm not in only:
@@ -89,20 +95,17 @@ def measure(payload: dict[str, Any], samples: int, only: Sequence[str] = ()) -> 
                 run_dir = Path(run["checkpoint"]).parents[2]  # <run>/rl/checkpoints/epoch-N
                 cfg = load_config([run_dir / "config" / "rl.yaml"])
                 metric = get_metric("task_score", bleu_weight=cfg.metric.bleu_weight, sigma=cfg.metric.cider_sigma)
-                mine = _predictions(run_dir / "eval" / "last-test.predictions.jsonl")
-                ids = sorted(mine)
-                refs = [mine[i][1] for i in ids]
-                texts = _checked(mine, ids, metric, run["test"]["task_score"], f"{arm} seed {seed}")
+                ids, texts, refs = read(run_dir / "eval" / "last-test.predictions.jsonl", run["test"]["task_score"],
+                                        f"{arm} seed {seed}", metric)
                 if baseline == "sft":
-                    other = _predictions(run_dir.parent / "continued_sft" / "eval" / "sft-test.predictions.jsonl")
+                    path = run_dir.parent / "continued_sft" / "eval" / "sft-test.predictions.jsonl"
                     saved = payload["sft"][seed]["test_task_score"]
                 else:
-                    base_dir = Path(arms[baseline][seed]["checkpoint"]).parents[2]
-                    other = _predictions(base_dir / "eval" / "last-test.predictions.jsonl")
+                    path = Path(arms[baseline][seed]["checkpoint"]).parents[2] / "eval" / "last-test.predictions.jsonl"
                     saved = arms[baseline][seed]["test"]["task_score"]
-                if sorted(other) != ids:
+                base_ids, base_texts, _ = read(path, saved, f"{baseline} seed {seed}", metric)
+                if base_ids != ids:
                     raise ValueError(f"{arm} seed {seed}: the {baseline} predictions cover other test sources")
-                base_texts = _checked(other, ids, metric, saved, f"{baseline} seed {seed}")
                 diff, noise = paired_bootstrap(texts, base_texts, refs, metric, samples)
                 per_seed[seed] = {"diff": diff, "noise_std": noise}
             diffs = [v["diff"] for v in per_seed.values()]
