@@ -24,22 +24,25 @@ TREE = ".typecheck"  # relative to ROOT; mypy's cache lives in it too ([tool.myp
 TOP = "rlt2t"
 
 
-def build_link_tree(root: Path = ROOT) -> dict[str, str]:
-    """Create ``root/.typecheck/rlt2t`` with the installed layout; return {tree path: source path} prefixes.
+def build_link_tree(root: Path = ROOT, out: Path | None = None) -> dict[str, str]:
+    """Create ``out/rlt2t`` (default ``root/.typecheck/rlt2t``) with the installed layout; return {tree path:
+    source path} prefixes, relative to ``root``. (The docs site's hook builds one too: mkdocstrings reads the
+    Python API's source through it.)
 
     A package that has other mapped packages inside it (``rlt2t`` itself) becomes a real directory whose
     entries are symlinks to the source folder's entries; every other package is one symlink to its folder.
     """
     setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     package_dir: dict[str, str] = setuptools["package-dir"]
-    tree = root / TREE / TOP
+    out = out or root / TREE
+    tree = out / TOP
     shutil.rmtree(tree, ignore_errors=True)
     prefixes: dict[str, str] = {}
     for name in sorted(package_dir, key=lambda n: n.count(".")):  # parents before children
         src = root / package_dir[name]
         if not (src / "__init__.py").exists():
             continue
-        dest = root / TREE / name.replace(".", "/")
+        dest = out / name.replace(".", "/")
         inner = {n.rpartition(".")[2] for n in package_dir if n.rpartition(".")[0] == name}  # mapped children
         if inner:
             dest.mkdir(parents=True)
@@ -48,7 +51,7 @@ def build_link_tree(root: Path = ROOT) -> dict[str, str]:
                     (dest / entry.name).symlink_to(os.path.relpath(entry, dest))
         else:
             dest.symlink_to(os.path.relpath(src, dest.parent), target_is_directory=True)
-        prefixes[f"{dest.relative_to(root).as_posix()}/"] = f"{src.relative_to(root).as_posix()}/"
+        prefixes[f"{Path(os.path.relpath(dest, root)).as_posix()}/"] = f"{src.relative_to(root).as_posix()}/"
     return prefixes
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from rlt2t.common.config import RewardConfig
 from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.rewards import (
+    UserRegistrations,
     build_reward,
     load_document_frequency,
     needs_document_frequency,
@@ -29,10 +30,15 @@ class RewardWorker:
     ``document_frequency`` is the CIDEr-D df table the driver computed ONCE from the training references,
     shipped as a ``DocumentFrequency`` or as the path of its JSON (``DocumentFrequency.save``); see
     ``rlt2t.common.rewards`` for why it is required when a term uses CIDEr-D (None is accepted otherwise).
+    ``registrations`` are the metrics and rewards the job's own process registered (a script's
+    ``@register_metric``): registered here too, before the reward is built.
     """
 
     def __init__(self, reward: RewardConfig,
-                 document_frequency: DocumentFrequency | str | os.PathLike | None) -> None:
+                 document_frequency: DocumentFrequency | str | os.PathLike | None,
+                 registrations: UserRegistrations | None = None) -> None:
+        if registrations is not None:
+            registrations.install()
         self.reward = reward
         if document_frequency is None and needs_document_frequency(reward):
             raise TypeError("document_frequency must be a DocumentFrequency or the path of one saved with "

@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,6 +64,10 @@ def sweep_stale_ct2_dirs(root: str | None = None) -> list[str]:
     return removed
 
 
+StartWeights = dict[str, Tensor] | Callable[[], dict[str, Tensor]]
+"""The run's start weights, or a callable that returns them (called once, where they are needed)."""
+
+
 class RolloutWorker:
     """Samples candidate sets with the current policy; a plain class that Ray wraps at launch.
 
@@ -85,31 +89,18 @@ class RolloutWorker:
         max_source_len: int,
         device: str = "cpu",
         spec: RolloutSpec | None = None,
-        start_weights: dict[str, Tensor] | None = None,
+        start_weights: StartWeights | None = None,
     ) -> None:
         self.policy = load_policy(model_cfg, tokenizer_dir, seed=seed)
         self.spec = spec or RolloutSpec("pair")
+        self.model_cfg, self.tokenizer_dir = model_cfg, tokenizer_dir
         self.lora = model_cfg.lora.enabled
-        if (self.spec.reference or self.lora) and start_weights is None:
-            raise ValueError("the rollout worker needs the run's start weights (the reference of the KL, the base of "
-                             "LoRA adapters)")
-        if self.lora:
-            # Published versions are adapters only: the base they adapt is the run's start, held once.
-            self.policy.model.load_state_dict(start_weights, strict=True)  # type: ignore[arg-type]
-            self.policy.model = apply_lora(self.policy.model, model_cfg.lora, seed=seed)
-        # The frozen reference (the run's start) scores the samples for the KL: with LoRA it is the base with
-        # the adapters disabled; otherwise one copy here, none on the learner ranks. NLPO's masking policy is
-        # loaded per published version it needs.
-        self.reference = None
-        if self.spec.reference and not self.lora:
-            self.reference = load_policy(model_cfg, tokenizer_dir, seed=seed).model
-            self.reference.load_state_dict(start_weights, strict=True)  # type: ignore[arg-type]
-            # transformers' @wraps(nn.Module.to) makes mypy read PreTrainedModel.to unbound (self unfilled)
-            self.reference.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]
+        self.reference: PolicyModel | None = None
+        self._has_start = False
         self.mask_model: PolicyModel | None = None
         self._mask_version: int | None = None
         self.device = torch.device(device)
-        self.policy.model.to(self.device).eval()  # type: ignore[arg-type]  # no dropout when sampling; as above
+        self.policy.model.to(self.device).eval()  # type: ignore[arg-type]  # no dropout when sampling; as below
         positions = positions_or(self.policy.model.config)  # T5: relative positions, no limit
         if not 2 <= max_source_len <= positions:
             raise ValueError(f"max_source_len={max_source_len} must be in [2, {positions}] ({self.policy.origin})")
@@ -133,6 +124,35 @@ class RolloutWorker:
         if rollout.backend == "ct2" and self.device.type != "cpu":
             log.warning("rollout.backend=ct2 samples on CPU here (device %s is used by the torch backend only)",
                         self.device)
+        if start_weights is not None:
+            self._install_start(start_weights)
+
+    @property
+    def needs_start(self) -> bool:
+        """Whether the run's start weights are still to be installed (the KL's reference, LoRA's base)."""
+        return (self.spec.reference or self.lora) and not self._has_start
+
+    def _install_start(self, start_weights: StartWeights) -> None:
+        """The run's start: the frozen reference that scores the samples for the KL (with LoRA, the base with
+        the adapters disabled; otherwise one copy here, none on the learner ranks), and the base that LoRA's
+        published adapters adapt. A callable is called here, once: the Ray launch passes one that fetches the
+        weights from the object store, so that neither the constructor's arguments (which Ray keeps for
+        restarts) nor every sampling call carry them."""
+        if not (self.spec.reference or self.lora) or self._has_start:
+            return
+        weights = start_weights() if callable(start_weights) else start_weights
+        if self.lora:
+            # Published versions are adapters only: the base they adapt is the run's start, held once.
+            self.policy.model.load_state_dict(weights, strict=True)
+            self.policy.model = apply_lora(self.policy.model, self.model_cfg.lora, seed=self.seed)
+            self.policy.model.to(self.device).eval()
+            self._installed = None  # the adapters just made are no published version
+        if self.spec.reference and not self.lora:
+            self.reference = load_policy(self.model_cfg, self.tokenizer_dir, seed=self.seed).model
+            self.reference.load_state_dict(weights, strict=True)
+            # transformers' @wraps(nn.Module.to) makes mypy read PreTrainedModel.to unbound (self unfilled)
+            self.reference.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]
+        self._has_start = True
 
     def close(self) -> None:
         """Remove the CTranslate2 conversions (the driver calls this before killing the actor)."""
@@ -149,18 +169,22 @@ class RolloutWorker:
         """Load the learner's weights (all parameters, strictly) and make ``version`` current."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
+        self._check_start()
         load_weights(self.policy.model, state_dict)
         self._version = version
         self._installed = version
         self._ct2 = None  # converted again, lazily, for the new weights
 
     def sample_version(self, version: int, weights: dict[str, Tensor], examples: Sequence[Example],
-                       mask_version: int | None = None, mask_weights: dict[str, Tensor] | None = None
-                       ) -> list[CandidateSet] | list[SampledGroup]:
-        """Install the published weights of ``version`` unless they are the ones loaded (and NLPO's masking
-        policy, the weights of ``mask_version``), then :meth:`sample`. The driver ships each chunk with its
-        version's weights (object-store references, resolved by Ray as top-level arguments), so a worker
-        restarted by Ray needs nothing special."""
+                       mask_version: int | None = None, mask_weights: dict[str, Tensor] | None = None,
+                       start_weights: StartWeights | None = None) -> list[CandidateSet] | list[SampledGroup]:
+        """Install the run's start weights if this worker has none yet (``start_weights``, see
+        :meth:`_install_start`), the published weights of ``version`` unless they are the ones loaded (and NLPO's
+        masking policy, the weights of ``mask_version``), then :meth:`sample`. The driver ships each chunk with
+        its version's weights (object-store references, resolved by Ray as top-level arguments) and the start's
+        fetcher, so a worker restarted by Ray needs nothing special."""
+        if start_weights is not None:
+            self._install_start(start_weights)
         if version != self._installed:
             self.set_weights(version, weights)
         if mask_version is not None and mask_version != self._mask_version:
@@ -176,8 +200,14 @@ class RolloutWorker:
         """The worker's process id (tests kill it to exercise re-dispatch)."""
         return os.getpid()
 
+    def _check_start(self) -> None:
+        if self.needs_start:
+            raise ValueError("the rollout worker needs the run's start weights (the reference of the KL, the base of "
+                             "LoRA adapters): pass start_weights to the constructor or to sample_version")
+
     def sample(self, examples: Sequence[Example]) -> list[CandidateSet] | list[SampledGroup]:
         """One candidate set (rank RL) or sampled group (policy gradients) per example, in order."""
+        self._check_start()
         for i, ex in enumerate(examples):
             if ex.target is None:
                 raise ValueError(f"examples[{i}] (id {ex.id!r}) has no target; RL needs a reference")
@@ -214,7 +244,7 @@ class RolloutWorker:
                 own = rows[i * k : (i + 1) * k]
                 out.append(SampledGroup(
                     example_id=ex.id, source=ex.source, reference=ex.target or "", references=ex.references,
-                    candidates=tuple(texts[i * k : (i + 1) * k]),
+                    fields=ex.extra, candidates=tuple(texts[i * k : (i + 1) * k]),
                     token_ids=tuple(tuple(r.token_ids) for r in own),
                     sample_logprobs=tuple(tuple(r.sample_logprobs) for r in own),
                     forced_eos=tuple(r.forced for r in own),
@@ -287,6 +317,6 @@ class RolloutWorker:
         if ex.target is None:
             raise ValueError(f"example {ex.id!r} has no target; rank RL needs a reference")
         return candidate_set(ex.id, ex.source, ex.target, samples, include_gold=self.rollout.include_gold,
-                             seed=self.seed, version=self._version, references=ex.references)
+                             seed=self.seed, version=self._version, references=ex.references, fields=ex.extra)
 
 

@@ -11,7 +11,7 @@ from-scratch `small`-preset policy (seed 0, saved as a checkpoint directory) as 
          process, threads=1, after the learner's preflight (rl.preflight: one forward and backward
          on the largest batch, which the job's learners run at setup, before their epoch);
   sync   the synchronous loop = G then L back to back (so sync = G + L by construction);
-  async  the real RL job (`rlt2t.train.train`) for one epoch on a Ray started locally by
+  async  the real RL job (`rlt2t.driver.train`) for one epoch on a Ray started locally by
          `init_ray`: 1 learner (1 CPU, 1 thread), 1 rollout worker (1 CPU), 1 reward worker.
 
 The algorithm's own defaults apply (rank RL publishes once per epoch, the policy gradients every step, so

@@ -14,12 +14,12 @@ import os
 import re
 import textwrap
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, model_validator
 
 from rlt2t.common.family_table import FAMILIES, PRESETS, check_mixed_precision, family_of
 
@@ -118,13 +118,34 @@ class SynthConfig(_Section):
 
 class DataConfig(_Section):
     train: str = "{run}/data/train.jsonl"
-    """Training JSONL (`id`, `source`, `target`); `{run}` expands to run.dir."""
+    """Training data (`id`, `source`, `target` by default: data.*_field): a JSONL, CSV or Parquet file or a
+    Hugging Face datasets directory (data.format); `{run}` expands to run.dir."""
     valid: str = "{run}/data/valid.jsonl"
-    """Validation JSONL."""
+    """Validation data (as data.train)."""
     test: str = "{run}/data/test.jsonl"
-    """Held-out test JSONL (targets optional)."""
+    """Held-out test data (as data.train; targets optional)."""
+    format: Literal["auto", "jsonl", "csv", "parquet", "datasets"] = "auto"
+    """How data files are read. `auto`: by the path (a directory or `.arrow` file: datasets; `.parquet`/`.pq`:
+    Parquet; `.csv`/`.tsv`: CSV with a header; else JSONL). `datasets` on a `.jsonl`/`.csv`/`.parquet` file loads
+    it through `datasets.load_dataset` (a memory-mapped Arrow cache)."""
+    id_field: str = Field("id", min_length=1)
+    """Field (column) of the example ids; a CSV, Parquet or datasets file without it numbers its rows 1, 2, ..."""
+    source_field: str = Field("source", min_length=1)
+    """Field (column) of the source texts."""
+    target_field: str = Field("target", min_length=1)
+    """Field (column) of the target texts (optional when data.references_field gives references)."""
+    references_field: str = Field("references", min_length=1)
+    """Field (column) of a row's several references: a list of strings (in a CSV cell, a JSON list)."""
     on_error: Literal["raise", "skip"] = "raise"
-    """Bad lines stop the run (`raise`) or are skipped and counted in the log (`skip`)."""
+    """Bad lines (rows) stop the run (`raise`) or are skipped and counted in the log (`skip`)."""
+
+    @model_validator(mode="after")
+    def _distinct_fields(self) -> DataConfig:
+        names = [self.id_field, self.source_field, self.target_field, self.references_field]
+        if len(set(names)) < len(names):
+            raise ValueError(f"data.id_field, source_field, target_field and references_field must name different "
+                             f"fields, got {', '.join(map(repr, names))}")
+        return self
     max_source_len: int = Field(128, ge=2)
     """Source tokens kept (longer sources are truncated, with a count in the log)."""
     max_target_len: int = Field(64, ge=2)
@@ -209,8 +230,9 @@ class StageConfig(_Section):
 class PretrainConfig(StageConfig):
     lr: float = Field(5e-4, gt=0.0)
     """Peak learning rate (AdamW)."""
-    max_steps: int = Field(150, ge=0)
-    """Stop after this many optimizer steps (0: no limit; the demo keeps pretraining short)."""
+    max_steps: int = Field(0, ge=0)
+    """Stop after this many optimizer steps (0: no limit, `epochs` full passes; the default, one pass, is what the
+    demo's from-scratch model needs before SFT learns on every seed)."""
     noise_density: float = Field(0.15, gt=0.0, lt=1.0)
     """Fraction of tokens masked by span corruption."""
     mean_span_length: float = Field(3.0, ge=1.0)
@@ -220,8 +242,12 @@ class PretrainConfig(StageConfig):
 class SFTConfig(StageConfig):
     lr: float = Field(1e-3, gt=0.0)
     """Peak learning rate (the original used 2e-5 on a pretrained BART-base; scratch models want more)."""
-    epochs: int = Field(4, ge=1)
-    """Passes over the training data."""
+    epochs: int = Field(6, ge=1)
+    """Most passes over the training data (the learning-rate schedule spans them all; `patience` may stop
+    sooner)."""
+    patience: int = Field(1, ge=0)
+    """Stop once the validation monitor has not beaten its best for this many epochs in a row (0: run every
+    epoch). The best checkpoint is what later stages start from either way; needs a validation split."""
     rdrop_alpha: float = Field(0.0, ge=0.0)
     """R-drop weight of the symmetric KL between two dropout passes (0 disables R-drop)."""
     augment_prob: float = Field(0.0, ge=0.0, lt=1.0)
@@ -290,8 +316,8 @@ class PolicyGradientConfig(_Section):
     """GRPO: what divides each sample's reward minus its source's mean reward. `batch` (the default): the std of
     those differences over the whole batch (every rank), so a source weighs by how far apart its rewards are, and
     the step is still independent of the reward's scale. `group`: the std of the source's K rewards (the paper's
-    GRPO; the default before 2026-11-27): every source whose rewards differ at all gets advantages of about +-1,
-    however little they differ. `none`: nothing (Dr. GRPO; the step then scales with the reward)."""
+    GRPO; the default of earlier versions, CHANGELOG.md): every source whose rewards differ at all gets advantages
+    of about +-1, however little they differ. `none`: nothing (Dr. GRPO; the step then scales with the reward)."""
     nlpo_top_p: float = Field(0.9, gt=0.0, le=1.0)
     """NLPO: the action space is the top-p tokens of the masking policy."""
     nlpo_mask_refresh_steps: int = Field(10, ge=1)
@@ -525,7 +551,32 @@ class HttpTerm(_Section):
     """Environment variable holding the server's bearer token (unset: none sent)."""
 
 
-RewardTerm = Annotated[MetricTerm | RewardModelTerm | ClassifierTerm | HttpTerm, Field(discriminator="kind")]
+class PythonTerm(_Section):
+    """A Python function of your own (docs/guides/rewards.md): batched, `fn(sources, candidates, references,
+    **row_fields, **params) -> one float per candidate`, `references` each candidate's reference list and each row
+    field (an extra column of the data) one value per candidate; `per_sample`: `fn(source, candidate, references,
+    **row_fields, **params) -> float`."""
+
+    kind: Literal["python"] = "python"
+    """Term type tag."""
+    fn: str | Callable[..., Any]
+    """`package.module:function` (importable where the reward is scored: reward workers, the reward server,
+    predict), a name registered with `@rlt2t.register_reward`, or, from Python, the function itself."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments given to every call."""
+    weight: float = 1.0
+    """Coefficient of this term in the weighted sum."""
+    per_sample: bool = False
+    """The function scores one candidate at a time (called once per candidate)."""
+
+    @field_serializer("fn")
+    def _fn_path(self, fn: str | Callable[..., Any]) -> str:
+        # A function given in code is written out (the run's saved config) as the path it was defined at.
+        return fn if isinstance(fn, str) else f"{fn.__module__}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+RewardTerm = Annotated[MetricTerm | RewardModelTerm | ClassifierTerm | HttpTerm | PythonTerm,
+                       Field(discriminator="kind")]
 
 
 class RewardConfig(_Section):
@@ -540,12 +591,16 @@ class RewardConfig(_Section):
     timeout_s: float = Field(60.0, gt=0.0)
     """Per-request timeout when scoring over HTTP."""
     terms: list[RewardTerm] = Field(default_factory=lambda: list[RewardTerm]([MetricTerm()]), min_length=1)
-    """The reward: Σ weight·term over these terms, each {kind: metric | reward_model | classifier | http, ...}
-    (default: the task score, (1-w)·CIDEr-D + w·BLEU-4)."""
+    """The reward: Σ weight·term over these terms, each {kind: metric | reward_model | classifier | http | python,
+    ...} (default: the task score, (1-w)·CIDEr-D + w·BLEU-4)."""
     named: dict[str, list[RewardTerm]] = Field(default_factory=dict)
     """Rewards the reward server serves by name on /v1/reward besides the metrics: name -> terms."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where learned reward terms (reward models, classifiers) run: `auto` takes CUDA when present."""
+    plugins: list[str] = Field(default_factory=list)
+    """Modules imported before any reward or metric is built, in every process that builds one (reward workers,
+    servers, eval): where `@register_metric` / `@register_reward` of your own code run. Installed packages'
+    `rlt2t.plugins` entry points are imported too."""
 
     @model_validator(mode="after")
     def _named_rewards(self) -> RewardConfig:
@@ -749,7 +804,7 @@ class PredictConfig(_Section):
     """Beam size of each generator."""
     num_hypotheses: int = Field(4, ge=1)
     """Hypotheses kept per input per generator."""
-    rerank: Literal["mean_logprob", "idf", "consensus"] = "mean_logprob"
+    rerank: Literal["mean_logprob", "idf", "consensus", "reward"] = "mean_logprob"
     """How candidates are ranked (see `rlt2t predict --help`)."""
     idf_max_n: int = Field(2, ge=1, le=4)
     """Longest n-gram of the IDF rerank."""

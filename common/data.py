@@ -1,7 +1,7 @@
 """The data contract: what a training example is, and how examples are read and written.
 
-Every stage of rlt2t consumes :class:`Example` objects. On disk they live in JSONL, one object per
-line::
+Every stage of rlt2t consumes :class:`Example` objects (``rlt2t.common.example``: the type and the checks every
+row goes through). rlt2t's own files are JSONL, one object per line::
 
     {"id": "17", "source": "12 7 <sep> 5 6 7", "target": "40 41", ...any other fields...}
 
@@ -14,6 +14,10 @@ non-empty list of non-empty strings, every output a source may be scored against
 CIDEr-D's document frequencies use them all (:attr:`Example.refs`). SFT and rank RL's gold still learn
 ``target``, which defaults to the first reference and must be one of them; to learn every reference, write one
 row per reference (each with the same ``references``), as COCO-style likelihood training does.
+
+:func:`load_examples` and :func:`iter_examples` also read CSV with a header, Parquet and Hugging Face
+``datasets``, with the fields under the file's own names (:class:`Columns`: ``data.source_field`` ...);
+``rlt2t.common.data_formats`` says how the format is told and what is streamed.
 
 Bad data is never dropped silently. Each problem becomes a :class:`DataError` whose message names
 the file, the 1-based line and the field (``data/train.jsonl:17: field 'source': empty``). With
@@ -28,89 +32,47 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 import math
 import os
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from rlt2t.common.data_formats import ArrowExamples, detect_format, load_arrow_examples, stream_examples
+from rlt2t.common.example import (
+    MAX_REASONS,
+    RESERVED_FIELDS,
+    Columns,
+    DataError,
+    Example,
+    LoadedExamples,
+    LoadReport,
+    OnError,
+    RowRules,
+    SeenIds,
+    TextCheck,
+    check_on_error,
+    examples_from_rows,
+)
 from rlt2t.common.io import atomic_open, atomic_write_json, atomic_write_jsonl
 
-logger = logging.getLogger("rlt2t.data")
+if TYPE_CHECKING:
+    from rlt2t.common.config import DataConfig
 
-OnError = Literal["raise", "skip"]
-TextCheck = Callable[[str], str | None]
+__all__ = [
+    "MAX_REASONS", "RESERVED_FIELDS", "ArrowExamples", "Columns", "DataError", "Example", "LengthReport",
+    "LoadReport", "LoadedExamples", "OnError", "TextCheck", "export_competition_csv", "import_competition_csv",
+    "iter_examples", "length_report", "load_data", "load_examples", "reference_sets", "references_of",
+    "split_examples", "split_sizes", "targets_of", "token_lengths", "unique_references", "write_examples",
+    "write_sampled_task",
+]
+
 T = TypeVar("T")
 
-RESERVED_FIELDS = ("id", "source", "target", "references")
-# How many skip reasons a LoadReport keeps (and the warning shows): enough to diagnose, bounded in memory.
-MAX_REASONS = 5
 # The competition CSV columns, in file order; a file has the first 2, 3 or 4 of them.
 COMPETITION_COLUMNS = ("report_id", "description", "diagnosis", "clinical")
-
-
-class DataError(ValueError):
-    """A problem with input data, located by file, 1-based line and (when known) field."""
-
-    def __init__(self, path: str | os.PathLike, line: int, field: str | None, reason: str):
-        self.path = str(path)
-        self.line = line
-        self.field = field
-        self.reason = reason
-        where = f"field '{field}': " if field else ""
-        super().__init__(f"{self.path}:{line}: {where}{reason}")
-
-
-@dataclass(frozen=True, slots=True)
-class Example:
-    """One source → target pair. ``target`` is None only for unlabeled inputs (prediction-only)."""
-
-    id: str
-    source: str
-    target: str | None
-    extra: dict[str, Any] = field(default_factory=dict, hash=False)
-    references: tuple[str, ...] = ()
-    """Every reference an output of this source is scored against, when the data gives several; empty: the
-    target alone (:attr:`refs`)."""
-
-    def __post_init__(self) -> None:
-        # The loaders report problems with file:line context before they get here; this guards
-        # examples built in code so an invalid one cannot reach a writer or a model.
-        if not isinstance(self.id, str) or not self.id:
-            raise ValueError(f"Example.id must be a non-empty string, got {self.id!r}")
-        if not isinstance(self.source, str) or not self.source.strip():
-            raise ValueError(f"Example.source must be a non-empty string (id {self.id!r})")
-        if self.target is not None and not isinstance(self.target, str):
-            raise ValueError(f"Example.target must be a string or None (id {self.id!r})")
-        if not isinstance(self.extra, dict):
-            raise ValueError(f"Example.extra must be a dict (id {self.id!r})")
-        if not (isinstance(self.references, tuple) and all(isinstance(r, str) and r.strip() for r in self.references)):
-            raise ValueError(f"Example.references must be a tuple of non-empty strings (id {self.id!r})")
-        clash = [k for k in RESERVED_FIELDS if k in self.extra]
-        if clash:
-            raise ValueError(f"Example.extra must not contain reserved field(s) {clash} (id {self.id!r})")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSONL row: ``id``, ``source``, ``target`` (left out when None), ``references`` (when given), then
-        the extra fields."""
-        row: dict[str, Any] = {"id": self.id, "source": self.source}
-        if self.target is not None:
-            row["target"] = self.target
-        if self.references:
-            row["references"] = list(self.references)
-        row.update(self.extra)
-        return row
-
-    @property
-    def refs(self) -> tuple[str, ...]:
-        """What outputs of this source are scored against: its references, else its target alone (empty for
-        an unlabeled example)."""
-        if self.references:
-            return self.references
-        return (self.target,) if self.target is not None else ()
 
 
 def references_of(examples: Sequence[Example], what: str) -> list[list[str]]:
@@ -148,198 +110,92 @@ def targets_of(examples: Sequence[Example], what: str) -> list[str]:
     return targets
 
 
-@dataclass
-class LoadReport:
-    """What a load did: lines read, examples kept, lines skipped and the first few reasons why."""
-
-    path: str
-    lines: int = 0
-    loaded: int = 0
-    skipped: int = 0
-    reasons: list[str] = field(default_factory=list)
-
-    def _skip(self, err: DataError) -> None:
-        self.skipped += 1
-        if len(self.reasons) < MAX_REASONS:
-            self.reasons.append(str(err))
-
-    def summary(self) -> str:
-        """One line for logs and CLIs, e.g. ``train.jsonl: 998 examples, 2 bad line(s) skipped``."""
-        text = f"{self.path}: {self.loaded} examples"
-        if self.skipped:
-            text += f", {self.skipped} bad line(s) skipped"
-        return text
-
-    def _log_skips(self) -> None:
-        if self.skipped:
-            logger.warning(
-                "%s: skipped %d of %d line(s) with bad data; first reason(s): %s",
-                self.path,
-                self.skipped,
-                self.lines,
-                "; ".join(self.reasons),
-            )
-
-
-class LoadedExamples(list[Example]):
-    """A plain list of examples that also carries the :class:`LoadReport` of the load."""
-
-    report: LoadReport
-
-    def __init__(self, examples: Iterable[Example], report: LoadReport):
-        super().__init__(examples)
-        self.report = report
-
-
-def _check_on_error(on_error: str) -> None:
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-
-
-def _parse_jsonl_line(
-    raw: bytes,
-    path: str,
-    lineno: int,
-    require_target: bool,
-    check_text: TextCheck | None,
-    seen: dict[str, int],
-) -> Example:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(path, lineno, None, f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(path, lineno, None, f"not valid JSON ({e.msg}, column {e.colno})") from None
-    except (ValueError, RecursionError) as e:  # an integer of > 4300 digits, nesting deeper than the stack
-        raise DataError(path, lineno, None, f"not valid JSON here ({type(e).__name__}: {str(e)[:120]})") from None
-    if not isinstance(row, dict):
-        raise DataError(path, lineno, None, f"expected a JSON object, got {type(row).__name__}")
-
-    if "id" not in row:
-        raise DataError(path, lineno, "id", "missing")
-    ex_id = row.pop("id")
-    # bool is an int subclass, but `true` as an id is a data bug, not an id.
-    if isinstance(ex_id, int) and not isinstance(ex_id, bool):
-        ex_id = str(ex_id)
-    elif not isinstance(ex_id, str):
-        raise DataError(path, lineno, "id", f"expected a string or an integer, got {type(ex_id).__name__}")
-    if not ex_id.strip():
-        raise DataError(path, lineno, "id", "empty")
-    if ex_id in seen:
-        raise DataError(path, lineno, "id", f"duplicate id {ex_id!r} (first on line {seen[ex_id]})")
-
-    if "source" not in row:
-        raise DataError(path, lineno, "source", "missing")
-    source = row.pop("source")
-    if not isinstance(source, str):
-        raise DataError(path, lineno, "source", f"expected a string, got {type(source).__name__}")
-    if not source.strip():
-        raise DataError(path, lineno, "source", "empty")
-
-    references = _references(row.pop("references", None), path, lineno)
-    target = row.pop("target", None)
-    if target is None and references:
-        target = references[0]
-    if target is None:
-        if require_target:
-            raise DataError(path, lineno, "target", "missing (a file without targets is unlabeled data: pass "
-                                                    "--unlabeled on the command line, require_target=False in Python)")
-    elif not isinstance(target, str):
-        raise DataError(path, lineno, "target", f"expected a string, got {type(target).__name__}")
-    elif not target.strip():
-        raise DataError(path, lineno, "target", "empty")
-    elif references and target not in references:
-        raise DataError(path, lineno, "target", "not one of the row's references (SFT would learn a text nothing "
-                                                "is scored against): add it to references, or leave target out "
-                                                "to take the first")
-
-    if check_text is not None:
-        refs = ((f"references[{i}]", r) for i, r in enumerate(references))
-        for name, value in (("source", source), ("target", target), *refs):
-            if value is not None and (problem := check_text(value)):
-                raise DataError(path, lineno, name, problem)
-
-    seen[ex_id] = lineno
-    return Example(id=ex_id, source=source, target=target, extra=row, references=references)
-
-
-def _references(value: Any, path: str, lineno: int) -> tuple[str, ...]:
-    """A row's ``references``: absent, or a non-empty list of non-empty strings."""
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not value:
-        raise DataError(path, lineno, "references", "expected a non-empty list of strings, got "
-                        + (repr(value) if value == [] else type(value).__name__))
-    for i, ref in enumerate(value):
-        if not isinstance(ref, str):
-            raise DataError(path, lineno, f"references[{i}]", f"expected a string, got {type(ref).__name__}")
-        if not ref.strip():
-            raise DataError(path, lineno, f"references[{i}]", "empty")
-    return tuple(value)
 
 
 def iter_examples(
     path: str | os.PathLike,
     *,
+    fmt: str = "auto",
+    columns: Columns | None = None,
     require_target: bool = True,
     on_error: OnError = "raise",
     check_text: TextCheck | None = None,
     report: LoadReport | None = None,
 ) -> Iterator[Example]:
-    """Stream examples from a JSONL file (see the module docstring for the format and the errors).
+    """Stream examples from a data file in bounded memory (see the module docstring for the format and the errors).
 
-    Blank lines are ignored. ``check_text`` is called on the source, the target and each reference; a non-empty
-    string it returns is the reason the line is bad. Pass a ``report`` to read the counts afterwards;
-    skipped lines are logged when the file has been read to the end.
+    ``fmt``: ``auto`` (by the path: ``rlt2t.common.data_formats.detect_format``), ``jsonl``, ``csv``,
+    ``parquet`` or ``datasets``; ``columns``: which field holds what (default rlt2t's own names). Blank lines are
+    ignored. ``check_text`` is called on the source, the target and each reference; a non-empty string it returns
+    is the reason the line is bad. Pass a ``report`` to read the counts afterwards (its ``unit`` is set to the
+    format's: ``line`` or ``row``); skipped lines are logged when the file has been read to the end.
     """
-    _check_on_error(on_error)  # here, not in the generator, so a bad argument fails at the call
-    return _stream_jsonl(
-        str(path),
-        require_target,
-        on_error,
-        check_text,
-        report if report is not None else LoadReport(str(path)),
-    )
+    rules = RowRules(columns or Columns(), require_target, check_text, on_error)  # a bad argument fails here
+    kind = detect_format(path, fmt)
+    if report is None:
+        report = LoadReport(str(path))
+    report.unit = "line" if kind in ("jsonl", "csv") else "row"
+    if kind == "jsonl":
+        stream = examples_from_rows(_jsonl_rows(str(path)), str(path), rules, report, SeenIds())
+    else:
+        stream = stream_examples(Path(path), kind, rules, report)
+    return (example for _, example in stream)
 
 
-def _stream_jsonl(
-    path: str, require_target: bool, on_error: OnError, check_text: TextCheck | None, report: LoadReport
-) -> Iterator[Example]:
-    seen: dict[str, int] = {}
+def _jsonl_rows(path: str) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
+    """Each non-blank line's number and object, or the DataError of a line that is not a JSON object."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark
                 raw = raw[3:]
-            if not raw.strip():
-                continue
-            report.lines += 1
-            try:
-                example = _parse_jsonl_line(raw, path, lineno, require_target, check_text, seen)
-            except DataError as err:
-                if on_error == "raise":
-                    raise
-                report._skip(err)
-                continue
-            report.loaded += 1
-            yield example
-    report._log_skips()
+            if raw.strip():
+                yield lineno, _json_object(raw, path, lineno)
+
+
+def _json_object(raw: bytes, path: str, lineno: int) -> dict[str, Any] | DataError:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return DataError(path, lineno, None, f"not valid UTF-8 ({e.reason} at byte {e.start})")
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        return DataError(path, lineno, None, f"not valid JSON ({e.msg}, column {e.colno})")
+    except (ValueError, RecursionError) as e:  # an integer of > 4300 digits, nesting deeper than the stack
+        return DataError(path, lineno, None, f"not valid JSON here ({type(e).__name__}: {str(e)[:120]})")
+    if not isinstance(row, dict):
+        return DataError(path, lineno, None, f"expected a JSON object, got {type(row).__name__}")
+    return row
 
 
 def load_examples(
     path: str | os.PathLike,
     *,
+    fmt: str = "auto",
+    columns: Columns | None = None,
     require_target: bool = True,
     on_error: OnError = "raise",
     check_text: TextCheck | None = None,
-) -> LoadedExamples:
-    """Read a whole JSONL file; the returned list's ``.report`` has the counts (see :func:`iter_examples`)."""
+) -> LoadedExamples | ArrowExamples:
+    """Read and check a whole data file (arguments as :func:`iter_examples`); the result's ``.report`` has the
+    counts. JSONL and CSV give a list; Parquet and datasets an :class:`ArrowExamples` sequence over the file's
+    Arrow table, which builds each example when it is read."""
+    rules = RowRules(columns or Columns(), require_target, check_text, on_error)
+    kind = detect_format(path, fmt)
+    if kind in ("parquet", "datasets"):
+        return load_arrow_examples(Path(path), kind, rules)
     report = LoadReport(str(path))
-    examples = iter_examples(
-        path, require_target=require_target, on_error=on_error, check_text=check_text, report=report
-    )
+    examples = iter_examples(path, fmt=kind, columns=rules.columns, require_target=require_target,
+                             on_error=on_error, check_text=check_text, report=report)
     return LoadedExamples(examples, report)
+
+
+def load_data(path: str | os.PathLike, data: DataConfig, *, require_target: bool = True,
+              check_text: TextCheck | None = None) -> LoadedExamples | ArrowExamples:
+    """:func:`load_examples` as a config's data section reads files: ``data.format``, the column mapping
+    (``data.source_field`` ...) and ``data.on_error``."""
+    return load_examples(path, fmt=data.format, columns=Columns.of(data), require_target=require_target,
+                         on_error=data.on_error, check_text=check_text)
 
 
 def write_examples(path: str | os.PathLike, examples: Iterable[Example]) -> int:
@@ -444,7 +300,7 @@ def import_competition_csv(
     (wrong column count, a non-integer token, empty description or id, duplicate id) raise
     :class:`DataError` or, with ``on_error="skip"``, are counted and logged as in :func:`iter_examples`.
     """
-    _check_on_error(on_error)
+    check_on_error(on_error)
     if not separator_token or separator_token != separator_token.strip():
         raise ValueError(f"separator_token must be a non-empty token without spaces, got {separator_token!r}")
     path_str = str(path)
@@ -606,13 +462,18 @@ class LengthReport:
                 f"p90 {p[90]}, p99 {p[99]}, max {p[100]}")
 
 
-def length_report(tokenizer, texts: Sequence[str], field: str, limit: int) -> LengthReport:
-    """How many of ``texts`` exceed ``limit`` tokens under ``tokenizer`` and their length percentiles
+def token_lengths(tokenizer, texts: Sequence[str]) -> list[int]:
+    """Each text's length in tokens under ``tokenizer``, EOS included (as the limits count them)."""
+    return [len(x) for x in tokenizer(list(texts), add_special_tokens=True)["input_ids"]] if texts else []
+
+
+def length_report(lengths: Iterable[int], field: str, limit: int) -> LengthReport:
+    """How many texts of token ``lengths`` (:func:`token_lengths`) exceed ``limit``, and the lengths' percentiles
     (nearest rank), so limits can be chosen before training."""
-    lengths = sorted(len(x) for x in tokenizer(list(texts), add_special_tokens=True)["input_ids"]) if texts else []
+    ordered = sorted(lengths)
 
     def rank(q: int) -> int:
-        return lengths[min(len(lengths) - 1, max(0, math.ceil(q / 100 * len(lengths)) - 1))] if lengths else 0
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))] if ordered else 0
 
-    return LengthReport(field, limit, sum(n > limit for n in lengths), len(lengths),
+    return LengthReport(field, limit, sum(n > limit for n in ordered), len(ordered),
                         {q: rank(q) for q in (50, 90, 99, 100)})

@@ -814,9 +814,17 @@ _REGISTRY: dict[str, MetricFactory] = {}
 
 
 def register_metric(name: str, *, replace: bool = False) -> Callable[[_F], _F]:
-    """Decorator registering a metric class or factory (called with keyword params) under ``name``.
+    """Decorator registering a metric class or factory (called with keyword params) under ``name``: an eval
+    column (``--metrics name``), a reward term (``{kind: metric, name: name}``) and a reward-server metric.
 
-    Registering a taken name raises ValueError unless ``replace=True``.
+        @rlt2t.register_metric("exclamations")
+        class Exclamations:
+            name = "exclamations"
+            def per_sample(self, hyps, refs): return np.array([h.count("!") for h in hyps], dtype=float)
+            def corpus(self, hyps, refs): return float(self.per_sample(hyps, refs).mean())
+
+    Registering a taken name raises ValueError unless ``replace=True``. Ray workers and servers know it when
+    its module is in ``reward.plugins`` (or registered by the script that starts the job).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"metric name must be a non-empty str, got {name!r}")
@@ -884,3 +892,11 @@ for _type in ROUGE_TYPES:
 for _n in (1, 2):
     register_metric(f"distinct_{_n}")(functools.partial(Distinct, _n))
 del _type, _n
+
+_BUILTIN: dict[str, MetricFactory] = dict(_REGISTRY)
+
+
+def user_metrics() -> dict[str, MetricFactory]:
+    """The metrics registered in this process beyond (or replacing) the built-in ones: what user code and plugins
+    added, which a fresh interpreter (a Ray worker) does not have until they are registered there too."""
+    return {name: f for name, f in _REGISTRY.items() if _BUILTIN.get(name) is not f}

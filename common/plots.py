@@ -16,6 +16,17 @@ Panel = tuple[str, tuple[str, ...], str | None]
 """(title, metric keys, row kind: "train", "valid", or None for both, each curve labelled with its kind)."""
 
 
+def read_rows(metrics_jsonl: str | Path) -> list[dict]:
+    """The rows of a stage's metrics.jsonl; a line a crash cut short is skipped."""
+    rows = []
+    for line in Path(metrics_jsonl).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line a crash cut short: the curves are drawn from the others
+            continue
+    return rows
+
+
 def plot_curves(metrics_jsonl: str | Path, out_png: str | Path, title: str = "",
                 panels: tuple[Panel, ...] = PANELS) -> Path | None:
     """Plot a stage's curves from its metrics.jsonl, one panel each (default: rank RL's loss, reward and
@@ -25,12 +36,7 @@ def plot_curves(metrics_jsonl: str | Path, out_png: str | Path, title: str = "",
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = []
-    for line in Path(metrics_jsonl).read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line a crash cut short: the curves are drawn from the others
-            continue
+    rows = read_rows(metrics_jsonl)
     if not rows:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
@@ -47,15 +53,7 @@ def plot_curves(metrics_jsonl: str | Path, out_png: str | Path, title: str = "",
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
         ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out_png = Path(out_png)
-    tmp = out_png.with_name(f".{out_png.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(out_png)
-    return out_png
+    return _save(fig, out_png, title)
 
 
 def plot_metric_bars(rows: dict[str, dict[str, float]], columns: list[str], out_png: str | Path,
@@ -83,6 +81,34 @@ def plot_metric_bars(rows: dict[str, dict[str, float]], columns: list[str], out_
         ax.grid(axis="y", alpha=0.3)
     for ax in list(axes.flat)[len(columns):]:
         ax.axis("off")
+    return _save(fig, out_png, title)
+
+
+def plot_lines(curves: dict[str, list[tuple[float, float]]], out_png: str | Path, *, title: str = "",
+               xlabel: str = "step", ylabel: str = "") -> Path:
+    """One panel, one line (with markers) per label of ``curves`` ({label: [(x, y), ...]}); written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not any(curves.values()):
+        raise ValueError("a line plot needs at least one point")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, pts in curves.items():
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, out_png, title)
+
+
+def _save(fig, out_png: str | Path, title: str) -> Path:
+    """Title, layout, then write ``out_png`` atomically (a temporary file renamed) and close the figure."""
+    import matplotlib.pyplot as plt
+
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -10,7 +10,12 @@ Term kinds (``RewardConfig.terms``, a weighted sum Σ weight·term):
 - ``metric``: a registered metric of ``rlt2t.common.metrics`` (needs references);
 - ``reward_model``: a learned r(source, candidate) (``rlt2t.common.reward_model``);
 - ``classifier``: a sequence classifier's probability, log-probability or logit of one label;
-- ``http``: a metric or a named reward of a reward server (``rlt2t serve reward``).
+- ``http``: a metric or a named reward of a reward server (``rlt2t serve reward``);
+- ``python``: a function of your own (``rlt2t.common.python_rewards``), given the data rows' extra fields.
+
+``reward.plugins`` (and installed ``rlt2t.plugins`` entry points) are imported before a reward is built
+(``rlt2t.common.plugins``); :class:`UserRegistrations` carries what a script registered itself to the Ray reward
+workers, and :func:`check_reward` resolves every term before a job starts any of them.
 
 The default is today's rank-RL reward, the task score ``(1 - w) · CIDEr-D + w · BLEU-4`` (docs/design.md,
 "Task metric") with CIDEr-D document frequencies counted once from the training references: with
@@ -26,22 +31,42 @@ import inspect
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import httpx
 import numpy as np
 
 from rlt2t.common.config import (
     ClassifierTerm,
+    ConfigError,
     HttpTerm,
     MetricTerm,
+    PythonTerm,
     RewardConfig,
     RewardModelTerm,
     RewardTerm,
 )
-from rlt2t.common.metrics import DocumentFrequency, Metric, available_metrics, class_index, get_metric
+from rlt2t.common.metrics import (
+    DocumentFrequency,
+    Metric,
+    MetricFactory,
+    available_metrics,
+    class_index,
+    get_metric,
+    register_metric,
+    user_metrics,
+)
+from rlt2t.common.plugins import load_plugins
+from rlt2t.common.python_rewards import (
+    PythonReward,
+    RewardFn,
+    register_reward,
+    registered_rewards,
+    resolve_reward_fn,
+)
 from rlt2t.common.types import CandidateSet, SampledGroup, ScoredGroup, ScoredPair
 
 if TYPE_CHECKING:
@@ -63,9 +88,10 @@ class Reward(Protocol):
     """True when ``score`` needs ``references`` (a reference metric is among the terms)."""
 
     def score(self, sources: Sequence[str], candidates: Sequence[str],
-              references: Sequence[Sequence[str]] | None = None) -> np.ndarray:
-        """One float64 score per candidate [N]; ``sources`` and ``references`` (one list per candidate)
-        align with ``candidates``."""
+              references: Sequence[Sequence[str]] | None = None,
+              fields: Sequence[Mapping[str, Any]] | None = None) -> np.ndarray:
+        """One float64 score per candidate [N]; ``sources``, ``references`` (one list per candidate) and
+        ``fields`` (each candidate's data row's extra fields, for Python terms) align with ``candidates``."""
         ...
 
 
@@ -115,7 +141,7 @@ class MetricReward:
         self.metric = metric
         self.name = name or getattr(metric, "name", type(metric).__name__)
 
-    def score(self, sources, candidates, references=None) -> np.ndarray:
+    def score(self, sources, candidates, references=None, fields=None) -> np.ndarray:
         _check_lengths(sources, candidates, references)
         if references is None:
             raise ValueError(f"reward term {self.name!r} is a reference metric: it needs references (reference-free "
@@ -160,7 +186,7 @@ class RewardModelReward:
     def version(self) -> int:
         return self.model.version
 
-    def score(self, sources, candidates, references=None) -> np.ndarray:
+    def score(self, sources, candidates, references=None, fields=None) -> np.ndarray:
         _check_lengths(sources, candidates, references)
         model = self.model  # one model for the whole call, even if a reload lands meanwhile
         return model.score(list(sources), list(candidates), batch_size=self.batch_size)
@@ -187,7 +213,7 @@ class ClassifierReward:
         self.label = class_index(id2label, term.label, "label", str(path))
         self._inputs = set(inspect.signature(self.model.forward).parameters)
 
-    def score(self, sources, candidates, references=None) -> np.ndarray:
+    def score(self, sources, candidates, references=None, fields=None) -> np.ndarray:
         import torch
 
         _check_lengths(sources, candidates, references)
@@ -252,7 +278,7 @@ class HttpReward:
             return scores
         raise AssertionError("unreachable")
 
-    def score(self, sources, candidates, references=None) -> np.ndarray:
+    def score(self, sources, candidates, references=None, fields=None) -> np.ndarray:
         _check_lengths(sources, candidates, references)
         out: list[float] = []
         step = self.term.batch_size
@@ -274,13 +300,15 @@ class WeightedReward:
         self.terms = list(terms)
         self.needs_references = any(r.needs_references for w, _, r in self.terms if w != 0)
 
-    def score(self, sources, candidates, references=None) -> np.ndarray:
-        return sum(self.score_terms(sources, candidates, references).values(), np.zeros(len(candidates)))
+    def score(self, sources, candidates, references=None, fields=None) -> np.ndarray:
+        return sum(self.score_terms(sources, candidates, references, fields).values(), np.zeros(len(candidates)))
 
-    def score_terms(self, sources, candidates, references=None) -> dict[str, np.ndarray]:
+    def score_terms(self, sources, candidates, references=None, fields=None) -> dict[str, np.ndarray]:
         """Each term's weighted contribution [N], by term name (``metric:task_score``, ``reward_model``, ...)."""
         _check_lengths(sources, candidates, references)
-        return {name: weight * reward.score(sources, candidates, references)
+        if fields is not None and len(fields) != len(candidates):
+            raise ValueError(f"{len(fields)} field rows for {len(candidates)} candidates")
+        return {name: weight * reward.score(sources, candidates, references, fields)
                 for weight, name, reward in self.terms if weight != 0}
 
 
@@ -307,25 +335,31 @@ def build_term(term: RewardTerm, cfg: RewardConfig, *, document_frequency: Docum
         return ClassifierReward(term, device=device)
     if isinstance(term, HttpTerm):
         return HttpReward(term)
+    if isinstance(term, PythonTerm):
+        return PythonReward(term, term_name(term), where)
     raise TypeError(f"{where}: unknown reward term {type(term).__name__}")
 
 
 def term_name(term: RewardTerm) -> str:
     if isinstance(term, MetricTerm | HttpTerm):
         return f"{term.kind}:{term.name}"
+    if isinstance(term, PythonTerm):
+        return f"python:{term.model_dump(include={'fn'})['fn']}"
     if isinstance(term, ClassifierTerm):
         return f"classifier:{term.label}"
     return term.kind
 
 
 def build_reward(cfg: RewardConfig, *, document_frequency: DocumentFrequency | None = None, device: str = "cpu",
-                 terms: Sequence[RewardTerm] | None = None) -> WeightedReward:
+                 terms: Sequence[RewardTerm] | None = None, where: str = "reward.terms") -> WeightedReward:
     """The reward ``cfg.terms`` (or ``terms``, e.g. one of ``cfg.named``) describe: Σ weight·term.
 
     ``document_frequency`` is the CIDEr-D table of task_score / cider_d terms (None: counted from each
-    call's references); learned terms are loaded once and run on ``device`` (``auto`` resolves).
+    call's references); learned terms are loaded once and run on ``device`` (``auto`` resolves). Errors name
+    each term as ``where[i]``.
     """
     terms = cfg.terms if terms is None else terms
+    load_plugins(cfg.plugins)
     if any(isinstance(t, RewardModelTerm | ClassifierTerm) for t in terms):
         device = resolve_device(device)  # reference metrics and HTTP terms run on no device
     built = []
@@ -336,8 +370,56 @@ def build_reward(cfg: RewardConfig, *, document_frequency: DocumentFrequency | N
         if names[name] > 1:
             name = f"{name}#{names[name]}"
         built.append((term.weight, name, build_term(term, cfg, document_frequency=document_frequency, device=device,
-                                                    where=f"reward.terms[{i}]")))
+                                                    where=f"{where}[{i}]")))
     return WeightedReward(built)
+
+
+def _all_terms(cfg: RewardConfig) -> Iterator[tuple[str, RewardTerm]]:
+    """Every configured term with its key: ``reward.terms[i]``, ``reward.named.<name>[i]``."""
+    for i, term in enumerate(cfg.terms):
+        yield f"reward.terms[{i}]", term
+    for name, terms in cfg.named.items():
+        for i, term in enumerate(terms):
+            yield f"reward.named.{name}[{i}]", term
+
+
+def check_reward(cfg: RewardConfig) -> None:
+    """What a job checks before it starts a worker: the plugins import, every Python term's function resolves
+    and every metric term names a registered metric; ConfigError naming the term and the path otherwise."""
+    load_plugins(cfg.plugins)
+    for where, term in _all_terms(cfg):
+        if isinstance(term, PythonTerm):
+            resolve_reward_fn(term.fn, f"{where} ({term_name(term)})")
+        elif isinstance(term, MetricTerm) and term.name not in available_metrics():
+            raise ConfigError(f"{where}: unknown metric {term.name!r}; known: {', '.join(available_metrics())} "
+                              "(a metric of your own: register it in a module listed in reward.plugins)")
+
+
+@dataclass(frozen=True)
+class UserRegistrations:
+    """The metrics and rewards a reward config names that this process registered beyond the built-ins (a script's
+    ``@register_metric``, plugins): a Ray worker's fresh interpreter has only the built-in ones, so the job ships
+    these to its reward workers, which :meth:`install` them before building the reward. Functions defined in
+    ``__main__`` travel by value, the others by reference (their module must import on the worker)."""
+
+    metrics: dict[str, MetricFactory] = field(default_factory=dict)
+    rewards: dict[str, RewardFn] = field(default_factory=dict)
+
+    @classmethod
+    def used_by(cls, cfg: RewardConfig) -> UserRegistrations:
+        """Only what ``cfg``'s terms (and named rewards) name: nothing else needs to reach, or import on, a
+        worker."""
+        terms = [t for _, t in _all_terms(cfg)]
+        metrics = {t.name for t in terms if isinstance(t, MetricTerm)}
+        rewards = {t.fn for t in terms if isinstance(t, PythonTerm) and isinstance(t.fn, str)}
+        return cls({n: f for n, f in user_metrics().items() if n in metrics},
+                   {n: f for n, f in registered_rewards().items() if n in rewards})
+
+    def install(self) -> None:
+        for name, factory in self.metrics.items():
+            register_metric(name, replace=True)(factory)
+        for name, fn in self.rewards.items():
+            register_reward(name, replace=True)(fn)
 
 
 def needs_document_frequency(cfg: RewardConfig) -> bool:
@@ -355,7 +437,8 @@ def score_pairs(reward: Reward | Metric, sets: Sequence[CandidateSet]) -> list[S
     hyps = [text for s in sets for text in s.pair]
     sources = [s.source for s in sets for _ in range(2)]
     refs = [list(s.refs) for s in sets for _ in range(2)]
-    scores = reward.score(sources, hyps, refs).tolist() if hyps else []
+    fields = [s.fields for s in sets for _ in range(2)]
+    scores = reward.score(sources, hyps, refs, fields).tolist() if hyps else []
     for i, value in enumerate(scores):
         if not math.isfinite(value):
             raise FloatingPointError(f"reward of candidate {hyps[i]!r} (example {sets[i // 2].example_id!r}) is "
@@ -370,12 +453,14 @@ def score_groups(reward: Reward | Metric, groups: Sequence[SampledGroup]) -> lis
     hyps: list[str] = []
     sources: list[str] = []
     refs: list[list[str]] = []
+    fields: list[Mapping[str, Any]] = []
     for g in groups:
         texts = list(g.candidates) + ([g.greedy] if g.greedy is not None else [])
         hyps += texts
         sources += [g.source] * len(texts)
         refs += [list(g.refs)] * len(texts)
-    scores = reward.score(sources, hyps, refs).tolist() if hyps else []
+        fields += [g.fields] * len(texts)
+    scores = reward.score(sources, hyps, refs, fields).tolist() if hyps else []
     for i, value in enumerate(scores):
         if not math.isfinite(value):
             raise FloatingPointError(f"reward of candidate {hyps[i]!r} is {value}")

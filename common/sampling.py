@@ -19,8 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -229,10 +230,12 @@ def sample_candidates(
 
 
 def candidate_set(example_id: str, source: str, reference: str, samples: Sequence[str], *, include_gold: bool,
-                  seed: int, version: int, references: Sequence[str] = ()) -> CandidateSet:
+                  seed: int, version: int, references: Sequence[str] = (),
+                  fields: Mapping[str, Any] | None = None) -> CandidateSet:
     """A source's candidate set from its samples: the gold added (``include_gold``), whitespace-normalised,
     empties dropped, deduplicated keeping the first occurrence, and the rank pair drawn. ``references``: every
-    reference of the example when it has several (the pair is scored against them; the gold is ``reference``).
+    reference of the example when it has several (the pair is scored against them; the gold is ``reference``);
+    ``fields``: the example's extra fields (for Python reward terms).
 
     The pair draw is keyed on (seed, version, example id), so any sampler (Ray actor, policy server) that
     produces the same samples gives the same pair; one candidate pairs with itself (the reward then turns
@@ -249,4 +252,4 @@ def candidate_set(example_id: str, source: str, reference: str, samples: Sequenc
         only = candidates[0] if candidates else ""
         pair = (only, only)
     return CandidateSet(example_id=example_id, source=source, reference=reference, candidates=candidates,
-                        pair=pair, policy_version=version, references=tuple(references))
+                        pair=pair, policy_version=version, references=tuple(references), fields=dict(fields or {}))

@@ -9,7 +9,7 @@ cheaply):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Algorithm = Literal["rank", "scst", "rloo", "grpo", "ppo", "a2c", "nlpo"]
 ALGORITHMS: tuple[str, ...] = ("rank", "scst", "rloo", "grpo", "ppo", "a2c", "nlpo")
@@ -36,6 +36,8 @@ class CandidateSet:
     """Version of the weights that sampled the candidates."""
     references: tuple[str, ...] = ()
     """Every reference of the example when it has several (``Example.references``); empty: the gold alone."""
+    fields: dict[str, Any] = field(default_factory=dict, hash=False)
+    """The example's extra fields (``Example.extra``): what Python reward terms get as row fields."""
 
     @property
     def refs(self) -> tuple[str, ...]:
@@ -127,6 +129,8 @@ class SampledGroup:
     masks with those same weights); None without a mask, or one the driver did not version."""
     references: tuple[str, ...] = ()
     """Every reference of the example when it has several (``Example.references``); empty: the gold alone."""
+    fields: dict[str, Any] = field(default_factory=dict, hash=False)
+    """The example's extra fields (``Example.extra``): what Python reward terms get as row fields."""
 
     @property
     def refs(self) -> tuple[str, ...]:

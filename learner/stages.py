@@ -128,12 +128,13 @@ def with_lora(policy: Policy, lora: LoraConfig, seed: int) -> Policy:
 
 def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list[int]], cfg: SFTConfig,
             run: RunConfig, out_dir: Path, resume_from: CheckpointInfo | None = None, evaluate=None,
-            lora: LoraConfig | None = None, max_source_len: int | None = None) -> StageResult:
+            lora: LoraConfig | None = None, max_source_len: int | None = None, stage: str = "sft") -> StageResult:
     """Supervised fine-tuning: CE (+ R-drop, augmentation, FGM as configured), best checkpoint by the monitor.
 
     With ``lora.enabled`` only LoRA adapters train (``rlt2t.common.lora``) and checkpoints hold the adapters
     plus the training state; resume from one with ``load_lora_policy``. ``max_source_len``
-    (``data.max_source_len``) bounds augmented sources; None: the model's position limit.
+    (``data.max_source_len``) bounds augmented sources; None: the model's position limit. ``stage`` names
+    the logs (``<run>/logs/<stage>``) and checkpoint meta.
     """
     if lora is not None and lora.enabled:
         if cfg.fgm_epsilon > 0:
@@ -144,7 +145,8 @@ def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list
     dataset = SFTDataset(sources, targets, augment_prob=cfg.augment_prob, protected_ids=set(tok.all_special_ids),
                          seed=run.seed, max_source_len=max_source_len or max_positions(policy.model.config),
                          affixes=template_affixes(tok))
-    return train_stage(stage="sft", cfg=cfg, run=run, model=policy.model, tokenizer=tok, dataset=dataset,
+    return train_stage(stage=stage, cfg=cfg, run=run, model=policy.model, tokenizer=tok, dataset=dataset,
                        collate=make_collate(tok.pad_token_id, policy.model.config),
                        step_fn=make_sft_step(cfg, policy.model), out_dir=out_dir, resume_from=resume_from,
-                       evaluate=evaluate, monitor="monitor" if evaluate is not None else None)
+                       evaluate=evaluate, monitor="monitor" if evaluate is not None else None,
+                       patience=cfg.patience)

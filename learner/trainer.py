@@ -126,13 +126,16 @@ def train_stage(
     resume_from: CheckpointInfo | None = None,
     evaluate: Callable[[Model], dict[str, float]] | None = None,
     monitor: str | None = None,
+    patience: int = 0,
 ) -> StageResult:
     """Train ``model`` in place on ``dataset``; checkpoints (with ``tokenizer``) go to ``<out_dir>/checkpoints``.
 
     ``model`` is a policy's model, or a reward model or classifier. ``resume_from`` must be a checkpoint of
     this stage whose weights ``model`` already holds
     (``load_policy(checkpoint=...)``); optimizer, scheduler, RNG and data position come from it.
-    ``evaluate`` runs after each epoch; ``monitor`` names its metric to keep the best checkpoint of.
+    ``evaluate`` runs after each epoch; ``monitor`` names its metric to keep the best checkpoint of; with
+    ``patience`` > 0 the stage stops once that many epochs in a row have not beaten the best (early stopping:
+    the count is kept in checkpoint meta, so a resumed run stops where the uninterrupted one did).
     """
     if len(dataset) == 0:
         raise ValueError(f"{stage}: the training set is empty")
@@ -158,6 +161,8 @@ def train_stage(
 
     step, start_epoch, skip_batches = 0, 0, 0
     best = BestCheckpoint.from_meta(resume_from.meta if resume_from is not None else None)
+    # Epochs in a row whose monitor did not beat the best (early stopping with `patience`).
+    since_best = int(resume_from.meta.get("since_best", 0)) if resume_from is not None else 0
     if resume_from is not None:
         check_schedule_length(stage, resume_from, total_steps, f"{stage}.epochs, {stage}.max_steps, "
                               f"{stage}.batch_size", f"remove {out_dir} or train into another directory")
@@ -173,13 +178,17 @@ def train_stage(
     else:
         torch.manual_seed(run.seed)
 
+    if patience and not (evaluate is not None and monitor):
+        log.info("%s: %s.patience=%d needs a validation monitor (a validation split, metric.monitor_size > 0): "
+                 "every epoch runs", stage, stage, patience)
+        patience = 0
     logger = RunLogger(Path(run.dir) / "logs" / stage, stage)
     log.info("%s: %d examples, %d steps/epoch, %d steps, batch %d, lr %.2g, device %s", stage, len(dataset),
              steps_per_epoch, total_steps, cfg.batch_size, cfg.lr, accelerator.device)
 
     def checkpoint(name: str, epoch: int, batch_in_epoch: int, metrics: dict[str, float]) -> Path:
         meta = {"stage": stage, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "metrics": metrics,
-                "total_steps": total_steps, "best": best.meta()}
+                "total_steps": total_steps, "best": best.meta(), "since_best": since_best}
         path = save_checkpoint(
             ckpt_root, name, model=accelerator.unwrap_model(model), tokenizer=tokenizer, step=step, meta=meta,
             training_state={"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -197,7 +206,7 @@ def train_stage(
     model.train()
     try:
         for epoch in range(start_epoch, cfg.epochs):
-            if step >= total_steps:
+            if step >= total_steps or (patience and since_best >= patience):
                 break
             if hasattr(dataset, "set_epoch"):
                 dataset.set_epoch(epoch)
@@ -238,8 +247,13 @@ def train_stage(
                 log.info("%s epoch %d: %s", stage, epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
             name = checkpoint_name(epoch=epoch + 1)
             if monitor and monitor in scores:
-                best.offer(scores[monitor], ckpt_root / name)
+                since_best = 0 if best.offer(scores[monitor], ckpt_root / name) else since_best + 1
             last_path = checkpoint(name, epoch + 1, 0, {**last, **scores})
+            if patience and since_best >= patience and epoch + 1 < cfg.epochs and step < total_steps:
+                log.info("%s: early stop after %d of %d epochs: %s has not beaten %.4f (%s) for %d epoch%s "
+                         "(%s.patience=%d)", stage, epoch + 1, cfg.epochs, monitor, best.score,
+                         best.path.name if best.path else "-", since_best, "" if since_best == 1 else "s", stage,
+                         patience)
         if last_path is None:  # resumed at the very end: nothing left to do
             last_path = (resume_from.path if resume_from is not None
                          else checkpoint(checkpoint_name(step=step), 0, 0, last))

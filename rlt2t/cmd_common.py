@@ -7,7 +7,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from rlt2t.common.config import Config, load_config
+from rlt2t import api
+from rlt2t.common.config import Config
 
 
 def config_args(p: argparse.ArgumentParser) -> None:
@@ -19,7 +20,7 @@ def config_args(p: argparse.ArgumentParser) -> None:
 
 def load_cfg(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
     """The config tree of a command's --config files and overrides, then ``extra`` overrides (from its flags)."""
-    return load_config(args.config, [*args.overrides, *extra])
+    return api.load_config(*args.config, overrides=[*args.overrides, *extra])
 
 
 def print_table(title: str, rows: Mapping[str, Mapping[str, float]], file: TextIO | None = None) -> None:

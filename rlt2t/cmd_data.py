@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from itertools import islice
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from rlt2t import api
 from rlt2t.cmd_common import load_cfg
 from rlt2t.common.config import config_to_yaml, explain
+
+if TYPE_CHECKING:
+    from rlt2t.common.data import Example
 
 
 def cmd_config(args) -> None:
@@ -20,10 +27,8 @@ def cmd_config(args) -> None:
 
 def cmd_data_synth(args) -> None:
     cfg = load_cfg(args)
-    from rlt2t.jobs import make_synthetic_data
-
     _check_task_out(cfg, args.format, args.force)
-    files = make_synthetic_data(cfg, fmt=args.format)
+    files = api.synth_data(cfg, fmt=args.format)
     for split, path in files.items():
         print(f"{split}: {path}")
 
@@ -65,10 +70,26 @@ def _check_task_out(cfg, fmt: str, force: bool) -> None:
                               "the task another run.dir)")
 
 
-def cmd_data_import(args) -> None:
-    from rlt2t.common.data import import_competition_csv, split_examples, write_examples
+def cmd_data_import_csv(args) -> None:
+    from rlt2t.common.data import import_competition_csv
 
     cfg = load_cfg(args)
+    _import(cfg, args, "diagnoses", lambda: import_competition_csv(args.input, on_error=cfg.data.on_error,
+                                                                   require_target=not args.unlabeled))
+
+
+def cmd_data_import(args) -> None:
+    from rlt2t.common.data import load_data
+
+    cfg = load_cfg(args)
+    _import(cfg, args, "targets", lambda: list(load_data(args.input, cfg.data, require_target=not args.unlabeled)))
+
+
+def _import(cfg, args, what: str, read: Callable[[], Sequence[Example]]) -> None:
+    """Write what ``read`` returns as train/valid/test JSONL under --out (split by --valid/--test-fraction and
+    run.seed), or as test.jsonl without targets (--unlabeled); ``what`` names the targets in messages."""
+    from rlt2t.common.data import split_examples, write_examples
+
     out = Path(args.out)
     test_path = out / "test.jsonl"
     # A labeled import without test rows leaves the test set of an --unlabeled import alone (the order the
@@ -77,13 +98,13 @@ def cmd_data_import(args) -> None:
     keep_test = not args.unlabeled and args.test_fraction == 0 and unlabeled_test
     owned = ("test",) if args.unlabeled else ("train", "valid", "test")  # the split files this import replaces
     _check_import_out(out, tuple(s for s in owned if not (keep_test and s == "test")), args.force)
-    # A labelled file's rows all need a diagnosis; an --unlabeled file has none (any it has are dropped, so the
+    # A labelled file's rows all need a target; an --unlabeled file has none (any it has are dropped, so the
     # test set reads as unlabeled: _unlabeled_file, a later labelled re-import keeps it)
-    examples = import_competition_csv(args.input, on_error=cfg.data.on_error, require_target=not args.unlabeled)
+    examples = read()
     if args.unlabeled:
         dropped = sum(e.target is not None for e in examples)
         write_examples(test_path, [replace(e, target=None) for e in examples])
-        note = f"; {dropped} diagnoses left out: --unlabeled imports inputs only" if dropped else ""
+        note = f"; {dropped} {what} left out: --unlabeled imports inputs only" if dropped else ""
         print(f"test: {test_path} ({len(examples)} rows{note})")
         return
     parts = split_examples(examples, args.valid_fraction, args.test_fraction, cfg.run.seed)
@@ -132,7 +153,7 @@ def _check_import_out(out: Path, splits: tuple[str, ...], force: bool) -> None:
 
 
 def cmd_data_validate(args) -> None:
-    from rlt2t.common.data import length_report, load_examples
+    from rlt2t.common.data import Columns, LoadReport, iter_examples, length_report, token_lengths
     from rlt2t.common.tokenization import load_tokenizer, text_checker
 
     cfg = load_cfg(args)
@@ -141,23 +162,26 @@ def cmd_data_validate(args) -> None:
     if tokenizer is None:
         print(f"(no tokenizer at {cfg.tokenizer_dir}: token checks and lengths skipped; `rlt2t tokenizer build` first)")
     for path in args.files:
-        loaded = load_examples(path, require_target=not args.unlabeled, on_error=cfg.data.on_error, check_text=check)
-        print(loaded.report.summary())
+        report = LoadReport(path)
+        examples = iter_examples(path, fmt=cfg.data.format, columns=Columns.of(cfg.data),
+                                 require_target=not args.unlabeled, on_error=cfg.data.on_error, check_text=check,
+                                 report=report)
+        # Streamed: a chunk of examples at a time, and of each text only its length in tokens is kept.
+        sources, targets = array("I"), array("I")
+        while chunk := list(islice(examples, 1024)):
+            if tokenizer is not None:
+                sources.extend(token_lengths(tokenizer, [e.source for e in chunk]))
+                targets.extend(token_lengths(tokenizer, [e.target for e in chunk if e.target is not None]))
+        print(report.summary())
         if tokenizer is None:
             continue
-        examples = list(loaded)
-        print(length_report(tokenizer, [e.source for e in examples], "sources", cfg.data.max_source_len).summary(
-            "data.max_source_len"))
-        targets = [e.target for e in examples if e.target is not None]
+        print(length_report(sources, "sources", cfg.data.max_source_len).summary("data.max_source_len"))
         if targets:
-            print(length_report(tokenizer, targets, "targets", cfg.data.max_target_len).summary("data.max_target_len"))
+            print(length_report(targets, "targets", cfg.data.max_target_len).summary("data.max_target_len"))
 
 
 def cmd_tokenizer_build(args) -> None:
-    cfg = load_cfg(args)
-    from rlt2t.jobs import build_tokenizer_job
-
-    print(build_tokenizer_job(cfg))
+    print(api.build_tokenizer(load_cfg(args)))
 
 
 def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -195,23 +219,30 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("--max-references", type=int, default=10, help="references kept per name (at least 2)")
     p.add_argument("--force", action="store_true", help="replace split files already in data.train's directory")
     p.set_defaults(fn=cmd_data_docstring_names)
-    p = data.add_parser("import-csv", help="convert a competition CSV (report_id,description,diagnosis[,clinical])")
+    for name, what, source, fn in (
+        ("import-csv", "a competition CSV (report_id,description,diagnosis[,clinical])", "header-less competition CSV",
+         cmd_data_import_csv),
+        ("import", "a data file by data.format and the data.*_field column mapping",
+         "JSONL, CSV with a header, Parquet, or a Hugging Face datasets directory", cmd_data_import),
+    ):
+        p = data.add_parser(name, help=f"convert {what} into train/valid/test JSONL")
+        config_args(p)
+        p.add_argument("--input", required=True, help=source)
+        p.add_argument("--out", required=True, help="output directory for train/valid/test JSONL")
+        p.add_argument("--valid-fraction", type=float, default=0.05)
+        p.add_argument("--test-fraction", type=float, default=0.0)
+        p.add_argument("--unlabeled", action="store_true",
+                       help="the file is a test set without targets (writes test.jsonl only, inputs without targets; "
+                            "import it after the labeled file, whose import owns train/valid/test, and whose rows all "
+                            "need a target)")
+        p.add_argument("--force", action="store_true",
+                       help="replace existing split files in --out (a labeled import removes the ones it does not "
+                            "write, but keeps the test.jsonl of an --unlabeled import unless it has test rows itself)")
+        p.set_defaults(fn=fn)
+    p = data.add_parser("validate", help="check data files (any format of data.format, with the data.*_field column "
+                                         "mapping; streamed) and their tokens against the run's tokenizer")
     config_args(p)
-    p.add_argument("--input", required=True, help="header-less competition CSV")
-    p.add_argument("--out", required=True, help="output directory for train/valid/test JSONL")
-    p.add_argument("--valid-fraction", type=float, default=0.05)
-    p.add_argument("--test-fraction", type=float, default=0.0)
-    p.add_argument("--unlabeled", action="store_true",
-                   help="the file is a test set without diagnoses (writes test.jsonl only, inputs without targets; "
-                        "import it after the labeled file, whose import owns train/valid/test, and whose rows all "
-                        "need a diagnosis)")
-    p.add_argument("--force", action="store_true",
-                   help="replace existing split files in --out (a labeled import removes the ones it does not "
-                        "write, but keeps the test.jsonl of an --unlabeled import unless it has test rows itself)")
-    p.set_defaults(fn=cmd_data_import)
-    p = data.add_parser("validate", help="check JSONL files (and their tokens against the run's tokenizer)")
-    config_args(p)
-    p.add_argument("--files", nargs="+", required=True)
+    p.add_argument("--files", nargs="+", required=True, help="data files or datasets directories")
     p.add_argument("--unlabeled", action="store_true", help="targets are optional")
     p.set_defaults(fn=cmd_data_validate)
 

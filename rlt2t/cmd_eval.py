@@ -11,14 +11,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from rlt2t import api
 from rlt2t.cmd_common import load_cfg
 
 
 def cmd_eval(args) -> None:
-    from rlt2t.eval_table import eval_table, print_eval_table, resolve_models
-
     cfg = load_cfg(args)
-    table = eval_table(cfg, resolve_models(cfg, args.checkpoint), split=args.split, metrics=args.metrics)
+    table = api.evaluate(cfg, args.checkpoint, split=args.split, metrics=args.metrics)
+    from rlt2t.eval_table import print_eval_table
+
     print_eval_table(table)
     paths = table.save(cfg.run_dir / "eval", args.name)
     print("saved: " + ", ".join(str(p) for p in paths.values()))

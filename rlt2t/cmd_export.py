@@ -6,12 +6,15 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from rlt2t import api
 from rlt2t.cmd_common import load_cfg, print_table
 
 RERANK_HELP = (
     "mean_logprob: length-normalised log-likelihood averaged over scorers; idf: the same, tokens weighted by "
     "the IDF of training n-grams covering them; consensus: among the predict.consensus_top best by "
-    "likelihood, the one with the highest mean CIDEr-D against the others (default: predict.rerank)"
+    "likelihood, the one with the highest mean CIDEr-D against the others; reward: the highest reward.terms score "
+    "without references (python, reward_model and classifier terms; ties to the better likelihood) "
+    "(default: predict.rerank)"
 )
 
 
@@ -24,18 +27,14 @@ def _paths(value: str, flag: str) -> list[str]:
 
 def cmd_export(args) -> None:
     cfg = load_cfg(args)
-    from rlt2t.jobs import export_job
-
-    out = export_job(cfg, args.checkpoint, args.out, quantization=args.quantization, force=args.force)
+    out = api.export(cfg, args.checkpoint, args.out, quantization=args.quantization, force=args.force)
     print(f"export: {args.checkpoint} → {out} ({args.quantization or cfg.export.quantization})")
 
 
 def cmd_predict(args) -> None:
-    from rlt2t.predict import predict
-
     cfg = load_cfg(args)
-    result = predict(cfg, _paths(args.generators, "--generators"), _paths(args.scorers, "--scorers"), args.input,
-                     args.out, rerank=args.rerank)
+    result = api.predict(cfg, _paths(args.generators, "--generators"), _paths(args.scorers, "--scorers"), args.input,
+                         args.out, rerank=args.rerank)
     print(f"predict: {len(result.ids)} inputs, {result.mean_candidates:.1f} candidates each, rerank={result.rerank}")
     print(f"predictions: {result.csv_path}\ncandidates: {result.jsonl_path}")
     if result.metrics:
@@ -62,8 +61,10 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("--generators", required=True, help="comma-separated export dirs (or model dirs: exported on "
                                                        "the fly into {export.out}/cache)")
     p.add_argument("--scorers", required=True, help="comma-separated export dirs (or model dirs)")
-    p.add_argument("--input", required=True, help="JSONL (id, source[, target]) or competition CSV")
+    p.add_argument("--input", required=True, help="a data file read as data.train is (JSONL, Parquet, a datasets "
+                                                  "directory: id, source[, target] by data.*_field) or a competition "
+                                                  "CSV")
     p.add_argument("--out", required=True, help="submission CSV (report_id,prediction); the candidates JSONL "
                                                 "goes beside it as <stem>.candidates.jsonl")
-    p.add_argument("--rerank", default=None, choices=["mean_logprob", "idf", "consensus"], help=RERANK_HELP)
+    p.add_argument("--rerank", default=None, choices=["mean_logprob", "idf", "consensus", "reward"], help=RERANK_HELP)
     p.set_defaults(fn=cmd_predict)

@@ -3,33 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
-from rlt2t.cmd_common import load_cfg, print_table
+from rlt2t import api
+from rlt2t.cmd_common import load_cfg
 
 
 def cmd_pretrain(args) -> None:
-    cfg = load_cfg(args)  # a config error is reported before the seconds of importing torch
-    from rlt2t.jobs import pretrain_job
-
-    result = pretrain_job(cfg, resume=args.resume, init=args.init)
+    result = api.pretrain(load_cfg(args), resume=args.resume, init=args.init)
     print(f"pretrain: {result.steps} steps → {result.checkpoint}")
 
 
 def cmd_sft(args) -> None:
-    cfg = load_cfg(args)
-    from rlt2t.jobs import sft_job
-
-    result = sft_job(cfg, resume=args.resume, init=args.init)
+    result = api.sft(load_cfg(args), resume=args.resume, init=args.init)
     print(f"sft: {result.steps} steps → {result.checkpoint}")
 
 
 def cmd_train(args) -> None:
-    cfg = load_cfg(args)
-    from rlt2t.jobs import rl_job
-
-    result = rl_job(cfg, resume=args.resume, init=args.init)
+    result = api.train(load_cfg(args), resume=args.resume, init=args.init)
     print(f"rl: {result.steps} steps, {result.items_used} sources, {result.redispatched} chunks re-dispatched "
           f"→ {result.checkpoint}")
 
@@ -57,38 +48,11 @@ def cmd_average(args) -> None:
 
 def cmd_demo(args) -> None:
     cfg = load_cfg(args)
-    from rlt2t.eval_table import eval_table, print_eval_table
-    from rlt2t.jobs import best_or_latest, clean_run, export_job, prepare_sft, rl_job
-    from rlt2t.predict import predict
-
-    if args.fresh:
-        clean_run(cfg)
-    t0 = time.perf_counter()
-    prepare_sft(cfg)
-    models = {"sft": best_or_latest(cfg.run_dir / "sft" / "checkpoints")}
-    if cfg.rl.enabled:
-        rl_job(cfg, resume=True)
-        models[f"rl ({cfg.rl.algorithm})"] = best_or_latest(cfg.run_dir / "rl" / "checkpoints")
-    # SFT against RL on validation and on the held-out test split (`rlt2t eval`'s tables, saved under eval/).
-    for split in ("valid", "test"):
-        if cfg.path(getattr(cfg.data, split)).is_file():
-            table = eval_table(cfg, models, split=split, metrics=DEMO_METRICS)
-            print_eval_table(table)
-            table.save(cfg.run_dir / "eval", f"demo-{split}")
-    if args.predict:
-        # The last stage of the method: CTranslate2 exports of both models, ensemble rerank on the test split.
-        exports = [export_job(cfg, path, cfg.path(cfg.export.out) / name.split()[0], force=True)
-                   for name, path in models.items()]
-        result = predict(cfg, exports, exports, cfg.path(cfg.data.test), cfg.run_dir / "predict" / "test.csv")
-        if result.metrics:
-            print_table(f"test split, CTranslate2 {cfg.export.quantization}: single models (beam "
-                        f"{cfg.predict.beam_size}) vs ensemble ({result.rerank}) vs oracle", result.metrics)
-        print(f"predictions: {result.csv_path}")
-    print(f"demo finished in {time.perf_counter() - t0:.0f} s; run directory: {cfg.run_dir}")
+    result = api.demo(cfg, fresh=args.fresh, predict=args.predict)
+    print(f"demo finished in {result.seconds:.0f} s; run directory: {cfg.run_dir}")
+    if result.curves_png:
+        print(f"validation curves: {result.curves_png}")
     print(f"logs: tensorboard --logdir {cfg.run_dir / 'logs'}")
-
-
-DEMO_METRICS = ("task_score", "cider_d", "bleu4", "rouge_l", "mean_length")
 
 
 def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:

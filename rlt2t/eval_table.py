@@ -36,7 +36,7 @@ from rlt2t.common.plots import plot_metric_bars
 from rlt2t.jobs import best_or_latest, eval_job
 from rlt2t.learner.evaluate import MODEL_METRICS, check_metric_names
 
-STAGES = ("sft", "rl", "rank", "pretrain")
+STAGES = ("sft", "rl", "rank", "pretrain", "continued_sft")
 """Names that stand for a run's stage in ``--checkpoint``; ``rank`` is the RL stage's former name."""
 
 

@@ -228,7 +228,7 @@ def run_loop(cfg: Config) -> list[dict[str, Any]]:
             continue
         # 1. sample: a new slice of training sources, K candidates each, from the current policy.
         first = ((r - 1) * fb.sources) % max(len(train), 1)
-        examples = (train[first:] + train[:first])[: fb.sources]
+        examples = [train[(first + i) % len(train)] for i in range(min(fb.sources, len(train)))]
         sets = sample_sets(policy_dir, cfg, examples, k=fb.num_candidates, seed=cfg.run.seed + r)
         atomic_write_jsonl(round_dir / "candidates.jsonl",
                            ({"id": s.example_id, "source": s.source, "candidates": list(s.candidates)} for s in sets))

@@ -131,6 +131,10 @@ def init_ray(cfg: Config) -> None:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, runtime_env={"env_vars": WORKER_ENV})
         return
     need = sum(d.count * d.resources.get("CPU", 0.0) for d in job_demands(cfg))
+    # Ray turns token authentication on for a local cluster when RAY_AUTH_MODE is unset, and says so on every run
+    # in a line a user of the embedded cluster cannot act on: the protection stays, the notice goes. (The mode
+    # itself cannot be set here: Ray reads it when it is imported.)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     # Logical CPUs: the embedded cluster may oversubscribe a small machine rather than refuse to start.
     ray.init(num_cpus=max(math.ceil(need), os.cpu_count() or 1), include_dashboard=False,
              log_to_driver=True, configure_logging=False, runtime_env={"env_vars": WORKER_ENV})
@@ -312,6 +316,18 @@ class LearnerGroup:
 
 
 # --- worker pools -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FetchObject:
+    """Fetches an object-store value where it is called. Passed inside an argument, its reference is neither
+    resolved by Ray for every call nor kept among an actor's constructor arguments (which Ray re-uses on restart
+    and warns about): the callee fetches the value once, when it needs it."""
+
+    ref: ray.ObjectRef
+
+    def __call__(self) -> Any:
+        return ray.get(self.ref)
+
 
 class WorkerPool:
     """Rollout or reward actors, restarted by Ray when they die. Which worker gets a task, and the cooldown

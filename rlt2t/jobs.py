@@ -7,6 +7,8 @@ writes under ``run.dir``:
     tokenizer/       the saved tokenizer
     pretrain/checkpoints/epoch-0001 ...
     sft/checkpoints/epoch-0003 ...
+    continued_sft/   the likelihood baseline of the RL stage (the demo's)
+    rl/checkpoints/  the RL stage
     eval/            <checkpoint>-<split>.json metric tables and predictions
     logs/<stage>/    metrics.jsonl and TensorBoard events
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -27,8 +30,8 @@ from rlt2t.common.checkpoint import (
     resume_point,
 )
 from rlt2t.common.collate import encode_examples
-from rlt2t.common.config import Config, config_to_yaml, shared_directory
-from rlt2t.common.data import Example, load_examples, reference_sets, targets_of, unique_references
+from rlt2t.common.config import Config, SFTConfig, config_to_yaml, shared_directory
+from rlt2t.common.data import Example, load_data, reference_sets, targets_of, unique_references
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from rlt2t.common.lora import load_lora_policy
 from rlt2t.common.policy import Policy, check_lengths, is_adapter_checkpoint, load_policy
@@ -87,13 +90,15 @@ def make_docstring_names_data(cfg: Config, *, seed: int = 7, max_references: int
     return files
 
 
-def load_split(cfg: Config, split: str, require_target: bool = True) -> list[Example]:
-    """Load a configured split, checking texts against the tokenizer's vocabulary when it has one."""
+def load_split(cfg: Config, split: str, require_target: bool = True) -> Sequence[Example]:
+    """Load a configured split (any format of data.format, with the data.*_field mapping), checking texts against
+    the tokenizer's vocabulary when it has one. A list for JSONL and CSV; for Parquet and datasets a sequence that
+    builds each example when it is read (``rlt2t.common.data_formats``)."""
     path = cfg.path(getattr(cfg.data, split))
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"data.{split}: {path} does not exist (run `rlt2t data synth` or import data)")
     check = text_checker(load_tokenizer(cfg.tokenizer_dir)) if cfg.tokenizer_dir.is_dir() else None
-    return load_examples(path, require_target=require_target, on_error=cfg.data.on_error, check_text=check)
+    return load_data(path, cfg.data, require_target=require_target, check_text=check)
 
 
 def build_tokenizer_job(cfg: Config) -> Path:
@@ -102,7 +107,7 @@ def build_tokenizer_job(cfg: Config) -> Path:
     out = cfg.run_dir / "tokenizer" if t.kind == "pretrained" or t.path is None else cfg.tokenizer_dir
     texts = None
     if t.kind == "subword":
-        train = load_examples(cfg.path(cfg.data.train), on_error=cfg.data.on_error)
+        train = load_data(cfg.path(cfg.data.train), cfg.data)
         texts = [x for e, refs in unique_references(train) for x in (e.source, *refs)]
     tok = build_tokenizer(t.kind, num_data_tokens=t.num_data_tokens, num_sentinels=t.num_sentinels,
                           vocab_size=t.vocab_size, train_texts=texts, path=cfg.path(t.path) if t.path else None)
@@ -137,7 +142,7 @@ def pretrain_job(cfg: Config, resume: bool = False, init: str | Path | None = No
     texts = []
     for split in ("train", "valid", "test"):
         path = cfg.path(getattr(cfg.data, split))
-        if not path.is_file():
+        if not path.exists():
             continue
         examples = load_split(cfg, split, require_target=False)
         texts += [e.source for e in examples]
@@ -155,31 +160,59 @@ def default_sft_init(cfg: Config) -> Path | None:
 
 
 def sft_job(cfg: Config, resume: bool = False, init: str | Path | None = None):
+    """SFT (``cfg.sft``) on the training split into ``{run}/sft``, from ``init`` or the run's pretraining."""
+    return _sft_stage(cfg, "sft", cfg.sft, load_split(cfg, "train"),
+                      init if init is not None else default_sft_init(cfg), resume)
+
+
+CONTINUED_SFT = "continued_sft"
+
+
+def continued_sft_job(cfg: Config, resume: bool = False, init: str | Path | None = None):
+    """The likelihood baseline an RL run is measured against: SFT continued from RL's start (``init``, default
+    the run's best SFT checkpoint) with the RL stage's budget — CE on the gold targets of the same rows (the first
+    ``rl.train_subset``), ``rl.epochs`` passes, ``rl.batch_size`` rows a step (so the same number of optimizer
+    steps), ``rl.lr`` with its warm-up and floor — into ``{run}/continued_sft``, keeping its best checkpoint
+    by the validation monitor as RL does. SFT's other settings (R-drop, augmentation, FGM) carry over."""
+    r = cfg.rl
+    stage_cfg = cfg.sft.model_copy(update=dict(
+        epochs=r.epochs, max_steps=r.max_steps, batch_size=r.batch_size, lr=r.lr, weight_decay=r.weight_decay,
+        warmup_ratio=r.warmup_ratio, min_lr_ratio=r.min_lr_ratio, grad_clip=r.grad_clip, save_every_steps=0,
+        keep_last=r.keep_last, patience=0))
+    rows = load_split(cfg, "train")
+    if r.train_subset:
+        rows = rows[: r.train_subset]
+    start = init if init is not None else best_or_latest(cfg.run_dir / "sft" / "checkpoints")
+    return _sft_stage(cfg, CONTINUED_SFT, stage_cfg, rows, start, resume)
+
+
+def _sft_stage(cfg: Config, stage: str, stage_cfg: SFTConfig, train: Sequence[Example], init: str | Path | None,
+               resume: bool):
+    """Supervised training on ``train`` with ``stage_cfg`` into ``{run}/<stage>``, monitored on validation."""
     from rlt2t.learner.evaluate import monitor_score
     from rlt2t.learner.stages import run_sft
 
-    save_run_config(cfg, "sft")
-    policy, info = _stage_start(cfg, "sft", init if init is not None else default_sft_init(cfg), resume)
+    save_run_config(cfg, stage)
+    policy, info = _stage_start(cfg, stage, init, resume)
     check_lengths(policy, cfg.data)
-    train = load_split(cfg, "train")
-    enc = encode_examples(policy.tokenizer, [e.source for e in train], targets_of(train, "sft (data.train)"),
+    enc = encode_examples(policy.tokenizer, [e.source for e in train], targets_of(train, f"{stage} (data.train)"),
                           cfg.data.max_source_len, cfg.data.max_target_len, what="train")
     evaluate = None
-    if cfg.metric.monitor_size and cfg.path(cfg.data.valid).is_file():
+    if cfg.metric.monitor_size and cfg.path(cfg.data.valid).exists():
         valid = load_split(cfg, "valid")[: cfg.metric.monitor_size]
 
         def evaluate(model):
             return monitor_score(Policy(model, policy.tokenizer, policy.origin), valid, cfg.metric,
                                  max_source_len=cfg.data.max_source_len, max_new_tokens=cfg.eval.max_new_tokens)
 
-    result = run_sft(policy, enc.sources, enc.targets, cfg.sft, cfg.run, cfg.run_dir / "sft", resume_from=info,
-                     evaluate=evaluate, lora=cfg.model.lora, max_source_len=cfg.data.max_source_len)
+    result = run_sft(policy, enc.sources, enc.targets, stage_cfg, cfg.run, cfg.run_dir / stage, resume_from=info,
+                     evaluate=evaluate, lora=cfg.model.lora, max_source_len=cfg.data.max_source_len, stage=stage)
     if evaluate is not None:
-        warn_if_collapsed(cfg, best_or_latest(cfg.run_dir / "sft" / "checkpoints"), valid)
+        warn_if_collapsed(cfg, best_or_latest(cfg.run_dir / stage / "checkpoints"), valid)
     return result
 
 
-def warn_if_collapsed(cfg: Config, checkpoint: Path, valid: list[Example]) -> None:
+def warn_if_collapsed(cfg: Config, checkpoint: Path, valid: Sequence[Example]) -> None:
     """Warn when a checkpoint RL starts from (an SFT one, or an earlier RL round's) writes the same few texts
     whatever its source: its recorded validation ``distinct_outputs``
     (:func:`rlt2t.learner.evaluate.collapse_warning`). The figure was measured on the validation subset of the
@@ -227,7 +260,7 @@ def export_job(cfg: Config, checkpoint: str | Path, out: str | Path | None = Non
     """CTranslate2 export of a model dir / checkpoint / checkpoint root (newest), with its IDF table."""
     from rlt2t.common.checkpoint import resolve_model_dir
     from rlt2t.common.ct2 import export_ct2
-    from rlt2t.predict import save_idf_beside
+    from rlt2t.ensemble import save_idf_beside
 
     source = Path(checkpoint)
     if not source.exists():
@@ -267,7 +300,8 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
 
 # What `rlt2t demo` writes under run.dir, all that `demo --fresh` deletes: anything else there (annotations,
 # feedback rounds, reward models, the user's own files) is kept.
-FRESH_ENTRIES = ("config", "data", "tokenizer", "pretrain", "sft", "rl", "eval", "logs", "export", "predict")
+FRESH_ENTRIES = ("config", "data", "tokenizer", "pretrain", "sft", CONTINUED_SFT, "rl", "eval", "logs", "export",
+                 "predict")
 # The demo's mark on a run.dir whose stage outputs it wrote (prepare_sft leaves it in a run.dir that held none of
 # them); --fresh deletes nothing in a run.dir without it.
 DEMO_MARKER = ".rlt2t-demo"
@@ -356,7 +390,7 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     """RL on Ray (``rl.algorithm``) from the run's best SFT checkpoint (or ``init``); ``resume`` continues the
     newest checkpoint of the run's RL stage. The KL's reference policy is ``reference``, else the start (as a
     resumed run recorded it)."""
-    from rlt2t.train import STAGE, train
+    from rlt2t.driver import STAGE, train
 
     save_run_config(cfg, STAGE)
     latest = resume_point(cfg.run_dir / STAGE / "checkpoints", resume)
@@ -371,7 +405,7 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest or start)
     check_lengths(policy, cfg.data)
     train_set = load_split(cfg, "train")
-    valid = load_split(cfg, "valid")[: cfg.metric.monitor_size] if cfg.path(cfg.data.valid).is_file() else []
+    valid = load_split(cfg, "valid")[: cfg.metric.monitor_size] if cfg.path(cfg.data.valid).exists() else []
     log.info("rl: starting from %s (KL reference %s)", latest or start, ref)
     if resumed is None and valid:
         warn_if_collapsed(cfg, start, valid)
@@ -383,7 +417,7 @@ def prepare_sft(cfg: Config) -> Path:
     checkpoint that later stages start from (the demo and the quality benchmark share this). A run.dir that
     holds none of these outputs yet gets the demo's marker (``mark_demo_run``)."""
     mark_demo_run(cfg)
-    if not cfg.path(cfg.data.train).is_file():
+    if not cfg.path(cfg.data.train).exists():
         make_synthetic_data(cfg)
     if not cfg.tokenizer_dir.is_dir():
         build_tokenizer_job(cfg)

@@ -1,6 +1,6 @@
 """The RL job's scheduling decisions, with no Ray in them: which chunk goes to which worker, when a failed
 chunk is retried, in which order scored chunks reach the learner, when a learner step may be queued, and
-each batch's staleness. ``rlt2t.train`` runs the loop around it (Ray calls in, results back); the unit tests
+each batch's staleness. ``rlt2t.driver`` runs the loop around it (Ray calls in, results back); the unit tests
 drive it with fake results (tests/unit/test_scheduler.py).
 
 * Every chunk of sources has a fixed *policy version* (the learner step whose weights sample it):

@@ -269,7 +269,11 @@ class _AsyncBase(_Retrying):
 
 
 class PolicyClient(_SyncBase):
-    """Synchronous client of the policy server."""
+    """Synchronous client of the policy server (`rlt2t serve policy`); a context manager.
+
+        with rlt2t.PolicyClient("http://127.0.0.1:8000") as client:
+            samples = client.candidates(["12 7 33"], num_candidates=4).candidates[0]
+    """
 
     def candidates(self, sources: Sequence[str], **params: Any) -> CandidatesResponse:
         """POST /v1/candidates; ``params`` are the other ``CandidatesRequest`` fields (num_candidates, ...)."""
@@ -297,7 +301,11 @@ class PolicyClient(_SyncBase):
 
 
 class AsyncPolicyClient(_AsyncBase):
-    """Asynchronous client of the policy server (same methods as :class:`PolicyClient`, awaited)."""
+    """Asynchronous client of the policy server (the methods of ``PolicyClient``, awaited).
+
+        async with rlt2t.AsyncPolicyClient("http://127.0.0.1:8000") as client:
+            samples = (await client.candidates(["12 7 33"])).candidates[0]
+    """
 
     async def candidates(self, sources: Sequence[str], **params: Any) -> CandidatesResponse:
         body = _body(CandidatesRequest, {"sources": list(sources), **params})
@@ -332,7 +340,11 @@ def _reward_body(candidates: Sequence[str], references: Sequence[str | Sequence[
 
 
 class RewardClient(_SyncBase):
-    """Synchronous client of the reward server."""
+    """Synchronous client of the reward server (`rlt2t serve reward`); a context manager.
+
+        with rlt2t.RewardClient("http://127.0.0.1:8001") as client:
+            scores = client.reward(["40 41"], references=["40 41 42"], metrics=["bleu4"]).scores["bleu4"]
+    """
 
     def reward(self, candidates: Sequence[str], references: Sequence[str | Sequence[str]] | None = None,
                metrics: Sequence[str] | None = None, sources: Sequence[str] | None = None) -> RewardResponse:
@@ -343,7 +355,11 @@ class RewardClient(_SyncBase):
 
 
 class AsyncRewardClient(_AsyncBase):
-    """Asynchronous client of the reward server."""
+    """Asynchronous client of the reward server (the methods of ``RewardClient``, awaited).
+
+        async with rlt2t.AsyncRewardClient("http://127.0.0.1:8001") as client:
+            scores = (await client.reward(["40 41"], references=["40 41 42"])).scores
+    """
 
     async def reward(self, candidates: Sequence[str], references: Sequence[str | Sequence[str]] | None = None,
                      metrics: Sequence[str] | None = None, sources: Sequence[str] | None = None) -> RewardResponse:

@@ -52,7 +52,8 @@ class NamedRewards:
         self.cfg = cfg
         self.on_reload: Callable[[Snapshot], None] | None = None
         self.rewards: Snapshot = {
-            name: build_reward(cfg.reward, document_frequency=document_frequency, device=cfg.reward.device, terms=terms)
+            name: build_reward(cfg.reward, document_frequency=document_frequency, device=cfg.reward.device, terms=terms,
+                               where=f"reward.named.{name}")
             for name, terms in cfg.reward.named.items()
         }
         # Without a table, the task score / CIDEr-D terms count frequencies over each request's references.

@@ -64,7 +64,7 @@ class HttpRolloutWorker:
         cfg = self.rollout
         return [candidate_set(ex.id, ex.source, ex.target or "", [c.text for c in candidates],
                               include_gold=cfg.include_gold, seed=self.seed, version=response.policy_version,
-                              references=ex.references)
+                              references=ex.references, fields=ex.extra)
                 for chunk, _, response in self._sampled_chunks(version, examples)
                 for ex, candidates in zip(chunk, response.candidates, strict=True)]
 
@@ -78,7 +78,8 @@ class HttpRolloutWorker:
             for i, (ex, cands) in enumerate(zip(chunk, response.candidates, strict=True)):
                 out.append(SampledGroup(
                     example_id=ex.id, source=ex.source, reference=ex.target or "", references=ex.references,
-                    candidates=tuple(c.text for c in cands), token_ids=tuple(tuple(c.token_ids) for c in cands),
+                    fields=ex.extra, candidates=tuple(c.text for c in cands),
+                    token_ids=tuple(tuple(c.token_ids) for c in cands),
                     sample_logprobs=tuple(tuple(c.sample_logprobs) for c in cands),
                     forced_eos=tuple(c.forced_eos for c in cands), policy_version=response.policy_version,
                     greedy=None if greedy is None else greedy[i][0].text))

@@ -9,7 +9,7 @@ frequencies of ``document_frequency`` when given, else frequencies counted over 
 references (then an item's CIDEr-D depends on the rest of the request, as in the coco evaluator).
 
 Learned rewards are served by name: ``reward.named`` maps a name to reward terms (reward models,
-classifiers, metrics, weighted; ``rlt2t.common.rewards``); a request naming one gives ``sources`` (and
+classifiers, Python functions, metrics, weighted; ``rlt2t.common.rewards``); a request naming one gives ``sources`` (and
 ``references`` when one of its terms is a metric). A reward model given as a checkpoint root is hot-reloaded
 when a newer complete checkpoint appears (``rlt2t.services.learned_rewards``): the new models serve from the
 next request on, every part of a request is scored by the models it started with, and the response names their
@@ -43,6 +43,7 @@ from starlette.concurrency import run_in_threadpool
 
 from rlt2t.common.config import Config
 from rlt2t.common.metrics import DocumentFrequency, available_metrics, get_metric
+from rlt2t.common.python_rewards import RewardError
 from rlt2t.common.tokenization import load_tokenizer, text_checker
 from rlt2t.services.batching import Batcher, CallControl
 from rlt2t.services.http import (
@@ -50,6 +51,7 @@ from rlt2t.services.http import (
     OVERLOADED,
     UNAUTHORIZED,
     CheckThread,
+    ErrorJSONResponse,
     ServiceMetrics,
     add_common_routes,
     auth_dependencies,
@@ -174,6 +176,12 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
     app.state.named_rewards = named
     install_error_handlers(app, metrics)
     install_middleware(app, metrics, serve, token)
+
+    @app.exception_handler(RewardError)
+    async def reward_failed(request: Request, exc: RewardError) -> ErrorJSONResponse:
+        # A Python reward term of reward.named raised or returned what is not a score: say which and where.
+        log.error("%s", exc)
+        return ErrorJSONResponse({"detail": str(exc)}, status_code=500)
     add_common_routes(app, metrics, lambda: not batcher.stopping, protected)
 
     checks = CheckThread()

@@ -25,6 +25,34 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _wordnet_present() -> bool:
+    from rlt2t.common.wordnet import find_wordnet
+
+    try:
+        find_wordnet()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# The Debian packages some tests need (the Makefile's DEB_PACKAGES) and how to tell each is there. `make test`
+# installs the missing ones when it may (as root); elsewhere a test marked `system_package(name)` skips, naming the
+# command that installs it: a missing system package never fails a test.
+SYSTEM_PACKAGES = {
+    "wordnet-base": _wordnet_present,
+    "chromium": lambda: os.access(os.environ.get("RLT2T_CHROMIUM", "/usr/bin/chromium"), os.X_OK),
+    "postgresql-15": lambda: (Path("/usr/lib/postgresql/15/bin") / "postgres").is_file(),
+}
+
+
+def pytest_runtest_setup(item) -> None:
+    for mark in item.iter_markers("system_package"):
+        (name,) = mark.args
+        if not SYSTEM_PACKAGES[name]():
+            pytest.skip(f"Debian's {name} is not installed; install it with `sudo apt-get install -y "
+                        f"--no-install-recommends {name}` (`make test` does it when run as root)")
+
+
 def pytest_unconfigure(config) -> None:
     """A multiprocessing child a failed test left running is killed: at exit Python joins every non-daemon child,
     so one hung child would keep a finished session, and CI, waiting until its time limit."""
@@ -230,3 +258,9 @@ def family_dirs(tmp_path_factory) -> dict[str, Path]:
     texts = family_texts()
     families = ("bart", "t5", "t5-v1.0", "marian", "mbart", "pegasus", "encoder-decoder")
     return {f: build_family_dir(f, root / f, texts) for f in families}
+
+
+@pytest.fixture(scope="session")
+def bart_family_dir(tmp_path_factory) -> Path:
+    """The tiny BART of :func:`family_dirs` alone, for tests that need one pretrained-like directory."""
+    return build_family_dir("bart", tmp_path_factory.mktemp("bart-family") / "bart", family_texts())

@@ -6,16 +6,19 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import ray
 
 from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint
+from rlt2t.local_ray import cluster_processes, stop_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -80,3 +83,61 @@ def kill_training() -> Callable[..., int]:
         return read_checkpoint(latest).step
 
     return kill
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class LoopbackCluster:
+    """A running two-node Ray cluster on 127.0.0.1 (see :func:`two_node_cluster`)."""
+
+    dashboard: str
+    """The dashboard and job API, http://127.0.0.1:PORT."""
+    env: dict[str, str]
+    """The environment Ray commands against it run with: token authentication on, no RAY_ADDRESS."""
+
+    def run(self, cmd: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+        """``cmd`` in the repo with the cluster's environment (plus ``env``), its output captured."""
+        return subprocess.run(cmd, cwd=REPO, env={**self.env, **env}, capture_output=True, text=True,
+                              timeout=timeout)
+
+
+@pytest.fixture
+def two_node_cluster() -> Iterator[LoopbackCluster]:
+    """A head offering 2 CPUs and a second node (another `ray start --address`) offering 2 CPUs and `fake_gpu: 2`
+    (standing in for GPUs), token authentication on. Only this cluster is stopped afterwards, found by its own temp
+    dir, never by name (other engineers run Ray on this machine); a process of it left running fails the test."""
+    ray_tmp = f"/tmp/rlt2t-2n-{os.getpid()}"
+    gcs, dash, client, agent1, agent2 = free_ports(5)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env["RAY_AUTH_MODE"] = "token"
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # "0" would make the head refuse a second node
+    cluster = LoopbackCluster(f"http://127.0.0.1:{dash}", env)
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    try:
+        token = cluster.run([ray_bin, "get-auth-token", "--generate"])
+        assert token.returncode == 0, token.stderr
+        head = cluster.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=2",
+                            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                            f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent1}",
+                            f"--temp-dir={ray_tmp}", "--disable-usage-stats"])
+        assert head.returncode == 0, head.stdout + head.stderr
+        node = cluster.run([ray_bin, "start", f"--address=127.0.0.1:{gcs}", "--node-ip-address=127.0.0.1",
+                            "--num-cpus=2", '--resources={"fake_gpu": 2}', f"--dashboard-agent-listen-port={agent2}",
+                            f"--temp-dir={ray_tmp}", "--disable-usage-stats"])
+        assert node.returncode == 0, node.stdout + node.stderr
+        yield cluster
+    finally:
+        stop_cluster(ray_tmp)
+        left = cluster_processes(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert left == [], [p.cmdline() for p in left]

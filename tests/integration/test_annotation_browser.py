@@ -21,7 +21,7 @@ from rlt2t.services.annotation.app import create_app
 from rlt2t.services.annotation.store import NewItem, Store
 from rlt2t.services.annotation.tables import submissions
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.system_package("chromium")]
 
 CHROMIUM = os.environ.get("RLT2T_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -35,8 +35,6 @@ INJECTED = ["<script>window.__pwned = 1</script>", '<img src="x" onerror="window
 @pytest.fixture(scope="module")
 def browser():
     """Headless Chromium (Playwright launches it with a fresh temporary --user-data-dir)."""
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"no Chromium at {CHROMIUM} (`make system-deps` installs Debian's chromium; or set RLT2T_CHROMIUM)")
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         yield browser

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from rlt2t.common.checkpoint import read_checkpoint
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,23 +47,40 @@ def test_demo_pipeline_end_to_end(demo_run):
     valid_rows = len((run / "data" / "valid.jsonl").read_text().splitlines())
     assert table["examples"] == min(20, valid_rows)  # eval.limit=20 in tiny.yaml
     assert list((run / "logs" / "pretrain" / "tb").iterdir())
-    # SFT against RL on validation and test: the demo's tables, printed and saved as `rlt2t eval` saves them
+    # SFT, continued SFT and RL on validation and test: the demo's tables, printed and saved as `rlt2t eval` does
     for split in ("valid", "test"):
         saved = json.loads((run / "eval" / f"demo-{split}.json").read_text())
         labels = list(saved["rows"])
-        assert labels[0] == "sft" and labels[1].startswith("rl (") and f"{split} split" in proc.stdout
+        assert labels[:2] == ["sft", "continued sft"] and labels[2].startswith("rl (")
+        assert f"{split} split" in proc.stdout
+    # continued SFT spends RL's optimizer steps on the gold targets: the same number of steps
+    steps = {stage: read_checkpoint(run / stage / "checkpoints" / "epoch-0002").step
+             for stage in ("continued_sft", "rl")}
+    assert steps["continued_sft"] == steps["rl"] > 0, steps
+    summary = json.loads((run / "eval" / "demo-summary.json").read_text())
+    assert set(summary["scores"]) == {"valid", "test_greedy", "test_ct2_beam"}
+    assert all(set(s) == {"sft", "continued_sft", "rl"} for s in summary["scores"].values())
+    assert "against sft and continued sft (task_score)" in proc.stdout
+    assert (run / "eval" / "demo-validation.png").stat().st_size > 1000 and "validation curves:" in proc.stdout
+    # progress while RL trains, and no error-looking line from Ray a user cannot act on
+    assert "rl step 5/" in proc.stderr and "reward" in proc.stderr.split("rl step 5/")[1].splitlines()[0]
+    assert "constructor arguments in the object store" not in proc.stderr
+    assert "RAY_AUTH_MODE" not in proc.stderr  # Ray's notice about an unset auth mode: set explicitly, token
+    assert not [line for line in proc.stderr.splitlines() if " E " in line[:40] and "core_worker" in line]
 
 
 def test_demo_rerun_resumes_instead_of_retraining(demo_run):
     run, _ = demo_run
-    before = {stage: sorted(p.name for p in (run / stage / "checkpoints").iterdir()) for stage in ("sft", "rl")}
+    before = {stage: sorted(p.name for p in (run / stage / "checkpoints").iterdir())
+              for stage in ("sft", "continued_sft", "rl")}
     shutil.rmtree(run / "eval")  # the rerun writes its tables again
     proc = rlt2t("demo", "--config", TINY, f"run.dir={run}", "--no-predict")
     assert "resuming" in proc.stderr
     assert "nothing left to train" in proc.stderr and "rl: rank on" not in proc.stderr  # no Ray job for a done RL
     assert {stage: sorted(p.name for p in (run / stage / "checkpoints").iterdir()) for stage in before} == before
     saved = json.loads((run / "eval" / "demo-test.json").read_text())
-    assert list(saved["rows"])[1].startswith("rl (")  # the tables still compare SFT with the finished RL
+    labels = list(saved["rows"])  # the tables still compare SFT and continued SFT with the finished RL
+    assert labels[:2] == ["sft", "continued sft"] and labels[2].startswith("rl (")
 
 
 def test_stage_refuses_to_overwrite_without_resume(demo_run, cli):

@@ -18,8 +18,8 @@ from rlt2t.common.config import ModelConfig, load_config
 from rlt2t.common.families import UnsupportedModelError
 from rlt2t.common.io import atomic_write_jsonl
 from rlt2t.common.policy import load_policy
+from rlt2t.ensemble import predict
 from rlt2t.jobs import export_job, rl_job, sft_job
-from rlt2t.predict import predict
 from rlt2t.services.policy_app import create_app
 
 pytestmark = pytest.mark.integration

@@ -56,8 +56,9 @@ def test_overrides_after_reward_model_rank_lists_are_overrides(tmp_path, cli, mo
 # --- one-line errors --------------------------------------------------------------------------------------
 
 def test_an_os_error_is_one_line_naming_the_file(tmp_path, cli):
-    code, _, err = cli("data", "validate", "--files", str(tmp_path))
-    assert code == 2 and err == f"rlt2t data: error: {tmp_path}: Is a directory\n"
+    missing = tmp_path / "missing.jsonl"
+    code, _, err = cli("data", "validate", "--files", str(missing))
+    assert code == 2 and err == f"rlt2t data: error: {missing}: No such file or directory\n"
 
 
 def test_a_closed_pipe_ends_quietly(capsys, monkeypatch):
@@ -89,7 +90,7 @@ def test_deploy_config_errors_exit_2_like_every_command(cli):
 def test_export_defaults_to_a_directory_per_stage_and_checkpoint(tmp_path, monkeypatch):
     # Both stages name their checkpoints epoch-0001: the RL export went over the SFT one.
     import rlt2t.common.ct2 as ct2
-    import rlt2t.predict as predict
+    import rlt2t.ensemble as predict
     from rlt2t.jobs import export_job
 
     written = []

@@ -238,7 +238,7 @@ def test_reward_model_score_names_the_files_own_line(tmp_path, cli, monkeypatch,
 # --- predict --out ----------------------------------------------------------------------------------------
 
 def test_predict_refuses_a_directory_out_before_decoding(tmp_path, cli, monkeypatch):
-    import rlt2t.predict as predict
+    import rlt2t.ensemble as predict
 
     inputs = tmp_path / "in.jsonl"
     inputs.write_text(json.dumps({"id": "1", "source": "1 2 3"}) + "\n")
@@ -253,7 +253,7 @@ def test_predict_refuses_a_directory_out_before_decoding(tmp_path, cli, monkeypa
 
 
 def test_predict_refuses_an_out_or_candidates_file_that_is_the_input_before_decoding(tmp_path, cli, monkeypatch):
-    import rlt2t.predict as predict
+    import rlt2t.ensemble as predict
 
     monkeypatch.setattr(predict, "resolve_model", lambda *a: pytest.fail("models resolved before --out was checked"))
     inputs = tmp_path / "in.jsonl"

@@ -207,7 +207,7 @@ def test_the_docs_name_configs_that_ship_and_the_rl_stages_paths():
         text = doc.read_text()
         for name in re.findall(r"\bconfigs/[\w.-]+\.yaml\b", text):
             assert (REPO / name).is_file(), f"{doc.name} names {name}, which does not exist"
-        # the RL stage writes rl/ (rlt2t.train.STAGE); rank/ is only the name of runs made before the rename
+        # the RL stage writes rl/ (rlt2t.driver.STAGE); rank/ is only the name of runs made before the rename
         assert not re.search(r"runs/\w+/rank/|logs/rank/", text), f"{doc.name}: a rank/ path of the RL stage"
     gpu = load_config([REPO / "configs" / "gpu.yaml"]).run
     assert (gpu.device, gpu.mixed_precision) == ("cuda", "bf16")

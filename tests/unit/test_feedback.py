@@ -91,10 +91,10 @@ def test_kl_steps_are_conditioned_on_the_decoder_start_and_the_drawn_prefix(fami
 
 def test_every_rounds_rl_keeps_its_kl_to_the_sft_policy(monkeypatch, tmp_path):
     # Round r starts from round r-1's policy; the KL's reference stays the SFT policy (it bounds the loop's whole
-    # drift, as the README says), so rl_job gets both and the job its reference as `init`.
+    # drift, as docs/guides/rewards.md says), so rl_job gets both and the job its reference as `init`.
+    import rlt2t.driver as train_mod
     import rlt2t.feedback as feedback
     import rlt2t.jobs as jobs
-    import rlt2t.train as train_mod
     from rlt2t.common.config import load_config
 
     sft, previous = tmp_path / "sft" / "epoch-0004", tmp_path / "round-1" / "rl" / "epoch-0002"

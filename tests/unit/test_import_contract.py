@@ -36,7 +36,7 @@ def _package_of(module: str) -> str | None:
         return None
     if len(parts) > 1 and parts[1] in ALLOWED:
         return parts[1]
-    return "rlt2t"  # the top layer: rlt2t.cli, rlt2t.train, rlt2t.jobs, ...
+    return "rlt2t"  # the top layer: rlt2t.cli, rlt2t.driver, rlt2t.jobs, ...
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
@@ -57,7 +57,7 @@ def test_the_check_sees_imports_inside_functions(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from rlt2t.services.client import PolicyClient\n")
     assert _imports(module) == [(2, "rlt2t.services.client")]
-    assert _package_of("rlt2t.services.client") == "services" and _package_of("rlt2t.train") == "rlt2t"
+    assert _package_of("rlt2t.services.client") == "services" and _package_of("rlt2t.driver") == "rlt2t"
 
 
 def test_the_command_line_and_the_config_load_without_torch():

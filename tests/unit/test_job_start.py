@@ -1,4 +1,4 @@
-"""What the RL job asks Ray for when it starts its workers (rlt2t.train._Job.start), with Ray's pieces faked."""
+"""What the RL job asks Ray for when it starts its workers (rlt2t.driver._Job.start), with Ray's pieces faked."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import rlt2t.train as train
+import rlt2t.driver as train
 from rlt2t.common.config import load_config
 from rlt2t.common.types import RolloutSpec
 

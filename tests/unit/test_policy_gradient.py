@@ -15,6 +15,7 @@ from rlt2t.actors.reward import RewardWorker
 from rlt2t.actors.rollout import RolloutWorker
 from rlt2t.common.config import ModelConfig, RewardConfig, RLConfig, RolloutConfig
 from rlt2t.common.data import Example
+from rlt2t.common.lora import policy_weights
 from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.policy import load_policy
 from rlt2t.common.types import ALGORITHMS, RolloutSpec
@@ -204,6 +205,35 @@ def test_lora_trains_adapters_only_publishes_them_and_the_reference_is_the_base(
     assert second["kl_k3"] > 0  # the policy moved away from its reference, the base
     base_after = {k: v for k, v in learner.policy.model.get_base_model().state_dict().items() if "lora_" not in k}
     assert all(torch.equal(base_before[k], base_after[k]) for k in base_before), "the frozen base changed"
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_start_weights_may_come_with_the_first_sampling_call_and_are_fetched_once(init_dir, lora):
+    """The Ray launch gives rollout workers no start weights in their constructor (Ray keeps constructor arguments
+    for restarts and logs an error about object-store ones): each sampling call carries a fetcher instead, called
+    once. The samples and reference log-probs equal a worker's that got the weights in its constructor."""
+    model = ModelConfig(preset="tiny", dropout=0.1, lora={"enabled": lora, "r": 4, "alpha": 8.0, "dropout": 0.0})
+    rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8)
+    spec = RolloutSpec.for_algorithm("grpo", kl=True)
+    full = load_policy(MODEL, checkpoint=init_dir).model.state_dict()
+    eager = RolloutWorker(model, str(init_dir), rollout, seed=3, max_source_len=16, spec=spec, start_weights=full)
+    published = {k: v * 0.99 + 0.01 for k, v in policy_weights(eager.policy.model).items()}  # LoRA: adapters
+    lazy = RolloutWorker(model, str(init_dir), rollout, seed=3, max_source_len=16, spec=spec)
+    assert lazy.needs_start
+    with pytest.raises(ValueError, match="start weights"):
+        lazy.sample_version(1, published, EXAMPLES)
+    fetched = []
+
+    def fetch():
+        fetched.append(1)
+        return full
+
+    for _ in range(2):
+        got = lazy.sample_version(1, published, EXAMPLES, start_weights=fetch)
+    assert fetched == [1] and not lazy.needs_start
+    want = eager.sample_version(1, published, EXAMPLES)
+    assert [g.candidates for g in got] == [g.candidates for g in want]
+    assert [g.reference_logprobs for g in got] == [g.reference_logprobs for g in want]
 
 
 def test_mismatched_generation_settings_and_a_wrong_reference_are_warned_about(init_dir, caplog):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import BartConfig, BartForConditionalGeneration, BartTokenizerFast
 
-import rlt2t.predict as predict_mod
+import rlt2t.ensemble as predict_mod
 from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import Config
 from rlt2t.common.ct2 import Ct2Policy, export_ct2
@@ -20,7 +20,7 @@ from rlt2t.common.families import decoder_input_ids
 from rlt2t.common.rerank import IdfTable, idf_weighted_mean, token_words
 from rlt2t.common.scoring import token_scores
 from rlt2t.common.tokenization import load_tokenizer
-from rlt2t.predict import TorchRunner, predict
+from rlt2t.ensemble import TorchRunner, predict
 
 SOURCES = ["a b", "c d a", "ab cd", "d"]
 TARGETS = ["a b c", "ab cd a", "", "dd c"]
@@ -163,3 +163,35 @@ def test_idf_with_a_scorer_whose_tokens_cannot_be_mapped_to_words_is_refused_bef
     with pytest.raises(ValueError, match=r"--rerank idf: the scorer .*f32: its tokenizer .* not a fast tokenizer"):
         predict(_cfg(tmp_path, train), [bart_export], [bart_export], inputs, out, rerank="idf")
     assert not out.exists()
+
+
+def test_reward_rerank_picks_the_candidate_the_python_reward_prefers(bart_export, tmp_path):
+    """``--rerank reward``: reward.terms without references (each input's extra fields as row fields), ties to the
+    better mean log-prob; a term that needs references is refused before any decoding."""
+    from rlt2t.common.config import MetricTerm, PythonTerm
+
+    calls = []
+
+    def prefer_letter(sources, candidates, references, letter):
+        calls.append(references)
+        return [float(c.count(x)) for c, x in zip(candidates, letter, strict=True)]
+
+    train = _write_jsonl(tmp_path / "train.jsonl", [{"id": "0", "source": "a", "target": "a b"}])
+    inputs = _write_jsonl(tmp_path / "in.jsonl", [{"id": str(i), "source": s, "target": "a", "letter": x}
+                                                  for i, (s, x) in enumerate(zip(SOURCES, "caab", strict=True))])
+    cfg = _cfg(tmp_path, train)
+    cfg.reward.terms = [PythonTerm(fn=prefer_letter)]
+    result = predict(cfg, [bart_export], [bart_export], inputs, tmp_path / "pred.csv", rerank="reward")
+    assert result.rerank == "reward" and len(calls) == 1 and all(r == [] for r in calls[0])  # one call, no refs
+    rows = [json.loads(line) for line in result.jsonl_path.read_text().splitlines()]
+    for row, letter in zip(rows, "caab", strict=True):
+        want = [float(c["text"].count(letter)) for c in row["candidates"]]
+        assert [c["rerank_score"] for c in row["candidates"]] == want
+        means = [c["mean_logprob"][bart_export.name] for c in row["candidates"]]
+        assert row["chosen"] == max(range(len(want)), key=lambda k: (want[k], means[k]))
+    assert any(len(set(c["rerank_score"] for c in row["candidates"])) > 1 for row in rows)  # the reward decided
+
+    cfg.reward.terms = [PythonTerm(fn=prefer_letter), MetricTerm(name="bleu4")]
+    with pytest.raises(ValueError, match=r"--rerank reward: reward.terms term metric:bleu4 needs references"):
+        predict(cfg, [bart_export], [bart_export], inputs, tmp_path / "pred2.csv", rerank="reward")
+    assert len(calls) == 1 and not (tmp_path / "pred2.csv").exists()

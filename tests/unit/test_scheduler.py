@@ -357,7 +357,7 @@ def _planned_by_the_driver(ordered: bool, trained=None, step=0):
     from types import SimpleNamespace
 
     from rlt2t.common.config import load_config
-    from rlt2t.train import _Job
+    from rlt2t.driver import _Job
 
     cfg = load_config(["tiny"], ["rl.batch_size=4", "rl.chunk_size=4", "rl.algorithm=grpo", "rl.refresh_every_steps=1"])
     examples = [Example(id=str(i), source=f"s{i}", target=f"t{i}") for i in range(16)]

@@ -19,8 +19,8 @@ from rlt2t.common.lora import apply_lora
 from rlt2t.common.policy import load_policy
 from rlt2t.common.scoring import token_scores
 from rlt2t.common.tokenization import save_tokenizer
+from rlt2t.ensemble import resolve_model
 from rlt2t.jobs import export_job
-from rlt2t.predict import resolve_model
 
 SOURCES = ["1 2 3 4", "10 11 12", "40 41 42 43 44 45", "7"]
 TARGETS = ["5 6", "13", "", "8 9 10 11"]

@@ -60,7 +60,7 @@ def test_the_idf_table_counts_a_sources_references_once_however_many_rows_repeat
     """One row per reference (COCO-style): predict's IDF table holds each reference once, as CIDEr-D's document
     frequencies do, not once per row that repeats it."""
     from rlt2t.common.config import load_config
-    from rlt2t.predict import build_idf_table
+    from rlt2t.ensemble import build_idf_table
 
     _rows(tmp_path / "train.jsonl", *({"id": f"s{i}", "source": "s", "target": r, "references": REFS}
                                       for i, r in enumerate(REFS)),

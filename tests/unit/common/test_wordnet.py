@@ -58,11 +58,8 @@ def test_missing_wordnet_says_how_to_install(tmp_path):
         find_wordnet(tmp_path / "nowhere")
 
 
+@pytest.mark.system_package("wordnet-base")
 def test_real_wordnet_task_is_deterministic_and_split(tmp_path):
-    try:
-        find_wordnet()
-    except FileNotFoundError:
-        pytest.skip("Debian's wordnet-base is not installed (run `make system-deps`)")
     a = write_wordnet_task(tmp_path / "a", 600, seed=3)
     b = write_wordnet_task(tmp_path / "b", 600, seed=3)
     for split in ("train", "valid", "test"):

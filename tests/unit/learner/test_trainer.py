@@ -131,3 +131,73 @@ def test_resuming_with_a_longer_schedule_is_refused_not_run_at_the_floor_rate(tm
     with pytest.raises(ValueError, match=r"sft: .* schedule of 2 steps, these settings give 4 \(sft.epochs"):
         run_sft(again, src, tgt, _sft_cfg(epochs=2, save_every_steps=0), _run(tmp_path, "r"), tmp_path / "r",
                 resume_from=last)
+
+
+def _scripted(scores):
+    """An evaluate hook returning ``scores`` epoch by epoch (the monitor), counting its calls."""
+    calls = []
+
+    def evaluate(model):
+        calls.append(len(calls))
+        return {"monitor": scores[len(calls) - 1]}
+
+    return evaluate, calls
+
+
+def test_patience_stops_after_epochs_without_a_better_monitor(tmp_path, ids_tokenizer_dir):
+    """Best at epoch 2, then two epochs without beating it: with patience 2 the stage stops after epoch 4 of 8,
+    and the best checkpoint is the one later stages take."""
+    policy = load_policy(ModelConfig(preset="tiny"), ids_tokenizer_dir, seed=0)
+    src, tgt = _task(policy.tokenizer)
+    evaluate, calls = _scripted([0.5, 0.9, 0.9, 0.7, 2.0, 3.0, 4.0, 5.0])
+    result = run_sft(policy, src, tgt, _sft_cfg(epochs=8, patience=2, save_every_steps=0), _run(tmp_path, "p"),
+                     tmp_path / "p", evaluate=evaluate)
+    assert len(calls) == 4 and result.steps == 4 * 6
+    meta = read_checkpoint(result.checkpoint).meta
+    assert result.checkpoint.name == "epoch-0004" and meta["since_best"] == 2
+    assert meta["best"] == {"score": 0.9, "path": str(tmp_path / "p" / "checkpoints" / "epoch-0002")}
+
+
+def test_patience_zero_or_without_a_monitor_runs_every_epoch(tmp_path, ids_tokenizer_dir):
+    policy = load_policy(ModelConfig(preset="tiny"), ids_tokenizer_dir, seed=0)
+    src, tgt = _task(policy.tokenizer)
+    evaluate, calls = _scripted([0.9, 0.1, 0.1, 0.1])
+    result = run_sft(policy, src, tgt, _sft_cfg(epochs=4, patience=0, save_every_steps=0), _run(tmp_path, "z"),
+                     tmp_path / "z", evaluate=evaluate)
+    assert len(calls) == 4 and result.steps == 24
+    result = run_sft(policy, src, tgt, _sft_cfg(epochs=4, patience=1, save_every_steps=0), _run(tmp_path, "n"),
+                     tmp_path / "n")
+    assert result.steps == 24, "no validation: patience cannot apply, every epoch runs"
+
+
+def test_patience_resumes_where_the_uninterrupted_run_stopped(tmp_path, ids_tokenizer_dir):
+    """Killed after epoch 3 (one epoch without improvement): the resumed run counts that epoch, stops after
+    epoch 4 as the uninterrupted run did, with its weights; resumed once more it trains nothing."""
+    mc = ModelConfig(preset="tiny", dropout=0.1)
+    scores = [0.5, 0.9, 0.8, 0.7, 2.0, 3.0]
+    cfg = _sft_cfg(epochs=6, patience=2, save_every_steps=0, keep_last=10)
+    full = load_policy(mc, ids_tokenizer_dir, seed=0)
+    src, tgt = _task(full.tokenizer)
+    run_sft(full, src, tgt, cfg, _run(tmp_path, "full"), tmp_path / "full", evaluate=_scripted(scores)[0])
+
+    part = load_policy(mc, ids_tokenizer_dir, seed=0)
+    run_sft(part, src, tgt, cfg, _run(tmp_path, "part"), tmp_path / "part", evaluate=_scripted(scores)[0])
+    root = tmp_path / "part" / "checkpoints"
+    import shutil
+
+    shutil.rmtree(root / "epoch-0004")
+    keep = read_checkpoint(root / "epoch-0003")
+    assert keep.meta["since_best"] == 1
+    resumed = load_policy(mc, ids_tokenizer_dir, checkpoint=keep.path)
+    evaluate, calls = _scripted(scores[3:])
+    result = run_sft(resumed, src, tgt, cfg, _run(tmp_path, "part"), tmp_path / "part", resume_from=keep,
+                     evaluate=evaluate)
+    assert len(calls) == 1 and result.checkpoint.name == "epoch-0004"
+    assert all(torch.equal(v, resumed.model.state_dict()[k]) for k, v in _weights(full.model).items())
+
+    done = read_checkpoint(result.checkpoint)
+    again = load_policy(mc, ids_tokenizer_dir, checkpoint=done.path)
+    evaluate, calls = _scripted(scores)
+    result = run_sft(again, src, tgt, cfg, _run(tmp_path, "part"), tmp_path / "part", resume_from=done,
+                     evaluate=evaluate)
+    assert calls == [] and result.checkpoint == done.path and result.steps == 24

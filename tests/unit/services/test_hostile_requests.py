@@ -357,7 +357,7 @@ def test_beam_search_lets_waiting_work_run_between_its_steps(serve_cfg, long_roo
 
 
 def test_a_small_request_runs_between_the_steps_of_a_long_beam_search(serve_cfg, long_root):
-    """The README's promise for beam search too: a small request sent while a long beam search runs is answered
+    """The serving guide's promise for beam search too: a small request sent while a long beam search runs is answered
     between two of its decoding steps, with the answer it gets alone."""
     backend = TorchBackend.from_checkpoint(serve_cfg, long_root)
     started = threading.Event()

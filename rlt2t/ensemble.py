@@ -7,7 +7,8 @@ Each generator (a CTranslate2 export) proposes ``predict.num_hypotheses`` beam-s
 deduplicated (whitespace-normalised text, first occurrence kept). Each scorer computes the per-token
 log-probs of every candidate (teacher forcing) over the candidate's training labels, the tokenizer's full target
 template (EOS included, and BART's leading ``<s>`` where its tokenizer puts one); the rerank mode
-(``predict.rerank``, see :mod:`rlt2t.common.rerank`) picks one. A plain Hugging Face model directory or
+(``predict.rerank``, see :mod:`rlt2t.common.rerank`; ``reward`` scores the candidates with ``reward.terms``
+without references, each input's extra fields as row fields) picks one. A plain Hugging Face model directory or
 checkpoint root is accepted too (a LoRA adapter checkpoint merged into its base): it is exported on the fly
 (``export.quantization``) into ``{export.out}/cache/`` and reused while its weights do not change.
 
@@ -29,7 +30,6 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -37,9 +37,9 @@ from transformers import PreTrainedTokenizerBase
 
 from rlt2t.common.checkpoint import resolve_model_dir
 from rlt2t.common.collate import encode_texts
-from rlt2t.common.config import Config
+from rlt2t.common.config import Config, DataConfig
 from rlt2t.common.ct2 import Ct2Policy, Hypothesis, export_ct2, is_export_dir, source_checksum, source_family
-from rlt2t.common.data import Example, export_competition_csv, import_competition_csv, load_examples, reference_sets
+from rlt2t.common.data import Example, export_competition_csv, import_competition_csv, load_data, reference_sets
 from rlt2t.common.io import atomic_write_jsonl
 from rlt2t.common.metrics import CiderD, DocumentFrequency, get_metric
 from rlt2t.common.rerank import (
@@ -51,11 +51,13 @@ from rlt2t.common.rerank import (
     mean_logprobs,
     token_words,
 )
+from rlt2t.common.rewards import WeightedReward, build_reward, check_reward
 from rlt2t.services.backends import Sampling, TorchBackend
 
 log = logging.getLogger("rlt2t.predict")
 
 IDF_FILE = "idf.json"
+PREDICT_RERANK_MODES = (*RERANK_MODES, "reward")
 
 
 @dataclass
@@ -71,14 +73,16 @@ class PredictResult:
     """Rows `<generator>`, `ensemble (<mode>)`, `oracle` when every input has a target, else None."""
 
 
-def read_inputs(path: str | Path, on_error: Literal["raise", "skip"] = "raise") -> list[Example]:
-    """Inputs from JSONL (``id``, ``source``, optional ``target``) or the competition CSV (by suffix)."""
+def read_inputs(path: str | Path, data: DataConfig) -> list[Example]:
+    """Inputs from the competition CSV (a ``.csv`` file, unless data.format=csv), else any data format as
+    ``data`` reads it (JSONL, Parquet, datasets: ``id``, ``source``, optional ``target`` by the data.*_field
+    mapping)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"--input {path}: no such file")
-    if path.suffix.lower() == ".csv":
-        return list(import_competition_csv(path, on_error=on_error))
-    return list(load_examples(path, require_target=False, on_error=on_error))
+    if path.suffix.lower() == ".csv" and data.format == "auto":
+        return list(import_competition_csv(path, on_error=data.on_error))
+    return list(load_data(path, data, require_target=False))
 
 
 def resolve_export(cfg: Config, path: str | Path, role: str) -> Path:
@@ -163,7 +167,7 @@ def load_idf_table(cfg: Config, exports: Sequence[Path]) -> IdfTable:
                 return table
             log.info("%s has max_n=%d, predict.idf_max_n=%d: not used", path, table.max_n, cfg.predict.idf_max_n)
     train = cfg.path(cfg.data.train)
-    if not train.is_file():
+    if not train.exists():
         raise FileNotFoundError(
             f"rerank=idf: no {IDF_FILE} beside the exports and data.train {train} does not exist to rebuild it"
         )
@@ -175,14 +179,14 @@ def build_idf_table(cfg: Config) -> IdfTable:
     """IDF table of the training references (``data.train``: the targets, or every reference of a row that has
     several; rows repeating a source's references count them once, as CIDEr-D's document frequencies do),
     n-grams up to ``predict.idf_max_n``."""
-    train = load_examples(cfg.path(cfg.data.train), on_error=cfg.data.on_error)
+    train = load_data(cfg.path(cfg.data.train), cfg.data)
     return IdfTable.from_texts((r for refs in reference_sets(train) for r in refs), cfg.predict.idf_max_n)
 
 
 def _consensus_cider(cfg: Config) -> CiderD:
     train = cfg.path(cfg.data.train)
-    if train.is_file():
-        targets = reference_sets(load_examples(train, on_error=cfg.data.on_error))
+    if train.exists():
+        targets = reference_sets(load_data(train, cfg.data))
         if targets:
             return CiderD(sigma=cfg.metric.cider_sigma, df=DocumentFrequency.from_references(targets))
     log.info("rerank=consensus: data.train %s not found; CIDEr-D takes its df from the candidates", train)
@@ -214,14 +218,14 @@ def predict(
 ) -> PredictResult:
     """Generate, score and rerank; write the CSV and the candidates JSONL. See the module docstring."""
     mode = rerank or cfg.predict.rerank
-    if mode not in RERANK_MODES:
-        raise ValueError(f"--rerank: unknown mode {mode!r} (known: {', '.join(RERANK_MODES)})")
+    if mode not in PREDICT_RERANK_MODES:
+        raise ValueError(f"--rerank: unknown mode {mode!r} (known: {', '.join(PREDICT_RERANK_MODES)})")
     if not generators:
         raise ValueError("--generators: give at least one export directory")
     if not scorers:
         raise ValueError("--scorers: give at least one export directory")
     check_out_path(out_path, input_path)  # before any decoding, not after it
-    examples = read_inputs(input_path, cfg.data.on_error)
+    examples = read_inputs(input_path, cfg.data)
     if not examples:
         raise ValueError(f"--input {input_path}: no inputs")
     gen_models = [resolve_model(cfg, g, "generators") for g in generators]
@@ -249,6 +253,7 @@ def predict(
                 raise ValueError(f"--rerank idf: the scorer {path}: {e}; use --rerank mean_logprob or "
                                  "--rerank consensus, or another scorer") from None
     cider = _consensus_cider(cfg) if mode == "consensus" else None
+    reward = reference_free_reward(cfg) if mode == "reward" else None  # before decoding: a bad term fails now
     sources = [e.source for e in examples]
     gen_names, score_names = _unique_names(gen_dirs), _unique_names(score_dirs)
 
@@ -285,6 +290,13 @@ def predict(
                     words[i][s].append(w)
 
     # 3. Rerank.
+    rewards: list[np.ndarray] = []
+    if reward is not None:
+        flat_scores = reward.score([sources[i] for i, _ in flat], [c for _, c in flat],
+                                   fields=[examples[i].extra for i, _ in flat])
+        for cands in candidates:
+            rewards.append(flat_scores[: len(cands)])
+            flat_scores = flat_scores[len(cands) :]
     chosen: list[int] = []
     rows = []
     for idx, (ex, cands, lps) in enumerate(zip(examples, candidates, logprobs, strict=True)):
@@ -294,6 +306,8 @@ def predict(
         elif mode == "idf":
             assert table is not None, "loaded above for this mode"
             scores = idf_scores(cands, lps, table, words[idx])
+        elif mode == "reward":
+            scores = rewards[idx]
         else:
             assert cider is not None, "built above for this mode"
             kept = sorted(range(len(cands)), key=lambda k: -means[k])[: p.consensus_top]
@@ -327,6 +341,18 @@ def predict(
              np.mean([len(c) for c in candidates]), mode, out_path)
     return PredictResult(ids=ids, predictions=predictions, csv_path=out_path, jsonl_path=jsonl_path, rerank=mode,
                          mean_candidates=float(np.mean([len(c) for c in candidates])), metrics=metrics)
+
+
+def reference_free_reward(cfg: Config) -> WeightedReward:
+    """``reward.terms`` as a reranker: every term must score without references (a reranker has none at test
+    time); ValueError naming the first that needs them."""
+    check_reward(cfg.reward)
+    reward = build_reward(cfg.reward, device=cfg.reward.device)
+    for weight, name, term in reward.terms:
+        if weight and term.needs_references:
+            raise ValueError(f"--rerank reward: reward.terms term {name} needs references, which a reranker does not "
+                             "have; rerank with reference-free terms (python, reward_model, classifier)")
+    return reward
 
 
 def check_out_path(out_path: str | Path, input_path: str | Path | None = None) -> None:
@@ -392,7 +418,7 @@ def _metric_rows(cfg: Config, refs: Sequence[Sequence[str]], tops: dict[str, lis
 def save_idf_beside(cfg: Config, export_dir: Path) -> Path | None:
     """Build the IDF table from data.train and save it as ``{export_dir}/idf.json`` (None if no data.train)."""
     train = cfg.path(cfg.data.train)
-    if not train.is_file():
+    if not train.exists():
         log.warning("data.train %s not found: no %s saved beside %s (predict rebuilds it when needed)",
                     train, IDF_FILE, export_dir)
         return None

@@ -32,6 +32,7 @@ import ray
 import torch
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from rlt2t.actors.reward import RewardWorker
 from rlt2t.actors.rollout import RolloutWorker
@@ -51,10 +52,12 @@ from rlt2t.common.lora import apply_lora, is_lora, load_weights, policy_weights
 from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.plots import plot_curves
 from rlt2t.common.policy import Policy, load_policy
+from rlt2t.common.python_rewards import RewardError
+from rlt2t.common.rewards import UserRegistrations, check_reward
 from rlt2t.common.tracking import RunLogger
 from rlt2t.common.types import RolloutSpec
 from rlt2t.common.waiting import NotYet, wait_until
-from rlt2t.groups import LearnerGroup, WorkerPool, check_cluster, init_ray
+from rlt2t.groups import FetchObject, LearnerGroup, WorkerPool, check_cluster, init_ray
 from rlt2t.learner.evaluate import collapse_warning
 from rlt2t.learner.trainer import epoch_order
 from rlt2t.scheduler import Chunk, ChunkFailed, EpochScheduler, mask_version, needed_version
@@ -97,6 +100,8 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
                      resume_from.step, total_steps)
             return TrainResult(checkpoint=Path(resume_from.path), steps=resume_from.step)
     spec = RolloutSpec.for_algorithm(r.algorithm, kl=r.uses_kl, mask_top_p=r.pg.nlpo_top_p)
+    if cfg.reward.source != "http":
+        check_reward(cfg.reward)  # a term whose function does not import fails here, before any actor starts
     init_ray(cfg)
     check_cluster(cfg)
     # CIDEr-D document frequencies: once, from the training references, shipped to every reward worker.
@@ -105,8 +110,9 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
     start = Path(resume_from.path) if resume_from else (start or init)
     job = _Job.start(cfg, spec, start=start, init=init, total_steps=total_steps, df=df)
     try:
-        return job.run(examples, valid, resume_from=resume_from, steps_per_epoch=steps_per_epoch,
-                       total_steps=total_steps, stop_after_steps=stop_after_steps)
+        with logging_redirect_tqdm():  # on a terminal, progress lines print above the progress bar
+            return job.run(examples, valid, resume_from=resume_from, steps_per_epoch=steps_per_epoch,
+                           total_steps=total_steps, stop_after_steps=stop_after_steps)
     finally:
         job.release()
 
@@ -237,6 +243,8 @@ class _Job:
     token: str | None
     init: Path
     """The run's start: the reference policy of the KL, kept in every checkpoint's meta for resumes."""
+    start_weights: FetchObject | None = None
+    """The run's start weights in the object store, for rollout workers that need them (KL, LoRA)."""
 
     @classmethod
     def start(cls, cfg: Config, spec: RolloutSpec, *, start: Path, init: Path, total_steps: int,
@@ -249,6 +257,7 @@ class _Job:
             raise ValueError("reward.device=cuda: the RL job's reward workers have no GPU; give them one with "
                              "rl.reward_gpus (e.g. 0.25), or set reward.device=auto")
         learners = rollouts = rewards = None
+        start_weights: FetchObject | None = None
         try:
             learners = LearnerGroup(cfg, start, total_steps, reference_checkpoint=init)
             token = load_token(cfg.serve) if "http" in (cfg.rollout.source, cfg.reward.source) else None
@@ -260,16 +269,17 @@ class _Job:
                                       per_actor_args=[(url,) for url in cfg.rollout.urls], what="HTTP rollout workers")
             else:
                 # The run's start, shipped once through the object store: the reference policy of the KL, and the
-                # base that published LoRA adapters adapt.
-                start_ref = None
+                # base that published LoRA adapters adapt. Each sampling call carries its fetcher; a worker fetches
+                # it once (again after a restart).
                 if spec.reference or cfg.model.lora.enabled:
-                    start_ref = ray.put(load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=init).model.state_dict())
+                    start_weights = FetchObject(ray.put(load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=init)
+                                                        .model.state_dict()))
                 rollouts = WorkerPool(RolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus,
                                       num_gpus=r.rollout_gpus, max_restarts=r.max_restarts,
                                       resources=r.rollout_resources,
                                       args=(cfg.model, str(cfg.tokenizer_dir), cfg.rollout),
                                       kwargs=dict(seed=cfg.run.seed, max_source_len=cfg.data.max_source_len, spec=spec,
-                                                  start_weights=start_ref, device="cuda" if r.rollout_gpus else "cpu"),
+                                                  device="cuda" if r.rollout_gpus else "cpu"),
                                       what=f"the rollout workers (rl.rollout_workers={r.rollout_workers}, "
                                            f"rl.rollout_cpus={r.rollout_cpus:g}, rl.rollout_gpus={r.rollout_gpus:g}, "
                                            f"rl.rollout_resources={dict(r.rollout_resources)})")
@@ -279,7 +289,8 @@ class _Job:
                                      kwargs=dict(token=token), what="HTTP reward workers")
             else:
                 rewards = WorkerPool(RewardWorker, r.reward_workers, num_cpus=r.reward_cpus, num_gpus=r.reward_gpus,
-                                     max_restarts=r.max_restarts, args=(cfg.reward, df), kwargs={},
+                                     max_restarts=r.max_restarts, args=(cfg.reward, df),
+                                     kwargs=dict(registrations=UserRegistrations.used_by(cfg.reward)),
                                      what=f"the reward workers (rl.reward_workers={r.reward_workers}, "
                                           f"rl.reward_cpus={r.reward_cpus:g}, rl.reward_gpus={r.reward_gpus:g})")
             writer_policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=start, trainable_adapters=True)
@@ -290,7 +301,7 @@ class _Job:
         except BaseException:
             _release(learners, rollouts, rewards)
             raise
-        return cls(cfg, spec, learners, rollouts, rewards, writer_policy, token, init)
+        return cls(cfg, spec, learners, rollouts, rewards, writer_policy, token, init, start_weights)
 
     def release(self) -> None:
         _release(self.learners, self.rollouts, self.rewards)
@@ -381,7 +392,8 @@ class _Job:
                                        trained_ids=list(trained))
                 trained = []  # later epochs start afresh
                 publisher.prune(below=sched.oldest_needed_version())  # the previous epoch's are no longer needed
-                last = self._run_epoch(sched, publisher, logger, bar, epoch, epoch_start, checkpoint, truncated)
+                last = self._run_epoch(sched, publisher, logger, bar, epoch, epoch_start, total_steps, checkpoint,
+                                       truncated)
                 step = sched.step
                 result.redispatched += sched.stats.redispatched
                 result.out_of_order += sched.stats.out_of_order
@@ -445,7 +457,8 @@ class _Job:
         return chunks
 
     def _run_epoch(self, sched: EpochScheduler, publisher: _Publisher, logger: RunLogger, bar: Any, epoch: int,
-                   epoch_start: int, checkpoint: Callable[[int, int, int, dict[str, float], Sequence[str]], Path],
+                   epoch_start: int, total_steps: int,
+                   checkpoint: Callable[[int, int, int, dict[str, float], Sequence[str]], Path],
                    truncated: int) -> dict[str, float]:
         """Sample → score → learn over one epoch's chunks, overlapping rollouts with learner steps."""
         cfg, r = self.cfg, self.cfg.rl
@@ -462,11 +475,10 @@ class _Job:
                 # Policy servers load published checkpoints themselves: do not ship them the weights.
                 weights = None if http_rollout else publisher.refs[c.version]
                 actor = self.rollouts.actors[d.worker]
-                if c.mask_version is None:
-                    ref = actor.sample_version.remote(c.version, weights, c.examples)
-                else:  # NLPO: the masking policy's version too
-                    ref = actor.sample_version.remote(c.version, weights, c.examples, mask_version=c.mask_version,
-                                                      mask_weights=publisher.refs[c.mask_version])
+                mask = {} if c.mask_version is None else dict(  # NLPO: the masking policy's version too
+                    mask_version=c.mask_version, mask_weights=publisher.refs[c.mask_version])
+                start = {} if self.start_weights is None else dict(start_weights=self.start_weights)
+                ref = actor.sample_version.remote(c.version, weights, c.examples, **mask, **start)
                 pending[ref] = ("rollout", c.index, d.worker)
             while (batch := sched.next_batch()) is not None:
                 if not steps:
@@ -509,6 +521,7 @@ class _Job:
                             "learner_busy": busy / max(now - epoch_t0, 1e-9),
                             "redispatched": sched.stats.redispatched}
                     logger.log(at, last)
+                    log.info(progress_line(at, total_steps, last))
                     window_t, window_items = now, 0
                 if not math.isfinite(metrics["loss"]):
                     raise FloatingPointError(f"rl: loss is {metrics['loss']} at step {at}; lower rl.lr")
@@ -525,6 +538,8 @@ class _Job:
                     pending[self.rewards.actors[d.worker].score.remote(ref)] = ("reward", index, d.worker)
                 else:
                     sched.reward_done(index, worker, ray.get(ref))
+            except RewardError as e:  # the user's reward function: the same candidates fail again, no retry
+                raise RewardError(f"rl: {e.cause if isinstance(e, RayTaskError) else e}") from None
             except (RayActorError, RayTaskError) as e:
                 try:
                     when = sched.task_failed(kind, index, worker, unavailable=isinstance(e, ActorUnavailableError),  # type: ignore[arg-type]
@@ -537,6 +552,23 @@ class _Job:
             log.info("rl: %d chunks reached the learner out of dataset order (rl.deterministic off)",
                      sched.stats.out_of_order)
         return last
+
+
+# What the progress line shows of a learner step's metrics, when the algorithm reports it: (key, label, format).
+PROGRESS_FIELDS = (("reward_mean", "reward", ".3f"), ("reward_a", "reward", ".3f"), ("kl_seq", "kl", ".3f"),
+                   ("loss", "loss", ".4f"), ("sources_per_s", "sources/s", ".1f"))
+
+
+def progress_line(step: int, total_steps: int, metrics: dict[str, float]) -> str:
+    """The console line every ``run.log_every`` learner steps: where the run is and what it is learning
+    (mean reward, KL to the reference per sequence, loss, throughput)."""
+    shown: dict[str, str] = {}
+    for key, label, fmt in PROGRESS_FIELDS:
+        value = metrics.get(key)
+        if label not in shown and isinstance(value, int | float) and math.isfinite(value):
+            shown[label] = f"{label} {value:{fmt}}"
+    epoch = f" (epoch {metrics['epoch']})" if "epoch" in metrics else ""
+    return f"rl step {step}/{total_steps}{epoch}: " + ", ".join(shown.values())
 
 
 def _release(learners: LearnerGroup | None, *pools: WorkerPool | None) -> None:

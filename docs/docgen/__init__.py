@@ -1,0 +1,1 @@
+"""The pieces of docs/generate.py (run that script; these modules are its parts)."""
