@@ -30,13 +30,15 @@ and with probability 0.3 the whole starts with the prefix token.
 
 Why maximum likelihood and the metric disagree
 ----------------------------------------------
-The most probable diagnosis *string* (what beam search on a perfect MLE model returns) uses
-phrasing A everywhere: 0.4 beats 0.3 for either of B and C. Greedy decoding agrees: at the first
-step A's token (0.4) beats either opener x1, x2 (0.3 each). But against a random reference an n-gram
-metric prefers B: B shares ``y_c q`` with C, so it earns partial credit 60% of the time, A only ever
-matches A (40%). With the mean of unigram and bigram F1 for one concept, A scores 0.40 in
-expectation and B 0.3 + 0.3·(2/3 + 1/2)/2 = 0.475; under CIDEr-D (rare n-grams weigh more) the gap
-is wider. A policy trained on the metric can learn to say B; one trained on likelihood cannot.
+The most probable diagnosis *string* (what beam search on a perfect MLE model returns without length
+normalisation) uses phrasing A everywhere: 0.4 beats 0.3 for either of B and C. Greedy decoding agrees: at the
+first step A's token (0.4) beats either opener x1, x2 (0.3 each). Beam search that divides a hypothesis'
+log-probability by its length (CTranslate2's default, `length_penalty=1`) favours the three-token B and C
+instead, so it already collects part of what RL learns (bench/findings/demo_seeds.md). But against a random
+reference an n-gram metric prefers B: B shares ``y_c q`` with C, so it earns partial credit 60% of the time, A
+only ever matches A (40%). With the mean of unigram and bigram F1 for one concept, A scores 0.40 in
+expectation and B 0.3 + 0.3·(2/3 + 1/2)/2 = 0.475; under CIDEr-D (rare n-grams weigh more) the gap is wider. A
+policy trained on the metric can learn to say B; one trained on likelihood cannot.
 Ordering and the prefix add reference noise with the MLE choice also being the metric's choice.
 
 Determinism
