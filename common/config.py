@@ -247,7 +247,8 @@ class SFTConfig(StageConfig):
     sooner)."""
     patience: int = Field(1, ge=0)
     """Stop once the validation monitor has not beaten its best for this many epochs in a row (0: run every
-    epoch). The best checkpoint is what later stages start from either way; needs a validation split."""
+    epoch). Epochs whose greedy outputs have collapsed do not count. The best checkpoint is what later stages
+    start from either way; needs a validation split."""
     rdrop_alpha: float = Field(0.0, ge=0.0)
     """R-drop weight of the symmetric KL between two dropout passes (0 disables R-drop)."""
     augment_prob: float = Field(0.0, ge=0.0, lt=1.0)

@@ -128,7 +128,8 @@ def with_lora(policy: Policy, lora: LoraConfig, seed: int) -> Policy:
 
 def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list[int]], cfg: SFTConfig,
             run: RunConfig, out_dir: Path, resume_from: CheckpointInfo | None = None, evaluate=None,
-            lora: LoraConfig | None = None, max_source_len: int | None = None, stage: str = "sft") -> StageResult:
+            lora: LoraConfig | None = None, max_source_len: int | None = None, stage: str = "sft",
+            patience_counts=None) -> StageResult:
     """Supervised fine-tuning: CE (+ R-drop, augmentation, FGM as configured), best checkpoint by the monitor.
 
     With ``lora.enabled`` only LoRA adapters train (``rlt2t.common.lora``) and checkpoints hold the adapters
@@ -149,4 +150,4 @@ def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list
                        collate=make_collate(tok.pad_token_id, policy.model.config),
                        step_fn=make_sft_step(cfg, policy.model), out_dir=out_dir, resume_from=resume_from,
                        evaluate=evaluate, monitor="monitor" if evaluate is not None else None,
-                       patience=cfg.patience)
+                       patience=cfg.patience, patience_counts=patience_counts)

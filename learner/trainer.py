@@ -127,6 +127,7 @@ def train_stage(
     evaluate: Callable[[Model], dict[str, float]] | None = None,
     monitor: str | None = None,
     patience: int = 0,
+    patience_counts: Callable[[dict[str, float]], bool] | None = None,
 ) -> StageResult:
     """Train ``model`` in place on ``dataset``; checkpoints (with ``tokenizer``) go to ``<out_dir>/checkpoints``.
 
@@ -136,6 +137,7 @@ def train_stage(
     ``evaluate`` runs after each epoch; ``monitor`` names its metric to keep the best checkpoint of; with
     ``patience`` > 0 the stage stops once that many epochs in a row have not beaten the best (early stopping:
     the count is kept in checkpoint meta, so a resumed run stops where the uninterrupted one did).
+    ``patience_counts(scores)`` False leaves an epoch out of that count (SFT: while its outputs have collapsed).
     """
     if len(dataset) == 0:
         raise ValueError(f"{stage}: the training set is empty")
@@ -247,7 +249,8 @@ def train_stage(
                 log.info("%s epoch %d: %s", stage, epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
             name = checkpoint_name(epoch=epoch + 1)
             if monitor and monitor in scores:
-                since_best = 0 if best.offer(scores[monitor], ckpt_root / name) else since_best + 1
+                counts = patience_counts is None or patience_counts(scores)  # a collapsed epoch does not count
+                since_best = 0 if best.offer(scores[monitor], ckpt_root / name) else since_best + int(counts)
             last_path = checkpoint(name, epoch + 1, 0, {**last, **scores})
             if patience and since_best >= patience and epoch + 1 < cfg.epochs and step < total_steps:
                 log.info("%s: early stop after %d of %d epochs: %s has not beaten %.4f (%s) for %d epoch%s "

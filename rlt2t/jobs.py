@@ -205,8 +205,19 @@ def _sft_stage(cfg: Config, stage: str, stage_cfg: SFTConfig, train: Sequence[Ex
             return monitor_score(Policy(model, policy.tokenizer, policy.origin), valid, cfg.metric,
                                  max_source_len=cfg.data.max_source_len, max_new_tokens=cfg.eval.max_new_tokens)
 
+    patience_counts = None
+    if evaluate is not None:
+        from rlt2t.learner.evaluate import collapse_warning
+
+        def patience_counts(scores: dict[str, float]) -> bool:
+            # An epoch whose greedy outputs have collapsed (the decoder has not yet learned to read its source)
+            # does not count toward sft.patience: early stopping waits for SFT to start learning.
+            distinct = scores.get("distinct_outputs")
+            return distinct is None or collapse_warning("", distinct, valid, "") is None
+
     result = run_sft(policy, enc.sources, enc.targets, stage_cfg, cfg.run, cfg.run_dir / stage, resume_from=info,
-                     evaluate=evaluate, lora=cfg.model.lora, max_source_len=cfg.data.max_source_len, stage=stage)
+                     evaluate=evaluate, lora=cfg.model.lora, max_source_len=cfg.data.max_source_len, stage=stage,
+                     patience_counts=patience_counts)
     if evaluate is not None:
         warn_if_collapsed(cfg, best_or_latest(cfg.run_dir / stage / "checkpoints"), valid)
     return result

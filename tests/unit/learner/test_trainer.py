@@ -158,6 +158,18 @@ def test_patience_stops_after_epochs_without_a_better_monitor(tmp_path, ids_toke
     assert meta["best"] == {"score": 0.9, "path": str(tmp_path / "p" / "checkpoints" / "epoch-0002")}
 
 
+def test_patience_does_not_count_epochs_its_hook_leaves_out(tmp_path, ids_tokenizer_dir):
+    """Epochs 2-3 do not beat epoch 1 but are left out of the count (SFT: collapsed outputs), so with patience 1
+    the stage runs on; epoch 5 counts and stops it."""
+    policy = load_policy(ModelConfig(preset="tiny"), ids_tokenizer_dir, seed=0)
+    src, tgt = _task(policy.tokenizer)
+    evaluate, calls = _scripted([0.3, 0.2, 0.25, 0.9, 0.5, 1.0])
+    result = run_sft(policy, src, tgt, _sft_cfg(epochs=6, patience=1, save_every_steps=0), _run(tmp_path, "c"),
+                     tmp_path / "c", evaluate=evaluate, patience_counts=lambda scores: scores["monitor"] > 0.4)
+    assert len(calls) == 5 and result.steps == 5 * 6
+    assert read_checkpoint(result.checkpoint).meta["since_best"] == 1
+
+
 def test_patience_zero_or_without_a_monitor_runs_every_epoch(tmp_path, ids_tokenizer_dir):
     policy = load_policy(ModelConfig(preset="tiny"), ids_tokenizer_dir, seed=0)
     src, tgt = _task(policy.tokenizer)
