@@ -112,18 +112,25 @@ epoch before recovering: a twentieth flags the first and not the second."""
 COLLAPSE_MIN_SOURCES = 20
 
 
+def collapse_reference(examples: Sequence[Example]) -> float | None:
+    """The references' own ``distinct_outputs`` (each example's first reference), the variety a model's greedy
+    outputs are compared with; None when too few distinct sources (``COLLAPSE_MIN_SOURCES``) or references
+    are missing, where no collapse is judged."""
+    sources = [e.source for e in examples]
+    if len(set(sources)) < COLLAPSE_MIN_SOURCES or not all(e.refs for e in examples):
+        return None
+    return distinct_outputs(sources, [e.refs[0] for e in examples])
+
+
 def collapse_warning(what: str, distinct: float, examples: Sequence[Example], advice: str) -> str | None:
     """A warning when ``distinct`` (:func:`distinct_outputs` of a model's greedy outputs on ``examples``) is below
     ``COLLAPSE_RATIO`` of the references' own (each example's first reference), over at least
     ``COLLAPSE_MIN_SOURCES`` distinct sources; None otherwise. A task whose targets are few (labels) keeps
     few outputs and is not warned about."""
-    sources = [e.source for e in examples]
-    n = len(set(sources))
-    if n < COLLAPSE_MIN_SOURCES or not all(e.refs for e in examples):
+    reference = collapse_reference(examples)
+    if reference is None or distinct >= COLLAPSE_RATIO * reference:
         return None
-    reference = distinct_outputs(sources, [e.refs[0] for e in examples])
-    if distinct >= COLLAPSE_RATIO * reference:
-        return None
+    n = len({e.source for e in examples})
     return (f"{what}: the greedy outputs on {n} validation sources hold {distinct * n:.0f} distinct texts "
             f"(distinct_outputs={distinct:.3f}; the references {reference:.3f}): the decoder writes nearly the same "
             f"text whatever the source; {advice}")

@@ -207,13 +207,14 @@ def _sft_stage(cfg: Config, stage: str, stage_cfg: SFTConfig, train: Sequence[Ex
 
     patience_counts = None
     if evaluate is not None:
-        from rlt2t.learner.evaluate import collapse_warning
+        from rlt2t.learner.evaluate import COLLAPSE_RATIO, collapse_reference
+
+        floor = COLLAPSE_RATIO * (collapse_reference(valid) or 0.0)  # once, not every epoch
 
         def patience_counts(scores: dict[str, float]) -> bool:
             # An epoch whose greedy outputs have collapsed (the decoder has not yet learned to read its source)
             # does not count toward sft.patience: early stopping waits for SFT to start learning.
-            distinct = scores.get("distinct_outputs")
-            return distinct is None or collapse_warning("", distinct, valid, "") is None
+            return scores.get("distinct_outputs", floor) >= floor
 
     result = run_sft(policy, enc.sources, enc.targets, stage_cfg, cfg.run, cfg.run_dir / stage, resume_from=info,
                      evaluate=evaluate, lora=cfg.model.lora, max_source_len=cfg.data.max_source_len, stage=stage,
