@@ -13,6 +13,17 @@ Names load on first use (PEP 562), so ``import rlt2t`` imports neither torch nor
 from __future__ import annotations
 
 import importlib
+import os.path
+
+# In a source checkout the subpackages sit beside this folder (common/, learner/, actors/, services/, configs/;
+# pyproject maps them in). The editable install's finder maps them to *its* checkout, so a copy of a checkout
+# imported from its own root (a Ray job's uploaded working directory, a second clone as the working directory of
+# `python -m rlt2t.cli`) would run this folder's modules with the install's subpackages. Its root joins the
+# package path, ahead of that finder: the copy runs whole. An installed wheel (no pyproject.toml) is unaffected.
+_root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+if os.path.isfile(os.path.join(_root, "pyproject.toml")) and os.path.isdir(os.path.join(_root, "common")):
+    __path__.append(_root)
+del _root
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a few ms of every `import rlt2t`)
 if TYPE_CHECKING:

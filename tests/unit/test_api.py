@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -25,6 +26,26 @@ def test_import_rlt2t_loads_neither_torch_nor_ray_nor_the_config():
             "'rlt2t.api') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+
+def test_a_copy_of_the_checkout_imported_from_its_root_runs_its_own_subpackages(tmp_path):
+    """What `ray job submit --working-dir .` unpacks on a node, or a second clone as the working directory: the
+    copy's `rlt2t/` comes first on sys.path, and its subpackages must come from the copy too, not from the
+    editable install's checkout (which the finder would map them to)."""
+    for name in ("rlt2t", "common", "learner", "actors", "services", "configs"):
+        shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    modules = ("rlt2t.cmd_common", "rlt2t.common.synth", "rlt2t.learner", "rlt2t.actors", "rlt2t.services",
+               "rlt2t.configs")  # light ones: which copy, not what they do
+    code = f"import importlib; print('\\n'.join(importlib.import_module(m).__file__ for m in {modules!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True)
+    files = [Path(f).resolve() for f in out.stdout.split()]
+    assert len(files) == len(modules) and all(f.is_relative_to(tmp_path.resolve()) for f in files), out.stdout
+    # from anywhere else, the installed checkout, whole
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path.parent,
+                         check=True)
+    assert all(not Path(f).resolve().is_relative_to(tmp_path.resolve()) for f in out.stdout.split()), out.stdout
 
 
 def test_every_public_name_resolves_and_documents_itself_with_an_example():
