@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -28,12 +29,12 @@ def test_import_rlt2t_loads_neither_torch_nor_ray_nor_the_config():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-
 def test_a_copy_of_the_checkout_imported_from_its_root_runs_its_own_subpackages(tmp_path):
     """What `ray job submit --working-dir .` unpacks on a node, or a second clone as the working directory: the
     copy's `rlt2t/` comes first on sys.path, and its subpackages must come from the copy too, not from the
     editable install's checkout (which the finder would map them to)."""
-    for name in ("rlt2t", "common", "learner", "actors", "services", "configs"):
+    folders = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    for name in folders:  # what pyproject maps into the package, as the upload carries it
         shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     modules = ("rlt2t.cmd_common", "rlt2t.common.synth", "rlt2t.learner", "rlt2t.actors", "rlt2t.services",
