@@ -11,6 +11,11 @@ candidates per source (rollout.num_samples):
   continued_sft  rl.algorithm=rank with rl.rank.loss_weight=0: CE on the gold targets only
   rank           CE + 0.2·pairwise rank loss (rlt2t's original, sampling as it did: top-k 3, temperature 0.8)
   scst rloo grpo group policy gradients; ppo a2c nlpo: token-level actor-critic (docs/design.md)
+  trpo           token-level actor-critic with one natural-gradient step per batch in a KL trust region
+  dpo            offline preference optimisation: one pair per source, the best over the worst of
+                 rl.dpo.sampled_candidates samples of the SFT checkpoint by the reward, then rl.epochs passes
+                 over the pairs (variants: dpo:ipo, the IPO loss; dpo:e6 / e9 / e12, that many epochs, to match
+                 another arm's wall time; dpo:e6lr2e-5, 6 epochs at rl.lr=2e-5)
 
 Reported per arm, mean ± sample std over seeds: the validation task score after each RL epoch (greedy, the
 first metric.monitor_size validation examples, as the job logs it), the test task score of the last
@@ -80,7 +85,7 @@ from rlt2t.jobs import (  # noqa: E402
 
 log = logging.getLogger("bench.algorithms")
 
-ALL_ARMS = ("continued_sft", "rank", "scst", "rloo", "grpo", "ppo", "a2c", "nlpo")
+ALL_ARMS = ("continued_sft", "rank", "scst", "rloo", "grpo", "ppo", "a2c", "nlpo", "dpo", "trpo")
 
 # The tasks' shared stages. The synthetic task is the demo's; WordNet definitions need a subword tokenizer,
 # shorter limits and more SFT (its targets are varied natural language).
@@ -131,6 +136,13 @@ VARIANTS = {
     # With --rl-split: the arm trains on every training row (the SFT's and the held-back ones) instead of the
     # held-back rows only, as a user who gets new labelled sources would continue SFT on old and new together.
     "replay": [],
+    # DPO: the IPO loss; more passes over its pairs (a DPO step costs a fraction of a sampling arm's, so equal
+    # wall time means more epochs: one validation point each).
+    "ipo": ["rl.dpo.loss=ipo"],
+    "e6": ["rl.epochs=6"],
+    "e9": ["rl.epochs=9"],
+    "e12": ["rl.epochs=12"],
+    "e6lr2e-5": ["rl.epochs=6", "rl.lr=2e-5"],  # and a tenth of the policy gradients' learning rate
 }
 
 

@@ -31,7 +31,7 @@ from machine_info import save  # noqa: E402
 
 from rlt2t.common.tracking import quiet_transformers  # noqa: E402
 from rlt2t.learner.group_step import GroupOutput, group_forward, naive_group_forward  # noqa: E402
-from rlt2t.learner.losses import clipped_policy_loss, group_advantages  # noqa: E402
+from rlt2t.learner.losses import clipped_policy_loss, normalised_advantages  # noqa: E402
 
 TARGET_SPEEDUP = 1.8
 Forward = Callable[..., GroupOutput]
@@ -43,7 +43,7 @@ def bench_batch(size: int, k: int, source_len: int, target_len: int, seed: int, 
     labels = torch.randint(FIRST_DATA_ID, VOCAB, (k * size, target_len), generator=g)
     labels[:, -1] = 2  # EOS
     rewards = torch.rand(size, k, generator=g)
-    batch = sources, torch.ones_like(sources), labels, group_advantages(rewards, "grpo").t().reshape(-1)
+    batch = sources, torch.ones_like(sources), labels, normalised_advantages(rewards).t().reshape(-1)
     return tuple(t.to(device) for t in batch)
 
 

@@ -72,7 +72,6 @@ from rlt2t.common.policy import load_policy  # noqa: E402
 from rlt2t.common.synth import generate_synthetic  # noqa: E402
 from rlt2t.common.tokenization import build_ids_tokenizer, save_tokenizer  # noqa: E402
 from rlt2t.common.tracking import quiet_transformers  # noqa: E402
-from rlt2t.common.types import RolloutSpec  # noqa: E402
 from rlt2t.learner.learner import Learner  # noqa: E402
 from rlt2t.learner.trainer import epoch_order  # noqa: E402
 
@@ -113,7 +112,7 @@ def generate(cfg: Config, train: list[Example], ckpt: Path) -> tuple[list[Any], 
     """G: sample + score every chunk, sequentially, one thread; returns the scored items and G's timings."""
     df = DocumentFrequency.from_references(reference_sets(train))  # as the job computes it
     start = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt).model.state_dict()
-    spec = RolloutSpec.for_algorithm(cfg.rl.algorithm, kl=cfg.rl.uses_kl, mask_top_p=cfg.rl.pg.nlpo_top_p)
+    spec = cfg.rl.rollout_spec
     rollout = RolloutWorker(cfg.model, str(cfg.tokenizer_dir), cfg.rollout, seed=cfg.run.seed,
                             max_source_len=cfg.data.max_source_len, spec=spec, start_weights=start)
     # Version 0 = the init checkpoint's weights, exactly what the job publishes first.

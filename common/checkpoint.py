@@ -210,11 +210,14 @@ def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
     return latest
 
 
-def load_training_state(path: str | Path) -> dict[str, Any]:
+def load_training_state(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
+    """A checkpoint's training state. ``mmap``: its tensors map the file instead of being read (copy-on-write),
+    so a reader that needs a part of it (one learner rank's state, the list of published versions) does not
+    hold the rest in memory."""
     file = Path(path) / STATE_FILE
     if not file.is_file():
         raise FileNotFoundError(f"{path}: no {STATE_FILE}; this checkpoint cannot resume training")
-    return torch.load(file, map_location="cpu", weights_only=False)
+    return torch.load(file, map_location="cpu", weights_only=False, mmap=mmap)
 
 
 def prune_checkpoints(root: str | Path, keep_last: int, protect: set[Path] | frozenset = frozenset()) -> list[Path]:

@@ -461,9 +461,11 @@ class Ct2Policy:
         length_penalty: float = 1.0,
         min_new_tokens: int = 0,
         seed: int | None = None,
+        sampling_topp: float = 1.0,
     ) -> list[list[Hypothesis]]:
         """Beam search, greedy (``beam_size=1``, ``sampling_topk=1``) or sampling (``beam_size=1``,
-        ``sampling_topk`` k > 1 or 0 for the whole vocabulary) of each source.
+        ``sampling_topk`` k > 1 or 0 for the whole vocabulary; ``sampling_topp`` < 1 adds a nucleus filter) of each
+        source.
 
         Returns one list of ``num_hypotheses`` hypotheses per source (best first for beam search).
         ``max_new_tokens`` counts the EOS, as in HF ``generate``; EOS is not allowed before ``min_new_tokens``
@@ -480,6 +482,8 @@ class Ct2Policy:
         if sampling_topk < 0 or not sampling_temperature > 0:
             raise ValueError(f"sampling_topk must be >= 0 and sampling_temperature > 0, got {sampling_topk}, "
                              f"{sampling_temperature}")
+        if not 0.0 < sampling_topp <= 1.0:
+            raise ValueError(f"sampling_topp must be in (0, 1], got {sampling_topp}")
         if not sources:
             return []
         # CT2 refuses several hypotheses from greedy search (top-1 "sampling"); they would all be equal.
@@ -487,7 +491,8 @@ class Ct2Policy:
         _, decoded = self._decode(
             sources, num_hypotheses=num_hypotheses // copies, max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens, sampling_topk=sampling_topk, seed=seed,
-            beam_size=beam_size, length_penalty=length_penalty, sampling_temperature=sampling_temperature)
+            beam_size=beam_size, length_penalty=length_penalty, sampling_temperature=sampling_temperature,
+            sampling_topp=sampling_topp)
         return [[Hypothesis(text=" ".join(decode_ids(self.tokenizer, d.ids, skip_special_tokens=True).split()),
                             token_ids=tuple(d.ids), score=d.score) for d in hyps] * copies for hyps in decoded]
 

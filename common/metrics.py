@@ -26,7 +26,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 from nltk.stem.porter import PorterStemmer
@@ -36,6 +36,9 @@ from sacrebleu.metrics import BLEU, CHRF
 
 from rlt2t.common.io import atomic_write_text
 from rlt2t.common.wordnet import nltk_wordnet
+
+if TYPE_CHECKING:
+    from rlt2t.common.config import MetricConfig
 
 CIDER_MAX_ORDER = 4
 """CIDEr-D uses n-grams of 1..4 tokens."""
@@ -860,6 +863,16 @@ def get_metric(name: str, **params) -> Metric:
     except TypeError as e:
         # Typically a misspelt parameter; name the metric so a config error is easy to place.
         raise TypeError(f"metric {name!r} rejected params {sorted(params)}: {e}") from e
+
+
+def metric_params(name: str, metric: MetricConfig) -> dict[str, Any]:
+    """The configured parameters of a registered metric (CIDEr-D's σ, the task score's weight): how the eval
+    tables, predict's oracle and MBR utilities build it."""
+    if name == "cider_d":
+        return {"sigma": metric.cider_sigma}
+    if name == "task_score":
+        return {"bleu_weight": metric.bleu_weight, "sigma": metric.cider_sigma}
+    return {}
 
 
 def compute_metrics(

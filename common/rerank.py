@@ -24,15 +24,22 @@ from bisect import bisect_right
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
-from rlt2t.common.collate import uses_target_template
 from rlt2t.common.io import atomic_write_text
-from rlt2t.common.metrics import CiderD
+
+if TYPE_CHECKING:  # torch, transformers and the metrics load where they are used: the CLI reads the modes below
+    from transformers import PreTrainedTokenizerBase
+
+    from rlt2t.common.metrics import CiderD
 
 RERANK_MODES = ("mean_logprob", "idf", "consensus")
+"""The modes of :func:`rerank`, pure functions of the candidates and their log-probs."""
+PREDICT_RERANK_MODES = (*RERANK_MODES, "reward", "mbr")
+"""Every rerank mode of `rlt2t predict --rerank` and `rlt2t eval --rerank` (reward and mbr: ``rlt2t.ensemble``). The
+one list: the CLI's choices come from it, and predict.rerank / eval.rerank declare the same values (a test checks)."""
 _IDF_FORMAT = "rlt2t-idf"
 
 
@@ -214,6 +221,8 @@ def token_words(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> lis
     :func:`idf_weighted_mean`). From the offset mapping: a piece belongs to the word of the first non-space
     character it covers; a piece of spaces alone, to the word after it. A word-level tokenizer with the
     ``text </s>`` template gives ``[0, ..., W - 1, None]``."""
+    from rlt2t.common.collate import uses_target_template  # imports torch
+
     check_word_alignment(tokenizer)
     texts = list(texts)
     if not texts:
@@ -264,7 +273,11 @@ def consensus(candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence[fl
     kept = sorted(range(len(candidates)), key=lambda i: -means[i])[:top]
     if len(kept) < 2:
         return kept[0]
-    agreement = consensus_scores(candidates, kept, cider or CiderD())
+    if cider is None:
+        from rlt2t.common.metrics import CiderD
+
+        cider = CiderD()
+    agreement = consensus_scores(candidates, kept, cider)
     best = max(range(len(kept)), key=lambda k: (agreement[k], means[kept[k]]))
     return kept[best]
 

@@ -3,16 +3,14 @@ cheaply):
 
 - rank RL: candidate sets (rollout → reward) and scored pairs (reward → learner);
 - policy-gradient algorithms: sampled groups (rollout → reward) and scored groups (reward → learner);
-- :class:`RolloutSpec`: what an algorithm asks the rollout workers to return.
+- :class:`RolloutSpec`: what an algorithm asks the rollout workers to return;
+- offline preference algorithms: :class:`PreferencePair` (a file or a reward → learner).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Literal
-
-Algorithm = Literal["rank", "scst", "rloo", "grpo", "ppo", "a2c", "nlpo"]
-ALGORITHMS: tuple[str, ...] = ("rank", "scst", "rloo", "grpo", "ppo", "a2c", "nlpo")
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,8 @@ class ScoredPair:
 
 @dataclass(frozen=True)
 class RolloutSpec:
-    """What the rollout workers return for an algorithm (docs/design.md, "Policy-gradient algorithms")."""
+    """What the rollout workers return for an algorithm (its unit's ``rollout_spec``, rlt2t.common.algorithms;
+    docs/design.md, "Policy-gradient algorithms")."""
 
     kind: Literal["pair", "group"]
     """`pair`: a :class:`CandidateSet` (rank RL); `group`: a :class:`SampledGroup` of K samples with their
@@ -88,16 +87,6 @@ class RolloutSpec:
     """Also score every sample under the frozen reference policy (the KL to the start)."""
     mask_top_p: float = 1.0
     """NLPO: sample only among the top-p tokens of the masking policy (1: no mask)."""
-
-    @classmethod
-    def for_algorithm(cls, algorithm: str, *, kl: bool, mask_top_p: float = 1.0) -> RolloutSpec:
-        """The rollout an algorithm needs; ``kl``: whether its loss or reward uses the KL to the start."""
-        if algorithm == "rank":
-            return cls("pair")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
-        return cls("group", greedy_baseline=algorithm == "scst", reference=kl,
-                   mask_top_p=mask_top_p if algorithm == "nlpo" else 1.0)
 
 
 @dataclass(frozen=True)
@@ -173,3 +162,20 @@ class ScoredGroup:
     @property
     def example_id(self) -> str:
         return self.group.example_id
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One preference for the offline preference algorithms (DPO, IPO): for a source, a candidate preferred to
+    another, from a file of preferences (rank lists, pairs, ratings) or from samples ordered by a reward."""
+
+    example_id: str
+    """Where it came from (``file:line``, or the training example's id for sampled pairs)."""
+    source: str
+    chosen: str
+    """The preferred candidate."""
+    rejected: str
+    """The other candidate."""
+    weight: float = 1.0
+    """The pair's weight in the loss (a rank list of K gives K·(K-1)/2 pairs of weight 2/(K·(K-1)) each, so
+    that every list weighs as much as one pair; 1 for a lone pair)."""

@@ -18,7 +18,7 @@ from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import EvalConfig, MetricConfig
 from rlt2t.common.data import Example, references_of
 from rlt2t.common.families import decoder_input_ids, generation_config, positions_or
-from rlt2t.common.metrics import available_metrics, get_metric
+from rlt2t.common.metrics import available_metrics, get_metric, metric_params
 from rlt2t.common.policy import Policy
 from rlt2t.common.scoring import token_scores
 
@@ -74,15 +74,6 @@ def check_metric_names(names: Sequence[str], what: str = "eval.metrics") -> list
     if len(set(names)) != len(names) or not names:
         raise ValueError(f"{what}: give each metric once and at least one, got {list(names)}")
     return list(names)
-
-
-def metric_params(name: str, metric: MetricConfig) -> dict[str, Any]:
-    """The configured parameters of a registered metric (CIDEr-D's σ, the task score's weight)."""
-    if name == "cider_d":
-        return {"sigma": metric.cider_sigma}
-    if name == "task_score":
-        return {"bleu_weight": metric.bleu_weight, "sigma": metric.cider_sigma}
-    return {}
 
 
 def metric_table(hyps: Sequence[str], refs: Sequence[Sequence[str]], metric: MetricConfig,
@@ -195,20 +186,28 @@ def classifier_params(cfg: EvalConfig, examples: Sequence[Example]) -> dict[str,
 
 
 def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metric: MetricConfig,
-             max_source_len: int, progress: bool = False, *, max_target_len: int | None = None) -> EvalResult:
+             max_source_len: int, progress: bool = False, *, max_target_len: int | None = None,
+             predictions: Sequence[str] | None = None) -> EvalResult:
     """Decode ``examples`` with the policy and score against their references (``Example.refs``): the columns
     ``cfg.metrics``.
 
     ``max_target_len`` (``data.max_target_len``) cuts the references of the perplexity column as training cut
-    its targets; None: the model's position limit."""
+    its targets; None: the model's position limit. ``predictions``: the outputs, one per example, decoded
+    elsewhere (a reranked pool: ``eval.rerank``), scored instead of decoding with ``cfg.num_beams``."""
     if cfg.limit:
         examples = examples[: cfg.limit]
     targets = [e.target for e in examples if e.target is not None]
     if len(targets) != len(examples):
         raise ValueError("evaluation needs targets; this split has unlabeled examples (use `rlt2t predict`)")
     names = check_metric_names(cfg.metrics)
-    hyps = generate(policy, [e.source for e in examples], num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens,
-                    batch_size=cfg.batch_size, max_source_len=max_source_len, progress=progress)
+    if predictions is not None:
+        if len(predictions) != len(examples):
+            raise ValueError(f"predictions: {len(predictions)} for {len(examples)} examples")
+        hyps = list(predictions)
+    else:
+        hyps = generate(policy, [e.source for e in examples], num_beams=cfg.num_beams,
+                        max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, max_source_len=max_source_len,
+                        progress=progress)
     text_names = [n for n in names if n not in MODEL_METRICS]
     params = {"classifier_accuracy": classifier_params(cfg, examples)} if "classifier_accuracy" in names else {}
     values = metric_table(hyps, references_of(examples, "evaluation"), metric, text_names, params)

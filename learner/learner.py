@@ -19,8 +19,10 @@ import os
 import resource
 import socket
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -28,11 +30,18 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from rlt2t.common.checkpoint import rng_state, set_rng_state
+from rlt2t.common.checkpoint import (
+    checkpoint_name,
+    load_training_state,
+    prune_checkpoints,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from rlt2t.common.config import MetricConfig, ModelConfig, RLConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.families import check_mixed_precision
-from rlt2t.common.lora import apply_lora, is_lora, policy_weights
+from rlt2t.common.lora import apply_lora, is_lora, load_weights, policy_weights
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.types import ScoredGroup, ScoredPair
 from rlt2t.learner.evaluate import distinct_outputs, generate, metric_table
@@ -90,6 +99,15 @@ class Objective(Protocol):
         ...
 
 
+def published_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """:func:`rlt2t.common.lora.policy_weights` without its copy on CPU: views of the live parameters, for a
+    value that is serialised before the parameters change again (an actor method's return value: Ray copies it
+    into the object store as the call returns, before the actor runs its next call). On CUDA a CPU copy."""
+    if is_lora(model):
+        return policy_weights(model)  # the adapters alone: small
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
 class BatchTooLarge(RuntimeError):
     """The largest batch a learner rank can receive does not fit in its memory (found by the preflight)."""
 
@@ -121,7 +139,9 @@ class Learner:
         # The reference for the KL is scored by the rollout workers; the learner holds a copy only when its
         # samples come from policy servers, which do not score it (docs/design.md, "Reference policy").
         reference = None
-        if rl_cfg.uses_kl and rollout_cfg.source == "http" and not is_lora(self.policy.model):
+        # So does an algorithm whose unit scores the reference in the learner (offline preferences: no rollouts).
+        learner_scores = (rl_cfg.uses_kl and rollout_cfg.source == "http") or rl_cfg.unit.learner_reference
+        if learner_scores and not is_lora(self.policy.model):
             reference = load_policy(model_cfg, tokenizer_dir, checkpoint=reference_checkpoint or init_checkpoint)
             reference.model.eval().requires_grad_(False)
         check_mixed_precision(self.policy.model.config, mixed_precision)  # T5 in fp16 overflows: refused at start
@@ -211,7 +231,7 @@ class Learner:
                 f"learner rank {self.rank}: the largest batch it can receive does not fit in memory on {acc.device}: "
                 f"{sources} sources (rl.batch_size={self.cfg.batch_size} over rl.learners={self.world_size}), "
                 f"sources of data.max_source_len={src_len} tokens, targets of data.max_target_len={tgt_len}"
-                + ("" if self.cfg.algorithm == "rank" else ", rollout.num_samples samples per source")
+                + (", rollout.num_samples samples per source" if self.cfg.samples_groups else "")
                 + ". Lower one of them, or add learner ranks. "
                 f"({type(e).__name__}: {e})") from e
         finally:
@@ -242,7 +262,9 @@ class Learner:
         batch = self.objective.collate(items, max_source_len=self.max_source_len,
                                        max_target_len=self.max_target_len).to(acc.device)
         metrics = self.objective.step(self, batch, items, self.steps)
-        self.scheduler.step()
+        with warnings.catch_warnings():  # an objective that moves the weights itself (TRPO) never steps the optimizer
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.scheduler.step()
         self.steps += 1
         keys = (*self.objective.metric_keys, "step_s")
         local = torch.tensor([metrics.get(k, 0.0) for k in keys[:-1]] + [time.perf_counter() - t0],
@@ -254,6 +276,16 @@ class Learner:
         if maxed:
             out |= dict(zip(maxed, self.all_max(local[[keys.index(k) for k in maxed]]).tolist(), strict=True))
         return out | {"lr": float(self.scheduler.get_last_lr()[0])}
+
+    def train_step_stored(self, picks: Sequence[tuple[int, int]], mask_versions: Sequence[int],
+                          *parts: Any) -> dict[str, float]:
+        """:meth:`train_step` on items picked out of whole scored chunks, which reach this rank from the object
+        store, not through the driver. ``parts``: the scored chunks (lists of items; top-level arguments, so
+        that Ray resolves their references here), then one weights dict per entry of ``mask_versions`` (NLPO);
+        ``picks``: the shard's items in order, as (position of its chunk in ``parts``, index in the chunk)."""
+        chunks = parts[: len(parts) - len(mask_versions)]
+        items = [chunks[c][i] for c, i in picks]
+        return self.train_step(items, mask_versions, *parts[len(chunks):])
 
     # --- what an objective's step calls (StepRunner) ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -300,13 +332,65 @@ class Learner:
         """What gets published and checkpointed: the policy's CPU state dict (with LoRA: the adapters alone)."""
         return policy_weights(self.policy.model)
 
+    def publish_weights(self) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+        """What the job publishes, as two results (the job calls it with ``num_returns=2``): a small summary
+        (``step``: the learner step, hence the policy version, these weights are; ``bytes``) and the weights.
+        Ray stores the weights in this node's object store, owned by the caller: the driver waits on the
+        summary alone (a failed rank shows there) and hands the weights' reference on without fetching them;
+        the object outlives this process, should it die."""
+        weights = published_weights(self.policy.model)
+        return {"step": self.steps, "bytes": sum(t.numel() * t.element_size() for t in weights.values())}, weights
+
     def training_state(self) -> dict[str, Any]:
         """A snapshot (deep copy: optimizer.state_dict() aliases the live moment tensors)."""
+        return copy.deepcopy(self._training_state())
+
+    def _training_state(self) -> dict[str, Any]:
+        """The state itself, aliasing live tensors: to serialise at once."""
         acc = self._prepare()
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "rng": rng_state(), "steps": self.steps, "objective": self.objective.state_dict(),
-                 **scaler_state(acc)}
-        return copy.deepcopy(state)
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "rng": rng_state(), "steps": self.steps, "objective": self.objective.state_dict(),
+                **scaler_state(acc)}
+
+    def write_checkpoint(self, root: str, name: str, step: int, meta: dict[str, Any], trained_in_epoch: list[str],
+                         published_versions: Sequence[int], *states_and_weights: Any) -> str:
+        """Rank 0: the job's checkpoint ``root/name``, written here from this rank's own model (no copy of it
+        anywhere else); returns its path. ``states_and_weights`` are the training states of ranks 1..N-1, then
+        the weights of each of ``published_versions`` (top-level arguments: Ray resolves their references here,
+        from the object store). The training state is the one a resumed job reads (``load_training_state_from``
+        and the driver): every rank's state, the published weights, the epoch's trained ids."""
+        peers = self.world_size - 1
+        if len(states_and_weights) != peers + len(published_versions):
+            raise ValueError(f"rank 0 of {self.world_size} got {len(states_and_weights)} states and weights for "
+                             f"{len(published_versions)} published versions")
+        states = [self._training_state(), *states_and_weights[:peers]]
+        published = dict(zip(published_versions, states_and_weights[peers:], strict=True))
+        path = save_checkpoint(root, name, model=self.policy.model, tokenizer=self.policy.tokenizer, step=step,
+                               meta=meta, training_state={"learners": states, "published": published,
+                                                          "trained_in_epoch": list(trained_in_epoch)})
+        return str(path)
+
+    def write_published(self, root: str, version: int, meta: Mapping[str, Any],
+                        weights: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """Rank 0, for policy servers (rollout.source=http): ``version``'s weights as a checkpoint under
+        ``root`` (the newest two kept). This rank's own model when it is at that version; otherwise (a version a
+        resumed job restored) a copy of it loaded with ``weights()``, which fetches them only then."""
+        model = self.policy.model
+        if version != self.steps:
+            model = copy.deepcopy(model)
+            load_weights(model, weights())
+        save_checkpoint(root, checkpoint_name(step=version), model=model, tokenizer=self.policy.tokenizer,
+                        step=version, meta=dict(meta))
+        prune_checkpoints(root, keep_last=2)
+
+    def load_training_state_from(self, checkpoint: str) -> None:
+        """This rank's state out of a checkpoint's training state, read here (memory-mapped: the other ranks'
+        states and the published weights in the same file are not read), not shipped through the driver."""
+        states = load_training_state(Path(checkpoint), mmap=True)["learners"]
+        if len(states) != self.world_size:
+            raise ValueError(f"{checkpoint} has {len(states)} learner states, the job has {self.world_size} ranks "
+                             "(rl.learners must match to resume exactly)")
+        self.load_training_state(copy.deepcopy(states[self.rank]))  # a copy in memory, not pages of the file
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         acc = self._prepare()

@@ -5,11 +5,12 @@ Rank RL: `pairwise_rank_loss` compares the token scores (``rlt2t.common.scoring.
 better sequence `a` and a worse sequence `b` for the same source, weighting the steps from their first
 divergence with a decaying factor.
 
-Policy gradient: `kl_estimate` (k1, k2, k3), `group_advantages` (SCST, RLOO, GRPO), `gae`,
-`clipped_policy_loss`, `clipped_value_loss`, `masked_mean` / `masked_whiten`, `mask_leak` (NLPO), and the
-`AdaptiveKLController`. Both: `gold_cross_entropy`, the CE on the gold targets (rank RL's CE term, the policy
-gradients' likelihood term). "Token mean" everywhere is the sum over valid (mask = 1) tokens divided by their
-count, over the whole batch.
+Policy gradient: `kl_estimate` (k1, k2, k3); the sequence advantages `baseline_advantages` (SCST's),
+`leave_one_out_advantages` (RLOO's), `normalised_advantages` (GRPO's); `gae`, `clipped_policy_loss`,
+`clipped_value_loss`, `masked_mean` / `masked_whiten`, `mask_leak` (NLPO), and the `AdaptiveKLController`.
+Both: `gold_cross_entropy`, the CE on the gold targets (rank RL's CE term, the policy gradients' likelihood
+term). "Token mean" everywhere is the sum over valid (mask = 1) tokens divided by their count, over the
+whole batch.
 
 Running the model to get the logits lives in `rlt2t.learner.rank_step` and `rlt2t.learner.group_step`.
 """
@@ -136,7 +137,6 @@ def pairwise_rank_loss(
 # ------------------------------------------------------------------------------------------ policy gradient
 
 KLKind = Literal["k1", "k2", "k3"]
-AdvantageKind = Literal["scst", "rloo", "grpo"]
 GroupScale = Literal["group", "batch", "none"]
 # GRPO's std guard (docs/design.md): a group whose rewards all tie gets advantage 0, not 0 / 0.
 GRPO_STD_EPS = 1e-4
@@ -204,45 +204,52 @@ def mask_leak(logits: Tensor, allowed: Tensor) -> Tensor:
     return torch.logsumexp(scores, dim=-1) - inside
 
 
-def group_advantages(rewards: Tensor, kind: AdvantageKind, baseline: Tensor | None = None, *,
-                     scale: GroupScale = "group", all_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-    """Sequence advantages of K candidates per source from their rewards: [N, K] -> [N, K].
+def baseline_advantages(rewards: Tensor, baseline: Tensor | None) -> Tensor:
+    """Sequence advantages against a per-source baseline: A_k = r_k - baseline. rewards [N, K], baseline [N]
+    (e.g. the reward of the source's greedy decode) -> [N, K]."""
+    _check_rewards(rewards)
+    if baseline is None or baseline.shape != rewards.shape[:1]:
+        got = None if baseline is None else tuple(baseline.shape)
+        raise ValueError(f"the baseline must have shape [N] = [{rewards.shape[0]}], got {got}")
+    return rewards - baseline.unsqueeze(1)
 
-    scst: A_k = r_k - baseline (baseline [N]: the reward of the source's greedy decode);
-    rloo: A_k = r_k - mean of the other K - 1 rewards (K >= 2);
-    grpo: A_k = (r_k - mean(r)) / (s + 1e-4) (K >= 2), s by ``scale``: ``"group"``, the std of the source's K
-    rewards (ddof 1; the paper's GRPO); ``"batch"``, the std (ddof 0) of every r_k - mean(r) of the batch, over
-    every learner rank when ``all_sum`` sums a float64 vector over them, so a source's advantages grow with
-    how far apart its rewards are (with ``"group"`` K rewards that differ by a hair get advantages of +-1 like
-    any others); ``"none"``, s = 1 and no guard (Dr. GRPO).
-    """
+
+def leave_one_out_advantages(rewards: Tensor) -> Tensor:
+    """A_k = r_k - the mean of the source's other K - 1 rewards (K >= 2): [N, K] -> [N, K]."""
+    k = _check_rewards(rewards, min_k=2)
+    return rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (k - 1)
+
+
+def normalised_advantages(rewards: Tensor, *, scale: GroupScale = "group",
+                          all_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """A_k = (r_k - mean(r)) / (s + 1e-4) over each source's K >= 2 rewards: [N, K] -> [N, K]. s by ``scale``:
+    ``"group"``, the std of the source's K rewards (ddof 1); ``"batch"``, the std (ddof 0) of every r_k - mean(r)
+    of the batch, over every learner rank when ``all_sum`` sums a float64 vector over them, so a source's
+    advantages grow with how far apart its rewards are (with ``"group"`` K rewards that differ by a hair get
+    advantages of +-1 like any others); ``"none"``, s = 1 and no guard (Dr. GRPO)."""
+    _check_rewards(rewards, min_k=2)
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale == "group":
+        return centred / (rewards.std(dim=1, keepdim=True, unbiased=True) + GRPO_STD_EPS)
+    if scale == "batch":
+        c = centred.double()
+        sums = torch.stack([(c**2).sum(), torch.tensor(float(c.numel()), dtype=torch.float64)]).cpu()
+        total = all_sum(sums) if all_sum is not None else sums
+        # Each source's deviations sum to 0, so the batch's mean deviation is 0 and the std is the RMS.
+        std = (total[0] / total[1].clamp(min=1)).sqrt()
+        return centred / (std.to(centred) + GRPO_STD_EPS)
+    if scale == "none":
+        return centred
+    raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+
+
+def _check_rewards(rewards: Tensor, min_k: int = 1) -> int:
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [N, K], got shape {tuple(rewards.shape)}")
     k = rewards.shape[1]
-    if kind == "scst":
-        if baseline is None or baseline.shape != rewards.shape[:1]:
-            got = None if baseline is None else tuple(baseline.shape)
-            raise ValueError(f"scst needs a baseline of shape [N] = [{rewards.shape[0]}], got {got}")
-        return rewards - baseline.unsqueeze(1)
-    if kind in ("rloo", "grpo") and k < 2:
-        raise ValueError(f"{kind} needs K >= 2 candidates per source, got {k}")
-    if kind == "rloo":
-        return rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (k - 1)
-    if kind == "grpo":
-        centred = rewards - rewards.mean(dim=1, keepdim=True)
-        if scale == "group":
-            return centred / (rewards.std(dim=1, keepdim=True, unbiased=True) + GRPO_STD_EPS)
-        if scale == "batch":
-            c = centred.double()
-            sums = torch.stack([(c**2).sum(), torch.tensor(float(c.numel()), dtype=torch.float64)]).cpu()
-            total = all_sum(sums) if all_sum is not None else sums
-            # Each source's deviations sum to 0, so the batch's mean deviation is 0 and the std is the RMS.
-            std = (total[0] / total[1].clamp(min=1)).sqrt()
-            return centred / (std.to(centred) + GRPO_STD_EPS)
-        if scale == "none":
-            return centred
-        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
-    raise ValueError(f"kind must be 'scst', 'rloo' or 'grpo', got {kind!r}")
+    if k < min_k:
+        raise ValueError(f"these advantages need K >= {min_k} candidates per source, got {k}")
+    return k
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:

@@ -18,6 +18,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -31,6 +32,7 @@ from rlt2t.common.policy import Policy
 from rlt2t.common.sampling import warp_logits
 from rlt2t.common.scoring import token_scores
 from rlt2t.common.types import ScoredGroup, ScoredPair
+from rlt2t.learner.algorithms.base import PolicyGradient
 from rlt2t.learner.batch import GroupBatch, group_batch, rank_batch
 from rlt2t.learner.group_step import GroupOutput, GroupPolicy, ValueHead, group_forward
 from rlt2t.learner.losses import (
@@ -40,7 +42,6 @@ from rlt2t.learner.losses import (
     counted_rank_weights,
     gae,
     gold_cross_entropy,
-    group_advantages,
     kl_estimate,
     mask_leak,
     masked_mean,
@@ -189,6 +190,35 @@ def top_p_mask(logits: Tensor, top_p: float) -> Tensor:
     return torch.isfinite(warp_logits(logits, top_p=top_p))
 
 
+@dataclass(frozen=True, eq=False)
+class Experience:
+    """What steps 1 and 2 of a policy-gradient step leave for its optimisation (step 3): rows are the batch's
+    K*B samples, rep-major; no gradient anywhere."""
+
+    size: int
+    """B: the sources on this rank."""
+    k: int
+    """K: the samples per source."""
+    mask: Tensor
+    """[K*B, T] the tokens in the loss (sampled, and inside the current policy's transform)."""
+    action_mask: Tensor | None
+    """NLPO's allowed tokens [K*B, T, V] (None: unmasked)."""
+    old_logp: Tensor
+    """[K*B, T] the batch's starting policy's log-probs under the sampling transform."""
+    is_weights: Tensor
+    """[K*B, T] the truncated importance weights against the sampler."""
+    advantages: Tensor
+    """[K*B, T]"""
+    returns: Tensor | None
+    """[K*B, T] the value head's targets (actor-critic units; None otherwise)."""
+    old_values: Tensor | None
+    """[K*B, T] the value head's estimates at the start (actor-critic units; None otherwise)."""
+    reference: Tensor | None
+    """[K*B, T] the reference policy's log-probs (None without a KL)."""
+    beta: float
+    """The KL coefficient of this step."""
+
+
 class PolicyGradientObjective:
     """SCST, RLOO, GRPO, PPO, A2C and NLPO on batches of scored groups (K samples per source).
 
@@ -210,24 +240,27 @@ class PolicyGradientObjective:
        source on the samples' encoder pass.
     4. The adaptive KL controller moves β towards rl.kl.target with the batch's mean sequence KL.
 
+    A unit whose update is not a sequence of optimizer steps (TRPO) subclasses this and overrides step 3,
+    :meth:`_optimise`, which steps 1 and 2 hand an :class:`Experience`.
+
     Dropout is off throughout (the module stays in eval mode): under dropout an on-policy ratio is not 1.
     """
 
     def __init__(self, rl: RLConfig, rollout: RolloutConfig, policy: Policy, *, seed: int,
-                 reference: nn.Module | None = None) -> None:
+                 reference: nn.Module | None = None, unit: PolicyGradient | None = None) -> None:
         self.rl, self.policy, self.seed = rl, policy, seed
-        self.algorithm = rl.algorithm
+        self.unit: PolicyGradient = unit if unit is not None else rl.unit  # type: ignore[assignment]
         self.k = rollout.num_samples
-        head = ValueHead(decoder_hidden_size(policy.model.config)) if rl.ppo_like else None
+        head = ValueHead(decoder_hidden_size(policy.model.config)) if self.unit.value_head else None
         self.module: nn.Module = GroupPolicy(policy.model, head)
         self.module.eval()
         self.transform = {"temperature": rollout.temperature, "top_k": rollout.top_k, "top_p": rollout.top_p}
         self.kl = AdaptiveKLController(rl.kl.coef, rl.kl.target, rl.kl.horizon)
-        self.clip_eps = math.inf if rl.algorithm == "a2c" else rl.pg.clip_eps
+        self.clip_eps = rl.pg.clip_eps if self.unit.clipped else math.inf
         # Where the KL to the reference goes: a loss term (β·token mean of k3) for GRPO and SCST, a reward for
         # RLOO (sequence) and PPO / A2C / NLPO (per token).
-        self.kl_in_loss = rl.algorithm in ("grpo", "scst")
-        self.value_clip = math.inf if rl.algorithm == "a2c" else rl.pg.value_clip
+        self.kl_in_loss = self.unit.kl_in_loss
+        self.value_clip = rl.pg.value_clip if self.unit.clipped else math.inf
         # Used only when a batch arrives without reference log-probs (policy servers do not compute them).
         self.reference = reference
         # Policy servers send samples without reference log-probs: the learner scores them (a second pass).
@@ -238,7 +271,7 @@ class PolicyGradientObjective:
         self.mask_model: nn.Module | None = None
         self._mask_loaded: int | None = None  # the version in mask_model (None: unknown, e.g. just resumed)
         self._masks: dict[int, dict[str, Tensor]] = {}
-        if rl.algorithm == "nlpo":
+        if self.unit.masked:
             self.mask_model = copy.deepcopy(policy.model).eval().requires_grad_(False)
         self._warned: set[str] = set()
 
@@ -248,11 +281,11 @@ class PolicyGradientObjective:
                 "clip_fraction", "approx_kl", "entropy", "advantage_mean", "advantage_std", "ratio_mean",
                 "ratio_max", "sampler_ratio_mean", "sampler_ratio_max_dev", "sampler_kl", "kl_k1_stderr",
                 "is_weight_mean", "grad_norm", "optimizer_steps", "tokens", "excluded_tokens"]
-        if self.algorithm == "scst":
+        if self.unit.greedy_baseline:
             keys.append("greedy_reward")
-        if self.algorithm == "nlpo":
+        if self.unit.masked:
             keys.append("mask_leak")
-        if self.rl.ppo_like:
+        if self.unit.value_head:
             keys += ["value_loss", "value_clip_fraction", "explained_variance"]
         if self.rl.pg.sft_coef:
             keys.append("sft_loss")
@@ -279,7 +312,7 @@ class PolicyGradientObjective:
             rewards=torch.zeros(sources, k),
             reference_logprobs=(torch.zeros(rows, target_len) if self.rl.uses_kl and not self.scores_reference
                                 else None),
-            greedy_rewards=torch.zeros(sources) if self.algorithm == "scst" else None,
+            greedy_rewards=torch.zeros(sources) if self.unit.greedy_baseline else None,
             gold_labels=(torch.randint(0, vocab, (sources, target_len), generator=generator) if self.rl.pg.sft_coef
                          else None))
 
@@ -417,7 +450,7 @@ class PolicyGradientObjective:
             kl_check = torch.where(mask, old_raw - reference - sampler_log_ratio, 0) if reference is not None else None
             # 2. advantages
             rewards = batch.rewards
-            if rl.ppo_like:
+            if self.unit.value_head:
                 lengths = valid.sum(dim=1)
                 token_rewards = torch.where(valid, -beta * k1, torch.zeros_like(k1))
                 last = (lengths - 1).clamp(min=0)
@@ -428,17 +461,54 @@ class PolicyGradientObjective:
                 advantages, returns = gae(token_rewards, values, valid, pg.gamma, pg.lam)
                 if pg.whiten_advantages:
                     advantages = self._whiten(run, advantages, mask)
-            else:
-                if self.algorithm == "rloo":
-                    # The KL as a reward: every sample's reward and its leave-one-out baseline are shaped alike.
-                    shaped = rewards - beta * seq_kl.view(k, size).t()
-                    per_source = group_advantages(shaped, "rloo")
-                else:  # GRPO and SCST: the KL is a loss term (a greedy baseline has no KL to shape it with)
-                    per_source = group_advantages(rewards, self.algorithm, baseline=batch.greedy_rewards,  # type: ignore[arg-type]
-                                                  scale=pg.grpo_scale, all_sum=run.all_sum)
+            else:  # sequence advantages, the unit's own [N, K]
+                per_source = self.unit.advantages(rewards, seq_kl=seq_kl.view(k, size).t(), beta=beta,
+                                                  greedy_rewards=batch.greedy_rewards, pg=pg, all_sum=run.all_sum)
                 advantages = per_source.t().reshape(-1, 1).expand_as(old_logp).contiguous()
                 returns = None
-        # 3. epochs x minibatches of optimizer steps
+        # 3. the optimisation (the unit's objective may take it over: Experience holds what it needs)
+        stats, steps = self._optimise(run, batch, Experience(
+            size=size, k=k, mask=mask, action_mask=action_mask, old_logp=old_logp, is_weights=is_weights,
+            advantages=advantages, returns=returns, old_values=old_values, reference=reference, beta=beta), step)
+        # 4. the KL coefficient (every rank sees the same global mean, so they stay equal)
+        totals = run.all_sum(torch.tensor([float(seq_kl.sum()), float(seq_kl.numel())], dtype=torch.float64))
+        mean_seq_kl = float(totals[0] / totals[1].clamp(min=1))
+        self.kl.update(mean_seq_kl, int(totals[1]))
+        metrics = {
+            **{key: sum(v) / len(v) for key, v in stats.items() if v},
+            "ratio_max": max(stats["ratio_max"]),
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "kl_k1": float(masked_mean(k1, valid)), "kl_k3": float(masked_mean(k3, valid)), "kl_seq": mean_seq_kl,
+            # the token mean's standard error: what tells a negative k1 from noise around zero
+            "kl_k1_stderr": _token_stderr(k1, valid),
+            "kl_coef": beta, "entropy": float(entropy),
+            "advantage_mean": float(masked_mean(advantages, mask)),
+            "advantage_std": float(masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt()),
+            "sampler_ratio_mean": float(masked_mean(sampler_ratio, mask)),
+            "sampler_ratio_max_dev": (float(torch.where(mask, (sampler_ratio - 1).abs(), 0).max())
+                                      if mask.any() else 0.0),
+            # k1 of KL(sampler || learner) under the transform, per token: how far the samples are from the
+            # learner's policy (staleness, a quantised sampler)
+            "sampler_kl": float(masked_mean(-sampler_log_ratio, mask)),
+            "is_weight_mean": float(masked_mean(is_weights, mask)),
+            "optimizer_steps": float(steps), "tokens": float(mask.sum()),
+            "excluded_tokens": float((batch.loss_mask & ~mask).sum()),
+        }
+        if self.unit.greedy_baseline and batch.greedy_rewards is not None:
+            metrics["greedy_reward"] = float(batch.greedy_rewards.mean())
+        if self.unit.value_head and old_values is not None and returns is not None:
+            metrics["explained_variance"] = _explained_variance(old_values, returns, valid)
+        self._warn(metrics, items, step, kl_check, mask)
+        return metrics
+
+    def _optimise(self, run: StepRunner, batch: GroupBatch, exp: Experience, step: int
+                  ) -> tuple[dict[str, list[float]], int]:
+        """Step 3, the optimisation: rl.pg.epochs x rl.pg.minibatches optimizer steps of the clipped loss. Returns
+        each logged scalar's values over the steps (``ratio_max`` never empty) and the optimizer steps taken."""
+        rl, pg = self.rl, self.rl.pg
+        size, k, mask, action_mask = exp.size, exp.k, exp.mask, exp.action_mask
+        old_logp, is_weights, advantages, returns = exp.old_logp, exp.is_weights, exp.advantages, exp.returns
+        old_values, reference, beta = exp.old_values, exp.reference, exp.beta
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         # Every rank must take the same number of optimizer steps (DDP all-reduces each backward).
         minibatches = min(rl.optimisation_minibatches, run.all_min(size))
@@ -499,36 +569,7 @@ class PolicyGradientObjective:
                         break
             if stop:
                 break
-        # 4. the KL coefficient (every rank sees the same global mean, so they stay equal)
-        totals = run.all_sum(torch.tensor([float(seq_kl.sum()), float(seq_kl.numel())], dtype=torch.float64))
-        mean_seq_kl = float(totals[0] / totals[1].clamp(min=1))
-        self.kl.update(mean_seq_kl, int(totals[1]))
-        metrics = {
-            **{key: sum(v) / len(v) for key, v in stats.items() if v},
-            "ratio_max": max(stats["ratio_max"]),
-            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "kl_k1": float(masked_mean(k1, valid)), "kl_k3": float(masked_mean(k3, valid)), "kl_seq": mean_seq_kl,
-            # the token mean's standard error: what tells a negative k1 from noise around zero
-            "kl_k1_stderr": _token_stderr(k1, valid),
-            "kl_coef": beta, "entropy": float(entropy),
-            "advantage_mean": float(masked_mean(advantages, mask)),
-            "advantage_std": float(masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt()),
-            "sampler_ratio_mean": float(masked_mean(sampler_ratio, mask)),
-            "sampler_ratio_max_dev": (float(torch.where(mask, (sampler_ratio - 1).abs(), 0).max())
-                                      if mask.any() else 0.0),
-            # k1 of KL(sampler || learner) under the transform, per token: how far the samples are from the
-            # learner's policy (staleness, a quantised sampler)
-            "sampler_kl": float(masked_mean(-sampler_log_ratio, mask)),
-            "is_weight_mean": float(masked_mean(is_weights, mask)),
-            "optimizer_steps": float(steps), "tokens": float(mask.sum()),
-            "excluded_tokens": float((batch.loss_mask & ~mask).sum()),
-        }
-        if self.algorithm == "scst" and batch.greedy_rewards is not None:
-            metrics["greedy_reward"] = float(batch.greedy_rewards.mean())
-        if rl.ppo_like and old_values is not None and returns is not None:
-            metrics["explained_variance"] = _explained_variance(old_values, returns, valid)
-        self._warn(metrics, items, step, kl_check, mask)
-        return metrics
+        return stats, steps
 
     def _whiten(self, run: StepRunner, values: Tensor, mask: Tensor) -> Tensor:
         """Whiten over the valid tokens of the whole batch (all ranks)."""
@@ -611,8 +652,6 @@ Objective = RankObjective | PolicyGradientObjective
 
 
 def build_objective(rl: RLConfig, rollout: RolloutConfig, policy: Policy, *, seed: int,
-                    reference: nn.Module | None = None) -> Objective:
-    """The objective of ``rl.algorithm`` for ``policy``."""
-    if rl.algorithm == "rank":
-        return RankObjective(rl, policy)
-    return PolicyGradientObjective(rl, rollout, policy, seed=seed, reference=reference)
+                    reference: nn.Module | None = None) -> Any:
+    """The objective of ``rl.algorithm`` for ``policy`` (its unit's, rlt2t.common.algorithms)."""
+    return rl.unit.objective(rl, rollout, policy, seed=seed, reference=reference)

@@ -184,12 +184,14 @@ def _pickle_by_value_unless_installed(fn: Callable[..., Any]) -> None:
 
 
 def evaluate(cfg: Config, models: Sequence[str] | Mapping[str, PathLike] = (), *, split: str | None = None,
-             metrics: Sequence[str] | str | None = None) -> EvalTable:
+             metrics: Sequence[str] | str | None = None, rerank: str | None = None) -> EvalTable:
     """Decode a split (default ``eval.split``) with each model and score it: one row per model, one column per
     metric (default ``eval.metrics``; ``"all"`` for every one). ``models``: stage names of the run (``sft``,
     ``rl``, ``pretrain``), model directories or checkpoints, ``label=path`` strings, or a dict label → path;
-    none: the run's sft and rl stages (`rlt2t eval`). Each model's scores and predictions are saved under
-    ``{run}/eval``; ``table.save(dir)`` writes the table.
+    none: the run's sft and rl stages (`rlt2t eval`). ``rerank`` (default ``eval.rerank``, ``none``: decode with
+    ``eval.num_beams``) picks from a pool each model generates and scores, as ``predict`` does (``mbr``: minimum Bayes
+    risk, ``reward``, ...). Each model's scores and predictions are saved under ``{run}/eval``; ``table.save(dir)``
+    writes the table.
 
         table = rlt2t.evaluate(cfg, ["sft", "rl"], metrics=["task_score", "rougeL"])
         print(table.to_markdown())
@@ -199,7 +201,7 @@ def evaluate(cfg: Config, models: Sequence[str] | Mapping[str, PathLike] = (), *
 
     load_plugins(cfg.reward.plugins)  # metrics of your own
     chosen: dict[str, PathLike] = dict(models) if isinstance(models, Mapping) else dict(resolve_models(cfg, models))
-    return eval_table(cfg, chosen, split=split, metrics=metrics)
+    return eval_table(cfg, chosen, split=split, metrics=metrics, rerank=rerank)
 
 
 def export(cfg: Config, checkpoint: PathLike, out: PathLike | None = None, *, quantization: str | None = None,
@@ -217,8 +219,9 @@ def export(cfg: Config, checkpoint: PathLike, out: PathLike | None = None, *, qu
 def predict(cfg: Config, generators: Sequence[PathLike], scorers: Sequence[PathLike], input: PathLike,
             out: PathLike, *, rerank: str | None = None) -> PredictResult:
     """Ensemble inference (`rlt2t predict`): the generators propose beam hypotheses, the scorers score them, the
-    reranker (``predict.rerank``, or ``rerank``: ``mean_logprob``, ``idf``, ``consensus``, or ``reward`` for
-    ``reward.terms`` without references) picks one per input of ``input`` (JSONL or competition CSV). Writes the
+    reranker (``predict.rerank``, or ``rerank``: ``mean_logprob``, ``idf``, ``consensus``, ``reward`` for
+    ``reward.terms`` without references, or ``mbr``: minimum Bayes risk with ``predict.mbr_utility``) picks one per
+    input of ``input`` (JSONL or competition CSV) from the pool (``predict.pool``: beams, samples or both). Writes the
     submission CSV ``out`` and the candidates JSONL beside it.
 
         result = rlt2t.predict(cfg, [ct2_dir], [ct2_dir], "data/test.jsonl", "pred.csv", rerank="reward")

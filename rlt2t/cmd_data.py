@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from rlt2t import api
 from rlt2t.cmd_common import load_cfg
-from rlt2t.common.config import config_to_yaml, explain
+from rlt2t.common.config import config_to_yaml, explain, explain_derived
 
 if TYPE_CHECKING:
     from rlt2t.common.data import Example
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def cmd_config(args) -> None:
     if args.explain:
-        print("\n".join(explain()))
+        print("\n".join([*explain(), "", *explain_derived()]))
     else:
         print(config_to_yaml(load_cfg(args)), end="")
 

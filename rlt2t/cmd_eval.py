@@ -1,6 +1,7 @@
 """`rlt2t eval` (registered by rlt2t.cli): one metric table over several models.
 
-    rlt2t eval [--checkpoint sft|rl|PATH|LABEL=PATH ...] [--metrics m1,m2|all] [--split S] [--name N] [overrides]
+    rlt2t eval [--checkpoint sft|rl|PATH|LABEL=PATH ...] [--metrics m1,m2|all] [--split S] [--rerank MODE]
+               [--name N] [overrides]
 
 Rows are models, columns metrics; the table is printed and saved as ``{run}/eval/<name>.csv``, ``.json``,
 ``.md`` and a ``.png`` bar chart, beside each model's ``<label>-<split>.json`` and predictions.
@@ -13,11 +14,12 @@ from collections.abc import Callable
 
 from rlt2t import api
 from rlt2t.cmd_common import load_cfg
+from rlt2t.cmd_export import RERANK_CHOICES
 
 
 def cmd_eval(args) -> None:
     cfg = load_cfg(args)
-    table = api.evaluate(cfg, args.checkpoint, split=args.split, metrics=args.metrics)
+    table = api.evaluate(cfg, args.checkpoint, split=args.split, metrics=args.metrics, rerank=args.rerank)
     from rlt2t.eval_table import print_eval_table
 
     print_eval_table(table)
@@ -37,5 +39,9 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
                    help="comma-separated columns, e.g. rouge1,rouge2,rougeL,rougeLsum,meteor,sacrebleu,perplexity,"
                         "mean_length; 'all' for every metric (default: eval.metrics)")
     p.add_argument("--split", default=None, choices=["train", "valid", "test"], help="default: eval.split")
+    p.add_argument("--rerank", default=None, choices=["none", *RERANK_CHOICES],
+                   help="none: decode with eval.num_beams; otherwise each model generates a pool (predict.pool) and "
+                        "scores it, and this picks one per source as `rlt2t predict --rerank` does (default: "
+                        "eval.rerank)")
     p.add_argument("--name", default=None, help="file stem of the saved table (default: table-<split>)")
     p.set_defaults(fn=cmd_eval)

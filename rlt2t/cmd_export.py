@@ -8,14 +8,18 @@ from pathlib import Path
 
 from rlt2t import api
 from rlt2t.cmd_common import load_cfg, print_table
+from rlt2t.common.rerank import PREDICT_RERANK_MODES
 
 RERANK_HELP = (
     "mean_logprob: length-normalised log-likelihood averaged over scorers; idf: the same, tokens weighted by "
     "the IDF of training n-grams covering them; consensus: among the predict.consensus_top best by "
     "likelihood, the one with the highest mean CIDEr-D against the others; reward: the highest reward.terms score "
-    "without references (python, reward_model and classifier terms; ties to the better likelihood) "
+    "without references (python, reward_model and classifier terms; ties to the better likelihood); mbr: "
+    "minimum Bayes risk, the highest expected predict.mbr_utility (default the task score) over the "
+    "pool (predict.pool: beams, samples or both; predict.mbr_weights; at most predict.max_pool candidates) "
     "(default: predict.rerank)"
 )
+RERANK_CHOICES = list(PREDICT_RERANK_MODES)
 
 
 def _paths(value: str, flag: str) -> list[str]:
@@ -36,6 +40,8 @@ def cmd_predict(args) -> None:
     result = api.predict(cfg, _paths(args.generators, "--generators"), _paths(args.scorers, "--scorers"), args.input,
                          args.out, rerank=args.rerank)
     print(f"predict: {len(result.ids)} inputs, {result.mean_candidates:.1f} candidates each, rerank={result.rerank}")
+    timing = ", ".join(f"{k} {v:.4f}" for k, v in result.seconds_per_source.items())
+    print(f"seconds per input: {timing}")
     print(f"predictions: {result.csv_path}\ncandidates: {result.jsonl_path}")
     if result.metrics:
         print_table(f"{Path(args.input).name}: single generators vs ensemble vs oracle", result.metrics)
@@ -66,5 +72,5 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
                                                   "CSV")
     p.add_argument("--out", required=True, help="submission CSV (report_id,prediction); the candidates JSONL "
                                                 "goes beside it as <stem>.candidates.jsonl")
-    p.add_argument("--rerank", default=None, choices=["mean_logprob", "idf", "consensus", "reward"], help=RERANK_HELP)
+    p.add_argument("--rerank", default=None, choices=RERANK_CHOICES, help=RERANK_HELP)
     p.set_defaults(fn=cmd_predict)

@@ -9,10 +9,14 @@ the decisions of the loop (dispatch, retries, reorder buffer, staleness, queued 
 flight) while it trains on what is already scored: the pipeline is asynchronous, the result is not
 timing-dependent.
 
-Weights travel through the object store: one ``ray.put`` per version, one reference shared by every
-rollout worker (no shared filesystem assumed). A worker that does not hold the version a chunk needs
-loads it from that reference, so a worker restarted by Ray needs nothing special. A dead learner fails
-the job; the last checkpoint resumes it, bit for bit on CPU.
+The driver holds references, not data. Learner rank 0 stores each published version in the object store
+itself (its call's result, owned by the driver: the reference outlives rank 0), one reference shared by every
+rollout worker (no shared filesystem assumed). A worker that does not hold the version a chunk needs loads it
+from that reference, so a worker restarted by Ray needs nothing special. Rollouts reach the reward workers,
+and scored chunks the learner ranks, by reference: the driver fetches only each result's small summary, which
+also carries a dead worker's error. Rank 0 writes the checkpoints from its own model (to ``run.dir``, shared
+storage on a real cluster), and the run's start weights are loaded by a short task. A dead learner fails the
+job; the last checkpoint resumes it, bit for bit on CPU.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError, RayTaskError
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
+from transformers import PreTrainedTokenizerBase
 
 from rlt2t.actors.reward import RewardWorker
 from rlt2t.actors.rollout import RolloutWorker
@@ -43,21 +48,30 @@ from rlt2t.common.checkpoint import (
     checkpoint_name,
     load_training_state,
     prune_checkpoints,
-    save_checkpoint,
 )
 from rlt2t.common.collate import encode_texts
 from rlt2t.common.config import Config
 from rlt2t.common.data import Example, reference_sets
-from rlt2t.common.lora import apply_lora, is_lora, load_weights, policy_weights
 from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.plots import plot_curves
-from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.python_rewards import RewardError
 from rlt2t.common.rewards import UserRegistrations, check_reward
 from rlt2t.common.tracking import RunLogger
 from rlt2t.common.types import RolloutSpec
 from rlt2t.common.waiting import NotYet, wait_until
-from rlt2t.groups import FetchObject, LearnerGroup, WorkerPool, check_cluster, init_ray
+from rlt2t.groups import (
+    FetchObject,
+    LearnerGroup,
+    RewardsByReference,
+    RolloutsByReference,
+    WorkerPool,
+    check_cluster,
+    init_ray,
+    load_published_weights,
+    load_reference_weights,
+    load_start_weights,
+    stored_items,
+)
 from rlt2t.learner.evaluate import collapse_warning
 from rlt2t.learner.trainer import epoch_order
 from rlt2t.scheduler import Chunk, ChunkFailed, EpochScheduler, mask_version, needed_version
@@ -88,8 +102,13 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
     checkpoint. ``init`` is the reference policy of the KL (an SFT checkpoint; checkpoint meta ``init``): a
     feedback round starts from the previous round's policy and keeps its KL to the SFT policy."""
     r = cfg.rl
+    if r.unit.data == "preferences":  # an offline algorithm: no rollouts, a fixed set of pairs (rlt2t.offline)
+        from rlt2t import offline
+
+        return offline.train(cfg, train_set, valid, init=init, resume_from=resume_from,
+                             stop_after_steps=stop_after_steps, start=start)
     out_dir = cfg.run_dir / STAGE
-    examples = _subset(cfg, train_set)
+    examples = training_subset(cfg, train_set)
     steps_per_epoch = math.ceil(len(examples) / r.batch_size)
     total_steps = r.epochs * steps_per_epoch if not r.max_steps else min(r.max_steps, r.epochs * steps_per_epoch)
     if resume_from is not None:  # before any actor starts: the learners restore the scheduler
@@ -99,7 +118,7 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
             log.info("rl: %s is the run's last step (%d of %d): nothing left to train", resume_from.path,
                      resume_from.step, total_steps)
             return TrainResult(checkpoint=Path(resume_from.path), steps=resume_from.step)
-    spec = RolloutSpec.for_algorithm(r.algorithm, kl=r.uses_kl, mask_top_p=r.pg.nlpo_top_p)
+    spec = r.rollout_spec
     if cfg.reward.source != "http":
         check_reward(cfg.reward)  # a term whose function does not import fails here, before any actor starts
     init_ray(cfg)
@@ -117,7 +136,7 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
         job.release()
 
 
-def _subset(cfg: Config, train_set: Sequence[Example]) -> list[Example]:
+def training_subset(cfg: Config, train_set: Sequence[Example]) -> list[Example]:
     r = cfg.rl
     if r.train_subset and r.train_subset < len(train_set):
         train_set, total = train_set[: r.train_subset], len(train_set)
@@ -128,16 +147,16 @@ def _subset(cfg: Config, train_set: Sequence[Example]) -> list[Example]:
     return list(train_set)
 
 
-def count_truncated(policy: Policy, examples: Sequence[Example], max_source_len: int) -> int:
+def count_truncated(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_source_len: int) -> int:
     """Sources longer than ``max_source_len`` tokens (EOS included): the rollout workers cut them."""
-    lengths = [len(x) for x in policy.tokenizer([e.source for e in examples], add_special_tokens=True)["input_ids"]]
+    lengths = [len(x) for x in tokenizer([e.source for e in examples], add_special_tokens=True)["input_ids"]]
     return sum(n > max_source_len for n in lengths)
 
 
-def truncate_sources(examples: list[Example], policy: Policy, max_source_len: int) -> list[Example]:
+def truncate_sources(examples: list[Example], tokenizer: PreTrainedTokenizerBase, max_source_len: int) -> list[Example]:
     """Examples whose source is longer than ``max_source_len`` tokens (EOS included) get the decoded
     truncated source (policy servers tokenise on their side); the others are returned as they are."""
-    tok = policy.tokenizer
+    tok = tokenizer
     sources = [e.source for e in examples]
     lengths = [len(x) for x in tok(sources, add_special_tokens=True)["input_ids"]]
     long = [i for i, n in enumerate(lengths) if n > max_source_len]
@@ -181,19 +200,21 @@ def wait_for_servers(cfg: Config, published_dir: Path, token: str | None) -> Non
 
 
 class _Publisher:
-    """Published policy versions: object-store references (and, for policy servers, checkpoint dirs)."""
+    """Published policy versions: object-store references (and, for policy servers, checkpoint dirs). The
+    weights behind them are never in this process: rank 0 stores each version (``LearnerGroup.publish``), the
+    run's first from the start checkpoint, and a resumed run's kept versions, come from loading tasks."""
 
-    def __init__(self, learners: LearnerGroup, writer_policy: Policy, published_dir: Path | None,
-                 start_weights: dict[str, torch.Tensor], start_version: int) -> None:
-        self.learners, self.writer_policy, self.dir = learners, writer_policy, published_dir
+    def __init__(self, learners: LearnerGroup, published_dir: Path | None, start_weights: ray.ObjectRef,
+                 start_version: int) -> None:
+        self.learners, self.dir = learners, published_dir
         self.refs: dict[int, ray.ObjectRef] = {}
-        # The weights the run starts from are the checkpoint the driver loaded too: the first publish ships
+        # The weights the run starts from, loaded from its start checkpoint by a task: the first publish ships
         # these, so the first rollouts need not wait for the learner (busy with its preflight then).
-        self._start: dict[str, torch.Tensor] | None = start_weights
+        self._start: ray.ObjectRef | None = start_weights
         self._start_version = start_version
         self._dropped_below = 0
 
-    def publish(self, version: int, weights: dict[str, torch.Tensor] | None = None) -> None:
+    def publish(self, version: int, weights: ray.ObjectRef | None = None) -> None:
         if version in self.refs:
             return
         if version < self._dropped_below:  # the learner has moved on: these weights are gone, not the current ones
@@ -202,27 +223,22 @@ class _Publisher:
             if version == self._start_version and self._start is not None:
                 weights = self._start
             else:
-                weights = self.learners.weights()
-        self.refs[version] = ray.put(weights)
+                weights, step = self.learners.publish()
+                if step != version:  # the scheduler queues no learner step past a publish: a bug if it did
+                    raise RuntimeError(f"rl: publishing version {version}, learner rank 0 is at step {step}")
+        self.refs[version] = weights
         if self.dir is not None:
-            self._write(version, weights)
-
-    def _write(self, version: int, weights: dict[str, torch.Tensor]) -> None:
-        """Policy servers (rollout.source=http) load the learner's weights from here (hot reload)."""
-        assert self.dir is not None
-        load_weights(self.writer_policy.model, weights)
-        save_checkpoint(self.dir, checkpoint_name(step=version), model=self.writer_policy.model,
-                        tokenizer=self.writer_policy.tokenizer, step=version,
-                        meta={"stage": f"{STAGE}-published", "policy_version": version})
-        prune_checkpoints(self.dir, keep_last=2)
-        log.info("rl: published version %d to %s", version, self.dir)
+            # Policy servers (rollout.source=http) load the learner's weights from here (hot reload).
+            self.learners.write_published(self.dir, version, weights,
+                                          meta={"stage": f"{STAGE}-published", "policy_version": version})
+            log.info("rl: published version %d to %s", version, self.dir)
 
     def drop_start_weights(self) -> None:
         self._start = None
 
-    def kept(self, below: int) -> dict[int, dict[str, torch.Tensor]]:
-        """Weights of the versions a resumed run may still need (for its checkpoint)."""
-        return {v: ray.get(ref) for v, ref in self.refs.items() if v < below}
+    def kept(self, below: int) -> dict[int, ray.ObjectRef]:
+        """The versions a resumed run may still need (for its checkpoint, which rank 0 writes)."""
+        return {v: ref for v, ref in self.refs.items() if v < below}
 
     def prune(self, below: int) -> None:
         """Drop the versions below ``below`` (EpochScheduler.oldest_needed_version: no chunk needs them)."""
@@ -238,13 +254,18 @@ class _Job:
     learners: LearnerGroup
     rollouts: WorkerPool
     rewards: WorkerPool
-    writer_policy: Policy
-    """The driver's copy of the policy: writes checkpoints (and published versions for policy servers)."""
     token: str | None
     init: Path
     """The run's start: the reference policy of the KL, kept in every checkpoint's meta for resumes."""
+    start_checkpoint: Path
+    """The checkpoint the learners start from (``init``, a feedback round's previous policy, or a resumed one)."""
+    first_version: tuple[ray.ObjectRef, ray.ObjectRef]
+    """(tokenizer, weights) of ``start_checkpoint`` as the learners hold it, loaded by a task: the first published
+    version."""
     start_weights: FetchObject | None = None
     """The run's start weights in the object store, for rollout workers that need them (KL, LoRA)."""
+    start_weights_loaded: ray.ObjectRef | None = None
+    """The small first result of the task that loads ``start_weights``: waited on before the first rollout."""
 
     @classmethod
     def start(cls, cfg: Config, spec: RolloutSpec, *, start: Path, init: Path, total_steps: int,
@@ -258,6 +279,7 @@ class _Job:
                              "rl.reward_gpus (e.g. 0.25), or set reward.device=auto")
         learners = rollouts = rewards = None
         start_weights: FetchObject | None = None
+        start_weights_loaded: ray.ObjectRef | None = None
         try:
             learners = LearnerGroup(cfg, start, total_steps, reference_checkpoint=init)
             token = load_token(cfg.serve) if "http" in (cfg.rollout.source, cfg.reward.source) else None
@@ -266,14 +288,9 @@ class _Job:
                 rollouts = WorkerPool(HttpRolloutWorker, len(cfg.rollout.urls), num_cpus=0.1, num_gpus=0,
                                       max_restarts=r.max_restarts, args=(),
                                       kwargs=dict(rollout=cfg.rollout, seed=cfg.run.seed, token=token, spec=spec),
-                                      per_actor_args=[(url,) for url in cfg.rollout.urls], what="HTTP rollout workers")
+                                      per_actor_args=[(url,) for url in cfg.rollout.urls], what="HTTP rollout workers",
+                                      results=RolloutsByReference)
             else:
-                # The run's start, shipped once through the object store: the reference policy of the KL, and the
-                # base that published LoRA adapters adapt. Each sampling call carries its fetcher; a worker fetches
-                # it once (again after a restart).
-                if spec.reference or cfg.model.lora.enabled:
-                    start_weights = FetchObject(ray.put(load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=init)
-                                                        .model.state_dict()))
                 rollouts = WorkerPool(RolloutWorker, r.rollout_workers, num_cpus=r.rollout_cpus,
                                       num_gpus=r.rollout_gpus, max_restarts=r.max_restarts,
                                       resources=r.rollout_resources,
@@ -282,26 +299,35 @@ class _Job:
                                                   device="cuda" if r.rollout_gpus else "cpu"),
                                       what=f"the rollout workers (rl.rollout_workers={r.rollout_workers}, "
                                            f"rl.rollout_cpus={r.rollout_cpus:g}, rl.rollout_gpus={r.rollout_gpus:g}, "
-                                           f"rl.rollout_resources={dict(r.rollout_resources)})")
+                                           f"rl.rollout_resources={dict(r.rollout_resources)})",
+                                      results=RolloutsByReference)
             if cfg.reward.source == "http":
                 rewards = WorkerPool(HttpRewardWorker, r.reward_workers, num_cpus=0.1, num_gpus=0,
                                      max_restarts=r.max_restarts, args=(cfg.reward.url, cfg.reward),
-                                     kwargs=dict(token=token), what="HTTP reward workers")
+                                     kwargs=dict(token=token), what="HTTP reward workers", results=RewardsByReference)
             else:
                 rewards = WorkerPool(RewardWorker, r.reward_workers, num_cpus=r.reward_cpus, num_gpus=r.reward_gpus,
                                      max_restarts=r.max_restarts, args=(cfg.reward, df),
                                      kwargs=dict(registrations=UserRegistrations.used_by(cfg.reward)),
                                      what=f"the reward workers (rl.reward_workers={r.reward_workers}, "
-                                          f"rl.reward_cpus={r.reward_cpus:g}, rl.reward_gpus={r.reward_gpus:g})")
-            writer_policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=start, trainable_adapters=True)
-            if cfg.model.lora.enabled and not is_lora(writer_policy.model):
-                writer_policy.model = apply_lora(writer_policy.model, cfg.model.lora, seed=cfg.run.seed)
+                                          f"rl.reward_cpus={r.reward_cpus:g}, rl.reward_gpus={r.reward_gpus:g})",
+                                     results=RewardsByReference)
+            # Loaded by tasks while the workers start, never in this process: the weights of the first published
+            # version (and the tokenizer the driver counts truncated sources with), and, for Ray rollout workers
+            # that need it, the run's start (the reference policy of the KL, the base that published LoRA
+            # adapters adapt), shipped once through the object store: each sampling call carries its fetcher, a
+            # worker fetches it once (again after a restart).
+            first_version = load_start_weights(cfg.model, cfg.tokenizer_dir, start, lora_seed=cfg.run.seed)
+            if cfg.rollout.source != "http" and (spec.reference or cfg.model.lora.enabled):
+                start_weights_loaded, reference = load_reference_weights(cfg.model, cfg.tokenizer_dir, init)
+                start_weights = FetchObject(reference)
             rollouts.wait_started(r.schedule_timeout_s)
             rewards.wait_started(r.schedule_timeout_s)
         except BaseException:
             _release(learners, rollouts, rewards)
             raise
-        return cls(cfg, spec, learners, rollouts, rewards, writer_policy, token, init, start_weights)
+        return cls(cfg, spec, learners, rollouts, rewards, token, init, start, first_version, start_weights,
+                   start_weights_loaded)
 
     def release(self) -> None:
         _release(self.learners, self.rollouts, self.rewards)
@@ -312,48 +338,54 @@ class _Job:
         ckpt_root = self.cfg.run_dir / STAGE / "checkpoints"
         http_rollout = cfg.rollout.source == "http"
         published_dir = cfg.run_dir / STAGE / "published"
+        tokenizer_ref, first_weights = self.first_version
+        tokenizer = ray.get(tokenizer_ref)  # the start checkpoint loaded (or its error, here)
+        if self.start_weights_loaded is not None:
+            ray.get(self.start_weights_loaded)
         if http_rollout:
             # Versions a crashed or earlier run published are not this run's weights: servers must not see them.
             shutil.rmtree(published_dir, ignore_errors=True)
             # Policy servers tokenise on their side: cut sources to data.max_source_len here, as the Ray
             # rollout workers do, so the servers sample from the context the learner trains on.
-            examples = truncate_sources(examples, self.writer_policy, cfg.data.max_source_len)
+            examples = truncate_sources(examples, tokenizer, cfg.data.max_source_len)
         step, epoch0 = 0, 0
         trained: list[str] | None = None  # the ids the resumed epoch trained on (None: its order's prefix)
-        start_weights = policy_weights(self.writer_policy.model)
-        publisher = _Publisher(self.learners, self.writer_policy, published_dir if http_rollout else None,
-                               start_weights, resume_from.step if resume_from else 0)
+        publisher = _Publisher(self.learners, published_dir if http_rollout else None, first_weights,
+                               resume_from.step if resume_from else 0)
         best = BestCheckpoint.from_meta(resume_from.meta if resume_from else None)
         if resume_from is not None:
-            state = load_training_state(resume_from.path)
-            self.learners.load_training_states(state["learners"])
-            for v, w in sorted(state["published"].items()):
-                publisher.publish(int(v), w)
+            # Memory-mapped: the learners' states and the kept weights are read where they are needed (each rank
+            # reads its own, a task each kept version), not here.
+            state = load_training_state(resume_from.path, mmap=True)
+            ranks, kept, trained = len(state["learners"]), sorted(state["published"]), state.get("trained_in_epoch")
+            del state  # [] at an epoch's end; absent from older versions
+            self.learners.load_training_states_from(Path(resume_from.path), ranks)
+            for v in kept:
+                loaded, weights = load_published_weights(Path(resume_from.path), v)
+                ray.get(loaded)
+                publisher.publish(int(v), weights)
             step, epoch0 = resume_from.step, resume_from.meta["epoch"]
-            trained = state.get("trained_in_epoch")  # [] at an epoch's end; absent from older versions
             log.info("rl: resuming from %s (step %d, epoch %d)", resume_from.path, step, epoch0)
         log.info("rl: %s on %d sources, %d steps/epoch, %d steps, batch %d, K %d", r.algorithm, len(examples),
                  steps_per_epoch, total_steps, r.batch_size, cfg.rollout.num_samples)
         logger = RunLogger(cfg.run_dir / "logs" / STAGE, STAGE)
         bar = tqdm(total=total_steps, initial=step, desc=f"rl:{r.algorithm}", disable=True if not cfg.run.progress
                    else None, dynamic_ncols=True)
-        result = TrainResult(checkpoint=Path(self.writer_policy.origin), steps=step)
+        result = TrainResult(checkpoint=self.start_checkpoint, steps=step)
 
         def checkpoint(epoch: int, batch_in_epoch: int, at: int, metrics: dict[str, float],
                        trained_in_epoch: Sequence[str] = ()) -> Path:
-            load_weights(self.writer_policy.model, self.learners.weights())
             name = checkpoint_name(epoch=epoch) if batch_in_epoch == 0 else checkpoint_name(step=at)
             if batch_in_epoch == 0 and "monitor" in metrics:
                 best.offer(metrics["monitor"], ckpt_root / name)
-            path = save_checkpoint(ckpt_root, name, model=self.writer_policy.model,
-                                   tokenizer=self.writer_policy.tokenizer, step=at,
-                                   meta={"stage": STAGE, "algorithm": r.algorithm, "init": str(self.init),
-                                         "epoch": epoch, "batch_in_epoch": batch_in_epoch, "policy_version": at,
-                                         "metrics": metrics,
-                                         "best": best.meta(), "total_steps": total_steps},
-                                   training_state={"learners": self.learners.training_states(),
-                                                   "published": publisher.kept(below=at),
-                                                   "trained_in_epoch": list(trained_in_epoch)})
+            # Rank 0 writes it from its own model; the other ranks' states and the kept weights reach it by
+            # reference.
+            path = self.learners.write_checkpoint(
+                ckpt_root, name, step=at,
+                meta={"stage": STAGE, "algorithm": r.algorithm, "init": str(self.init), "epoch": epoch,
+                      "batch_in_epoch": batch_in_epoch, "policy_version": at, "metrics": metrics,
+                      "best": best.meta(), "total_steps": total_steps},
+                published=publisher.kept(below=at), trained_in_epoch=trained_in_epoch)
             prune_checkpoints(ckpt_root, r.keep_last, protect=best.protect())
             return path
 
@@ -377,7 +409,7 @@ class _Job:
                     if c.mask_version is not None and c.mask_version <= step:
                         publisher.publish(c.mask_version)
                 publisher.drop_start_weights()  # published by now, or never needed (a run resumed mid-epoch)
-                truncated = count_truncated(self.writer_policy, [e for c in chunks for e in c.examples],
+                truncated = count_truncated(tokenizer, [e for c in chunks for e in c.examples],
                                             cfg.data.max_source_len)
                 if truncated:
                     log.info("rl epoch %d: %d sources longer than data.max_source_len=%d tokens are cut to it", epoch,
@@ -388,7 +420,7 @@ class _Job:
                                        max_attempts=r.max_restarts + 1, refresh_every_steps=r.refresh_interval,
                                        save_every_steps=r.save_every_steps, stop_after_steps=stop_after_steps,
                                        epoch_start=epoch_start,
-                                       mask_every=r.pg.nlpo_mask_refresh_steps if r.algorithm == "nlpo" else 0,
+                                       mask_every=r.mask_refresh_steps,
                                        trained_ids=list(trained))
                 trained = []  # later epochs start afresh
                 publisher.prune(below=sched.oldest_needed_version())  # the previous epoch's are no longer needed
@@ -402,26 +434,14 @@ class _Job:
                     result.steps = step
                     return result
                 sched.check_complete()
-                scores = self.learners.evaluate(valid, cfg) if valid else {}
-                if scores:
-                    logger.log(step, {**scores, "epoch": epoch}, kind="valid")
-                    log.info("rl epoch %d: %s", epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
-                    if "distinct_outputs" in scores and (collapsed := collapse_warning(
-                            f"rl epoch {epoch}", scores["distinct_outputs"], valid,
-                            "the reward is probably being gamed by one output; raise the KL coefficient "
-                            "(rl.kl.coef) or lower rl.lr, and keep an earlier checkpoint")):
-                        log.warning(collapsed)
+                scores = validate_epoch(self.learners, valid, cfg, logger, epoch, step,
+                                        "the reward is probably being gamed by one output; raise the KL coefficient "
+                                        "(rl.kl.coef) or lower rl.lr, and keep an earlier checkpoint")
                 result.checkpoint = checkpoint(epoch + 1, 0, step, {**last, **scores})
                 result.history.append({"epoch": epoch, **scores})
             result.steps = step
         finally:
-            bar.close()
-            logger.close()
-            try:  # the curves must never replace the run's result, or hide the error it failed with
-                plot_curves(logger.dir / "metrics.jsonl", logger.dir / "curves.png",
-                            title=f"RL ({r.algorithm}): {cfg.run_dir}")
-            except Exception as e:
-                log.warning("rl: could not draw %s: %s", logger.dir / "curves.png", e)
+            close_logs(cfg, bar, logger)
         return result
 
     def _ordered(self) -> bool:
@@ -452,7 +472,7 @@ class _Job:
         chunks = []
         for i, o in enumerate(range(0, len(chosen), r.chunk_size)):
             version = needed_version(step + o // r.batch_size, epoch_start, r.refresh_interval)
-            mask = mask_version(version, r.pg.nlpo_mask_refresh_steps) if r.algorithm == "nlpo" else None
+            mask = mask_version(version, r.mask_refresh_steps) if r.mask_refresh_steps else None
             chunks.append(Chunk(i, chosen[o : o + r.chunk_size], version, mask))
         return chunks
 
@@ -463,7 +483,11 @@ class _Job:
         """Sample → score → learn over one epoch's chunks, overlapping rollouts with learner steps."""
         cfg, r = self.cfg, self.cfg.rl
         http_rollout = cfg.rollout.source == "http"
-        pending: dict[ray.ObjectRef, tuple[str, int, int]] = {}  # ref -> (kind, chunk index, worker)
+        # A task's small summary -> (kind, chunk index, worker, the reference of its result). Only summaries are
+        # fetched here: a dead worker's error shows in its summary, and results travel on by reference.
+        pending: dict[ray.ObjectRef, tuple[str, int, int, ray.ObjectRef]] = {}
+        scored: dict[int, ray.ObjectRef] = {}  # chunk index -> its scored items, until a learner step takes the last
+        unused: dict[int, int] = {}  # chunk index -> its scored items not yet in a learner step
         steps: deque[tuple[list[ray.ObjectRef], Any]] = deque()  # queued learner steps, oldest first
         last: dict[str, float] = {}
         window_t, window_items = time.perf_counter(), 0
@@ -478,13 +502,18 @@ class _Job:
                 mask = {} if c.mask_version is None else dict(  # NLPO: the masking policy's version too
                     mask_version=c.mask_version, mask_weights=publisher.refs[c.mask_version])
                 start = {} if self.start_weights is None else dict(start_weights=self.start_weights)
-                ref = actor.sample_version.remote(c.version, weights, c.examples, **mask, **start)
-                pending[ref] = ("rollout", c.index, d.worker)
+                summary, sampled = actor.sample_version_stored.options(num_returns=2).remote(
+                    c.version, weights, c.examples, **mask, **start)
+                pending[summary] = ("rollout", c.index, d.worker, sampled)
             while (batch := sched.next_batch()) is not None:
                 if not steps:
                     busy_since = time.perf_counter()
                 # NLPO: the learner masks each group with the masking policy it was sampled under
-                steps.append((self.learners.train_step_async(batch.items, publisher.refs), batch))
+                steps.append((self.learners.train_step_async(batch.items, scored, publisher.refs), batch))
+                for item in batch.items[: batch.size]:  # the step's task holds its own references from now on
+                    unused[item.chunk] -= 1
+                    if not unused[item.chunk]:
+                        del scored[item.chunk], unused[item.chunk]
             waitable = list(pending) + (steps[0][0] if steps else [])
             if not waitable:
                 wait = sched.retry_wait()
@@ -509,7 +538,7 @@ class _Job:
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
                 if r.refresh_interval and at % r.refresh_interval == 0:
                     publisher.publish(at)
-                if r.algorithm == "nlpo" and at % r.pg.nlpo_mask_refresh_steps == 0:
+                if r.mask_refresh_steps and at % r.mask_refresh_steps == 0:
                     publisher.publish(at)  # the masking policy of later chunks
                 publisher.prune(below=sched.oldest_needed_version())  # before a checkpoint saves them
                 if at % cfg.run.log_every == 0 or sched.finished:
@@ -530,17 +559,22 @@ class _Job:
                     # names them, so a resumed run neither skips nor repeats any.
                     checkpoint(epoch, at - epoch_start, at, last, sched.trained_ids)
                 continue
-            kind, index, worker = pending.pop(ref)
+            kind, index, worker, result = pending.pop(ref)
             try:
                 if kind == "rollout":
-                    ray.get(ref)  # surfaces a dead worker here, before scoring
+                    ray.get(ref)  # the summary: surfaces a dead worker here, before scoring
                     d = sched.rollout_done(index, worker)
-                    pending[self.rewards.actors[d.worker].score.remote(ref)] = ("reward", index, d.worker)
+                    summary, items = self.rewards.actors[d.worker].score_stored.options(num_returns=2).remote(result)
+                    pending[summary] = ("reward", index, d.worker, items)
                 else:
-                    sched.reward_done(index, worker, ray.get(ref))
+                    stored = stored_items(index, ray.get(ref))
+                    sched.reward_done(index, worker, stored)
+                    scored[index], unused[index] = result, len(stored)
             except RewardError as e:  # the user's reward function: the same candidates fail again, no retry
                 raise RewardError(f"rl: {e.cause if isinstance(e, RayTaskError) else e}") from None
-            except (RayActorError, RayTaskError) as e:
+            except (RayActorError, RayTaskError, ObjectLostError) as e:
+                # ObjectLostError: the rollout a reward task was to score is gone with its worker's node (results
+                # stay where they were made): sampled again, as after any failed task.
                 try:
                     when = sched.task_failed(kind, index, worker, unavailable=isinstance(e, ActorUnavailableError),  # type: ignore[arg-type]
                                              error=str(e))
@@ -554,9 +588,36 @@ class _Job:
         return last
 
 
+def validate_epoch(learners: LearnerGroup, valid: Sequence[Example], cfg: Config, logger: RunLogger, epoch: int,
+                   step: int, collapse_advice: str) -> dict[str, float]:
+    """The epoch's validation scores (greedy, on the learner ranks), logged; a warning, with ``collapse_advice``,
+    when the outputs have collapsed. Empty without a validation split."""
+    scores = learners.evaluate(valid, cfg) if valid else {}
+    if scores:
+        logger.log(step, {**scores, "epoch": epoch}, kind="valid")
+        log.info("rl epoch %d: %s", epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+        if "distinct_outputs" in scores and (collapsed := collapse_warning(
+                f"rl epoch {epoch}", scores["distinct_outputs"], valid, collapse_advice)):
+            log.warning(collapsed)
+    return scores
+
+
+def close_logs(cfg: Config, bar: Any, logger: RunLogger) -> None:
+    """The run's progress bar and logs closed, its curves drawn (a failure to draw is a warning: it must never
+    replace the run's result, or hide the error the run failed with)."""
+    bar.close()
+    logger.close()
+    try:
+        plot_curves(logger.dir / "metrics.jsonl", logger.dir / "curves.png",
+                    title=f"RL ({cfg.rl.algorithm}): {cfg.run_dir}")
+    except Exception as e:
+        log.warning("rl: could not draw %s: %s", logger.dir / "curves.png", e)
+
+
 # What the progress line shows of a learner step's metrics, when the algorithm reports it: (key, label, format).
 PROGRESS_FIELDS = (("reward_mean", "reward", ".3f"), ("reward_a", "reward", ".3f"), ("kl_seq", "kl", ".3f"),
-                   ("loss", "loss", ".4f"), ("sources_per_s", "sources/s", ".1f"))
+                   ("reward_margin", "margin", ".3f"), ("reward_accuracy", "pair accuracy", ".2f"),
+                   ("loss", "loss", ".4f"), ("sources_per_s", "sources/s", ".1f"), ("pairs_per_s", "pairs/s", ".1f"))
 
 
 def progress_line(step: int, total_steps: int, metrics: dict[str, float]) -> str:

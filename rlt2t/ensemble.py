@@ -3,12 +3,14 @@
     rlt2t predict --generators G1,G2 --scorers S1,S2 --input test.jsonl --out pred.csv [--rerank idf]
 
 Each generator (a CTranslate2 export) proposes ``predict.num_hypotheses`` beam-search hypotheses
-(``predict.beam_size``) per input; the candidates of an input are pooled across generators and
-deduplicated (whitespace-normalised text, first occurrence kept). Each scorer computes the per-token
+(``predict.beam_size``), ``predict.num_samples`` seeded samples, or both (``predict.pool``) per input; the
+candidates of an input are pooled across generators and deduplicated (whitespace-normalised text, first
+occurrence kept), each counting the entries it stands for. Each scorer computes the per-token
 log-probs of every candidate (teacher forcing) over the candidate's training labels, the tokenizer's full target
 template (EOS included, and BART's leading ``<s>`` where its tokenizer puts one); the rerank mode
 (``predict.rerank``, see :mod:`rlt2t.common.rerank`; ``reward`` scores the candidates with ``reward.terms``
-without references, each input's extra fields as row fields) picks one. A plain Hugging Face model directory or
+without references, each input's extra fields as row fields; ``mbr`` the highest expected
+``predict.mbr_utility`` over the pool, :mod:`rlt2t.common.mbr`) picks one. A plain Hugging Face model directory or
 checkpoint root is accepted too (a LoRA adapter checkpoint merged into its base): it is exported on the fly
 (``export.quantization``) into ``{export.out}/cache/`` and reused while its weights do not change.
 
@@ -17,8 +19,9 @@ Models CTranslate2 cannot convert (a warm-started EncoderDecoderModel) run on th
 beam search and teacher-forced scores as the policy server's torch backend.
 
 Outputs: the submission CSV ``report_id,prediction`` (header-less) at ``out`` and
-``<out stem>.candidates.jsonl`` beside it with each input's candidates, which generators proposed them,
-per-scorer mean log-probs, rerank scores and the chosen one. When every input has a target, the result
+``<out stem>.candidates.jsonl`` beside it with each input's candidates, which generators proposed them and how
+many times (``entries``), per-scorer mean log-probs, rerank scores, the chosen one and the rerank's wall time
+(``rerank_seconds``). When every input has a target, the result
 also holds the metric table: each generator alone (its top hypothesis), the ensemble, and the oracle (the
 best candidate by the task score).
 """
@@ -27,9 +30,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -37,13 +43,22 @@ from transformers import PreTrainedTokenizerBase
 
 from rlt2t.common.checkpoint import resolve_model_dir
 from rlt2t.common.collate import encode_texts
-from rlt2t.common.config import Config, DataConfig
+from rlt2t.common.config import Config, DataConfig, PredictConfig
 from rlt2t.common.ct2 import Ct2Policy, Hypothesis, export_ct2, is_export_dir, source_checksum, source_family
 from rlt2t.common.data import Example, export_competition_csv, import_competition_csv, load_data, reference_sets
 from rlt2t.common.io import atomic_write_jsonl
-from rlt2t.common.metrics import CiderD, DocumentFrequency, get_metric
+from rlt2t.common.mbr import (
+    PairUtility,
+    RewardUtility,
+    check_pool_size,
+    mbr_choice,
+    metric_utility,
+    probability_weights,
+)
+from rlt2t.common.metrics import CiderD, DocumentFrequency, available_metrics, get_metric, metric_params
+from rlt2t.common.policy import Policy
 from rlt2t.common.rerank import (
-    RERANK_MODES,
+    PREDICT_RERANK_MODES,
     IdfTable,
     check_word_alignment,
     consensus_scores,
@@ -52,12 +67,12 @@ from rlt2t.common.rerank import (
     token_words,
 )
 from rlt2t.common.rewards import WeightedReward, build_reward, check_reward
+from rlt2t.common.sampling import stable_seed
 from rlt2t.services.backends import Sampling, TorchBackend
 
 log = logging.getLogger("rlt2t.predict")
 
 IDF_FILE = "idf.json"
-PREDICT_RERANK_MODES = (*RERANK_MODES, "reward")
 
 
 @dataclass
@@ -71,6 +86,8 @@ class PredictResult:
     """Mean number of distinct candidates per input."""
     metrics: dict[str, dict[str, float]] | None
     """Rows `<generator>`, `ensemble (<mode>)`, `oracle` when every input has a target, else None."""
+    seconds_per_source: dict[str, float] = field(default_factory=dict)
+    """Wall time per input of each stage: generate, score, rerank, and the total."""
 
 
 def read_inputs(path: str | Path, data: DataConfig) -> list[Example]:
@@ -109,19 +126,31 @@ def resolve_export(cfg: Config, path: str | Path, role: str) -> Path:
 class TorchRunner:
     """A model directory on the torch backend, with Ct2Policy's ``generate`` / ``score`` (what predict calls)."""
 
-    def __init__(self, cfg: Config, model_dir: Path) -> None:
-        self.backend = TorchBackend.from_checkpoint(cfg, model_dir)
+    def __init__(self, cfg: Config, model_dir: Path, *, backend: TorchBackend | None = None) -> None:
+        self.backend = backend if backend is not None else TorchBackend.from_checkpoint(cfg, model_dir)
         self.max_source_len = cfg.data.max_source_len
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.backend.tokenizer
 
-    def generate(self, sources: Sequence[str], *, beam_size: int, num_hypotheses: int, max_new_tokens: int
-                 ) -> list[list[Hypothesis]]:
-        params = Sampling(mode="beam", beam_size=beam_size, num_candidates=num_hypotheses,
-                          max_new_tokens=max_new_tokens)
-        per_source = self.backend.candidates(sources, params, [])
+    def generate(self, sources: Sequence[str], *, beam_size: int, num_hypotheses: int, max_new_tokens: int,
+                 sampling_topk: int = 1, sampling_topp: float = 1.0, sampling_temperature: float = 1.0,
+                 seed: int | None = None) -> list[list[Hypothesis]]:
+        """Beam search (``beam_size`` > 1, or greedy with ``sampling_topk`` 1), else ``num_hypotheses`` samples per
+        source (top-k 0: no filter), each row seeded from ``seed`` and its position, as Ct2Policy.generate."""
+        rows: list[int] = []
+        if beam_size > 1 or sampling_topk == 1:
+            params = Sampling(mode="beam", beam_size=beam_size, num_candidates=num_hypotheses if beam_size > 1 else 1,
+                              max_new_tokens=max_new_tokens)
+        else:
+            params = Sampling(mode="sample", num_candidates=num_hypotheses, top_k=sampling_topk, top_p=sampling_topp,
+                              temperature=sampling_temperature, beam_size=1, max_new_tokens=max_new_tokens)
+            base = seed if seed is not None else int.from_bytes(os.urandom(7), "big")
+            rows = [stable_seed(base, i, j) for i in range(len(sources)) for j in range(num_hypotheses)]
+        per_source = self.backend.candidates(sources, params, rows)
+        if params.mode == "beam" and params.num_candidates < num_hypotheses:  # greedy: copies, as Ct2Policy
+            per_source = [gens * num_hypotheses for gens in per_source]
         return [[Hypothesis(g.text, tuple(g.token_ids), float(sum(g.logprobs))) for g in gens] for gens in per_source]
 
     def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[list[float]]:
@@ -184,13 +213,7 @@ def build_idf_table(cfg: Config) -> IdfTable:
 
 
 def _consensus_cider(cfg: Config) -> CiderD:
-    train = cfg.path(cfg.data.train)
-    if train.exists():
-        targets = reference_sets(load_data(train, cfg.data))
-        if targets:
-            return CiderD(sigma=cfg.metric.cider_sigma, df=DocumentFrequency.from_references(targets))
-    log.info("rerank=consensus: data.train %s not found; CIDEr-D takes its df from the candidates", train)
-    return CiderD(sigma=cfg.metric.cider_sigma)
+    return CiderD(sigma=cfg.metric.cider_sigma, df=_training_df(cfg, "rerank=consensus"))
 
 
 def _unique_names(paths: Sequence[Path]) -> list[str]:
@@ -205,6 +228,258 @@ def _unique_names(paths: Sequence[Path]) -> list[str]:
 
 def _batches(n: int, size: int, desc: str, progress: bool):
     return tqdm(range(0, n, size), desc=desc, disable=not progress, leave=False, total=(n + size - 1) // size)
+
+
+def pool_entries(p: PredictConfig) -> int:
+    """Entries one generator adds to an input's pool (``predict.pool``: beam hypotheses, samples, or both)."""
+    return (p.num_hypotheses if p.pool != "sample" else 0) + (p.num_samples if p.pool != "beam" else 0)
+
+
+def check_mbr_pool(p: PredictConfig, generators: int) -> None:
+    """ValueError naming predict.max_pool when ``generators`` generators would give an input an MBR pool over it:
+    before any decoding."""
+    parts = ", ".join(x for x in (f"num_hypotheses={p.num_hypotheses}" if p.pool != "sample" else "",
+                                  f"num_samples={p.num_samples}" if p.pool != "beam" else "") if x)
+    check_pool_size(generators * pool_entries(p), p.max_pool, "predict.max_pool",
+                    f" ({generators} generator(s) x {pool_entries(p)} each: predict.pool={p.pool}, {parts})")
+
+
+def mbr_utility(cfg: Config, *, df: bool = True) -> PairUtility:
+    """``predict.mbr_utility`` as a pair utility: a registered metric that reads references (configured as the eval
+    tables configure it; CIDEr-D's document frequencies from data.train's references when it exists, else from the
+    pool), or ``reward``: reward.terms, which must read references. ValueError naming the key for an unknown name,
+    a metric that cannot be built or reads no reference, or a reward without references. ``df`` False: leave the
+    document frequencies to the pool (a check before decoding that need not read data.train)."""
+    name = cfg.predict.mbr_utility
+    if name == "reward":
+        check_reward(cfg.reward)
+        try:
+            return RewardUtility(build_reward(cfg.reward, device=cfg.reward.device))
+        except ValueError as e:
+            raise ValueError(f"predict.mbr_utility=reward: {e}") from None
+    if name not in available_metrics():
+        raise ValueError(f"predict.mbr_utility={name!r}: not a registered metric (known: "
+                         f"{', '.join(available_metrics())}) nor 'reward'")
+    params = metric_params(name, cfg.metric)
+    if df and name in ("task_score", "cider_d"):
+        params["df"] = _training_df(cfg, "rerank=mbr")
+    return metric_utility(name, "predict.mbr_utility", **params)
+
+
+def check_mbr_setup(cfg: Config, generators: int) -> None:
+    """The cheap MBR checks, before any model is loaded or exported: the pool cap, and ``predict.mbr_utility`` (a
+    metric built without data.train's document frequencies and probed; ``reward``: reward.terms checked, the reward
+    is built later). ValueError naming the key."""
+    check_mbr_pool(cfg.predict, generators)
+    if cfg.predict.mbr_utility == "reward":
+        check_reward(cfg.reward)
+    else:
+        mbr_utility(cfg, df=False)
+
+
+def _training_df(cfg: Config, what: str) -> DocumentFrequency | None:
+    train = cfg.path(cfg.data.train)
+    if train.exists():
+        targets = reference_sets(load_data(train, cfg.data))
+        if targets:
+            return DocumentFrequency.from_references(targets)
+    log.info("%s: data.train %s not found; CIDEr-D takes its df from the candidates", what, train)
+    return None
+
+
+class _Runner(Protocol):
+    """What predict asks of a generator or scorer: Ct2Policy, or TorchRunner."""
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
+
+    def generate(self, sources: Sequence[str], *, beam_size: int, num_hypotheses: int, max_new_tokens: int,
+                 sampling_topk: int = 1, sampling_topp: float = 1.0, sampling_temperature: float = 1.0,
+                 seed: int | None = None) -> list[list[Hypothesis]]: ...
+
+    def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[list[float]]: ...
+
+
+def _pool_of(runner: _Runner, sources: Sequence[str], p: PredictConfig, seed: int) -> list[list[str]]:
+    """Per source: the texts of the pool one generator adds (beam hypotheses best first, then samples)."""
+    out: list[list[str]] = [[] for _ in sources]
+    if p.pool != "sample":
+        beams = runner.generate(sources, beam_size=p.beam_size, num_hypotheses=p.num_hypotheses,
+                                max_new_tokens=p.max_new_tokens)
+        for row, hyps in zip(out, beams, strict=True):
+            row += [h.text for h in hyps]
+    if p.pool != "beam":
+        samples = runner.generate(sources, beam_size=1, num_hypotheses=p.num_samples, max_new_tokens=p.max_new_tokens,
+                                  sampling_topk=p.top_k, sampling_topp=p.top_p, sampling_temperature=p.temperature,
+                                  seed=seed)
+        for row, hyps in zip(out, samples, strict=True):
+            row += [h.text for h in hyps]
+    return out
+
+
+@dataclass
+class Reranked:
+    """What :func:`rerank_examples` picked, per input."""
+
+    candidates: list[list[str]]
+    """Distinct candidate texts, in order of first appearance."""
+    counts: list[list[int]]
+    """Entries of each candidate in the pool (proposals over generators, beams and samples)."""
+    proposers: list[list[list[str]]]
+    """The generators that proposed each candidate."""
+    tops: dict[str, list[str]]
+    """Each generator's own pick per input: its best beam hypothesis (its first sample with predict.pool=sample)."""
+    logprobs: list[list[list[list[float]]]]
+    """[input][scorer][candidate] per-token log-probs."""
+    scores: list[np.ndarray]
+    """The rerank score of each candidate (MBR: its expected utility)."""
+    chosen: list[int]
+    rerank_seconds: list[float]
+    """Wall time of each input's rerank step."""
+    seconds: dict[str, float]
+    """Wall time of the stages (generate, score, rerank, total) over all inputs."""
+
+    @property
+    def predictions(self) -> list[str]:
+        return [c[k] for c, k in zip(self.candidates, self.chosen, strict=True)]
+
+
+def rerank_examples(cfg: Config, examples: Sequence[Example], generators: Sequence[tuple[str, _Runner]],
+                    scorers: Sequence[tuple[str, _Runner]], mode: str, *, table: IdfTable | None = None,
+                    cider: CiderD | None = None, reward: WeightedReward | None = None,
+                    utility: PairUtility | None = None) -> Reranked:
+    """Generate each input's pool (``predict.pool`` from every generator), score it with every scorer and pick one
+    by ``mode``; ``table``, ``cider``, ``reward``, ``utility``: what modes idf, consensus, reward and mbr need."""
+    p = cfg.predict
+    progress = cfg.run.progress
+    sources = [e.source for e in examples]
+    started = time.perf_counter()
+
+    # 1. Candidates: every generator's pool, deduplicated per input with each text's entries counted.
+    tops: dict[str, list[str]] = {}
+    pools: list[dict[str, list[str]]] = [{} for _ in examples]  # text -> generators that proposed it
+    counts: list[Counter[str]] = [Counter() for _ in examples]
+    for name, runner in generators:
+        tops[name] = []
+        for start in _batches(len(sources), p.batch_size, f"generate {name}", progress):
+            chunk = _pool_of(runner, sources[start : start + p.batch_size], p, stable_seed(p.seed, name, start))
+            for i, texts in enumerate(chunk, start):
+                tops[name].append(texts[0])
+                for text in texts:
+                    counts[i][text] += 1
+                    proposers = pools[i].setdefault(text, [])
+                    if name not in proposers:
+                        proposers.append(name)
+    candidates = [list(pool) for pool in pools]
+    generated = time.perf_counter()
+
+    # 2. Scores: every scorer, every candidate (flattened so batches are full).
+    flat = [(i, c) for i, cands in enumerate(candidates) for c in cands]
+    logprobs: list[list[list[list[float]]]] = [[[] for _ in scorers] for _ in examples]  # [input][scorer][cand]
+    # idf: the whitespace word of each scored token, per input, scorer and candidate (rlt2t.common.rerank).
+    words: list[list[list[list[int | None]]]] = [[[] for _ in scorers] for _ in examples]
+    for s, (name, runner) in enumerate(scorers):
+        for start in _batches(len(flat), p.batch_size, f"score {name}", progress):
+            part = flat[start : start + p.batch_size]
+            for (i, _), lp in zip(part, runner.score([sources[i] for i, _ in part], [c for _, c in part]), strict=True):
+                logprobs[i][s].append(lp)
+            if mode == "idf":
+                for (i, _), w in zip(part, token_words(runner.tokenizer, [c for _, c in part]), strict=True):
+                    words[i][s].append(w)
+    scored = time.perf_counter()
+
+    # 3. Rerank.
+    rewards: list[np.ndarray] = []
+    if mode == "reward":
+        assert reward is not None, "built by the caller for this mode"
+        flat_scores = reward.score([sources[i] for i, _ in flat], [c for _, c in flat],
+                                   fields=[examples[i].extra for i, _ in flat])
+        for cands in candidates:
+            rewards.append(flat_scores[: len(cands)])
+            flat_scores = flat_scores[len(cands) :]
+    chosen: list[int] = []
+    all_scores: list[np.ndarray] = []
+    seconds: list[float] = []
+    for idx, (ex, cands, lps) in enumerate(zip(examples, candidates, logprobs, strict=True)):
+        at = time.perf_counter()
+        means = mean_logprobs(lps)
+        best: int | None = None
+        if mode == "mean_logprob":
+            scores = means
+        elif mode == "idf":
+            assert table is not None, "loaded by the caller for this mode"
+            scores = idf_scores(cands, lps, table, words[idx])
+        elif mode == "reward":
+            scores = rewards[idx]
+        elif mode == "mbr":
+            assert utility is not None, "built by the caller for this mode"
+            entries = np.array([counts[idx][c] for c in cands])
+            check_pool_size(int(entries.sum()), p.max_pool, "predict.max_pool", f" for input {ex.id!r}")
+            # uniform: leave-one-out over the entries, duplicates counted; probability: over the distinct texts at
+            # their probabilities, each candidate included (rlt2t.common.mbr).
+            if p.mbr_weights == "probability":
+                weights = probability_weights(np.mean([[sum(lp) for lp in per] for per in lps], axis=0))
+                best, scores = mbr_choice(utility.matrix(cands, ex.source), weights)  # ties: the lower index
+            else:
+                best, scores = mbr_choice(utility.matrix(cands, ex.source), counts=entries)
+        else:
+            assert cider is not None, "built by the caller for this mode"
+            kept = sorted(range(len(cands)), key=lambda k: -means[k])[: p.consensus_top]
+            agreement = consensus_scores(cands, kept, cider)
+            # Candidates outside the top get -inf; ties on agreement go to the better mean log-prob.
+            scores = np.full(len(cands), -np.inf)
+            for k, a in zip(kept, agreement, strict=True):
+                scores[k] = a
+        if best is None:
+            best = max(range(len(cands)), key=lambda k: (scores[k], means[k]))
+        chosen.append(best)
+        all_scores.append(np.asarray(scores, dtype=np.float64))
+        seconds.append(time.perf_counter() - at)
+    done = time.perf_counter()
+    return Reranked(candidates=candidates, counts=[[counts[i][c] for c in cands] for i, cands in enumerate(candidates)],
+                    proposers=[list(pool.values()) for pool in pools], tops=tops, logprobs=logprobs,
+                    scores=all_scores, chosen=chosen, rerank_seconds=seconds,
+                    seconds={"generate": generated - started, "score": scored - generated, "rerank": done - scored,
+                             "total": done - started})
+
+
+def rerank_setup(cfg: Config, mode: str, score_dirs: Sequence[Path], gen_dirs: Sequence[Path],
+                 tokenizer_of: Callable[[Path], PreTrainedTokenizerBase],
+                 utility: PairUtility | None = None) -> dict[str, Any]:
+    """What ``mode`` needs, built before any decoding so that a bad setting fails at once: the IDF table (and every
+    scorer's word alignment), the consensus CIDEr-D, the reference-free reward, or the MBR utility (and the pool
+    cap; ``utility``: already built)."""
+    if mode not in PREDICT_RERANK_MODES:
+        raise ValueError(f"--rerank: unknown mode {mode!r} (known: {', '.join(PREDICT_RERANK_MODES)})")
+    if mode == "idf":
+        table = load_idf_table(cfg, [*score_dirs, *gen_dirs])
+        # The IDF weights are per whitespace word, and every scorer's tokens must map to the words (its tokenizer's
+        # offsets). Loading the scorers now costs nothing: they are loaded to score.
+        for path in score_dirs:
+            try:
+                check_word_alignment(tokenizer_of(path))
+            except ValueError as e:
+                raise ValueError(f"--rerank idf: the scorer {path}: {e}; use --rerank mean_logprob or "
+                                 "--rerank consensus, or another scorer") from None
+        return {"table": table}
+    if mode == "consensus":
+        return {"cider": _consensus_cider(cfg)}
+    if mode == "reward":
+        return {"reward": reference_free_reward(cfg)}
+    if mode == "mbr":
+        check_mbr_pool(cfg.predict, len(gen_dirs))
+        return {"utility": utility if utility is not None else mbr_utility(cfg)}
+    return {}
+
+
+def rerank_with_policy(cfg: Config, policy: Policy, checkpoint: Path, examples: Sequence[Example],
+                       mode: str) -> Reranked:
+    """`rlt2t eval --rerank`: one loaded model, on the torch backend where it is, generates each source's pool
+    (``predict.pool``) and scores it; ``mode`` picks as in :func:`predict`."""
+    device = str(next(policy.model.parameters()).device)
+    runner = TorchRunner(cfg, checkpoint, backend=TorchBackend(policy, checkpoint=str(checkpoint), device=device))
+    needs = rerank_setup(cfg, mode, [checkpoint], [checkpoint], lambda _: runner.tokenizer)
+    return rerank_examples(cfg, examples, [(checkpoint.name, runner)], [(checkpoint.name, runner)], mode, **needs)
 
 
 def predict(
@@ -224,6 +499,10 @@ def predict(
         raise ValueError("--generators: give at least one export directory")
     if not scorers:
         raise ValueError("--scorers: give at least one export directory")
+    utility = None
+    if mode == "mbr":  # before any export or decoding: resolve_model may export models for minutes
+        check_mbr_pool(cfg.predict, len(generators))
+        utility = mbr_utility(cfg)
     check_out_path(out_path, input_path)  # before any decoding, not after it
     examples = read_inputs(input_path, cfg.data)
     if not examples:
@@ -232,8 +511,6 @@ def predict(
     score_models = [resolve_model(cfg, s, "scorers") for s in scorers]
     gen_dirs, score_dirs = [d for _, d in gen_models], [d for _, d in score_models]
     kinds = {path: kind for kind, path in gen_models + score_models}
-    p = cfg.predict
-    progress = cfg.run.progress
     loaded: dict[Path, Ct2Policy | TorchRunner] = {}
 
     def policy(path: Path) -> Ct2Policy | TorchRunner:
@@ -242,92 +519,25 @@ def predict(
                             Ct2Policy(path, intra_threads=cfg.export.threads, max_source_len=cfg.data.max_source_len))
         return loaded[path]
 
-    table = load_idf_table(cfg, [*score_dirs, *gen_dirs]) if mode == "idf" else None
-    if mode == "idf":
-        # Before any decoding: the IDF weights are per whitespace word, and every scorer's tokens must map to
-        # the words (its tokenizer's offsets). Loading the scorers now costs nothing: they are loaded to score.
-        for path in score_dirs:
-            try:
-                check_word_alignment(policy(path).tokenizer)
-            except ValueError as e:
-                raise ValueError(f"--rerank idf: the scorer {path}: {e}; use --rerank mean_logprob or "
-                                 "--rerank consensus, or another scorer") from None
-    cider = _consensus_cider(cfg) if mode == "consensus" else None
-    reward = reference_free_reward(cfg) if mode == "reward" else None  # before decoding: a bad term fails now
-    sources = [e.source for e in examples]
+    needs = rerank_setup(cfg, mode, score_dirs, gen_dirs, lambda path: policy(path).tokenizer, utility)
     gen_names, score_names = _unique_names(gen_dirs), _unique_names(score_dirs)
-
-    # 1. Candidates: every generator's hypotheses, pooled and deduplicated per input.
-    tops: dict[str, list[str]] = {}
-    pools: list[dict[str, list[str]]] = [{} for _ in examples]  # text -> generators that proposed it
-    for name, path in zip(gen_names, gen_dirs, strict=True):
-        ct2 = policy(path)
-        tops[name] = []
-        for start in _batches(len(sources), p.batch_size, f"generate {name}", progress):
-            chunk = ct2.generate(sources[start : start + p.batch_size], beam_size=p.beam_size,
-                                 num_hypotheses=p.num_hypotheses, max_new_tokens=p.max_new_tokens)
-            for i, hyps in enumerate(chunk, start):
-                tops[name].append(hyps[0].text)
-                for h in hyps:
-                    pools[i].setdefault(h.text, [])
-                    if name not in pools[i][h.text]:
-                        pools[i][h.text].append(name)
-    candidates = [list(pool) for pool in pools]
-
-    # 2. Scores: every scorer, every candidate (flattened so batches are full).
-    flat = [(i, c) for i, cands in enumerate(candidates) for c in cands]
-    logprobs: list[list[list[list[float]]]] = [[[] for _ in score_names] for _ in examples]  # [input][scorer][cand]
-    # idf: the whitespace word of each scored token, per input, scorer and candidate (rlt2t.common.rerank).
-    words: list[list[list[list[int | None]]]] = [[[] for _ in score_names] for _ in examples]
-    for s, (name, path) in enumerate(zip(score_names, score_dirs, strict=True)):
-        ct2 = policy(path)
-        for start in _batches(len(flat), p.batch_size, f"score {name}", progress):
-            part = flat[start : start + p.batch_size]
-            for (i, _), lp in zip(part, ct2.score([sources[i] for i, _ in part], [c for _, c in part]), strict=True):
-                logprobs[i][s].append(lp)
-            if mode == "idf":
-                for (i, _), w in zip(part, token_words(ct2.tokenizer, [c for _, c in part]), strict=True):
-                    words[i][s].append(w)
-
-    # 3. Rerank.
-    rewards: list[np.ndarray] = []
-    if reward is not None:
-        flat_scores = reward.score([sources[i] for i, _ in flat], [c for _, c in flat],
-                                   fields=[examples[i].extra for i, _ in flat])
-        for cands in candidates:
-            rewards.append(flat_scores[: len(cands)])
-            flat_scores = flat_scores[len(cands) :]
-    chosen: list[int] = []
+    result = rerank_examples(cfg, examples, [(n, policy(d)) for n, d in zip(gen_names, gen_dirs, strict=True)],
+                             [(n, policy(d)) for n, d in zip(score_names, score_dirs, strict=True)], mode, **needs)
+    candidates, predictions = result.candidates, result.predictions
     rows = []
-    for idx, (ex, cands, lps) in enumerate(zip(examples, candidates, logprobs, strict=True)):
-        means = mean_logprobs(lps)
-        if mode == "mean_logprob":
-            scores = means
-        elif mode == "idf":
-            assert table is not None, "loaded above for this mode"
-            scores = idf_scores(cands, lps, table, words[idx])
-        elif mode == "reward":
-            scores = rewards[idx]
-        else:
-            assert cider is not None, "built above for this mode"
-            kept = sorted(range(len(cands)), key=lambda k: -means[k])[: p.consensus_top]
-            agreement = consensus_scores(cands, kept, cider)
-            # Candidates outside the top get -inf; ties on agreement go to the better mean log-prob.
-            scores = np.full(len(cands), -np.inf)
-            for k, a in zip(kept, agreement, strict=True):
-                scores[k] = a
-        best = max(range(len(cands)), key=lambda k: (scores[k], means[k]))
-        chosen.append(best)
+    for idx, (ex, cands, lps) in enumerate(zip(examples, candidates, result.logprobs, strict=True)):
+        scores = result.scores[idx]
         rows.append({
             "id": ex.id, "source": ex.source, **({"target": ex.target} if ex.target is not None else {}),
-            "prediction": cands[best], "chosen": best, "rerank": mode,
+            "prediction": cands[result.chosen[idx]], "chosen": result.chosen[idx], "rerank": mode,
+            "rerank_seconds": result.rerank_seconds[idx],
             "candidates": [
-                {"text": c, "generators": pools_i, "rerank_score": _json_float(scores[k]),
+                {"text": c, "generators": proposers, "entries": n, "rerank_score": _json_float(scores[k]),
                  "mean_logprob": {sn: float(np.mean(lps[s][k])) for s, sn in enumerate(score_names)}}
-                for k, (c, pools_i) in enumerate(zip(cands, pools[idx].values(), strict=True))
+                for k, (c, proposers, n) in enumerate(zip(cands, result.proposers[idx], result.counts[idx],
+                                                          strict=True))
             ],
         })
-    predictions = [cands[k] for cands, k in zip(candidates, chosen, strict=True)]
 
     out_path = Path(out_path)
     jsonl_path = out_path.with_name(out_path.stem + ".candidates.jsonl")
@@ -336,11 +546,14 @@ def predict(
     atomic_write_jsonl(jsonl_path, rows)
     metrics = None
     if all(e.target is not None for e in examples):
-        metrics = _metric_rows(cfg, [list(e.refs) for e in examples], tops, predictions, candidates, mode)
-    log.info("predict: %d inputs, %.1f candidates each, rerank=%s → %s", len(examples),
-             np.mean([len(c) for c in candidates]), mode, out_path)
+        metrics = _metric_rows(cfg, [list(e.refs) for e in examples], result.tops, predictions, candidates, mode)
+    per_source = {stage: t / len(examples) for stage, t in result.seconds.items()}
+    log.info("predict: %d inputs, %.1f candidates each, rerank=%s, %.3f s per input (rerank %.4f s) → %s",
+             len(examples), np.mean([len(c) for c in candidates]), mode, per_source["total"], per_source["rerank"],
+             out_path)
     return PredictResult(ids=ids, predictions=predictions, csv_path=out_path, jsonl_path=jsonl_path, rerank=mode,
-                         mean_candidates=float(np.mean([len(c) for c in candidates])), metrics=metrics)
+                         mean_candidates=float(np.mean([len(c) for c in candidates])), metrics=metrics,
+                         seconds_per_source=per_source)
 
 
 def reference_free_reward(cfg: Config) -> WeightedReward:

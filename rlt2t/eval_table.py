@@ -30,6 +30,7 @@ from typing import Literal, TextIO, cast
 from rlt2t.cmd_common import print_table
 from rlt2t.common.checkpoint import resolve_model_dir
 from rlt2t.common.config import Config
+from rlt2t.common.config.services import PredictRerank
 from rlt2t.common.io import atomic_write_text
 from rlt2t.common.metrics import available_metrics
 from rlt2t.common.plots import plot_metric_bars
@@ -151,9 +152,11 @@ def _file_label(label: str) -> str:
 
 
 def eval_table(cfg: Config, checkpoints: Mapping[str, str | Path], split: str | None = None,
-               metrics: Sequence[str] | str | None = None, title: str | None = None) -> EvalTable:
+               metrics: Sequence[str] | str | None = None, title: str | None = None,
+               rerank: str | None = None) -> EvalTable:
     """Evaluate each model of ``checkpoints`` ({label: model dir, checkpoint or checkpoint root}) on ``split``
-    (default eval.split) with columns ``metrics`` (default eval.metrics; see :func:`resolve_metric_names`)."""
+    (default eval.split) with columns ``metrics`` (default eval.metrics; see :func:`resolve_metric_names`), decoding
+    as ``rerank`` says (default eval.rerank)."""
     if not checkpoints:
         raise ValueError("eval_table needs at least one model")
     cfg = cfg.model_copy(deep=True)
@@ -162,7 +165,20 @@ def eval_table(cfg: Config, checkpoints: Mapping[str, str | Path], split: str | 
     cfg.eval.metrics = resolve_metric_names(cfg, metrics)
     if cfg.eval.classifier_path is not None:
         cfg.eval.classifier_path = str(cfg.path(cfg.eval.classifier_path))
+    if rerank is not None:  # validated on assignment: a bad mode fails naming eval.rerank
+        cfg.eval.rerank = cast(Literal["none", PredictRerank], rerank)
+    if cfg.eval.rerank == "mbr":  # before any model loads: a bad utility or pool fails at once, naming its key
+        from rlt2t.ensemble import check_mbr_setup
+
+        try:
+            check_mbr_setup(cfg, 1)
+        except ValueError as e:
+            raise ValueError(f"eval.rerank=mbr: {e}") from None
     decoding = "greedy" if cfg.eval.num_beams == 1 else f"beam {cfg.eval.num_beams}"
+    if cfg.eval.rerank != "none":
+        decoding = f"{cfg.predict.pool} pool, rerank {cfg.eval.rerank}"
+        if cfg.eval.rerank == "mbr":
+            decoding += f" ({cfg.predict.mbr_utility}, {cfg.predict.mbr_weights})"
     rows: dict[str, dict[str, float]] = {}
     paths: dict[str, str] = {}
     for label, path in checkpoints.items():

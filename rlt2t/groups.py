@@ -22,12 +22,15 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlt2t.common.config import Config
+from rlt2t.common.checkpoint import load_training_state
+from rlt2t.common.config import Config, ModelConfig
 from rlt2t.common.data import Example
 from rlt2t.common.errors import ResumableFailure
-from rlt2t.common.types import ScoredGroup, ScoredPair
+from rlt2t.common.lora import apply_lora, is_lora, policy_weights
+from rlt2t.common.policy import load_policy
+from rlt2t.common.types import CandidateSet, SampledGroup, ScoredGroup, ScoredPair
 from rlt2t.learner.learner import BatchTooLarge, Learner
-from rlt2t.scheduler import PoolState
+from rlt2t.scheduler import PoolState, StoredItem
 
 log = logging.getLogger("rlt2t.train")
 
@@ -251,29 +254,32 @@ class LearnerGroup:
             except (RayActorError, RayTaskError) as e:
                 log.warning("rl: a learner rank had failed before the job stopped: %s", e)
 
-    def train_step_async(self, items: Sequence[ScoredPair] | Sequence[ScoredGroup],
+    def train_step_async(self, items: Sequence[StoredItem], scored: Mapping[int, ray.ObjectRef],
                          published: Mapping[int, ray.ObjectRef] | None = None) -> list[ray.ObjectRef]:
-        """Shard a global batch over the ranks (rank i takes items i, i+N, ...). NLPO: each rank is also sent the
+        """Shard a global batch over the ranks (rank i takes items i, i+N, ...). The items stay in the object
+        store: each rank is sent the references of the scored chunks (``scored``: chunk index -> its reward
+        worker's result) its shard picks from, and fetches them itself. NLPO: each rank is also sent the
         ``published`` weights of the masking policies its groups were sampled under, those it does not hold."""
         self._settle()
         n = len(self.ranks)
         refs = []
         for i, rank in enumerate(self.ranks):
-            shard: list[ScoredPair | ScoredGroup] = list(items[i::n])
+            shard = list(items[i::n])
+            chunks = list(dict.fromkeys(item.chunk for item in shard))  # in the order the shard first uses them
+            position = {c: k for k, c in enumerate(chunks)}
+            picks = [(position[item.chunk], item.index) for item in shard]
             versions = self._masks_to_send(i, shard)
-            if not versions:
-                refs.append(rank.train_step.remote(shard))
-            elif published is None:
+            if versions and published is None:
                 raise ValueError(f"nlpo: groups sampled under masking-policy versions {versions}: pass the "
                                  "published weights")
-            else:
-                refs.append(rank.train_step.remote(shard, versions, *(published[v] for v in versions)))
+            masks = [published[v] for v in versions] if published is not None else []
+            refs.append(rank.train_step_stored.remote(picks, versions, *(scored[c] for c in chunks), *masks))
         return refs
 
-    def _masks_to_send(self, rank: int, shard: Sequence[ScoredPair | ScoredGroup]) -> list[int]:
+    def _masks_to_send(self, rank: int, shard: Sequence[StoredItem]) -> list[int]:
         """The masking-policy versions of ``shard`` that ``rank`` will load and does not hold, in the order it
         loads them (ascending, as PolicyGradientObjective._action_mask does); records the one it ends with."""
-        wanted = sorted({g.mask_version for g in shard if isinstance(g, ScoredGroup) and g.mask_version is not None})
+        wanted = sorted({g.mask_version for g in shard if g.mask_version is not None})
         send = []
         for v in wanted:
             if v != self._masks_held[rank]:
@@ -285,8 +291,33 @@ class LearnerGroup:
         return self._get(refs)[0]  # scalars are already averaged over ranks
 
     def weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0's weights, fetched here (tests; the job publishes them with :meth:`publish`)."""
         self._settle()
         return self._get(self.ranks[0].weights.remote())
+
+    def publish(self) -> tuple[ray.ObjectRef, int]:
+        """Rank 0's current weights in the object store, and the learner step they are: rank 0 stores them as
+        its call's result, owned by this process (the reference stays valid should rank 0 die), and only the
+        call's small summary is fetched here, never the weights."""
+        self._settle()
+        summary, weights = self.ranks[0].publish_weights.options(num_returns=2).remote()
+        return weights, self._get(summary)["step"]
+
+    def write_checkpoint(self, root: Path, name: str, *, step: int, meta: dict[str, Any],
+                         published: Mapping[int, ray.ObjectRef], trained_in_epoch: Sequence[str]) -> Path:
+        """Rank 0 writes the checkpoint ``root/name`` from its own model (``Learner.write_checkpoint``); the other
+        ranks' training states and the ``published`` weights reach it by reference, not through this process."""
+        self._settle()
+        peers = [r.training_state.remote() for r in self.ranks[1:]]
+        versions = sorted(published)
+        return Path(self._get(self.ranks[0].write_checkpoint.remote(
+            str(root), name, step, meta, list(trained_in_epoch), versions, *peers, *(published[v] for v in versions))))
+
+    def write_published(self, root: Path, version: int, weights: ray.ObjectRef, meta: dict[str, Any]) -> None:
+        """Policy servers: rank 0 writes ``version`` under ``root`` (``Learner.write_published``; ``weights`` are
+        fetched there only when rank 0 is at another version)."""
+        self._settle()
+        self._get(self.ranks[0].write_published.remote(str(root), version, meta, FetchObject(weights)))
 
     def training_states(self) -> list[dict[str, Any]]:
         self._settle()
@@ -300,6 +331,15 @@ class LearnerGroup:
         # Not waited for: queued behind the preflight, so the first rollouts need not wait for either.
         # Each rank runs its calls in order, and _settle confirms the load before the state is used.
         self._loading = [r.load_training_state.remote(s) for r, s in zip(self.ranks, states, strict=True)]
+
+    def load_training_states_from(self, checkpoint: Path, count: int) -> None:
+        """Each rank reads its own state from ``checkpoint`` (which holds ``count``): as
+        :meth:`load_training_states`, without the states passing through this process."""
+        if count != len(self.ranks):
+            raise ValueError(f"checkpoint has {count} learner states, the job has {len(self.ranks)} ranks "
+                             "(rl.learners must match to resume exactly)")
+        self._masks_held = [None] * len(self.ranks)
+        self._loading = [r.load_training_state_from.remote(str(checkpoint)) for r in self.ranks]
 
     def evaluate(self, examples: Sequence[Example], cfg: Config) -> dict[str, float]:
         self._settle()
@@ -316,6 +356,85 @@ class LearnerGroup:
 
 
 # --- worker pools -----------------------------------------------------------------------------------------
+
+# A result that stays in the object store comes with a small summary, as the first of two results (the call
+# is made with num_returns=2): the driver waits on the summaries alone (a dead worker's or a failed task's
+# error shows there too) and passes the results on by reference, to the reward workers and the learner ranks.
+
+class RolloutsByReference:
+    """Mixed into a rollout worker class (``sample_version``) at launch."""
+
+    def sample_version_stored(self, *args: Any, **kwargs: Any) -> tuple[int, list[CandidateSet] | list[SampledGroup]]:
+        """``sample_version``'s result, after its length."""
+        items = self.sample_version(*args, **kwargs)  # type: ignore[attr-defined]
+        return len(items), items
+
+
+ItemSummary = tuple[str, int, int | None]
+"""What the scheduler reads of a scored item: (example id, policy version, masking-policy version)."""
+
+
+class RewardsByReference:
+    """Mixed into a reward worker class (``score``) at launch."""
+
+    def score_stored(self, items: Sequence[CandidateSet] | Sequence[SampledGroup]
+                     ) -> tuple[list[ItemSummary], list[ScoredPair] | list[ScoredGroup]]:
+        """``score``'s result, after its summary (one entry per item, in order)."""
+        scored = self.score(items)  # type: ignore[attr-defined]
+        return [(x.example_id, x.policy_version, x.mask_version if isinstance(x, ScoredGroup) else None)
+                for x in scored], scored
+
+
+def stored_items(chunk: int, summary: Sequence[ItemSummary]) -> list[StoredItem]:
+    """The scheduler's view of chunk ``chunk``'s scored items, from its reward worker's summary."""
+    return [StoredItem(chunk, i, *entry) for i, entry in enumerate(summary)]
+
+
+# The run's start weights are loaded by a short task (no CPU reserved: the job's actors may hold them all; the
+# process exits after the call, max_calls=1), not in the driver: it returns a small first result to wait on,
+# then the weights, which stay in the object store.
+
+def _start_weights(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, checkpoint: str,
+                   lora_seed: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(tokenizer, weights) of ``checkpoint`` as the learner ranks hold it at the start (LoRA applied as they
+    apply it): the published weights of the run's first version."""
+    policy = load_policy(model_cfg, tokenizer_dir, checkpoint=checkpoint, trainable_adapters=True)
+    if model_cfg.lora.enabled and not is_lora(policy.model):
+        policy.model = apply_lora(policy.model, model_cfg.lora, seed=lora_seed)
+    return policy.tokenizer, policy_weights(policy.model)
+
+
+def _reference_weights(model_cfg: ModelConfig, tokenizer_dir: str | Path | None,
+                       checkpoint: str) -> tuple[int, dict[str, torch.Tensor]]:
+    """(parameter count, full state dict) of ``checkpoint``: the KL's reference, the base of LoRA adapters."""
+    model = load_policy(model_cfg, tokenizer_dir, checkpoint=checkpoint).model
+    return sum(p.numel() for p in model.parameters()), model.state_dict()
+
+
+def _checkpoint_published(checkpoint: str, version: int) -> tuple[int, dict[str, torch.Tensor]]:
+    """(version, weights) of a published version that ``checkpoint``'s training state keeps."""
+    return version, load_training_state(checkpoint, mmap=True)["published"][version]
+
+
+def load_start_weights(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, checkpoint: Path,
+                       lora_seed: int) -> tuple[ray.ObjectRef, ray.ObjectRef]:
+    """:func:`_start_weights` as a task: (tokenizer, weights) references."""
+    task: Any = ray.remote(num_cpus=0, max_calls=1, num_returns=2)(_start_weights)
+    return task.remote(model_cfg, tokenizer_dir, str(checkpoint), lora_seed)
+
+
+def load_reference_weights(model_cfg: ModelConfig, tokenizer_dir: str | Path | None,
+                           checkpoint: Path) -> tuple[ray.ObjectRef, ray.ObjectRef]:
+    """:func:`_reference_weights` as a task: (summary, weights) references."""
+    task: Any = ray.remote(num_cpus=0, max_calls=1, num_returns=2)(_reference_weights)
+    return task.remote(model_cfg, tokenizer_dir, str(checkpoint))
+
+
+def load_published_weights(checkpoint: Path, version: int) -> tuple[ray.ObjectRef, ray.ObjectRef]:
+    """:func:`_checkpoint_published` as a task: (summary, weights) references."""
+    task: Any = ray.remote(num_cpus=0, max_calls=1, num_returns=2)(_checkpoint_published)
+    return task.remote(str(checkpoint), version)
+
 
 @dataclass(frozen=True)
 class FetchObject:
@@ -335,10 +454,14 @@ class WorkerPool:
 
     def __init__(self, cls: type, n: int, *, num_cpus: float, num_gpus: float, max_restarts: int, args: tuple,
                  kwargs: dict, resources: dict[str, float] | None = None,
-                 per_actor_args: Sequence[tuple] | None = None, what: str = ""):
+                 per_actor_args: Sequence[tuple] | None = None, what: str = "", results: type | None = None):
+        # ``results``: a mixin (RolloutsByReference, RewardsByReference) whose methods leave the role's results
+        # in the object store; the class keeps its name (the actors' process titles are "ray::<Class>.<method>").
+        launched = type(cls.__name__, (results, cls), {}) if results is not None else cls
         # Actor handles are Any here, as LearnerGroup.ranks: Ray types them as the handle or the class itself.
-        remote: Any = ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=dict(resources or {}),
-                                              max_restarts=max_restarts, max_task_retries=0)
+        remote: Any = ray.remote(launched).options(num_cpus=num_cpus, num_gpus=num_gpus,
+                                                   resources=dict(resources or {}), max_restarts=max_restarts,
+                                                   max_task_retries=0)
         own = list(per_actor_args) if per_actor_args is not None else [()] * n
         if len(own) != n:
             raise ValueError(f"per_actor_args: {len(own)} entries for {n} workers")

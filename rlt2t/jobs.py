@@ -296,12 +296,26 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
     ckpt = resolve_model_dir(checkpoint) if checkpoint else best_or_latest(cfg.run_dir / "sft" / "checkpoints")
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt)  # an adapter checkpoint loads merged
     examples = load_split(cfg, cfg.eval.split)
+    if cfg.eval.limit:
+        examples = examples[: cfg.eval.limit]
+    decoding: dict[str, object] = {"num_beams": cfg.eval.num_beams}
+    hyps = None
+    if cfg.eval.rerank != "none":  # a pool per source, picked from as `rlt2t predict` does
+        from rlt2t.ensemble import rerank_with_policy
+
+        reranked = rerank_with_policy(cfg, policy, ckpt, examples, cfg.eval.rerank)
+        hyps = reranked.predictions
+        p = cfg.predict
+        mbr = {"mbr_utility": p.mbr_utility, "mbr_weights": p.mbr_weights} if cfg.eval.rerank == "mbr" else {}
+        decoding = {"rerank": cfg.eval.rerank, "pool": p.pool, "beam_size": p.beam_size,
+                    "num_hypotheses": p.num_hypotheses, "num_samples": p.num_samples, **mbr,
+                    "seconds_per_source": {k: v / max(1, len(examples)) for k, v in reranked.seconds.items()}}
     result = evaluate(policy, examples, cfg.eval, cfg.metric, cfg.data.max_source_len, progress=cfg.run.progress,
-                      max_target_len=cfg.data.max_target_len)
+                      max_target_len=cfg.data.max_target_len, predictions=hyps)
     label = label or f"{ckpt.parent.parent.name}-{ckpt.name}"
     out = cfg.run_dir / "eval"
     atomic_write_json(out / f"{label}-{cfg.eval.split}.json",
-                      {"checkpoint": str(ckpt), "split": cfg.eval.split, "num_beams": cfg.eval.num_beams,
+                      {"checkpoint": str(ckpt), "split": cfg.eval.split, **decoding,
                        "examples": len(result.predictions), **result.metrics})
     atomic_write_jsonl(out / f"{label}-{cfg.eval.split}.predictions.jsonl",
                        ({"id": e.id, "prediction": p, "target": e.target,

@@ -112,6 +112,20 @@ class PoolState:
 
 
 @dataclass(frozen=True)
+class StoredItem:
+    """One scored item left in the object store, as the scheduler sees it: what it reads of the item (its example,
+    the policy versions that sampled it) and where a learner rank finds it (item ``index`` of the scored result of
+    chunk ``chunk``). The driver builds these from the reward workers' small summaries and never fetches the
+    items themselves."""
+
+    chunk: int
+    index: int
+    example_id: str
+    policy_version: int
+    mask_version: int | None = None
+
+
+@dataclass(frozen=True)
 class Dispatch:
     """Send ``chunk`` to worker ``worker`` of the rollout (or reward) pool."""
 

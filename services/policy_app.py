@@ -6,7 +6,9 @@
 Routes (see ``rlt2t.services.schemas`` for the bodies):
 
 - ``POST /v1/candidates``: sampling (top-k / top-p / temperature) or beam search → texts, token ids,
-  raw per-token log-probs, and the policy version.
+  raw per-token log-probs, and the policy version; ``rerank: mbr`` also picks one per source by minimum Bayes
+  risk over its candidates (``rlt2t.common.mbr``; ``utility`` one of the vectorised utilities task_score,
+  bleu4, sacrebleu, cider_d; default serve.mbr_utility, checked when the app is created).
 - ``POST /v1/pairs``: the rank-RL rollout over HTTP: K samples per source, the gold added,
   deduplicated, a pair drawn and scored with the task score against the source's reference or references,
   ``a`` the better (``rlt2t.common.types.ScoredPair`` fields; ``reference`` is the gold, the first). CIDEr-D
@@ -29,7 +31,11 @@ max_new_tokens) for /v1/candidates (rows = sources × candidates, × beam width 
 /v1/pairs, Σ (source + target tokens + 1) for /v1/score. Above ``serve.max_request_cost`` it is a 422
 naming the product; queued work is bounded by ``serve.max_queue_cost`` (503 + Retry-After), each model call
 by ``serve.max_call_cost`` (see ``rlt2t.services.batching``). A request is dropped, queued or running,
-when its client disconnects or ``serve.request_timeout_s`` passes (503 + Retry-After).
+when its client disconnects or ``serve.request_timeout_s`` passes (503 + Retry-After). MBR's pair utilities
+are not counted in the cost: the server computes only the vectorised ones (``rlt2t.common.mbr.VECTORISED_METRICS``),
+a few matrix products over the n-gram counts of at most ``serve.max_candidates_per_source`` candidates of at
+most ``max_new_tokens`` tokens per source, small beside the decoding the cost bounds; a metric scored one pair
+per call (ROUGE, METEOR, a plugin's) could take far longer and is refused (422 on ``utility``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import time
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -47,7 +54,8 @@ from starlette.concurrency import run_in_threadpool
 
 from rlt2t.common.checkpoint import latest_complete_checkpoint, resolve_model_dir
 from rlt2t.common.config import Config
-from rlt2t.common.metrics import DocumentFrequency
+from rlt2t.common.mbr import VECTORISED_METRICS, MetricUtility, PairUtility, mbr_over_entries, metric_utility
+from rlt2t.common.metrics import DocumentFrequency, metric_params
 from rlt2t.common.rewards import score_pairs, task_reward
 from rlt2t.common.sampling import candidate_set, stable_seed
 from rlt2t.services.backends import Generation, PolicyBackend, Sampling, Scored, StepControl, load_backend
@@ -144,6 +152,26 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     its parent exists (most likely a typo).
     """
     serve = cfg.serve
+    df = DocumentFrequency.load(document_frequency) if document_frequency is not None else None
+
+    def build_mbr_utility(name: str, key: str) -> PairUtility:
+        """A vectorised MBR utility (configured as the eval tables configure it; CIDEr-D's document frequencies
+        the server's ``document_frequency``, else the pool's); ValueError naming ``key`` for any other name or a
+        metric that cannot be built."""
+        if name not in VECTORISED_METRICS:
+            raise ValueError(f"{key}={name!r}: the policy server computes only the vectorised MBR utilities "
+                             f"({', '.join(VECTORISED_METRICS)}), whose work is bounded by the candidates' n-gram "
+                             "counts; rerank with other metrics offline (rlt2t predict --rerank mbr)")
+        params = metric_params(name, cfg.metric)
+        if name in ("task_score", "cider_d"):
+            params["df"] = df
+        utility = metric_utility(name, key, **params)
+        if isinstance(utility, MetricUtility):  # the name was registered anew over the built-in metric
+            raise ValueError(f"{key}={name!r}: registered here as {type(utility.metric).__name__}, which is scored "
+                             "one pair at a time: not a vectorised utility")
+        return utility
+
+    default_utility = build_mbr_utility(serve.mbr_utility, "serve.mbr_utility")  # before any model loads
     watch_root: Path | None = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if backend is None:
         root = watch_root or cfg.path(serve.checkpoint_dir)
@@ -156,7 +184,6 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         watch_root = root
     if watch_root is not None and not is_checkpoint_root(watch_root):
         watch_root = None  # a single model directory: nothing newer can appear in it
-    df = DocumentFrequency.load(document_frequency) if document_frequency is not None else None
     token = load_token(serve)
     protected = auth_dependencies(token)
     auth_responses: OpenApiResponses = UNAUTHORIZED if token else {}
@@ -262,6 +289,15 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             raise field_error(("body", "top_p"), f"the {backend.name} backend has no nucleus sampling; leave top_p "
                               "at 1", value)
 
+    def mbr_utility(name: str | None) -> PairUtility:
+        """The MBR utility a request names (None: serve.mbr_utility, built at startup); 422 on ``utility``."""
+        if name is None:
+            return default_utility
+        try:
+            return build_mbr_utility(name, "utility")
+        except ValueError as e:
+            raise field_error(("body", "utility"), str(e), name) from None
+
     def check_new_tokens(value: int) -> None:
         limit = loaded().max_positions - 1  # the decoder start token takes a position
         if value > limit:
@@ -269,6 +305,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
 
     # -- routes --------------------------------------------------------------------------------------
 
+    # The MBR fields answer only a request that asks for them (CandidatesResponse leaves them out otherwise).
     @app.post("/v1/candidates", response_model=CandidatesResponse, dependencies=protected, tags=["policy"],
               responses={**auth_responses, **OVERLOADED, **BODY_REFUSED})
     async def candidates(req: CandidatesRequest, request: Request) -> CandidatesResponse:
@@ -293,13 +330,27 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
                                 temperature=req.temperature, beam_size=1, max_new_tokens=req.max_new_tokens)
         base = req.seed if req.seed is not None else secrets.randbits(63)
         items = [(s, [stable_seed(base, i, j) for j in range(req.num_candidates)]) for i, s in enumerate(req.sources)]
+        utility = mbr_utility(req.utility) if req.rerank == "mbr" else None  # before decoding: a bad name is a 422
         results, used = await submit(request, ("candidates", sampling), items, _run_candidates, costs)
-        return CandidatesResponse(
+        response = CandidatesResponse(
             candidates=[[Candidate(text=g.text, token_ids=g.token_ids, logprobs=g.logprobs,
                                    total_logprob=float(sum(g.logprobs)), sample_logprobs=g.sample_logprobs,
                                    forced_eos=g.forced_eos) for g in gens] for gens in results],
             policy_version=used.version,
         )
+        if utility is not None:
+            def rerank() -> None:
+                started = time.perf_counter()
+                weighted = req.mbr_weights == "probability"
+                picks = [mbr_over_entries([c.text for c in cands], utility,
+                                          [c.total_logprob for c in cands] if weighted else None, source)
+                         for source, cands in zip(req.sources, response.candidates, strict=True)]
+                response.chosen = [k for k, _ in picks]
+                response.expected_utility = [e.tolist() for _, e in picks]
+                response.rerank_seconds = time.perf_counter() - started
+
+            await run_in_threadpool(rerank)  # metric work stays off the event loop
+        return response
 
     @app.post("/v1/pairs", response_model=PairsResponse, dependencies=protected, tags=["policy"],
               responses={**auth_responses, **OVERLOADED, **BODY_REFUSED})

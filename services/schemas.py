@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StringConstraints, model_serializer
 
 TEXT_MAX_CHARS = 100_000
 """Hard cap on the characters of any one text (sources, targets, references, candidates)."""
@@ -78,6 +78,18 @@ class CandidatesRequest(SamplingParams):
 
     sources: list[SourceText] = Field(min_length=1, max_length=LIST_MAX_ITEMS)
     """Source texts, under the tokenizer's token rule (an ``ids`` vocabulary: data tokens and <sep> only)."""
+    rerank: Literal["none", "mbr"] = "none"
+    """`mbr`: also pick one candidate per source by minimum Bayes risk, the highest expected `utility` over the
+    source's candidates (docs/design.md, "Minimum-Bayes-risk decoding"); `chosen` and `expected_utility` answer."""
+    utility: Name | None = None
+    """MBR utility: `task_score`, `bleu4`, `sacrebleu` or `cider_d` (None: serve.mbr_utility). The server takes only
+    these vectorised utilities, computed for all pairs at once from n-gram counts, so a request's MBR work is bounded
+    by its candidates (at most serve.max_candidates_per_source per source, max_new_tokens each); other metrics:
+    `rlt2t predict --rerank mbr`. CIDEr-D's document frequencies: the server's, else the pool's distinct texts."""
+    mbr_weights: Literal["uniform", "probability"] = "uniform"
+    """MBR: `uniform`: each candidate against the source's other candidates, duplicates as separate entries
+    (leave-one-out); `probability`: against every distinct candidate, itself included, weighted by its normalised
+    sequence probability (exp of the total_logprob)."""
 
 
 class Candidate(_Response):
@@ -102,6 +114,26 @@ class CandidatesResponse(_Response):
     """One list per source, in request order (``num_candidates`` each)."""
     policy_version: int
     """Version of the weights that produced every candidate of this response."""
+    chosen: list[int] | None = None
+    """`rerank: mbr`: per source, the index of the chosen candidate (the first of its text; ties: the lower)."""
+    expected_utility: list[list[float]] | None = None
+    """`rerank: mbr`: per source, each candidate's expected utility (a duplicate scores as its text)."""
+    rerank_seconds: float | None = None
+    """`rerank: mbr`: wall time of the MBR step for the whole request."""
+
+    @model_serializer(mode="wrap")
+    def _without_unset_mbr_fields(self, handler: SerializerFunctionWrapHandler):
+        """The MBR fields answer only a request that asks for them: left out, not null, otherwise (other fields
+        keep their nulls)."""
+        out = handler(self)
+        if isinstance(out, dict):
+            for name in MBR_RESPONSE_FIELDS:
+                if getattr(self, name) is None:
+                    out.pop(name, None)
+        return out
+
+
+MBR_RESPONSE_FIELDS = ("chosen", "expected_utility", "rerank_seconds")
 
 
 def reference_lists(given: Sequence[str | Sequence[str]]) -> list[list[str]]:

@@ -86,6 +86,8 @@ def glance_block(results_dir: Path = RESULTS) -> str:
                                             "GRPO vs likelihood training, synthetic task"),
                  lambda d: glance_algorithm(d, "algorithms_docstring_names_rlsplit_batchstd", "grpo:batchstd",
                                             "GRPO vs likelihood training, several-reference names (held back)"),
+                 lambda d: glance_algorithm(d, "dpo_synth", "dpo:e6lr2e-5",
+                                            "DPO (offline pairs, rl.lr 2e-5) vs likelihood training, synthetic task"),
                  glance_serving, glance_ct2):
         try:
             row = make(results_dir)

@@ -118,7 +118,12 @@ def config_tables(model: type, prefix: str, title: str, level: int) -> list[str]
             nested.append((name, ann))
             continue
         kind = type_name(ann) + (f" ({bounds})" if (bounds := constraints(field.metadata)) else "")
-        rows.append([f"`{prefix}{name}`", kind, default_text(field), field.description or ""])
+        meaning = field.description or ""
+        if prefix == "rl." and name == "algorithm":  # the registry's names, not a copy of them
+            from rlt2t.common.algorithms import names
+
+            meaning += f" Registered: {', '.join(f'`{n}`' for n in names())}."
+        rows.append([f"`{prefix}{name}`", kind, default_text(field), meaning])
     if rows:
         lines += table(["key", "type", "default", "meaning"], rows)
     for name, sub in nested:
@@ -128,6 +133,7 @@ def config_tables(model: type, prefix: str, title: str, level: int) -> list[str]
 
 def render_config(model: type | None = None) -> str:
     from rlt2t.common import config
+    from rlt2t.common.algorithms import algorithm_sections
 
     model = model or config.Config
     lines = [header("rlt2t.common.config"), "# Configuration keys", "",
@@ -138,6 +144,9 @@ def render_config(model: type | None = None) -> str:
              "model's own.", ""]
     for name, field in model.model_fields.items():
         lines += config_tables(field.annotation, f"{name}.", f"`{name}`", 2)
+        if field.annotation is config.RLConfig:  # each algorithm's own section
+            for algo, settings in algorithm_sections().items():
+                lines += config_tables(settings, f"{name}.{algo}.", f"`{name}.{algo}`", 3)
     lines += ["## Reward terms", "",
               "Each entry of `reward.terms` (and of each list in `reward.named`) is one of these, chosen by "
               "`kind`; the reward is Σ weight · term.", ""]
@@ -290,10 +299,63 @@ def render_api() -> str:
     return "\n".join(lines)
 
 
+# -- reference: RL algorithms -------------------------------------------------------------------------------
+
+def render_algorithms() -> str:
+    """One entry per registered algorithm, from its unit (rlt2t.common.algorithms): the class docstring and what
+    the unit declares, so a new unit documents itself."""
+    import inspect
+
+    from rlt2t.common import algorithms
+    from rlt2t.common.config import RLConfig
+
+    lines = [header("rlt2t.common.algorithms", "rlt2t/learner/algorithms/"), "# RL algorithms", "",
+             "`rl.algorithm` names one of these (or the `package.module:Class` path of a unit of your own). Each "
+             "is one module under `learner/algorithms/` holding its docs entry (below, from its docstring), what "
+             "it asks of the rollouts, the settings it derives, its config rules and its objective; "
+             "`rlt2t.common.algorithms.BUILTIN` lists them, one line each. The losses are defined in "
+             "[the design document](../design.md#policy-gradient-algorithms).", ""]
+    rows = []
+    for name in algorithms.names():
+        unit = algorithms.algorithm(name)
+        rows.append([f"[`{name}`](#{name})", unit.data, unit.min_samples, "yes" if unit.uses_reference else "no",
+                     unit.default_refresh_steps or "per epoch"])
+    lines += table(["algorithm", "learner data", "min rollout.num_samples", "KL to the reference",
+                    "weights refreshed every (steps)"], rows)
+    for name in algorithms.names():
+        unit = algorithms.algorithm(name)
+        cls = type(unit)
+        lines += ["", f"## {name}", "", f"`{cls.__module__}.{cls.__qualname__}`", "",
+                  inspect.cleandoc(cls.__doc__ or "").replace("\n", " "), ""]
+        traits = [["learner data", unit.data], ["rollouts", _spec_text(unit)]]
+        for attr, label in (("value_head", "value head"), ("clipped", "clipped ratio"),
+                            ("kl_in_loss", "KL as a loss term")):
+            if hasattr(unit, attr):
+                traits.append([label, "yes" if getattr(unit, attr) else "no"])
+        rl = RLConfig(algorithm=name)  # rl.pg.epochs / minibatches left at 0: the unit's defaults
+        if unit.default_lr is not None:
+            traits.append(["rl.lr when unset", f"{unit.default_lr:g}"])
+        traits.append(["optimizer steps per batch (defaults)",
+                       f"{unit.optimisation_epochs(rl)} epoch(s) x {unit.optimisation_minibatches(rl)} minibatch(es)"])
+        lines += table(["", ""], traits)
+        if unit.settings is not None:
+            lines += [""] + config_tables(unit.settings, f"rl.{name}.", f"`rl.{name}`", 3)
+    return "\n".join(lines)
+
+
+def _spec_text(unit: Any) -> str:
+    if unit.data == "pairs":
+        return "K candidates and the gold target per source, a pair drawn and scored"
+    extras = [what for flag, what in ((unit.greedy_baseline, "a greedy decode per source"),
+                                       (unit.masked, "sampled inside the masking policy's top-p set")) if flag]
+    return "K samples per source with their token log-probs" + "".join(f"; {e}" for e in extras)
+
+
 def reference_pages() -> Files:
     documents = openapi_documents()
     files: Files = {"reference/cli.md": render_cli(), "reference/config.md": render_config(),
-                    "reference/http.md": render_http(documents), "reference/api.md": render_api()}
+                    "reference/http.md": render_http(documents), "reference/api.md": render_api(),
+                    "reference/algorithms.md": render_algorithms()}
     for name, doc in documents.items():
         files[f"reference/openapi-{name}.json"] = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     return files

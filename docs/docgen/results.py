@@ -39,6 +39,11 @@ PAGES = {
     "algorithms_docstrings": Page("RL algorithms: docstring task", "algorithms", ALGORITHMS + " The task: a "
                                   "function's name and arguments → the summary line its authors wrote, one "
                                   "reference (human-written English, subword tokenizer)."),
+    "dpo_synth": Page("DPO against continued SFT and GRPO: synthetic task", "algorithms",
+                      "Offline preference optimisation (DPO) from the SFT checkpoint, its pairs the best and the "
+                      "worst of 6 samples per source by the task score, against continued SFT (the same 48 "
+                      "learner steps as GRPO) and GRPO, with DPO given about GRPO's wall time; each seed reruns "
+                      "the whole pipeline. The task: the demo's synthetic reports (ids tokenizer)."),
     "sft_step": Page("SFT step", "sft_step"),
     "learner_step": Page("Rank-RL learner step: shared encoder", "learner_step"),
     "group_step": Page("Group policy-gradient step: shared encoder", "group_step"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlt2t.common.algorithms import rollout_spec_for
 from rlt2t.common.config import ModelConfig, RLConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.policy import load_policy
@@ -78,7 +79,6 @@ def test_policy_gradient_learner_steps_on_cuda_with_its_frozen_models(init_dir, 
     from rlt2t.actors.rollout import RolloutWorker
     from rlt2t.common.config import RewardConfig
     from rlt2t.common.metrics import DocumentFrequency
-    from rlt2t.common.types import RolloutSpec
 
     AcceleratorState._reset_state(reset_partial_state=True)
     rl = RLConfig(algorithm=algorithm, lr=1e-3, warmup_ratio=0.0, batch_size=8, learner_gpus=1,
@@ -95,7 +95,7 @@ def test_policy_gradient_learner_steps_on_cuda_with_its_frozen_models(init_dir, 
     stats = learner.preflight()
     assert stats["peak_memory_gib"] > 0 and not learner.optimizer.state
     # Samples from a CPU rollout worker (without reference log-probs for the http case, as a policy server)
-    spec = RolloutSpec.for_algorithm(algorithm, kl=rl.uses_kl and source == "ray", mask_top_p=rl.pg.nlpo_top_p)
+    spec = rollout_spec_for(algorithm, kl=rl.uses_kl and source == "ray", mask_top_p=rl.pg.nlpo_top_p)
     weights = learner.weights()
     worker = RolloutWorker(model, str(init_dir), RolloutConfig(num_samples=3, top_k=0,
                            max_new_tokens=8), seed=0, max_source_len=32, spec=spec,

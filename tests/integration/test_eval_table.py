@@ -146,3 +146,58 @@ def test_an_adapter_checkpoint_is_evaluated_merged(run, tmp_path):
                       cfg.metric, cfg.data.max_source_len)
     assert table.rows["lora"] == direct.metrics
     assert table.rows["lora"]["perplexity"] != table.rows["sft"]["perplexity"]
+
+
+def test_eval_rerank_mbr_scores_the_mbr_choice_over_the_models_own_pool(run):
+    """`rlt2t eval --rerank mbr`: the model generates beams and samples per source, scores them, and the row scores
+    the candidate of highest expected task score against the pool (brute force here); the pool cap is checked
+    before decoding."""
+    import numpy as np
+
+    from rlt2t.common.data import load_data, reference_sets
+    from rlt2t.common.metrics import DocumentFrequency, TaskScore
+    from rlt2t.ensemble import rerank_with_policy
+
+    over = ["predict.pool=both", "predict.beam_size=2", "predict.num_hypotheses=2", "predict.num_samples=4",
+            "predict.max_new_tokens=6", "run.progress=false"]
+    cfg = _cfg(run, *over)
+    ckpt = run / "sft/checkpoints/epoch-0001"
+    table = eval_table(cfg, {"mbr": ckpt}, metrics="task_score,mean_length", rerank="mbr")
+    assert "rerank mbr (task_score, uniform)" in table.title
+    saved = json.loads((run / "eval" / "mbr-valid.json").read_text())
+    examples = load_split(cfg, "valid")[:8]
+    assert saved["rerank"] == "mbr" and saved["pool"] == "both" and saved["examples"] == len(examples)
+    assert set(saved["seconds_per_source"]) == {"generate", "score", "rerank", "total"}
+    predictions = [json.loads(line)["prediction"]
+                   for line in (run / "eval" / "mbr-valid.predictions.jsonl").read_text().splitlines()]
+
+    again = rerank_with_policy(cfg, load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt), ckpt, examples, "mbr")
+    assert again.predictions == predictions  # seeded sampling: the same pools
+    metric = TaskScore(bleu_weight=cfg.metric.bleu_weight, sigma=cfg.metric.cider_sigma,
+                       df=DocumentFrequency.from_references(reference_sets(load_data(cfg.path(cfg.data.train),
+                                                                                     cfg.data))))
+    for cands, counts, chosen in zip(again.candidates, again.counts, again.chosen, strict=True):
+        entries = [c for c, n in zip(cands, counts, strict=True) for _ in range(n)]
+        assert len(entries) == 2 + 4
+        expected = []
+        for c in cands:
+            i = entries.index(c)
+            others = [entries[j] for j in range(len(entries)) if j != i]
+            expected.append(float(np.mean(metric.per_sample([c] * len(others), [[o] for o in others]))))
+        assert chosen == int(np.argmax(expected))
+
+    with pytest.raises(ValueError, match=r"MBR pool of 6 candidates .* is over predict.max_pool=5"):
+        eval_table(_cfg(run, *over, "predict.max_pool=5"), {"mbr": ckpt}, metrics="task_score", rerank="mbr")
+
+
+@pytest.mark.parametrize(("utility", "msg"), [
+    ("mean_length", r"predict.mbr_utility='mean_length': this metric reads no references"),
+    ("bleu5", r"predict.mbr_utility='bleu5': not a registered metric"),
+])
+def test_eval_rerank_mbr_refuses_an_unusable_utility_before_loading_a_model(run, monkeypatch, utility, msg):
+    import rlt2t.eval_table as eval_table_mod
+
+    monkeypatch.setattr(eval_table_mod, "eval_job", lambda *a, **k: pytest.fail("a model was evaluated first"))
+    with pytest.raises(ValueError, match=rf"eval.rerank=mbr: {msg}"):
+        eval_table(_cfg(run, f"predict.mbr_utility={utility}"), {"mbr": run / "sft/checkpoints/epoch-0001"},
+                   metrics="task_score", rerank="mbr")

@@ -18,12 +18,12 @@ import torch
 
 from rlt2t.actors.reward import RewardWorker
 from rlt2t.actors.rollout import RolloutWorker
+from rlt2t.common.algorithms import rollout_spec_for
 from rlt2t.common.checkpoint import latest_complete_checkpoint, load_training_state
 from rlt2t.common.config import ModelConfig, RewardConfig, RLConfig, RolloutConfig, load_config
 from rlt2t.common.data import load_examples
 from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.policy import load_policy
-from rlt2t.common.types import RolloutSpec
 from rlt2t.jobs import best_or_latest, rl_job
 from rlt2t.learner.learner import Learner
 
@@ -148,7 +148,7 @@ def test_two_ddp_ranks_stay_identical(ray_session, prepared_run, algorithm, pg):
     rl = RLConfig(algorithm=algorithm, batch_size=8, learners=2, lr=1e-3, kl={"coef": 0.05}, pg=pg)
     examples = load_examples(prepared_run / "data" / "train.jsonl")[:24]
     worker = RolloutWorker(cfg.model, str(cfg.tokenizer_dir), rollout, seed=0, max_source_len=32,
-                           spec=RolloutSpec.for_algorithm(algorithm, kl=True),
+                           spec=rollout_spec_for(algorithm, kl=True),
                            start_weights=load_policy(cfg.model, checkpoint=sft).model.state_dict())
     worker.set_weights(0, load_policy(cfg.model, checkpoint=sft).model.state_dict())
     reward = RewardWorker(RewardConfig(), DocumentFrequency.from_references([[e.target] for e in examples]))

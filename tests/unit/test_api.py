@@ -152,6 +152,7 @@ def test_a_function_of_a_module_the_workers_cannot_import_travels_by_value(tmp_p
 class _Result:
     steps, items_used, redispatched, checkpoint, seconds, curves_png = 3, 8, 0, Path("ck"), 1.0, None
     ids, mean_candidates, rerank, csv_path, jsonl_path, metrics = ["a"], 2.0, "reward", Path("p.csv"), Path("p"), None
+    seconds_per_source = {"generate": 0.25, "score": 0.125, "rerank": 0.0625, "total": 0.4375}
 
 
 @pytest.mark.parametrize(("argv", "function", "args", "kwargs"), [
@@ -163,8 +164,12 @@ class _Result:
      {"quantization": "float32", "force": False}),
     (["predict", "--generators", "g1,g2", "--scorers", "s", "--input", "i.jsonl", "--out", "o.csv", "--rerank",
       "reward"], "predict", (["g1", "g2"], ["s"], "i.jsonl", "o.csv"), {"rerank": "reward"}),
+    (["predict", "--generators", "g", "--scorers", "s", "--input", "i.jsonl", "--out", "o.csv", "--rerank", "mbr"],
+     "predict", (["g"], ["s"], "i.jsonl", "o.csv"), {"rerank": "mbr"}),
     (["eval", "--checkpoint", "sft", "--metrics", "bleu4"], "evaluate", (["sft"],),
-     {"split": None, "metrics": "bleu4"}),
+     {"split": None, "metrics": "bleu4", "rerank": None}),
+    (["eval", "--checkpoint", "sft", "--rerank", "mbr"], "evaluate", (["sft"],),
+     {"split": None, "metrics": None, "rerank": "mbr"}),
     (["tokenizer", "build"], "build_tokenizer", (), {}),
 ])
 def test_each_stage_command_calls_the_api_function_of_its_stage(argv, function, args, kwargs, cli, monkeypatch,

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 import rlt2t.driver as train
+from rlt2t.common.algorithms import rollout_spec_for
 from rlt2t.common.config import load_config
-from rlt2t.common.types import RolloutSpec
 
 
 class _Stop(Exception):
@@ -30,7 +30,7 @@ def _started_pools(monkeypatch, overrides: list[str]) -> dict[str, dict]:
     monkeypatch.setattr(train, "WorkerPool", pool)
     cfg = load_config(["tiny"], overrides)
     with pytest.raises(_Stop):
-        train._Job.start(cfg, RolloutSpec.for_algorithm("grpo", kl=False), start=Path("start"), init=Path("init"),
+        train._Job.start(cfg, rollout_spec_for("grpo", kl=False), start=Path("start"), init=Path("init"),
                          total_steps=1, df=None)
     return seen
 
@@ -47,7 +47,7 @@ def test_learned_rewards_on_cuda_need_a_gpu_for_the_reward_workers(monkeypatch):
     monkeypatch.setattr(train, "LearnerGroup", lambda *a, **k: pytest.fail("started before the check"))
     cfg = load_config(["tiny"], ["reward.device=cuda", "reward.terms=[{kind: reward_model, path: rm}]"])
     with pytest.raises(ValueError, match="reward.device=cuda.*rl.reward_gpus"):
-        train._Job.start(cfg, RolloutSpec.for_algorithm("grpo", kl=False), start=Path("start"), init=Path("init"),
+        train._Job.start(cfg, rollout_spec_for("grpo", kl=False), start=Path("start"), init=Path("init"),
                          total_steps=1, df=None)
     # metrics alone run on the CPU whatever reward.device says: no GPU needed
     assert _started_pools(monkeypatch, ["reward.device=cuda"])["RewardWorker"]["num_gpus"] == 0

@@ -13,12 +13,14 @@ import torch
 
 from rlt2t.actors.reward import RewardWorker
 from rlt2t.actors.rollout import RolloutWorker
+from rlt2t.common.algorithms import algorithm as unit_of
+from rlt2t.common.algorithms import names, rollout_spec_for
 from rlt2t.common.config import ModelConfig, RewardConfig, RLConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.lora import policy_weights
 from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.policy import load_policy
-from rlt2t.common.types import ALGORITHMS, RolloutSpec
+from rlt2t.common.types import RolloutSpec
 from rlt2t.learner.learner import Learner
 
 MODEL = ModelConfig(preset="tiny", dropout=0.1)  # dropout in the config: the PG learner must turn it off
@@ -64,7 +66,7 @@ def _scored(worker: RolloutWorker, examples=EXAMPLES):
 def test_on_policy_ratio_is_one_for_the_torch_sampler(init_dir, temperature, top_k, top_p):
     rollout = RolloutConfig(num_samples=4, top_k=top_k, top_p=top_p, temperature=temperature, max_new_tokens=8)
     rl = RLConfig(algorithm="grpo", batch_size=8, lr=1e-3)
-    groups = _scored(_rollout(init_dir, rollout, RolloutSpec.for_algorithm("grpo", kl=True)))
+    groups = _scored(_rollout(init_dir, rollout, rollout_spec_for("grpo", kl=True)))
     metrics = _learner(init_dir, rl, rollout).train_step(groups)
     assert metrics["sampler_ratio_max_dev"] < 1e-4, metrics
     assert metrics["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
@@ -76,7 +78,7 @@ def test_on_policy_ratio_is_one_for_the_ct2_float32_sampler_and_int8_differs(ini
     rollout = RolloutConfig(num_samples=4, top_k=5, temperature=0.8, max_new_tokens=8, backend="ct2",
                             ct2_compute_type="float32")
     rl = RLConfig(algorithm="rloo", batch_size=8, lr=1e-3)
-    spec = RolloutSpec.for_algorithm("rloo", kl=True)
+    spec = rollout_spec_for("rloo", kl=True)
     metrics = _learner(init_dir, rl, rollout).train_step(_scored(_rollout(init_dir, rollout, spec)))
     assert metrics["sampler_ratio_max_dev"] < 1e-3, metrics
     int8 = rollout.model_copy(update={"ct2_compute_type": "int8"})
@@ -87,24 +89,24 @@ def test_on_policy_ratio_is_one_for_the_ct2_float32_sampler_and_int8_differs(ini
 
 def test_rollout_groups_carry_what_each_algorithm_needs(init_dir):
     rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=6)
-    groups = _rollout(init_dir, rollout, RolloutSpec.for_algorithm("scst", kl=True)).sample(EXAMPLES[:2])
+    groups = _rollout(init_dir, rollout, rollout_spec_for("scst", kl=True)).sample(EXAMPLES[:2])
     for g in groups:
         assert len(g.candidates) == 3 and g.greedy is not None and g.reference_logprobs is not None
         for ids, lps, forced in zip(g.token_ids, g.sample_logprobs, g.forced_eos, strict=True):
             assert 1 <= len(ids) <= 6 and len(lps) == len(ids)
             assert forced == (len(ids) == 6)  # BART forces EOS at the limit
-    plain = _rollout(init_dir, rollout, RolloutSpec.for_algorithm("ppo", kl=False)).sample(EXAMPLES[:2])
+    plain = _rollout(init_dir, rollout, rollout_spec_for("ppo", kl=False)).sample(EXAMPLES[:2])
     assert all(g.greedy is None and g.reference_logprobs is None for g in plain)
     # same seed, version and ids: the same samples (rollouts are a function of those alone)
     assert [g.token_ids for g in plain] == [g.token_ids for g in groups]
 
 
-@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if a != "rank"])
+@pytest.mark.parametrize("algorithm", [a for a in names() if unit_of(a).data == "groups"])
 def test_every_algorithm_trains_and_logs(init_dir, algorithm):
     rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
     rl = RLConfig(algorithm=algorithm, batch_size=8, lr=3e-3, kl={"coef": 0.1, "target": 1.0, "horizon": 100},
                   pg={"nlpo_top_p": 0.95, "nlpo_mask_refresh_steps": 1, "target_kl": 0})
-    spec = RolloutSpec.for_algorithm(algorithm, kl=rl.uses_kl, mask_top_p=rl.pg.nlpo_top_p)
+    spec = rollout_spec_for(algorithm, kl=rl.uses_kl, mask_top_p=rl.pg.nlpo_top_p)
     worker = _rollout(init_dir, rollout, spec)
     learner = _learner(init_dir, rl, rollout)
     before = learner.weights()
@@ -120,10 +122,10 @@ def test_every_algorithm_trains_and_logs(init_dir, algorithm):
     assert metrics["sampler_ratio_max_dev"] < 1e-4  # every batch was sampled on-policy
     after = learner.weights()
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    epochs = 1 if algorithm in ("scst", "rloo", "grpo", "a2c") else 2
-    minibatches = 1 if algorithm in ("scst", "rloo", "grpo", "a2c") else 2
+    epochs = 1 if algorithm in ("scst", "rloo", "grpo", "a2c", "trpo") else 2
+    minibatches = 1 if algorithm in ("scst", "rloo", "grpo", "a2c", "trpo") else 2
     assert metrics["optimizer_steps"] == epochs * minibatches
-    if algorithm in ("ppo", "a2c", "nlpo"):
+    if algorithm in ("ppo", "a2c", "nlpo", "trpo"):
         assert {"value_loss", "explained_variance"} <= set(metrics)
     if algorithm == "scst":
         assert "greedy_reward" in metrics
@@ -140,7 +142,7 @@ def test_ranks_with_uneven_shards_take_the_same_number_of_optimizer_steps(init_d
                   pg={"epochs": 1, "minibatches": 3, "target_kl": 0.0})
     learner = _learner(init_dir, rl, rollout)
     learner.all_min = lambda value: 4  # what the all-reduce over both ranks' shard sizes (5, 4) returns
-    metrics = learner.train_step(_scored(_rollout(init_dir, rollout, RolloutSpec.for_algorithm("ppo", kl=False)),
+    metrics = learner.train_step(_scored(_rollout(init_dir, rollout, rollout_spec_for("ppo", kl=False)),
                                          EXAMPLES[:shard]))
     assert metrics["optimizer_steps"] == 3
 
@@ -149,7 +151,7 @@ def test_ppo_state_round_trip_continues_bitwise(init_dir):
     """Value head, KL controller, optimizer, schedule and RNG all come back: the next step is identical."""
     rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8)
     rl = RLConfig(algorithm="ppo", batch_size=8, lr=3e-3, kl={"coef": 0.1, "target": 1.0, "horizon": 50})
-    worker = _rollout(init_dir, rollout, RolloutSpec.for_algorithm("ppo", kl=True))
+    worker = _rollout(init_dir, rollout, rollout_spec_for("ppo", kl=True))
     batches = [_scored(worker, EXAMPLES[:4]), _scored(worker, EXAMPLES[4:])]
     a = _learner(init_dir, rl, rollout)
     a.train_step(batches[0])
@@ -170,7 +172,7 @@ def test_stale_tokens_outside_the_new_top_k_leave_the_loss_without_nan(init_dir)
     have no ratio (-inf log-probs) and must leave the loss, not turn it into NaN."""
     rollout = RolloutConfig(num_samples=4, top_k=2, temperature=1.0, max_new_tokens=8)
     rl = RLConfig(algorithm="grpo", batch_size=8, lr=5e-2, warmup_ratio=0.0)
-    groups = _scored(_rollout(init_dir, rollout, RolloutSpec.for_algorithm("grpo", kl=True)))
+    groups = _scored(_rollout(init_dir, rollout, rollout_spec_for("grpo", kl=True)))
     learner = _learner(init_dir, rl, rollout)
     excluded = 0.0
     for _ in range(4):  # a large learning rate moves the policy: the same (now stale) samples again
@@ -195,7 +197,7 @@ def test_lora_trains_adapters_only_publishes_them_and_the_reference_is_the_base(
     full = load_policy(MODEL, checkpoint=init_dir).model.state_dict()
     assert sum(t.numel() for t in published.values()) < 0.2 * sum(t.numel() for t in full.values())
     worker = RolloutWorker(lora_model, str(init_dir), rollout, seed=3, max_source_len=16,
-                           spec=RolloutSpec.for_algorithm("grpo", kl=True), start_weights=full)
+                           spec=rollout_spec_for("grpo", kl=True), start_weights=full)
     worker.set_weights(0, published)
     first = learner.train_step(_scored(worker))
     assert first["kl_k1"] == pytest.approx(0.0, abs=1e-6)  # adapters start at zero: the policy is the base
@@ -214,7 +216,7 @@ def test_start_weights_may_come_with_the_first_sampling_call_and_are_fetched_onc
     once. The samples and reference log-probs equal a worker's that got the weights in its constructor."""
     model = ModelConfig(preset="tiny", dropout=0.1, lora={"enabled": lora, "r": 4, "alpha": 8.0, "dropout": 0.0})
     rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8)
-    spec = RolloutSpec.for_algorithm("grpo", kl=True)
+    spec = rollout_spec_for("grpo", kl=True)
     full = load_policy(MODEL, checkpoint=init_dir).model.state_dict()
     eager = RolloutWorker(model, str(init_dir), rollout, seed=3, max_source_len=16, spec=spec, start_weights=full)
     published = {k: v * 0.99 + 0.01 for k, v in policy_weights(eager.policy.model).items()}  # LoRA: adapters
@@ -243,7 +245,7 @@ def test_mismatched_generation_settings_and_a_wrong_reference_are_warned_about(i
 
     sampler = RolloutConfig(num_samples=4, top_k=0, temperature=1.0, max_new_tokens=8)
     learner_cfg = sampler.model_copy(update={"temperature": 0.5})  # the learner believes another temperature
-    groups = _scored(_rollout(init_dir, sampler, RolloutSpec.for_algorithm("rloo", kl=True)))
+    groups = _scored(_rollout(init_dir, sampler, rollout_spec_for("rloo", kl=True)))
     with caplog.at_level("WARNING", logger="rlt2t.learner"):
         _learner(init_dir, RLConfig(algorithm="rloo", batch_size=8), learner_cfg).train_step(groups)
     assert any("differ from the sampler's" in r.message for r in caplog.records)
@@ -265,7 +267,7 @@ def test_a_negative_kl_is_warned_about_on_stale_samples_without_blaming_the_stal
     import dataclasses
 
     sampler = RolloutConfig(num_samples=4, top_k=0, temperature=1.0, max_new_tokens=8)
-    worker = _rollout(init_dir, sampler, RolloutSpec.for_algorithm("rloo", kl=True))
+    worker = _rollout(init_dir, sampler, rollout_spec_for("rloo", kl=True))
     learner = _learner(init_dir, RLConfig(algorithm="rloo", batch_size=8, lr=1e-2, warmup_ratio=0.0), sampler)
     learner.train_step(_scored(worker))  # step 0; the worker keeps sampling version 0
     stale = _scored(worker)
@@ -294,7 +296,7 @@ def test_nlpo_leak_term_keeps_the_policy_mass_inside_the_mask(init_dir):
     for coef in (0.0, 10.0):
         rl = RLConfig(algorithm="nlpo", batch_size=8, lr=3e-3,
                       pg={"nlpo_top_p": 0.5, "nlpo_mask_refresh_steps": 100, "target_kl": 0, "nlpo_leak_coef": coef})
-        worker = _rollout(init_dir, rollout, RolloutSpec.for_algorithm("nlpo", kl=rl.uses_kl, mask_top_p=0.5))
+        worker = _rollout(init_dir, rollout, rollout_spec_for("nlpo", kl=rl.uses_kl, mask_top_p=0.5))
         learner = _learner(init_dir, rl, rollout)
         worker.mask_model = copy.deepcopy(worker.policy.model)
         worker.mask_model.load_state_dict(learner.objective.mask_model.state_dict())
@@ -312,7 +314,7 @@ def test_nlpo_learner_masks_each_group_with_the_masking_policy_it_was_sampled_un
     ratio is 1. With one mask for the whole batch the other version's groups would be off."""
     rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
     rl = RLConfig(algorithm="nlpo", batch_size=8, lr=3e-3, pg={"nlpo_top_p": 0.5, "target_kl": 0})
-    worker = _rollout(init_dir, rollout, RolloutSpec.for_algorithm("nlpo", kl=rl.uses_kl, mask_top_p=0.5))
+    worker = _rollout(init_dir, rollout, rollout_spec_for("nlpo", kl=rl.uses_kl, mask_top_p=0.5))
     learner = _learner(init_dir, rl, rollout)
     start = {k: v.clone() for k, v in worker.policy.model.state_dict().items()}
     gen = torch.Generator().manual_seed(5)
@@ -343,7 +345,7 @@ def test_preflight_covers_the_mask_and_reference_passes_and_leaves_training_unch
     rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8, source=source)
     rl = RLConfig(algorithm=algorithm, batch_size=8, lr=3e-3, pg={"target_kl": 0})
     worker = _rollout(init_dir, RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8),
-                      RolloutSpec.for_algorithm(algorithm, kl=rl.uses_kl and source == "ray", mask_top_p=0.9))
+                      rollout_spec_for(algorithm, kl=rl.uses_kl and source == "ray", mask_top_p=0.9))
     groups = _scored(worker)
     if source == "http":
         assert all(g.group.reference_logprobs is None for g in groups)  # as a policy server sends them
@@ -384,7 +386,7 @@ def test_step_scalars_over_ranks_average_but_counts_add_and_maxima_stay_maxima(i
     # A second rank stood in for: its scalars are this rank's doubled (the all-reduces return the reduction).
     rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
     rl = RLConfig(algorithm="grpo", batch_size=8, lr=3e-3)
-    worker = _rollout(init_dir, rollout, RolloutSpec.for_algorithm("grpo", kl=rl.uses_kl))
+    worker = _rollout(init_dir, rollout, rollout_spec_for("grpo", kl=rl.uses_kl))
     groups = _scored(worker)
     alone = _learner(init_dir, rl, rollout).train_step(groups)
     learner = _learner(init_dir, rl, rollout)
@@ -427,7 +429,7 @@ def test_under_mixed_precision_the_reference_pass_matches_the_policy_and_values_
         learner.mixed_precision = "bf16"
         assert learner._prepare().mixed_precision == "bf16"
         worker = RolloutWorker(lora_model, str(init_dir), rollout, seed=3, max_source_len=16,
-                               spec=RolloutSpec.for_algorithm("grpo", kl=True), start_weights=full)
+                               spec=rollout_spec_for("grpo", kl=True), start_weights=full)
         worker.set_weights(0, learner.weights())
         # without the worker's reference log-probs, the learner scores the reference itself (its LoRA base)
         groups = [dc.replace(g, group=dc.replace(g.group, reference_logprobs=None)) for g in _scored(worker)]

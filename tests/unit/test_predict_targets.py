@@ -195,3 +195,159 @@ def test_reward_rerank_picks_the_candidate_the_python_reward_prefers(bart_export
     with pytest.raises(ValueError, match=r"--rerank reward: reward.terms term metric:bleu4 needs references"):
         predict(cfg, [bart_export], [bart_export], inputs, tmp_path / "pred2.csv", rerank="reward")
     assert len(calls) == 1 and not (tmp_path / "pred2.csv").exists()
+
+
+def _mbr_inputs(tmp_path: Path) -> tuple[Path, Path]:
+    train = _write_jsonl(tmp_path / "train.jsonl",
+                         [{"id": str(i), "source": "a", "target": t} for i, t in enumerate(TRAIN)])
+    inputs = _write_jsonl(tmp_path / "in.jsonl", [{"id": str(i), "source": s, "target": t}
+                                                  for i, (s, t) in enumerate(zip(SOURCES, TRAIN, strict=False))])
+    return train, inputs
+
+
+@pytest.mark.parametrize("weights", ["uniform", "probability"])
+def test_mbr_rerank_picks_the_highest_expected_task_score_over_beams_and_samples(bart_export, tmp_path, weights):
+    """``--rerank mbr`` over ``predict.pool=both``: each candidate's rerank score is its expected task score (CIDEr-D's
+    df from data.train) as docs/design.md defines it, computed here by brute force per pair: uniform, leave-one-out
+    over the pool's entries with their duplicates; probability, over the distinct candidates, itself included, at
+    their normalised sequence probabilities. The choice is its argmax."""
+    import numpy as np
+
+    from rlt2t.common.metrics import DocumentFrequency, TaskScore
+
+    train, inputs = _mbr_inputs(tmp_path)
+    cfg = _cfg(tmp_path, train)
+    cfg.predict.pool, cfg.predict.num_hypotheses, cfg.predict.num_samples = "both", 3, 6
+    cfg.predict.top_p, cfg.predict.mbr_weights = 1.0, weights
+    result = predict(cfg, [bart_export], [bart_export], inputs, tmp_path / "pred.csv", rerank="mbr")
+    assert result.rerank == "mbr" and set(result.seconds_per_source) == {"generate", "score", "rerank", "total"}
+    metric = TaskScore(bleu_weight=cfg.metric.bleu_weight, df=DocumentFrequency.from_references([[t] for t in TRAIN]))
+    u = lambda h, r: float(metric.per_sample([h], [[r]])[0])  # noqa: E731
+    rows = [json.loads(line) for line in result.jsonl_path.read_text().splitlines()]
+    for row, prediction in zip(rows, result.predictions, strict=True):
+        cands = row["candidates"]
+        texts = [c["text"] for c in cands]
+        assert sum(c["entries"] for c in cands) == 3 + 6 and row["rerank_seconds"] >= 0
+        if weights == "uniform":
+            entries = [c["text"] for c in cands for _ in range(c["entries"])]
+            want = []
+            for t in texts:
+                i = entries.index(t)
+                want.append(sum(u(t, entries[j]) for j in range(len(entries)) if j != i) / (len(entries) - 1))
+        else:
+            total = [sum(Ct2Policy(bart_export).score([row["source"]], [t])[0]) for t in texts]
+            p = np.exp(np.array(total) - max(total))
+            p /= p.sum()
+            want = [sum(p[k] * u(h, y) for k, y in enumerate(texts)) for h in texts]
+        assert [c["rerank_score"] for c in cands] == pytest.approx(want, rel=1e-4, abs=1e-9)
+        assert row["chosen"] == int(np.argmax([c["rerank_score"] for c in cands]))
+        assert prediction == cands[row["chosen"]]["text"]
+    assert any(len(row["candidates"]) > 1 for row in rows)  # the samples added candidates to choose among
+    assert "ensemble (mbr)" in result.metrics and "oracle" in result.metrics
+
+
+def test_mbr_pool_over_the_cap_is_refused_before_decoding(bart_export, tmp_path, monkeypatch):
+    train, inputs = _mbr_inputs(tmp_path)
+    cfg = _cfg(tmp_path, train)
+    cfg.predict.pool, cfg.predict.num_hypotheses, cfg.predict.num_samples, cfg.predict.max_pool = "both", 4, 30, 60
+    monkeypatch.setattr(predict_mod, "resolve_model", lambda *a: pytest.fail("a model was resolved before the refusal"))
+    with pytest.raises(ValueError, match=r"MBR pool of 68 candidates \(2 generator\(s\) x 34 each: predict.pool=both, "
+                                         r"num_hypotheses=4, num_samples=30\) is over predict.max_pool=60"):
+        predict(cfg, [bart_export, bart_export], [bart_export], inputs, tmp_path / "pred.csv", rerank="mbr")
+    assert not (tmp_path / "pred.csv").exists()
+
+
+@pytest.mark.parametrize(("name", "msg"), [
+    ("bleu5", r"predict.mbr_utility='bleu5': not a registered metric"),
+    ("mean_length", r"predict.mbr_utility='mean_length': this metric reads no references"),
+    ("distinct_2", r"predict.mbr_utility='distinct_2': this metric reads no references"),
+    ("classifier_accuracy", r"predict.mbr_utility='classifier_accuracy': the metric cannot be built .*TypeError"),
+])
+def test_an_unusable_mbr_utility_is_refused_before_any_model_is_resolved(bart_export, tmp_path, monkeypatch, name,
+                                                                         msg):
+    train, inputs = _mbr_inputs(tmp_path)
+    cfg = _cfg(tmp_path, train)
+    cfg.predict.mbr_utility = name
+    monkeypatch.setattr(predict_mod, "resolve_model", lambda *a: pytest.fail("a model was resolved before the refusal"))
+    with pytest.raises(ValueError, match=msg):
+        predict(cfg, [bart_export], [bart_export], inputs, tmp_path / "pred.csv", rerank="mbr")
+    assert not (tmp_path / "pred.csv").exists()
+
+
+def test_a_reward_utility_must_read_references(bart_export, tmp_path, monkeypatch):
+    from rlt2t.common.config import PythonTerm
+
+    train, inputs = _mbr_inputs(tmp_path)
+    cfg = _cfg(tmp_path, train)
+    cfg.predict.mbr_utility = "reward"
+    cfg.reward.terms = [PythonTerm(fn=lambda sources, candidates, references: [0.0] * len(candidates))]
+    monkeypatch.setattr(predict_mod, "resolve_model", lambda *a: pytest.fail("a model was resolved before the refusal"))
+    with pytest.raises(ValueError, match=r"predict.mbr_utility=reward: .*read no references"):
+        predict(cfg, [bart_export], [bart_export], inputs, tmp_path / "pred.csv", rerank="mbr")
+
+
+def test_sampled_pools_repeat_with_the_seed_on_both_backends(bart_dir, bart_export, tmp_path):
+    train, inputs = _mbr_inputs(tmp_path)
+    for backend, model in (("ct2", bart_export), ("torch", bart_dir)):
+        cfg = _cfg(tmp_path, train)
+        cfg.predict.backend, cfg.predict.pool, cfg.predict.num_samples, cfg.predict.top_k = backend, "sample", 5, 4
+        runs = [json.loads(line)["candidates"] for k in range(2)
+                for line in predict(cfg, [model], [model], inputs, tmp_path / f"{backend}{k}.csv",
+                                    rerank="mbr").jsonl_path.read_text().splitlines()]
+        assert runs[: len(SOURCES)] == runs[len(SOURCES) :]
+        assert all(sum(c["entries"] for c in cands) == 5 for cands in runs)
+        # Samples, not copies of one greedy output: some source's pool holds several distinct texts.
+        assert any(len(cands) > 1 for cands in runs), backend
+
+
+@pytest.mark.parametrize("pool", ["sample", "both"])
+@pytest.mark.parametrize("mode", ["mean_logprob", "consensus"])
+def test_other_rerank_modes_pick_from_sampled_pools(bart_export, tmp_path, pool, mode):
+    """predict.pool applies to every rerank mode: the samples join the pool, and the mode picks among them."""
+    train, inputs = _mbr_inputs(tmp_path)
+    cfg = _cfg(tmp_path, train)
+    cfg.predict.pool, cfg.predict.num_hypotheses, cfg.predict.num_samples, cfg.predict.top_k = pool, 2, 5, 4
+    result = predict(cfg, [bart_export], [bart_export], inputs, tmp_path / "pred.csv", rerank=mode)
+    rows = [json.loads(line) for line in result.jsonl_path.read_text().splitlines()]
+    size = 5 + (2 if pool == "both" else 0)
+    ct2 = Ct2Policy(bart_export)
+    for row, prediction in zip(rows, result.predictions, strict=True):
+        cands = row["candidates"]
+        assert row["rerank"] == mode and sum(c["entries"] for c in cands) == size
+        means = [c["mean_logprob"][bart_export.name] for c in cands]
+        want = [float(sum(lp) / len(lp)) for lp in ct2.score([row["source"]] * len(cands), [c["text"] for c in cands])]
+        assert means == pytest.approx(want, abs=1e-5)
+        if mode == "mean_logprob":
+            assert [c["rerank_score"] for c in cands] == pytest.approx(means)
+            assert row["chosen"] == max(range(len(cands)), key=lambda k: means[k])
+        assert prediction == cands[row["chosen"]]["text"]
+    assert any(len(row["candidates"]) > 1 for row in rows)
+    assert result.metrics is not None and f"ensemble ({mode})" in result.metrics
+
+
+def test_the_rerank_modes_are_one_list():
+    """rlt2t.common.rerank.PREDICT_RERANK_MODES is the list: the CLI's choices come from it, and the config fields
+    declare the same values."""
+    from typing import get_args
+
+    from rlt2t.cmd_export import RERANK_CHOICES
+    from rlt2t.common.config import EvalConfig, PredictConfig
+    from rlt2t.common.rerank import PREDICT_RERANK_MODES, RERANK_MODES
+
+    assert PREDICT_RERANK_MODES[: len(RERANK_MODES)] == RERANK_MODES and "mbr" in PREDICT_RERANK_MODES
+    assert predict_mod.PREDICT_RERANK_MODES is PREDICT_RERANK_MODES and list(PREDICT_RERANK_MODES) == RERANK_CHOICES
+    assert get_args(PredictConfig.model_fields["rerank"].annotation) == PREDICT_RERANK_MODES
+    assert get_args(EvalConfig.model_fields["rerank"].annotation) == ("none", *PREDICT_RERANK_MODES)
+    from rlt2t.cli import build_parser
+
+    parser = build_parser()
+    for args, first in ((["predict", "--generators", "g", "--scorers", "s", "--input", "i", "--out", "o"], []),
+                        (["eval"], ["none"])):
+        for mode in [*first, *PREDICT_RERANK_MODES]:
+            assert parser.parse_args([*args, "--rerank", mode]).rerank == mode
+        with pytest.raises(SystemExit):
+            parser.parse_args([*args, "--rerank", "mbrr"])
+    for mode in PREDICT_RERANK_MODES:  # every mode validates, and a typo names the key
+        assert PredictConfig(rerank=mode).rerank == mode and EvalConfig(rerank=mode).rerank == mode
+    with pytest.raises(ValueError, match="rerank"):
+        PredictConfig(rerank="mbrr")

@@ -190,3 +190,29 @@ def test_eval_length_follows_short_targets_unless_set():
     assert load_config(overrides=["data.max_target_len=40"]).eval.max_new_tokens == 64
     with pytest.raises(ConfigError, match=r"eval.max_new_tokens=64 is more than 4x data.max_target_len=12"):
         load_config(overrides=["data.max_target_len=12", "eval.max_new_tokens=64"])
+
+
+def test_a_value_a_cross_section_rule_derives_is_said_in_the_log_the_dump_and_explain(caplog, monkeypatch):
+    import logging
+
+    from rlt2t.common import config
+    from rlt2t.common.config import DERIVED_VALUES, config_to_yaml, explain_derived
+
+    monkeypatch.setattr(config.loading, "_logged", set())  # logged once per process: this test's loads must log
+
+    with caplog.at_level(logging.INFO, logger="rlt2t.config"):
+        cfg = load_config(overrides=["rl.batch_size=48", "data.max_target_len=20", "metric.bleu_weight=0.5"])
+    assert cfg.rl.chunk_size == 24 and cfg.rollout.max_new_tokens == 20 and cfg.reward.bleu_weight == 0.5
+    assert any(line.startswith("rl.chunk_size: 24, not its default 32") for line in cfg.derived)
+    assert any(line.startswith("rollout.max_new_tokens: 20, not its default 64") for line in cfg.derived)
+    assert any(line.startswith("reward.bleu_weight: 0.5") for line in cfg.derived)
+    logged = [r.getMessage() for r in caplog.records if r.name == "rlt2t.config"]
+    assert all(any(line in m for m in logged) for line in cfg.derived), logged
+    head = config_to_yaml(cfg).splitlines()[: len(cfg.derived)]
+    assert head == [f"# derived: {line}" for line in cfg.derived]
+    # a value set explicitly is the user's: no rule, no note
+    explicit = load_config(overrides=["rl.batch_size=48", "rl.chunk_size=16", "data.max_target_len=20",
+                                      "rollout.max_new_tokens=20"])
+    assert not any(line.startswith(("rl.chunk_size", "rollout.max_new_tokens")) for line in explicit.derived)
+    text = "\n".join(explain_derived())
+    assert all(key in text for key, _ in DERIVED_VALUES)

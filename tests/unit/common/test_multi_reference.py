@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rlt2t.actors.rollout import RolloutWorker
+from rlt2t.common.algorithms import rollout_spec_for
 from rlt2t.common.config import EvalConfig, MetricConfig, ModelConfig, RolloutConfig
 from rlt2t.common.data import (
     DataError,
@@ -23,7 +24,7 @@ from rlt2t.common.data import (
 from rlt2t.common.metrics import DocumentFrequency, get_metric
 from rlt2t.common.rewards import MetricReward, score_groups, score_pairs
 from rlt2t.common.sampling import candidate_set
-from rlt2t.common.types import RolloutSpec, SampledGroup
+from rlt2t.common.types import SampledGroup
 from rlt2t.learner.evaluate import distinct_outputs, evaluate, generate, metric_table, monitor_score
 
 REFS = ["1 2 3 4", "1 2 5 6", "7 8 9"]
@@ -126,7 +127,7 @@ def test_groups_and_pairs_are_scored_against_every_reference():
 def test_rollouts_carry_the_examples_references(ids_tokenizer_dir, tiny_policy):
     weights = tiny_policy.model.state_dict()
     worker = RolloutWorker(ModelConfig(preset="tiny"), str(ids_tokenizer_dir), RolloutConfig(max_new_tokens=4,
-                           num_samples=2), seed=1, max_source_len=16, spec=RolloutSpec.for_algorithm("grpo", kl=False))
+                           num_samples=2), seed=1, max_source_len=16, spec=rollout_spec_for("grpo", kl=False))
     worker.set_weights(0, weights)
     examples = [Example(id="a", source="5 6", target=REFS[0], references=tuple(REFS)),
                 Example(id="b", source="7", target="8 9")]

@@ -10,15 +10,17 @@ import torch
 
 from rlt2t.learner.losses import (
     AdaptiveKLController,
+    baseline_advantages,
     clipped_policy_loss,
     clipped_value_loss,
     gae,
     gold_cross_entropy,
-    group_advantages,
     kl_estimate,
+    leave_one_out_advantages,
     mask_leak,
     masked_mean,
     masked_whiten,
+    normalised_advantages,
 )
 
 
@@ -47,20 +49,20 @@ def test_kl_estimators_are_unbiased_for_the_true_kl():
         assert abs(float(kl_estimate(logp, logq, kind).mean()) - true_kl) < 0.01
 
 
-def test_group_advantages_by_hand():
+def test_sequence_advantages_by_hand():
     r = torch.tensor([[1.0, 2.0, 3.0], [0.5, 0.5, 0.5]])
-    torch.testing.assert_close(group_advantages(r, "scst", baseline=torch.tensor([2.0, 1.0])),
+    torch.testing.assert_close(baseline_advantages(r, torch.tensor([2.0, 1.0])),
                                torch.tensor([[-1.0, 0.0, 1.0], [-0.5, -0.5, -0.5]]))
     # RLOO: r_k - mean of the others
-    torch.testing.assert_close(group_advantages(r, "rloo"),
+    torch.testing.assert_close(leave_one_out_advantages(r),
                                torch.tensor([[1 - 2.5, 2 - 2.0, 3 - 1.5], [0.0, 0.0, 0.0]]))
     # GRPO: (r - mean) / (std_ddof1 + 1e-4); std of [1, 2, 3] with ddof 1 is 1; a tied group gives 0
-    torch.testing.assert_close(group_advantages(r, "grpo"),
+    torch.testing.assert_close(normalised_advantages(r),
                                torch.tensor([[-1 / 1.0001, 0.0, 1 / 1.0001], [0.0, 0.0, 0.0]]))
     with pytest.raises(ValueError, match="baseline"):
-        group_advantages(r, "scst")
+        baseline_advantages(r, None)
     with pytest.raises(ValueError, match="K >= 2"):
-        group_advantages(r[:, :1], "rloo")
+        leave_one_out_advantages(r[:, :1])
 
 
 def test_grpo_scales_by_hand():
@@ -68,22 +70,22 @@ def test_grpo_scales_by_hand():
     r = torch.tensor([[0.00, 0.03, 0.00], [1.0, 3.0, 2.0]], dtype=torch.float64)
     centred = torch.tensor([[-0.01, 0.02, -0.01], [-1.0, 1.0, 0.0]], dtype=torch.float64)
     # group: each source divided by its own std (ddof 1): the hair-thin group gets advantages as large as the other
-    group = group_advantages(r, "grpo")
+    group = normalised_advantages(r)
     torch.testing.assert_close(group[0], centred[0] / (0.03 / 3**0.5 + 1e-4))
     torch.testing.assert_close(group[1], centred[1] / (1.0 + 1e-4))
     # batch: one std (ddof 0) of all six deviations, so the sources keep their relative sizes
     rms = (sum(float(x) ** 2 for x in centred.flatten()) / 6) ** 0.5
-    torch.testing.assert_close(group_advantages(r, "grpo", scale="batch"), centred / (rms + 1e-4))
-    torch.testing.assert_close(group_advantages(r, "grpo", scale="none"), centred)
+    torch.testing.assert_close(normalised_advantages(r, scale="batch"), centred / (rms + 1e-4))
+    torch.testing.assert_close(normalised_advantages(r, scale="none"), centred)
     with pytest.raises(ValueError, match="scale"):
-        group_advantages(r, "grpo", scale="rank")  # type: ignore[arg-type]
+        normalised_advantages(r, scale="rank")  # type: ignore[arg-type]
 
 
 def test_grpo_batch_scale_spans_the_ranks():
     # Two learner ranks holding a source each: all_sum adds the other rank's sums, and each rank's advantages are
     # what one rank holding both sources computes.
     r = torch.tensor([[0.00, 0.03, 0.00], [1.0, 3.0, 2.0]], dtype=torch.float64)
-    whole = group_advantages(r, "grpo", scale="batch")
+    whole = normalised_advantages(r, scale="batch")
     shards = [r[:1], r[1:]]
 
     def sums(x):
@@ -92,10 +94,10 @@ def test_grpo_batch_scale_spans_the_ranks():
 
     for i, shard in enumerate(shards):
         other = sums(shards[1 - i])
-        got = group_advantages(shard, "grpo", scale="batch", all_sum=lambda t, other=other: t + other)
+        got = normalised_advantages(shard, scale="batch", all_sum=lambda t, other=other: t + other)
         torch.testing.assert_close(got, whole[i : i + 1])
     # without the other rank's sums, a rank's scale is its own
-    assert not torch.allclose(group_advantages(shards[0], "grpo", scale="batch"), whole[:1])
+    assert not torch.allclose(normalised_advantages(shards[0], scale="batch"), whole[:1])
 
 
 def _gae_loop(rewards, values, mask, gamma, lam):

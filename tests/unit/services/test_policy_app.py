@@ -394,3 +394,105 @@ def test_oversized_bodies_are_refused_before_parsing_or_auth(serve_cfg, checkpoi
         ok = c.post("/v1/candidates", json={"sources": ["11 12"], "max_new_tokens": 3},
                     headers={"Authorization": "Bearer t0ken"})
         assert ok.status_code == 200
+
+
+def mbr_reference(metric, texts, total_logprobs, weights):
+    """The definitions of docs/design.md, "Minimum-Bayes-risk decoding", by brute force, per entry: uniform,
+    leave-one-out over the entries (duplicates as separate entries); probability, over the distinct texts y,
+    itself included, at p(y) ∝ exp(total_logprob of y's first entry)."""
+    import math
+
+    u = lambda h, r: float(metric.per_sample([h], [[r]])[0])  # noqa: E731
+    if weights == "uniform":
+        n = len(texts)
+        return [sum(u(t, texts[j]) for j in range(n) if j != i) / (n - 1) for i, t in enumerate(texts)]
+    distinct = list(dict.fromkeys(texts))
+    top = max(total_logprobs)
+    p = {y: math.exp(total_logprobs[texts.index(y)] - top) for y in distinct}
+    z = sum(p.values())
+    return [sum(p[y] / z * u(t, y) for y in distinct) for t in texts]
+
+
+@pytest.mark.parametrize(("utility", "weights"), [("bleu4", "uniform"), ("sacrebleu", "probability"),
+                                                  (None, "uniform"), (None, "probability")])
+def test_candidates_rerank_mbr_picks_the_highest_expected_utility(client, utility, weights):
+    """``rerank: mbr`` on /v1/candidates: per source, each candidate's expected utility (brute force here) and the
+    argmax (ties: the lower index)."""
+    from rlt2t.common.metrics import DocumentFrequency, TaskScore, get_metric
+
+    r = client.post("/v1/candidates", json={"sources": SOURCES, "num_candidates": 6, "top_k": 0, "seed": 3,
+                                            "max_new_tokens": 8, "rerank": "mbr", "mbr_weights": weights,
+                                            **({"utility": utility} if utility else {})})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    for cands, chosen, expected in zip(body["candidates"], body["chosen"], body["expected_utility"], strict=True):
+        texts = [c["text"] for c in cands]
+        # Without the server's document frequencies, CIDEr-D's come from the pool's distinct texts.
+        metric = get_metric(utility) if utility else \
+            TaskScore(df=DocumentFrequency.from_references([[t] for t in dict.fromkeys(texts)]))
+        want = mbr_reference(metric, texts, [c["total_logprob"] for c in cands], weights)
+        assert expected == pytest.approx(want, rel=1e-6, abs=1e-9)
+        assert chosen == next(i for i, w in enumerate(want) if w >= max(want) - 1e-9)
+    assert body["rerank_seconds"] >= 0
+    assert any(len(set(c["text"] for c in cands)) > 1 for cands in body["candidates"])  # a choice was made
+
+
+def test_candidates_without_rerank_leave_the_mbr_fields_out_and_nothing_else():
+    from rlt2t.services.schemas import Candidate, CandidatesResponse
+
+    plain = CandidatesResponse(candidates=[[Candidate(text="a", token_ids=[1], logprobs=[-0.5], total_logprob=-0.5,
+                                                      sample_logprobs=[-0.5])]], policy_version=3)
+    assert set(plain.model_dump()) == {"candidates", "policy_version"}
+    assert set(plain.model_dump()["candidates"][0][0]) == {"text", "token_ids", "logprobs", "total_logprob",
+                                                           "sample_logprobs", "forced_eos"}
+    plain.chosen, plain.rerank_seconds = [0], 0.0
+    assert plain.model_dump()["chosen"] == [0] and plain.model_dump()["rerank_seconds"] == 0.0
+    assert "expected_utility" not in plain.model_dump()
+
+
+def test_candidates_without_rerank_answer_no_mbr_fields(client):
+    plain = client.post("/v1/candidates", json={"sources": SOURCES[:1], "num_candidates": 2}).json()
+    assert set(plain) == {"candidates", "policy_version"}  # only when asked for
+
+
+@pytest.mark.parametrize(("utility", "msg"), [
+    ("bleu5", "only the vectorised MBR utilities"),
+    ("rouge_l", "only the vectorised MBR utilities"),  # registered, but scored one pair per call: unbounded work
+    ("mean_length", "only the vectorised MBR utilities"),
+    ("classifier_accuracy", "only the vectorised MBR utilities"),
+])
+def test_an_unusable_mbr_utility_is_a_422_on_utility(client, utility, msg):
+    r = client.post("/v1/candidates", json={"sources": SOURCES[:1], "num_candidates": 2, "rerank": "mbr",
+                                            "utility": utility})
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"][0]
+    assert detail["loc"] == ["body", "utility"] and msg in detail["msg"] and f"utility={utility!r}" in detail["msg"]
+
+
+def test_a_utility_that_cannot_be_built_is_a_422_not_a_500(client):
+    """A vectorised name registered anew by a plugin over the built-in metric, failing to build."""
+    from rlt2t.common.metrics import _REGISTRY, register_metric
+
+    saved = _REGISTRY["cider_d"]
+
+    def broken(**params):
+        raise FileNotFoundError("no data files")
+
+    register_metric("cider_d", replace=True)(broken)
+    try:
+        r = client.post("/v1/candidates", json={"sources": SOURCES[:1], "num_candidates": 2, "rerank": "mbr",
+                                                "utility": "cider_d"})
+    finally:
+        register_metric("cider_d", replace=True)(saved)
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"][0]
+    assert detail["loc"] == ["body", "utility"] and "cannot be built" in detail["msg"]
+    assert "FileNotFoundError: no data files" in detail["msg"]
+
+
+@pytest.mark.parametrize("name", ["rouge_l", "mean_length", "bleu5"])
+def test_serve_mbr_utility_is_checked_when_the_app_is_created(serve_cfg, checkpoint_root, name):
+    cfg = serve_cfg.model_copy(update={"serve": serve_cfg.serve.model_copy(update={"mbr_utility": name})})
+    with pytest.raises(ValueError, match=rf"serve.mbr_utility='{name}': the policy server computes only the "
+                                         r"vectorised MBR utilities \(bleu4, cider_d, sacrebleu, task_score\)"):
+        create_app(cfg, checkpoint_dir=checkpoint_root)

@@ -1,0 +1,50 @@
+"""`eval` and `metric`: how checkpoints are evaluated and the task metric's settings."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import (
+    Field,
+)
+
+from rlt2t.common.config.base import _Section
+from rlt2t.common.config.services import PredictRerank
+
+
+class EvalConfig(_Section):
+    split: Literal["train", "valid", "test"] = "valid"
+    """Split decoded by `rlt2t eval`."""
+    num_beams: int = Field(1, ge=1)
+    """1 = greedy decoding."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest generated target (left unset, at most 4x data.max_target_len)."""
+    batch_size: int = Field(64, ge=1)
+    """Sources per generate call."""
+    limit: int = Field(0, ge=0)
+    """Evaluate only the first N examples (0: all)."""
+    metrics: list[str] = ["cider_d", "bleu4", "task_score", "rouge_l", "mean_length"]  # pydantic copies the default
+    """Columns of the eval table: registered metric names (rouge1, meteor, sacrebleu, distinct_2, ...) and
+    `perplexity` (of the references under the model); `rlt2t eval --metrics` overrides it."""
+    classifier_path: str | None = None
+    """Sequence-classification model directory for the `classifier_accuracy` column (`{run}` expands)."""
+    classifier_label_field: str | None = None
+    """JSONL field holding each example's expected class (e.g. `intent`); None: the classifier's label of the
+    reference is expected."""
+    rerank: Literal["none", PredictRerank] = "none"
+    """`none`: decode with `num_beams` (1: greedy); otherwise pick from a pool of candidates as `rlt2t predict`
+    does (the model generates and scores; predict.pool, predict.beam_size, predict.mbr_utility, ... configure it);
+    `rlt2t eval --rerank` overrides it."""
+
+
+class MetricConfig(_Section):
+    cider_sigma: float = Field(6.0, gt=0.0)
+    """σ of CIDEr-D's Gaussian length penalty (6 is standard; the original used 15), of evaluation and, unless
+    `reward.cider_sigma` is set, of the rewards."""
+    bleu_weight: float = Field(1 / 3, ge=0.0, le=1.0)
+    """w in the task score (1-w)·CIDEr-D + w·BLEU-4 of eval tables and, unless `reward.bleu_weight` is set, of
+    the rewards (the competition's 1/3)."""
+    monitor_bleu_weight: float = Field(0.0, ge=0.0, le=1.0)
+    """w of the per-epoch validation monitor that picks the best checkpoint (0, as the original)."""
+    monitor_size: int = Field(200, ge=0)
+    """Validation examples decoded after each epoch for the monitor (0: none)."""

@@ -1,0 +1,145 @@
+"""The driver out of the data path, without Ray: rank 0 publishes and checkpoints its own weights, the driver
+holds references only, scored items reach the learner ranks by reference (issue #39, item 3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import rlt2t.driver as driver
+import rlt2t.groups as groups
+from rlt2t.common.checkpoint import complete_checkpoint, load_training_state
+from rlt2t.common.config import ModelConfig, RLConfig
+from rlt2t.common.policy import load_policy
+from rlt2t.common.types import ScoredPair
+from rlt2t.learner.learner import Learner
+from rlt2t.scheduler import StoredItem
+
+
+def _pairs(n: int) -> list[ScoredPair]:
+    return [ScoredPair(example_id=str(i), source=f"{i} {i + 1} {i + 2}", reference=f"{i}", a=f"{i}", b=f"{i + 1} 7",
+                       score_a=1.0, score_b=0.2, use_rank=True, policy_version=0) for i in range(n)]
+
+
+def _learner(tmp_path: Path, tiny_policy) -> Learner:
+    tiny_policy.model.save_pretrained(tmp_path / "init")
+    tiny_policy.tokenizer.save_pretrained(tmp_path / "init")
+    return Learner(ModelConfig(dropout=0.1), None, RLConfig(algorithm="rank", lr=1e-3, warmup_ratio=0.0),
+                   init_checkpoint=str(tmp_path / "init"), rank=0, world_size=1, total_steps=20, seed=0,
+                   max_source_len=32, max_target_len=16)
+
+
+class _Remote:
+    """A fake actor method: records each call, returns what ``reply`` makes of it."""
+
+    def __init__(self, calls: list, name: str, reply) -> None:
+        self.calls, self.name, self.reply = calls, name, reply
+
+    def options(self, **kw):
+        return self
+
+    def remote(self, *args, **kwargs):
+        self.calls.append((self.name, args, kwargs))
+        return self.reply(*args)
+
+
+def test_rank_0_publishes_views_of_its_weights_with_a_summary_of_its_step(tmp_path, tiny_policy):
+    learner = _learner(tmp_path, tiny_policy)
+    learner.train_step(_pairs(4))
+    summary, weights = learner.publish_weights()
+    expected = learner.weights()
+    assert summary["step"] == 1 and summary["bytes"] == sum(t.numel() * t.element_size() for t in expected.values())
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
+    # No copy on CPU: Ray's serialisation of the call's result is the only one.
+    live = dict(learner.policy.model.state_dict())
+    assert all(weights[k].data_ptr() == live[k].data_ptr() for k in weights)
+
+
+def test_the_group_publishes_without_fetching_the_weights(monkeypatch):
+    calls: list = []
+    fetched: list = []
+    rank0 = SimpleNamespace(publish_weights=_Remote(calls, "publish_weights", lambda: ("summary-ref", "weights-ref")),
+                            weights=_Remote(calls, "weights", lambda: pytest.fail("the weights were fetched")))
+    group = object.__new__(groups.LearnerGroup)
+    group.ranks, group._joining, group._preflight, group._loading = [rank0], [], [], []
+    monkeypatch.setattr(groups.ray, "get", lambda ref, **kw: fetched.append(ref) or {"step": 3, "bytes": 8})
+    assert group.publish() == ("weights-ref", 3)
+    assert fetched == ["summary-ref"]  # the summary only
+
+
+def test_the_publisher_hands_on_references_and_refuses_a_version_rank_0_is_not_at():
+    published: list = []
+    learners = SimpleNamespace(publish=lambda: (f"ref-{len(published)}", 4 + len(published)),
+                               weights=lambda: pytest.fail("the driver fetched the weights"),
+                               write_published=lambda *a, **k: published.append(a))
+    publisher = driver._Publisher(learners, None, "start-ref", start_version=0)  # type: ignore[arg-type]
+    publisher.publish(0)
+    publisher.publish(4)
+    assert publisher.refs == {0: "start-ref", 4: "ref-0"}
+    assert publisher.kept(below=4) == {0: "start-ref"}  # references, for rank 0's checkpoint
+    with pytest.raises(RuntimeError, match="publishing version 6, learner rank 0 is at step 4"):
+        publisher.publish(6)
+
+
+def test_rank_0_writes_a_checkpoint_that_loads_bitwise_and_resumes_each_rank(tmp_path, tiny_policy):
+    learner = _learner(tmp_path / "a", tiny_policy)
+    learner.train_step(_pairs(8))
+    kept = {0: learner.weights()}
+    path = Path(learner.write_checkpoint(str(tmp_path / "ckpt"), "step-000001", 1, {"stage": "rl", "epoch": 0},
+                                         ["0", "1"], [0], kept[0]))
+    learner.train_step(_pairs(8))  # the uninterrupted run (the process's RNG is the ranks' own: first)
+    wa = learner.weights()
+    info = complete_checkpoint(path)
+    assert info.step == 1 and info.meta["stage"] == "rl"
+    loaded = load_policy(ModelConfig(dropout=0.1), None, checkpoint=path).model.state_dict()
+    assert all(torch.equal(loaded[k], kept[0][k]) for k in kept[0])  # kept[0]: the weights at the checkpoint
+    state = load_training_state(path)
+    assert state["trained_in_epoch"] == ["0", "1"] and list(state["published"]) == [0]
+    assert all(torch.equal(state["published"][0][k], kept[0][k]) for k in kept[0])
+    # A rank reads its own state from the file; the next step is the uninterrupted run's, bit for bit.
+    b = Learner(ModelConfig(dropout=0.1), None, RLConfig(algorithm="rank", lr=1e-3, warmup_ratio=0.0),
+                init_checkpoint=str(path), rank=0, world_size=1, total_steps=20, seed=0, max_source_len=32,
+                max_target_len=16)
+    b.load_training_state_from(str(path))
+    b.train_step(_pairs(8))
+    wb = b.weights()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(ValueError, match="states and weights"):
+        learner.write_checkpoint(str(tmp_path / "ckpt"), "step-000002", 2, {}, [], [0, 1], kept[0])
+
+
+def test_learner_ranks_pick_their_items_out_of_scored_chunks_by_reference():
+    calls: list = []
+    ranks = [SimpleNamespace(train_step_stored=_Remote(calls, f"rank{i}", lambda *a: "step-ref")) for i in range(2)]
+    group = object.__new__(groups.LearnerGroup)
+    group.ranks, group._joining, group._preflight, group._loading = ranks, [], [], []
+    group._masks_held = [None, None]
+    items = [StoredItem(5, 0, "a", 0), StoredItem(5, 1, "b", 0), StoredItem(7, 0, "c", 0, mask_version=2),
+             StoredItem(5, 2, "d", 0)]
+    refs = group.train_step_async(items, {5: "chunk5", 7: "chunk7"}, published={2: "mask2"})
+    assert refs == ["step-ref", "step-ref"]
+    # rank 0: items 0 and 2 (chunks 5 and 7); rank 1: items 1 and 3 (chunk 5 only): references, never items
+    assert calls == [("rank0", ([(0, 0), (1, 0)], [2], "chunk5", "chunk7", "mask2"), {}),
+                     ("rank1", ([(0, 1), (0, 2)], [], "chunk5"), {})]
+    # what the rank does with them: the items picked, in order, and the masking policies after the chunks
+    seen = SimpleNamespace(train_step=lambda items, versions, *masks: (items, versions, masks))
+    got = Learner.train_step_stored(seen, [(0, 0), (1, 0), (0, 2)], [2], ["a", "b", "d"], ["c"], "mask2")  # type: ignore[arg-type]
+    assert got == (["a", "c", "d"], [2], ("mask2",))
+
+
+def test_worker_results_come_with_the_summary_the_driver_reads():
+    class Rollouts(groups.RolloutsByReference):
+        def sample_version(self, version, weights, examples):
+            return [f"set-{e}" for e in examples]
+
+    class Rewards(groups.RewardsByReference):
+        def score(self, items):
+            return _pairs(len(items))
+
+    assert Rollouts().sample_version_stored(0, None, ["x", "y"]) == (2, ["set-x", "set-y"])
+    summary, scored = Rewards().score_stored(["set-x", "set-y"])
+    assert summary == [("0", 0, None), ("1", 0, None)] and scored == _pairs(2)
+    assert groups.stored_items(3, summary) == [StoredItem(3, 0, "0", 0), StoredItem(3, 1, "1", 0)]
