@@ -21,6 +21,7 @@ job; the last checkpoint resumes it, bit for bit on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -571,8 +572,10 @@ class _Job:
                     sched.reward_done(index, worker, stored)
                     scored[index], unused[index] = result, len(stored)
             except RewardError as e:  # the user's reward function: the same candidates fail again, no retry
+                _retrieve_error(result)
                 raise RewardError(f"rl: {e.cause if isinstance(e, RayTaskError) else e}") from None
             except (RayActorError, RayTaskError, ObjectLostError) as e:
+                _retrieve_error(result)
                 # ObjectLostError: the rollout a reward task was to score is gone with its worker's node (results
                 # stay where they were made): sampled again, as after any failed task.
                 try:
@@ -586,6 +589,13 @@ class _Job:
             log.info("rl: %d chunks reached the learner out of dataset order (rl.deterministic off)",
                      sched.stats.out_of_order)
         return last
+
+
+def _retrieve_error(ref: ray.ObjectRef) -> None:
+    """The result beside a failed summary holds the same error: retrieved (and dropped) here, or Ray reports it as
+    an unhandled error when the reference is released, a second traceback after the job's own message."""
+    with contextlib.suppress(Exception):
+        ray.get(ref, timeout=0)
 
 
 def validate_epoch(learners: LearnerGroup, valid: Sequence[Example], cfg: Config, logger: RunLogger, epoch: int,
