@@ -648,9 +648,6 @@ def _explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     return float(1 - var_diff / var) if var > 0 else 0.0
 
 
-Objective = RankObjective | PolicyGradientObjective
-
-
 def build_objective(rl: RLConfig, rollout: RolloutConfig, policy: Policy, *, seed: int,
                     reference: nn.Module | None = None) -> Any:
     """The objective of ``rl.algorithm`` for ``policy`` (its unit's, rlt2t.common.algorithms)."""
