@@ -35,7 +35,7 @@ from rouge_score import rouge_scorer, tokenizers
 from sacrebleu.metrics import BLEU, CHRF
 
 from rlt2t.common.io import atomic_write_text
-from rlt2t.common.wordnet import nltk_wordnet
+from rlt2t.common.wordnet import find_wordnet, nltk_wordnet
 
 if TYPE_CHECKING:
     from rlt2t.common.config import MetricConfig
@@ -612,7 +612,8 @@ class Meteor(_SentenceMetric):
 
     WordNet: ``wordnet_dir``, else ``$WNSEARCHDIR`` / ``$WNHOME``, else Debian's ``wordnet-base``
     (``/usr/share/wordnet``, installed by ``make system-deps``); never downloaded. A missing directory
-    fails at construction with a FileNotFoundError saying what to install.
+    fails at construction with a FileNotFoundError saying what to install; :meth:`missing_dependency` says so
+    without building anything (how the reward server, eval and the RL job check it before they start).
     """
 
     name = "meteor"
@@ -627,6 +628,15 @@ class Meteor(_SentenceMetric):
         self.alpha, self.beta, self.gamma = float(alpha), float(beta), float(gamma)
         self.wordnet = nltk_wordnet(str(wordnet_dir) if wordnet_dir is not None else None)
         self._stemmer = PorterStemmer()
+
+    @staticmethod
+    def missing_dependency(wordnet_dir: str | os.PathLike | None = None, **_params: Any) -> str | None:
+        """What METEOR lacks here, its WordNet data, and how to install it; None when the data is found."""
+        try:
+            find_wordnet(wordnet_dir)
+        except FileNotFoundError as e:
+            return str(e)
+        return None
 
     def _score(self, hyp: str, item_refs: Sequence[str]) -> float:
         return meteor_score([r.split() for r in item_refs], hyp.split(), stemmer=self._stemmer,
@@ -828,6 +838,12 @@ def register_metric(name: str, *, replace: bool = False) -> Callable[[_F], _F]:
 
     Registering a taken name raises ValueError unless ``replace=True``. Ray workers and servers know it when
     its module is in ``reward.plugins`` (or registered by the script that starts the job).
+
+    A metric that needs data or a package beyond the project's Python dependencies gives the factory a static or
+    class method ``missing_dependency(**params) -> str | None`` (:meth:`Meteor.missing_dependency`): what is
+    missing and the command that installs it, checked without building the metric. Where it says something is
+    missing the reward server does not offer the metric, and ``rlt2t eval`` and the RL job refuse it before they
+    decode (:func:`missing_dependency`).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"metric name must be a non-empty str, got {name!r}")
@@ -848,6 +864,30 @@ def register_metric(name: str, *, replace: bool = False) -> Callable[[_F], _F]:
 def available_metrics() -> list[str]:
     """Registered metric names, sorted."""
     return sorted(_REGISTRY)
+
+
+def missing_dependency(name: str, **params) -> str | None:
+    """What the registered metric ``name`` built with ``params`` needs and this machine lacks (data, a package),
+    with the command that installs it; None when nothing is missing, or when ``name`` is not registered (that is
+    :func:`get_metric`'s error). Asks the factory's ``missing_dependency`` (see :func:`register_metric`; params a
+    check does not take are ignored); checks files, builds nothing, so it is cheap enough for a start-up check."""
+    factory = _REGISTRY.get(name)
+    while isinstance(factory, functools.partial):  # a registered partial: the class's check, with its keywords
+        params = {**factory.keywords, **params}
+        factory = factory.func
+    check = getattr(factory, "missing_dependency", None)
+    return check(**params) if check is not None else None
+
+
+def check_dependencies(names: Iterable[str], what: str,
+                       params_by_metric: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """ValueError naming ``what`` (e.g. ``--metrics``), each metric of ``names`` whose data or package is missing
+    (:func:`missing_dependency`) and the fix: what a command checks before it decodes anything."""
+    params_by_metric = params_by_metric or {}
+    missing = [f"{name} cannot run here: {reason}" for name in names
+               if (reason := missing_dependency(name, **params_by_metric.get(name, {}))) is not None]
+    if missing:
+        raise ValueError(f"{what}: " + "; ".join(missing))
 
 
 def get_metric(name: str, **params) -> Metric:

@@ -9,10 +9,14 @@ chosen candidate, or raises ValueError for malformed input.
 - :func:`mean_logprob`: length-normalised log-likelihood averaged over scorers.
 - :func:`idf_score`: the same mean with tokens weighted by the IDF of the training-corpus n-grams that
   cover them (the original's reranker; the table is :class:`IdfTable`, built by our own code). The n-grams are
-  of whitespace words; with a subword scorer every piece of a word carries the word's weight
-  (:func:`token_words` maps a scorer's tokens to the words).
+  of whitespace words, so the weights are per word; with a subword scorer every piece of a word carries the
+  word's weight (:func:`token_words` maps a scorer's tokens to the words through a fast tokenizer's offsets,
+  :func:`idf_token_weights` gives each token its weight).
 - :func:`consensus`: among the best candidates by mean log-prob, the one the others agree with most
   (mean CIDEr-D against the rest).
+
+Reranking by a reward (``rlt2t predict --rerank reward``, ``rerank: reward`` on the policy server) scores the
+candidates without references: :func:`check_reference_free` refuses a reward with a term that reads them.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ if TYPE_CHECKING:  # torch, transformers and the metrics load where they are use
     from transformers import PreTrainedTokenizerBase
 
     from rlt2t.common.metrics import CiderD
+    from rlt2t.common.rewards import WeightedReward
 
 RERANK_MODES = ("mean_logprob", "idf", "consensus")
 """The modes of :func:`rerank`, pure functions of the candidates and their log-probs."""
@@ -133,6 +138,31 @@ def mean_logprob(candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence
     return int(np.argmax(mean_logprobs(logprobs)))
 
 
+def idf_token_weights(text: str, table: IdfTable, words: Sequence[int | None]) -> np.ndarray | None:
+    """The IDF weight w_t of each scored token of ``text`` (see :func:`idf_weighted_mean`), float64 [len(words)]:
+    ``words[t]`` is the whitespace word of ``text`` the t-th token belongs to (None: a special token). Every token
+    of one word gets the word's weight. None when no word of ``text`` is known to ``table`` (the weights carry no
+    information: the plain mean applies)."""
+    tokens = text.split()
+    if any(w is not None and not 0 <= w < len(tokens) for w in words):
+        raise ValueError(f"words: word indices must be in [0, {len(tokens)}) for {text!r}, got {list(words)}")
+    sums = np.zeros(len(tokens))
+    counts = np.zeros(len(tokens))
+    for n in range(1, table.max_n + 1):
+        for i in range(len(tokens) - n + 1):
+            value = table.idf(tokens[i : i + n])
+            if value is not None:
+                sums[i : i + n] += value
+                counts[i : i + n] += 1
+    known = counts > 0
+    if not known.any():
+        return None
+    per_word = np.divide(sums, counts, out=np.zeros_like(sums), where=known)
+    mean_known = float(per_word[known].mean())
+    per_word[~known] = mean_known
+    return np.array([mean_known if w is None else per_word[w] for w in words], dtype=np.float64)
+
+
 def idf_weighted_mean(text: str, logprobs: Sequence[float], table: IdfTable,
                       words: Sequence[int | None] | None = None) -> float:
     """IDF-weighted mean token log-prob of one candidate under one scorer.
@@ -163,24 +193,10 @@ def idf_weighted_mean(text: str, logprobs: Sequence[float], table: IdfTable,
         words = [*range(len(tokens)), None]
     elif len(words) != len(logprobs):
         raise ValueError(f"words has {len(words)} entries for {len(logprobs)} log-probs")
-    elif any(w is not None and not 0 <= w < len(tokens) for w in words):
-        raise ValueError(f"words: word indices must be in [0, {len(tokens)}) for {text!r}, got {list(words)}")
     lp = np.asarray(logprobs, dtype=np.float64)
-    sums = np.zeros(len(tokens))
-    counts = np.zeros(len(tokens))
-    for n in range(1, table.max_n + 1):
-        for i in range(len(tokens) - n + 1):
-            value = table.idf(tokens[i : i + n])
-            if value is not None:
-                sums[i : i + n] += value
-                counts[i : i + n] += 1
-    known = counts > 0
-    if not known.any():
+    weights = idf_token_weights(text, table, words)
+    if weights is None:
         return float(lp.mean())
-    per_word = np.divide(sums, counts, out=np.zeros_like(sums), where=known)
-    mean_known = float(per_word[known].mean())
-    per_word[~known] = mean_known
-    weights = np.array([mean_known if w is None else per_word[w] for w in words], dtype=np.float64)
     total = weights.sum()
     if total <= 0.0:
         return float(lp.mean())
@@ -208,11 +224,16 @@ def idf_score(candidates: Sequence[str], logprobs: Sequence[Sequence[Sequence[fl
 
 def check_word_alignment(tokenizer: PreTrainedTokenizerBase) -> None:
     """ValueError unless :func:`token_words` can tell which word each of ``tokenizer``'s tokens belongs to: it
-    reads a fast (Rust) tokenizer's offset mapping, which a slow one (Marian's) does not have."""
+    reads a fast (Rust) tokenizer's offset mapping, which a slow one (Marian's) does not have. The message names
+    the tokenizer and what to do."""
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(f"its tokenizer ({type(tokenizer).__name__}) is not a fast tokenizer: it has no offset "
-                         "mapping to tell which whitespace word each of its tokens belongs to, and the IDF weights "
-                         "are per word")
+        where = getattr(tokenizer, "name_or_path", "") or ""
+        raise ValueError(f"its tokenizer ({type(tokenizer).__name__}{f' from {where}' if where else ''}) is not a "
+                         "fast tokenizer: it has no offset mapping to tell which whitespace word each of its tokens "
+                         "belongs to, and the IDF weights are per word. Give a scorer whose tokenizer loads as a "
+                         "fast one (a tokenizer.json beside it: transformers' AutoTokenizer.from_pretrained(dir)"
+                         ".save_pretrained(dir) writes one where transformers has a fast version of it, which "
+                         "Marian has not), or rerank without it (mean_logprob, consensus, mbr, reward)")
 
 
 def token_words(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int | None]]:
@@ -245,6 +266,17 @@ def token_words(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> lis
             row.append(max(bisect_right(starts, at) - 1, 0))
         out.append(row)
     return out
+
+
+def check_reference_free(reward: WeightedReward, key: str) -> WeightedReward:
+    """``reward`` itself when every weighted term scores without references; else ValueError naming ``key`` and the
+    first term that reads them (a reranker picks at test time, with no reference to give it)."""
+    for weight, name, term in reward.terms:
+        if weight and term.needs_references:
+            raise ValueError(f"{key} term {name} needs references, which a reranker does not have; rerank with "
+                             "reference-free terms (python, reward_model, classifier, or an http term naming one "
+                             "of the reward server's named rewards)")
+    return reward
 
 
 def consensus_scores(candidates: Sequence[str], top: Sequence[int], cider: CiderD) -> np.ndarray:

@@ -15,7 +15,8 @@ Term kinds (``RewardConfig.terms``, a weighted sum Σ weight·term):
 
 ``reward.plugins`` (and installed ``rlt2t.plugins`` entry points) are imported before a reward is built
 (``rlt2t.common.plugins``); :class:`UserRegistrations` carries what a script registered itself to the Ray reward
-workers, and :func:`check_reward` resolves every term before a job starts any of them.
+workers, and :func:`check_reward` resolves every term before a job starts any of them (and refuses a metric term
+whose data or package is missing here, naming what to install: :func:`missing_dependencies`).
 
 The default is today's rank-RL reward, the task score ``(1 - w) · CIDEr-D + w · BLEU-4`` (docs/design.md,
 "Task metric") with CIDEr-D document frequencies counted once from the training references: with
@@ -56,6 +57,7 @@ from rlt2t.common.metrics import (
     available_metrics,
     class_index,
     get_metric,
+    missing_dependency,
     register_metric,
     user_metrics,
 )
@@ -383,9 +385,19 @@ def _all_terms(cfg: RewardConfig) -> Iterator[tuple[str, RewardTerm]]:
             yield f"reward.named.{name}[{i}]", term
 
 
+def missing_dependencies(terms: Sequence[RewardTerm], where: str = "reward.terms") -> list[str]:
+    """One line per term of ``terms`` whose metric needs data or a package this machine lacks (METEOR without
+    WordNet): ``where[i] (metric:meteor): what is missing; the command that installs it``. Checks files, builds
+    nothing (:func:`rlt2t.common.metrics.missing_dependency`); learned, HTTP and Python terms are not checked."""
+    return [f"{where}[{i}] ({term_name(term)}): {reason}" for i, term in enumerate(terms)
+            if isinstance(term, MetricTerm) and (reason := missing_dependency(term.name, **term.params)) is not None]
+
+
 def check_reward(cfg: RewardConfig) -> None:
-    """What a job checks before it starts a worker: the plugins import, every Python term's function resolves
-    and every metric term names a registered metric; ConfigError naming the term and the path otherwise."""
+    """What a job checks before it starts a worker: the plugins import, every Python term's function resolves,
+    every metric term names a registered metric, and the metrics of ``reward.terms`` (what the job scores with; a
+    named reward is the reward server's, which leaves it out when it cannot run) have their data and packages;
+    ConfigError naming the term and the path, or what to install, otherwise."""
     load_plugins(cfg.plugins)
     for where, term in _all_terms(cfg):
         if isinstance(term, PythonTerm):
@@ -393,6 +405,8 @@ def check_reward(cfg: RewardConfig) -> None:
         elif isinstance(term, MetricTerm) and term.name not in available_metrics():
             raise ConfigError(f"{where}: unknown metric {term.name!r}; known: {', '.join(available_metrics())} "
                               "(a metric of your own: register it in a module listed in reward.plugins)")
+    if missing := missing_dependencies(cfg.terms):
+        raise ConfigError("; ".join(missing))
 
 
 @dataclass(frozen=True)

@@ -53,10 +53,11 @@ def find_wordnet(path: str | os.PathLike | None = None) -> Path:
     for c in candidates:
         if c and (Path(c) / "data.noun").is_file():
             return Path(c)
+    elsewhere = "pass another WordNet dict directory" if path else "set $WNSEARCHDIR to a WordNet dict directory"
     raise FileNotFoundError(
         "WordNet data not found (looked for data.noun in "
         f"{', '.join(str(c) for c in candidates if c)}); install Debian's wordnet-base "
-        "(`make system-deps`, or `apt-get install wordnet-base`) or pass the dict directory")
+        f"(`make system-deps`, or `apt-get install wordnet-base`), or {elsewhere}")
 
 
 def tokenize(text: str) -> str:

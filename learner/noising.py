@@ -1,12 +1,15 @@
-"""T5-style span corruption for denoising pretraining (docs/design.md, "The method", step 3).
+"""Span corruption for denoising pretraining (docs/design.md, "The method", step 3).
 
 A fraction of the tokens (noise density, 0.15) is masked in contiguous spans (mean length 3). Each span
-is replaced in the input by one sentinel id; the label lists, span by span, the sentinel followed by the
-tokens it hides, then EOS:
+is replaced in the input by one sentinel id. The label is one of two objectives (``pretrain.objective``):
 
     tokens  = a b c d e f g h
     input   = a <s0> d e <s1> h </s>
-    labels  = <s0> b c <s1> f g </s>
+    labels  = a b c d e f g h </s>            reconstruct: the whole text (BART's text infilling)
+    labels  = <s0> b c <s1> f g </s>          span_corruption: span by span, the sentinel and what it hides (T5's)
+
+Span corruption (the default) has short labels and is what a pretrained T5 was trained with; reconstruction
+trains the decoder on every token, copying what the encoder sees, and is what a pretrained BART was trained with.
 
 `DenoisingDataset` wraps pre-tokenized texts and draws fresh noise on every access, reproducibly from a
 base seed. The sentinel ids come from `rlt2t.common.tokenization.sentinel_ids`: the tokenizer's own
@@ -64,8 +67,12 @@ def span_corruption(
     mean_span_length: float = 3.0,
     sentinel_ids: Sequence[int],
     eos_id: int,
+    reconstruct: bool = False,
 ) -> tuple[list[int], list[int]]:
     """Mask random spans of `tokens`; return (input_ids, labels), both ending with `eos_id`.
+
+    The labels are the masked spans after their sentinels (T5's objective), or with ``reconstruct`` the whole of
+    `tokens` (BART's); the input and the random draws are the same either way.
 
     Counts, for n = len(tokens) >= 2:
       - noise tokens: round(n * noise_density) clamped to [1, n - 1] (Python's round, half to even, the same
@@ -82,16 +89,16 @@ def span_corruption(
     the same order in input and label. This is also how single-mask mode works: a tokenizer without
     sentinel tokens (pretrained BART) passes `[mask_id]`, and every span is marked with that one id.
 
-    Sequences of length 0 or 1 are returned unmasked (input = tokens + [eos], labels = [eos]): masking the
-    only token would leave an input with no information, and "no sentinel in the input, so the label is
-    just EOS" is consistent with the format.
+    Sequences of length 0 or 1 are returned unmasked (input = tokens + [eos], labels = [eos], or tokens + [eos]
+    with ``reconstruct``): masking the only token would leave an input with no information, and "no sentinel in
+    the input, so the label is just EOS" is consistent with the format.
 
     `tokens` must not contain the sentinel ids or `eos_id` (not checked, to keep the per-sample cost low).
     """
     _check_noise_params(noise_density, mean_span_length, sentinel_ids)
     n = len(tokens)
     if n <= 1:
-        return [*tokens, eos_id], [eos_id]
+        return [*tokens, eos_id], [*tokens, eos_id] if reconstruct else [eos_id]
 
     num_noise = min(max(round(n * noise_density), 1), n - 1)
     num_keep = n - num_noise
@@ -120,12 +127,15 @@ def span_corruption(
         pos += span_length
     input_ids.extend(tokens[pos:])
     input_ids.append(eos_id)
+    if reconstruct:
+        return input_ids, [*tokens, eos_id]
     labels.append(eos_id)
     return input_ids, labels
 
 
 class DenoisingDataset(torch.utils.data.Dataset):
-    """Pre-tokenized texts (token-id lists without EOS) served with freshly sampled span corruption.
+    """Pre-tokenized texts (token-id lists without EOS) served with freshly sampled span corruption
+    (``reconstruct``: labels are the whole text, see :func:`span_corruption`).
 
     Item i is a dict(input_ids=list[int], labels=list[int]) from `span_corruption`. The noise of each access
     comes from an RNG seeded with (seed, epoch, i, k), where k counts the earlier accesses of item i in this
@@ -150,6 +160,7 @@ class DenoisingDataset(torch.utils.data.Dataset):
         seed: int = 0,
         noise_density: float = 0.15,
         mean_span_length: float = 3.0,
+        reconstruct: bool = False,
     ) -> None:
         _check_noise_params(noise_density, mean_span_length, sentinel_ids)
         if seed < 0:
@@ -160,6 +171,7 @@ class DenoisingDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.noise_density = noise_density
         self.mean_span_length = mean_span_length
+        self.reconstruct = reconstruct
         self.epoch = 0
         self._access_counts = [0] * len(self.texts)
 
@@ -186,5 +198,6 @@ class DenoisingDataset(torch.utils.data.Dataset):
             mean_span_length=self.mean_span_length,
             sentinel_ids=self.sentinel_ids,
             eos_id=self.eos_id,
+            reconstruct=self.reconstruct,
         )
         return {"input_ids": input_ids, "labels": labels}

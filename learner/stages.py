@@ -103,10 +103,12 @@ def make_sft_step(cfg: SFTConfig, model: torch.nn.Module):
 
 def run_pretrain(policy: Policy, texts: Sequence[list[int]], cfg: PretrainConfig, run: RunConfig, out_dir: Path,
                  resume_from: CheckpointInfo | None = None) -> StageResult:
-    """T5-style span-corruption denoising on token-id texts (no EOS), noise re-sampled per access."""
+    """Denoising on token-id texts (no EOS): span corruption, noise re-sampled per access; the decoder writes the
+    whole text or only the masked spans (``cfg.objective``)."""
     tok = policy.tokenizer
     dataset = DenoisingDataset(texts, sentinel_ids=sentinel_ids(tok), eos_id=tok.eos_token_id, seed=run.seed,
-                                    noise_density=cfg.noise_density, mean_span_length=cfg.mean_span_length)
+                               noise_density=cfg.noise_density, mean_span_length=cfg.mean_span_length,
+                               reconstruct=cfg.objective == "reconstruct")
     return train_stage(stage="pretrain", cfg=cfg, run=run, model=policy.model, tokenizer=tok, dataset=dataset,
                        collate=make_collate(tok.pad_token_id, policy.model.config), step_fn=ce_step, out_dir=out_dir,
                        resume_from=resume_from)

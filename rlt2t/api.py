@@ -98,8 +98,8 @@ def build_tokenizer(cfg: Config) -> Path:
 
 
 def pretrain(cfg: Config, *, resume: bool = False, init: PathLike | None = None) -> StageResult:
-    """Denoising pretraining (T5-style span corruption) into ``{run}/pretrain`` (`rlt2t pretrain`); ``init``
-    is a model directory or checkpoint root to start from, ``resume`` continues the stage's newest checkpoint.
+    """Denoising pretraining (span corruption, ``pretrain.objective``) into ``{run}/pretrain`` (`rlt2t pretrain`);
+    ``init`` is a model directory or checkpoint root to start from, ``resume`` continues the stage's newest checkpoint.
 
         result = rlt2t.pretrain(cfg)
         print(result.checkpoint, result.steps)

@@ -19,6 +19,13 @@ from rlt2t.cmd_export import RERANK_CHOICES
 
 def cmd_eval(args) -> None:
     cfg = load_cfg(args)
+    from rlt2t.common.metrics import check_dependencies
+    from rlt2t.common.plugins import load_plugins
+    from rlt2t.eval_table import resolve_metric_names
+
+    load_plugins(cfg.reward.plugins)  # metrics of your own, before their names are read
+    # Before any model decodes: a column whose data or package is missing (meteor: WordNet) fails now, naming the fix.
+    check_dependencies(resolve_metric_names(cfg, args.metrics), "--metrics" if args.metrics else "eval.metrics")
     table = api.evaluate(cfg, args.checkpoint, split=args.split, metrics=args.metrics, rerank=args.rerank)
     from rlt2t.eval_table import print_eval_table
 

@@ -57,7 +57,7 @@ def cmd_demo(args) -> None:
 
 def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add this module's commands to the `rlt2t` parser."""
-    for name, fn, what in (("pretrain", cmd_pretrain, "denoising pretraining (T5-style span corruption)"),
+    for name, fn, what in (("pretrain", cmd_pretrain, "denoising pretraining (span corruption: pretrain.objective)"),
                            ("sft", cmd_sft, "supervised fine-tuning (CE, R-drop, augmentation, FGM)")):
         p = sub.add_parser(name, help=what)
         config_args(p)

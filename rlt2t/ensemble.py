@@ -60,6 +60,7 @@ from rlt2t.common.policy import Policy
 from rlt2t.common.rerank import (
     PREDICT_RERANK_MODES,
     IdfTable,
+    check_reference_free,
     check_word_alignment,
     consensus_scores,
     idf_scores,
@@ -445,10 +446,10 @@ def rerank_examples(cfg: Config, examples: Sequence[Example], generators: Sequen
 
 def rerank_setup(cfg: Config, mode: str, score_dirs: Sequence[Path], gen_dirs: Sequence[Path],
                  tokenizer_of: Callable[[Path], PreTrainedTokenizerBase],
-                 utility: PairUtility | None = None) -> dict[str, Any]:
+                 utility: PairUtility | None = None, reward: WeightedReward | None = None) -> dict[str, Any]:
     """What ``mode`` needs, built before any decoding so that a bad setting fails at once: the IDF table (and every
     scorer's word alignment), the consensus CIDEr-D, the reference-free reward, or the MBR utility (and the pool
-    cap; ``utility``: already built)."""
+    cap; ``utility``, ``reward``: already built)."""
     if mode not in PREDICT_RERANK_MODES:
         raise ValueError(f"--rerank: unknown mode {mode!r} (known: {', '.join(PREDICT_RERANK_MODES)})")
     if mode == "idf":
@@ -459,13 +460,12 @@ def rerank_setup(cfg: Config, mode: str, score_dirs: Sequence[Path], gen_dirs: S
             try:
                 check_word_alignment(tokenizer_of(path))
             except ValueError as e:
-                raise ValueError(f"--rerank idf: the scorer {path}: {e}; use --rerank mean_logprob or "
-                                 "--rerank consensus, or another scorer") from None
+                raise ValueError(f"--rerank idf: the scorer {path}: {e}") from None
         return {"table": table}
     if mode == "consensus":
         return {"cider": _consensus_cider(cfg)}
     if mode == "reward":
-        return {"reward": reference_free_reward(cfg)}
+        return {"reward": reward if reward is not None else reference_free_reward(cfg)}
     if mode == "mbr":
         check_mbr_pool(cfg.predict, len(gen_dirs))
         return {"utility": utility if utility is not None else mbr_utility(cfg)}
@@ -499,10 +499,13 @@ def predict(
         raise ValueError("--generators: give at least one export directory")
     if not scorers:
         raise ValueError("--scorers: give at least one export directory")
-    utility = None
-    if mode == "mbr":  # before any export or decoding: resolve_model may export models for minutes
+    utility, reward = None, None
+    # Before any export or decoding: resolve_model may export models for minutes.
+    if mode == "mbr":
         check_mbr_pool(cfg.predict, len(generators))
         utility = mbr_utility(cfg)
+    elif mode == "reward":
+        reward = reference_free_reward(cfg)
     check_out_path(out_path, input_path)  # before any decoding, not after it
     examples = read_inputs(input_path, cfg.data)
     if not examples:
@@ -519,7 +522,7 @@ def predict(
                             Ct2Policy(path, intra_threads=cfg.export.threads, max_source_len=cfg.data.max_source_len))
         return loaded[path]
 
-    needs = rerank_setup(cfg, mode, score_dirs, gen_dirs, lambda path: policy(path).tokenizer, utility)
+    needs = rerank_setup(cfg, mode, score_dirs, gen_dirs, lambda path: policy(path).tokenizer, utility, reward)
     gen_names, score_names = _unique_names(gen_dirs), _unique_names(score_dirs)
     result = rerank_examples(cfg, examples, [(n, policy(d)) for n, d in zip(gen_names, gen_dirs, strict=True)],
                              [(n, policy(d)) for n, d in zip(score_names, score_dirs, strict=True)], mode, **needs)
@@ -558,14 +561,9 @@ def predict(
 
 def reference_free_reward(cfg: Config) -> WeightedReward:
     """``reward.terms`` as a reranker: every term must score without references (a reranker has none at test
-    time); ValueError naming the first that needs them."""
+    time); ValueError naming the first that needs them (:func:`rlt2t.common.rerank.check_reference_free`)."""
     check_reward(cfg.reward)
-    reward = build_reward(cfg.reward, device=cfg.reward.device)
-    for weight, name, term in reward.terms:
-        if weight and term.needs_references:
-            raise ValueError(f"--rerank reward: reward.terms term {name} needs references, which a reranker does not "
-                             "have; rerank with reference-free terms (python, reward_model, classifier)")
-    return reward
+    return check_reference_free(build_reward(cfg.reward, device=cfg.reward.device), "--rerank reward: reward.terms")
 
 
 def check_out_path(out_path: str | Path, input_path: str | Path | None = None) -> None:

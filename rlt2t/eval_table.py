@@ -32,8 +32,9 @@ from rlt2t.common.checkpoint import resolve_model_dir
 from rlt2t.common.config import Config
 from rlt2t.common.config.services import PredictRerank
 from rlt2t.common.io import atomic_write_text
-from rlt2t.common.metrics import available_metrics
+from rlt2t.common.metrics import available_metrics, check_dependencies
 from rlt2t.common.plots import plot_metric_bars
+from rlt2t.common.plugins import load_plugins
 from rlt2t.jobs import best_or_latest, eval_job
 from rlt2t.learner.evaluate import MODEL_METRICS, check_metric_names
 
@@ -162,7 +163,10 @@ def eval_table(cfg: Config, checkpoints: Mapping[str, str | Path], split: str | 
     cfg = cfg.model_copy(deep=True)
     if split is not None:  # validated on assignment (a pydantic config): a bad name fails naming eval.split
         cfg.eval.split = cast(Literal["train", "valid", "test"], split)
+    load_plugins(cfg.reward.plugins)  # metrics of your own, before their names are read
     cfg.eval.metrics = resolve_metric_names(cfg, metrics)
+    # Before any model loads: a column whose data or package is missing (meteor: WordNet) fails naming the fix.
+    check_dependencies(cfg.eval.metrics, "metrics" if metrics is not None else "eval.metrics")
     if cfg.eval.classifier_path is not None:
         cfg.eval.classifier_path = str(cfg.path(cfg.eval.classifier_path))
     if rerank is not None:  # validated on assignment: a bad mode fails naming eval.rerank
@@ -174,6 +178,10 @@ def eval_table(cfg: Config, checkpoints: Mapping[str, str | Path], split: str | 
             check_mbr_setup(cfg, 1)
         except ValueError as e:
             raise ValueError(f"eval.rerank=mbr: {e}") from None
+    if cfg.eval.rerank == "reward":  # before any model loads: a reward that needs references fails now, named
+        from rlt2t.ensemble import reference_free_reward
+
+        reference_free_reward(cfg)
     decoding = "greedy" if cfg.eval.num_beams == 1 else f"beam {cfg.eval.num_beams}"
     if cfg.eval.rerank != "none":
         decoding = f"{cfg.predict.pool} pool, rerank {cfg.eval.rerank}"

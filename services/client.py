@@ -35,6 +35,7 @@ from rlt2t.services.schemas import (
     ModelInfo,
     PairsRequest,
     PairsResponse,
+    RewardMetrics,
     RewardRequest,
     RewardResponse,
     ScoreRequest,
@@ -353,6 +354,11 @@ class RewardClient(_SyncBase):
         return self._request("POST", "/v1/reward", RewardResponse,
                              _reward_body(candidates, references, metrics, sources))
 
+    def metrics(self) -> RewardMetrics:
+        """GET /v1/metrics: what ``metrics`` may name, the named rewards, and what this server does not offer
+        (a metric whose data or package is missing here) with the command that installs it."""
+        return self._request("GET", "/v1/metrics", RewardMetrics)
+
 
 class AsyncRewardClient(_AsyncBase):
     """Asynchronous client of the reward server (the methods of ``RewardClient``, awaited).
@@ -365,3 +371,6 @@ class AsyncRewardClient(_AsyncBase):
                      metrics: Sequence[str] | None = None, sources: Sequence[str] | None = None) -> RewardResponse:
         return await self._request("POST", "/v1/reward", RewardResponse,
                                    _reward_body(candidates, references, metrics, sources))
+
+    async def metrics(self) -> RewardMetrics:
+        return await self._request("GET", "/v1/metrics", RewardMetrics)

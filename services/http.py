@@ -3,8 +3,10 @@ metrics, uvicorn's settings.
 
 The gate (:class:`RequestGate`, pure ASGI, in front of everything but the metrics) decides from the
 request head alone, before a byte of the body is read: the bearer token (401), the content type of a
-body (415 unless ``application/json``), the declared size (413). It then reads the body within
-``serve.max_body_bytes`` (413) and ``serve.body_timeout_s`` (408, connection closed) and replays it.
+body (415 unless ``application/json``, or a form on the paths an app names), the declared size (413). It
+then reads the body within ``serve.max_body_bytes`` (413) and ``serve.body_timeout_s`` (408, connection
+closed), refuses one that is not UTF-8 (415: JSON parsers would otherwise guess UTF-16 or UTF-32 from the
+bytes and accept it) and replays it.
 
 Auth: a token from ``serve.token_file`` (preferred) or the environment variable ``serve.token_env``;
 when one is set every route but ``GET``/``HEAD /healthz`` needs ``Authorization: Bearer <token>``
@@ -31,7 +33,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
 
@@ -76,7 +78,7 @@ NOT_READY: OpenApiResponses = {
 BODY_REFUSED: OpenApiResponses = {
     408: {"model": ErrorResponse, "description": "Body not received within serve.body_timeout_s"},
     413: {"model": ErrorResponse, "description": "Body larger than serve.max_body_bytes"},
-    415: {"model": ErrorResponse, "description": "Body not sent as application/json"},
+    415: {"model": ErrorResponse, "description": "Body not sent as application/json, or not UTF-8"},
 }
 """What the gate may answer to any request with a body, before the route sees it."""
 
@@ -221,14 +223,24 @@ async def _answer(send, status: int, detail: str, headers: Sequence[tuple[bytes,
     await send({"type": "http.response.body", "body": body})
 
 
+JSON = "application/json"
+FORM = "application/x-www-form-urlencoded"
+BODY_METHODS = ("POST", "PUT", "PATCH")
+
+
 class RequestGate:
     """Pure ASGI middleware: everything decided from the request head before the body is read (auth 401,
     content type 415, declared size 413), then the body read within ``max_bytes`` (413) and
-    ``body_timeout_s`` (408 + close) and replayed to the app. See the module docstring."""
+    ``body_timeout_s`` (408 + close), checked to be UTF-8 (415) and replayed to the app. See the module
+    docstring.
+
+    ``json_only``: a body must be ``application/json`` in UTF-8, except on ``form_paths``, where it must be an
+    ``application/x-www-form-urlencoded`` form (UTF-8 too); False: any body goes through unchecked."""
 
     def __init__(self, app, *, token: str | None, max_bytes: int, body_timeout_s: float, json_only: bool = True,
-                 setting: str = "serve.max_body_bytes") -> None:
+                 form_paths: Collection[str] = (), setting: str = "serve.max_body_bytes") -> None:
         self.app, self.max_bytes, self.body_timeout_s, self.json_only = app, max_bytes, body_timeout_s, json_only
+        self.form_paths = frozenset(form_paths)
         self.expected = token.encode("utf-8") if token is not None else None
         self.setting = setting  # named in the 413
 
@@ -246,7 +258,8 @@ class RequestGate:
             if not bearer_ok(authorization, self.expected):
                 await _answer(send, 401, "missing or invalid bearer token", [(b"www-authenticate", b"Bearer")])
                 return
-        if self.json_only and method in ("POST", "PUT", "PATCH") and (problem := _content_type_problem(headers)):
+        media = (FORM if scope["path"] in self.form_paths else JSON) if self.json_only else None
+        if media is not None and method in BODY_METHODS and (problem := _content_type_problem(headers, media)):
             await _answer(send, 415, problem)
             return
         declared = headers.get(b"content-length")
@@ -273,6 +286,9 @@ class RequestGate:
                           "(serve.body_timeout_s)", [(b"connection", b"close")])
             return
         body, replayed = b"".join(chunks), False
+        if media is not None and method in BODY_METHODS and (problem := _utf8_problem(body, media)):
+            await _answer(send, 415, problem)
+            return
 
         async def replay():
             nonlocal replayed
@@ -289,8 +305,8 @@ class RequestGate:
 
 
 class BodyLimit(RequestGate):
-    """The gate's body handling alone (413, 408), for apps with their own auth and content types (the
-    annotation app's cookie sessions and forms)."""
+    """The gate's body handling alone (413, 408): no auth, and any content type and encoding. (The annotation
+    app, with its own auth, uses the whole gate with ``token=None`` and ``form_paths`` for its forms.)"""
 
     def __init__(self, app, max_bytes: int, setting: str = "serve.max_body_bytes", body_timeout_s: float = 30.0
                  ) -> None:
@@ -298,17 +314,32 @@ class BodyLimit(RequestGate):
                          setting=setting)
 
 
-def _content_type_problem(headers: dict[bytes, bytes]) -> str | None:
-    """Why a request's body cannot be read as JSON from its headers alone, or None (no body is fine)."""
+def _content_type_problem(headers: dict[bytes, bytes], expected: str = JSON) -> str | None:
+    """Why a request's body cannot be read as ``expected`` (UTF-8) from its headers alone, or None (no body is
+    fine)."""
     given = headers.get(b"content-type")
     if given is None:
         has_body = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
-        return "request body without a content type: send it as application/json" if has_body else None
+        return f"request body without a content type: send it as {expected}" if has_body else None
     text = given.decode("latin-1")
     media, *params = (part.strip().lower() for part in text.split(";"))
     charset = next((p.split("=", 1)[1].strip('"') for p in params if p.startswith("charset=")), "utf-8")
-    if media != "application/json" or charset not in ("utf-8", "utf8"):
-        return f"content type {text[:100]!r} is not supported: send the body as application/json (UTF-8)"
+    if media != expected or charset not in ("utf-8", "utf8"):
+        return f"content type {text[:100]!r} is not supported: send the body as {expected} (UTF-8)"
+    return None
+
+
+def _utf8_problem(body: bytes, expected: str) -> str | None:
+    """Why ``body`` is not UTF-8 text, or None. A NUL byte counts: JSON text never holds one raw, and
+    ``json.loads`` takes a body whose first bytes hold one for UTF-16 or UTF-32 and decodes it so."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return (f"request body is not UTF-8 (byte 0x{body[e.start]:02x} at offset {e.start}): send it as {expected} "
+                "encoded in UTF-8")
+    if (nul := body.find(b"\x00")) >= 0:
+        return (f"request body holds a NUL byte at offset {nul} (UTF-16 or UTF-32?): send it as {expected} encoded "
+                "in UTF-8")
     return None
 
 

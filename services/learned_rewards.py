@@ -10,7 +10,9 @@ A retrained reward model appears as a newer complete checkpoint under the root; 
 own thread and installs it as a new snapshot of the rewards (:attr:`NamedRewards.rewards` is replaced, never
 changed), handed to ``on_reload``: the reward server builds a new scorer on it and swaps that in through its
 batcher, so every part of a request is scored by the models it started with. A checkpoint that fails to
-load leaves the old model serving. Names must not shadow a registered metric.
+load leaves the old model serving. Names must not shadow a registered metric. A named reward with a metric term
+whose data or package is missing here (METEOR without WordNet) is not built: :attr:`NamedRewards.unavailable` says
+what to install, and the reward server does not offer it.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ import numpy as np
 
 from rlt2t.common.config import Config, MetricTerm, RewardConfig
 from rlt2t.common.metrics import DocumentFrequency, available_metrics
+from rlt2t.common.plugins import load_plugins
 from rlt2t.common.reward_model import RewardModel
 from rlt2t.common.rewards import (
     RewardModelReward,
     WeightedReward,
     build_reward,
     build_term,
+    missing_dependencies,
     needs_document_frequency,
 )
 from rlt2t.services.reload import CheckpointWatcher
@@ -46,15 +50,20 @@ class NamedRewards:
     ``on_reload(rewards)``, when set, is called with each new snapshot a watcher installs."""
 
     def __init__(self, cfg: Config, *, document_frequency: DocumentFrequency | None = None) -> None:
+        load_plugins(cfg.reward.plugins)  # metrics of your own: before the names and the dependencies are checked
         clash = sorted(set(cfg.reward.named) & set(available_metrics()))
         if clash:
             raise ValueError(f"reward.named: {', '.join(clash)} would shadow registered metrics; rename them")
         self.cfg = cfg
         self.on_reload: Callable[[Snapshot], None] | None = None
+        # Named reward not built -> what its terms lack here and how to install it (the server does not offer it).
+        self.unavailable: dict[str, str] = {
+            name: "; ".join(missing) for name, terms in cfg.reward.named.items()
+            if (missing := missing_dependencies(terms, f"reward.named.{name}"))}
         self.rewards: Snapshot = {
             name: build_reward(cfg.reward, document_frequency=document_frequency, device=cfg.reward.device, terms=terms,
                                where=f"reward.named.{name}")
-            for name, terms in cfg.reward.named.items()
+            for name, terms in cfg.reward.named.items() if name not in self.unavailable
         }
         # Without a table, the task score / CIDEr-D terms count frequencies over each request's references.
         self._own_frequencies: dict[str, list[tuple[int, MetricTerm]]] = {} if document_frequency is not None else {
@@ -73,6 +82,7 @@ class NamedRewards:
                     log.info("reward %r (%s): serving %s, watching %s", name, term_name, term.model.path, term.root)
 
     def names(self) -> list[str]:
+        """The named rewards served (those of :attr:`unavailable` left out)."""
         return list(self.rewards)
 
     def needs_references(self, name: str) -> bool:

@@ -8,7 +8,10 @@ Routes (see ``rlt2t.services.schemas`` for the bodies):
 - ``POST /v1/candidates``: sampling (top-k / top-p / temperature) or beam search → texts, token ids,
   raw per-token log-probs, and the policy version; ``rerank: mbr`` also picks one per source by minimum Bayes
   risk over its candidates (``rlt2t.common.mbr``; ``utility`` one of the vectorised utilities task_score,
-  bleu4, sacrebleu, cider_d; default serve.mbr_utility, checked when the app is created).
+  bleu4, sacrebleu, cider_d; default serve.mbr_utility, checked when the app is created); ``rerank: reward`` the
+  candidate a reference-free reward of the config scores highest (``reward``: a name of reward.named, default
+  reward.terms; built on its first use, on reward.device, and kept; a reward that cannot be loaded or reads
+  references is a 422 on ``reward`` saying why).
 - ``POST /v1/pairs``: the rank-RL rollout over HTTP: K samples per source, the gold added,
   deduplicated, a pair drawn and scored with the task score against the source's reference or references,
   ``a`` the better (``rlt2t.common.types.ScoredPair`` fields; ``reference`` is the gold, the first). CIDEr-D
@@ -35,7 +38,9 @@ when its client disconnects or ``serve.request_timeout_s`` passes (503 + Retry-A
 are not counted in the cost: the server computes only the vectorised ones (``rlt2t.common.mbr.VECTORISED_METRICS``),
 a few matrix products over the n-gram counts of at most ``serve.max_candidates_per_source`` candidates of at
 most ``max_new_tokens`` tokens per source, small beside the decoding the cost bounds; a metric scored one pair
-per call (ROUGE, METEOR, a plugin's) could take far longer and is refused (422 on ``utility``).
+per call (ROUGE, METEOR, a plugin's) could take far longer and is refused (422 on ``utility``). A reward rerank
+scores each distinct candidate once (at most ``serve.max_sources_per_call`` x ``serve.max_candidates_per_source``
+texts of at most ``max_new_tokens`` tokens), one request at a time, in the reward's own batches.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
@@ -56,7 +62,9 @@ from rlt2t.common.checkpoint import latest_complete_checkpoint, resolve_model_di
 from rlt2t.common.config import Config
 from rlt2t.common.mbr import VECTORISED_METRICS, MetricUtility, PairUtility, mbr_over_entries, metric_utility
 from rlt2t.common.metrics import DocumentFrequency, metric_params
-from rlt2t.common.rewards import score_pairs, task_reward
+from rlt2t.common.python_rewards import RewardError
+from rlt2t.common.rerank import check_reference_free
+from rlt2t.common.rewards import WeightedReward, build_reward, score_pairs, task_reward
 from rlt2t.common.sampling import candidate_set, stable_seed
 from rlt2t.services.backends import Generation, PolicyBackend, Sampling, Scored, StepControl, load_backend
 from rlt2t.services.batching import Batcher, Overloaded
@@ -298,6 +306,70 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         except ValueError as e:
             raise field_error(("body", "utility"), str(e), name) from None
 
+    # rerank: reward. Each reward is built on its first use and kept (a reward model loads once); a reward that reads
+    # references is remembered as refused, a load failure is not (the next request tries again).
+    rerank_rewards: dict[str | None, WeightedReward | str] = {}
+    building_reward = threading.Lock()
+    scoring_reward = threading.Lock()  # one request at a time: a user's function need not be thread-safe
+
+    def reward_key(name: str | None) -> str:
+        return "reward.terms" if name is None else f"reward.named.{name}"
+
+    def rerank_reward(name: str | None) -> WeightedReward:
+        """The reward a ``rerank: reward`` request names (None: reward.terms), reference-free; 422 on ``reward`` when
+        it is not configured, cannot be loaded here, or reads references. Blocks while it loads: run it off the
+        event loop."""
+        if name is not None and name not in cfg.reward.named:
+            known = ", ".join(sorted(cfg.reward.named)) or "none"
+            raise field_error(("body", "reward"), f"reward={name!r}: not a reward of this server's reward.named "
+                              f"(configured: {known}); null for its reward.terms", name)
+        key = reward_key(name)
+        with building_reward:
+            if name not in rerank_rewards:
+                try:
+                    built = build_reward(cfg.reward, device=cfg.reward.device, where=key,
+                                         terms=None if name is None else cfg.reward.named[name])
+                except Exception as e:  # a path that does not import or load: the server's config, said plainly
+                    raise field_error(("body", "reward"), f"{key} cannot be loaded on this server "
+                                      f"({type(e).__name__}: {e})", name) from None
+                try:
+                    rerank_rewards[name] = check_reference_free(built, key)
+                except ValueError as e:
+                    rerank_rewards[name] = str(e)
+            found = rerank_rewards[name]
+        if isinstance(found, str):
+            raise field_error(("body", "reward"), found, name)
+        return found
+
+    def rerank_by_reward(reward: WeightedReward, name: str | None, sources: Sequence[str],
+                         pools: Sequence[Sequence[Candidate]]) -> tuple[list[int], list[list[float]]]:
+        """Per source: the candidate of highest reward (ties: the higher mean log-prob, then the lower index; the
+        first entry of its text) and every candidate's reward. Each distinct text is scored once, in one call."""
+        firsts: list[dict[str, int]] = []  # per source: each distinct text -> its first entry
+        for cands in pools:
+            firsts.append({})
+            for k, c in enumerate(cands):
+                firsts[-1].setdefault(c.text, k)
+        texts = [list(first) for first in firsts]
+        with scoring_reward:
+            try:
+                values = reward.score([s for s, ts in zip(sources, texts, strict=True) for _ in ts],
+                                      [t for ts in texts for t in ts])
+            except RewardError as e:
+                raise field_error(("body", "reward"), f"{reward_key(name)}: {e}", name) from None
+        if not all(math.isfinite(v) for v in values):  # a Python term checks its own; a model's NaN is caught here
+            raise field_error(("body", "reward"), f"{reward_key(name)} returned a score that is not finite for this "
+                              "request's candidates", name)
+        chosen, scores, at = [], [], 0
+        for cands, first in zip(pools, firsts, strict=True):
+            of = {t: float(v) for t, v in zip(first, values[at : at + len(first)], strict=True)}
+            at += len(first)
+            mean = {t: cands[k].total_logprob / max(1, len(cands[k].logprobs)) for t, k in first.items()}
+            best = max(first, key=lambda t: (of[t], mean[t]))  # max keeps the first of equal keys: the lower index
+            chosen.append(first[best])
+            scores.append([of[c.text] for c in cands])
+        return chosen, scores
+
     def check_new_tokens(value: int) -> None:
         limit = loaded().max_positions - 1  # the decoder start token takes a position
         if value > limit:
@@ -305,7 +377,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
 
     # -- routes --------------------------------------------------------------------------------------
 
-    # The MBR fields answer only a request that asks for them (CandidatesResponse leaves them out otherwise).
+    # The rerank fields answer only a request that asks for them (CandidatesResponse leaves them out otherwise).
     @app.post("/v1/candidates", response_model=CandidatesResponse, dependencies=protected, tags=["policy"],
               responses={**auth_responses, **OVERLOADED, **BODY_REFUSED})
     async def candidates(req: CandidatesRequest, request: Request) -> CandidatesResponse:
@@ -330,7 +402,15 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
                                 temperature=req.temperature, beam_size=1, max_new_tokens=req.max_new_tokens)
         base = req.seed if req.seed is not None else secrets.randbits(63)
         items = [(s, [stable_seed(base, i, j) for j in range(req.num_candidates)]) for i, s in enumerate(req.sources)]
-        utility = mbr_utility(req.utility) if req.rerank == "mbr" else None  # before decoding: a bad name is a 422
+        if req.utility is not None and req.rerank != "mbr":
+            raise field_error(("body", "utility"), f"utility is read only with rerank: mbr (rerank: {req.rerank})",
+                              req.utility)
+        if req.reward is not None and req.rerank != "reward":
+            raise field_error(("body", "reward"), f"reward is read only with rerank: reward (rerank: {req.rerank})",
+                              req.reward)
+        # Before decoding: a bad utility or reward is a 422 at once.
+        utility = mbr_utility(req.utility) if req.rerank == "mbr" else None
+        reward = await run_in_threadpool(rerank_reward, req.reward) if req.rerank == "reward" else None
         results, used = await submit(request, ("candidates", sampling), items, _run_candidates, costs)
         response = CandidatesResponse(
             candidates=[[Candidate(text=g.text, token_ids=g.token_ids, logprobs=g.logprobs,
@@ -350,6 +430,11 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
                 response.rerank_seconds = time.perf_counter() - started
 
             await run_in_threadpool(rerank)  # metric work stays off the event loop
+        if reward is not None:
+            started = time.perf_counter()
+            response.chosen, response.reward_scores = await run_in_threadpool(
+                rerank_by_reward, reward, req.reward, req.sources, response.candidates)
+            response.rerank_seconds = time.perf_counter() - started
         return response
 
     @app.post("/v1/pairs", response_model=PairsResponse, dependencies=protected, tags=["policy"],

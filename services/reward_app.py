@@ -23,6 +23,12 @@ as the data loader: an ``ids`` vocabulary takes data tokens and <sep> only; no k
 tokens). Unknown metric names are 422s naming ``metrics[i]``, and so are registered metrics that need constructor
 arguments a request cannot give (``classifier_accuracy``'s classifier: serve it as a ``reward.named`` metric term).
 
+Dependencies are checked at start-up: a metric whose data or package is missing on this machine (METEOR without
+Debian's ``wordnet-base``; ``rlt2t.common.metrics.missing_dependency``), and a named reward with such a metric term,
+is not offered. The start-up log warns of each with what to install, ``GET /v1/metrics`` lists it under
+``unavailable`` with the same words, and a request naming it is a 422 at ``metrics[i]`` saying so (a restart after
+installing offers it), never a 500 from the first call that builds it.
+
 Work is bounded like the policy server's (``rlt2t.services.batching``): a request's cost is Σ over its
 candidates and their references of (candidate tokens + 1) × (reference tokens + 1) plus their characters,
 times the number of metrics (ROUGE-L's table; chrF's character n-grams); above ``serve.max_reward_cost`` it is
@@ -42,7 +48,7 @@ from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
 from rlt2t.common.config import Config
-from rlt2t.common.metrics import DocumentFrequency, available_metrics, get_metric
+from rlt2t.common.metrics import DocumentFrequency, available_metrics, get_metric, missing_dependency
 from rlt2t.common.python_rewards import RewardError
 from rlt2t.common.tokenization import load_tokenizer, text_checker
 from rlt2t.services.batching import Batcher, CallControl
@@ -62,7 +68,7 @@ from rlt2t.services.http import (
     load_token,
 )
 from rlt2t.services.learned_rewards import NamedRewards, Snapshot
-from rlt2t.services.schemas import RewardRequest, RewardResponse, reference_lists
+from rlt2t.services.schemas import RewardMetrics, RewardRequest, RewardResponse, reference_lists
 
 log = logging.getLogger("rlt2t.services.reward")
 
@@ -122,13 +128,24 @@ class _Scorer:
 
 def _build_problem(name: str, cfg: Config, df: DocumentFrequency | None) -> str | None:
     """Why the registered metric ``name`` cannot be built with the server's settings (it needs constructor
-    arguments, e.g. classifier_accuracy's classifier), or None."""
+    arguments, e.g. classifier_accuracy's classifier; it lacks data or a package its ``missing_dependency`` does
+    not declare), or None."""
     try:
         get_metric(name, **metric_params(name, cfg, df))
     except TypeError as e:
         return f"{name!r} needs parameters a request cannot give ({e}); serve it as a reward.named metric term " \
                "with its params"
+    except (ImportError, OSError) as e:
+        return f"{name!r} cannot be built on this server ({type(e).__name__}: {e})"
     return None
+
+
+def _not_offered(cfg: Config, df: DocumentFrequency | None, named: NamedRewards) -> dict[str, str]:
+    """Registered metric or named reward → what it needs and this machine lacks, with the command that installs
+    it: what the server does not offer. Checks files, builds nothing."""
+    metrics = {name: reason for name in available_metrics()
+               if (reason := missing_dependency(name, **metric_params(name, cfg, df))) is not None}
+    return {**metrics, **named.unavailable}
 
 
 def _run_reward(scorer: _Scorer, key, items: list, control: CallControl) -> list[dict[str, float]]:
@@ -160,6 +177,9 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
                       max_queue_cost=serve.max_reward_queue_cost, max_call_cost=serve.max_reward_call_cost)
     named.on_reload = lambda rewards: batcher.swap_backend(_Scorer(cfg, fixed_df, named, rewards))
     problems: dict[str, str | None] = {}  # registered metric -> why it cannot be built (None: it can)
+    unavailable = _not_offered(cfg, fixed_df, named)  # not offered: the first call would fail on what is missing
+    for name, reason in unavailable.items():
+        log.warning("reward server: %r is not offered: %s", name, reason)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -220,9 +240,12 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
             raise field_error(("body", "sources"), f"{len(req.sources)} sources for {n} candidates")
         known = set(available_metrics()) | set(named.names())
         for i, name in enumerate(req.metrics):
+            if name in unavailable:
+                raise field_error(("body", "metrics", i), f"{name!r} is not offered by this server: "
+                                  f"{unavailable[name]}; a restart offers it once installed", name)
             if name not in known:
-                raise field_error(("body", "metrics", i), f"unknown metric {name!r}; known: {', '.join(sorted(known))}",
-                                  name)
+                offered = sorted(known - set(unavailable))
+                raise field_error(("body", "metrics", i), f"unknown metric {name!r}; known: {', '.join(offered)}", name)
             if name not in named.rewards:
                 if name not in problems:  # built once, off the event loop (METEOR reads WordNet)
                     problems[name] = await run_in_threadpool(_build_problem, name, cfg, fixed_df)
@@ -258,5 +281,17 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
         assert scorer is not None  # None only for a request without items
         return RewardResponse(scores={name: [r[name] for r in results] for name in req.metrics},
                               reward_model_versions=scorer.model_versions(req.metrics))
+
+    @app.get("/v1/metrics", response_model=RewardMetrics, dependencies=protected, tags=["reward"],
+             responses=UNAUTHORIZED if token else {})
+    async def offered_metrics() -> RewardMetrics:
+        """What a request's ``metrics`` may name, and what this server does not offer and why."""
+        for name in available_metrics():
+            if name not in unavailable and name not in problems:  # built once, off the event loop, as a request does
+                problems[name] = await run_in_threadpool(_build_problem, name, cfg, fixed_df)
+        refused = {name: problem for name, problem in problems.items() if problem is not None}
+        return RewardMetrics(
+            metrics=[n for n in available_metrics() if n not in unavailable and n not in refused],
+            named=named.names(), unavailable=dict(sorted({**unavailable, **refused}.items())))
 
     return app

@@ -78,18 +78,26 @@ class CandidatesRequest(SamplingParams):
 
     sources: list[SourceText] = Field(min_length=1, max_length=LIST_MAX_ITEMS)
     """Source texts, under the tokenizer's token rule (an ``ids`` vocabulary: data tokens and <sep> only)."""
-    rerank: Literal["none", "mbr"] = "none"
+    rerank: Literal["none", "mbr", "reward"] = "none"
     """`mbr`: also pick one candidate per source by minimum Bayes risk, the highest expected `utility` over the
-    source's candidates (docs/design.md, "Minimum-Bayes-risk decoding"); `chosen` and `expected_utility` answer."""
+    source's candidates (docs/design.md, "Minimum-Bayes-risk decoding"); `chosen` and `expected_utility` answer.
+    `reward`: also pick the candidate the server's `reward` scores highest, without references (ties: the higher
+    mean log-prob, then the lower index); `chosen` and `reward_scores` answer."""
     utility: Name | None = None
-    """MBR utility: `task_score`, `bleu4`, `sacrebleu` or `cider_d` (None: serve.mbr_utility). The server takes only
-    these vectorised utilities, computed for all pairs at once from n-gram counts, so a request's MBR work is bounded
-    by its candidates (at most serve.max_candidates_per_source per source, max_new_tokens each); other metrics:
-    `rlt2t predict --rerank mbr`. CIDEr-D's document frequencies: the server's, else the pool's distinct texts."""
+    """`rerank: mbr` only (a 422 otherwise). MBR utility: `task_score`, `bleu4`, `sacrebleu` or `cider_d` (None:
+    serve.mbr_utility). The server takes only these vectorised utilities, computed for all pairs at once from n-gram
+    counts, so a request's MBR work is bounded by its candidates (at most serve.max_candidates_per_source per source,
+    max_new_tokens each); other metrics: `rlt2t predict --rerank mbr`. CIDEr-D's document frequencies: the server's,
+    else the pool's distinct texts."""
     mbr_weights: Literal["uniform", "probability"] = "uniform"
     """MBR: `uniform`: each candidate against the source's other candidates, duplicates as separate entries
     (leave-one-out); `probability`: against every distinct candidate, itself included, weighted by its normalised
     sequence probability (exp of the total_logprob)."""
+    reward: Name | None = None
+    """`rerank: reward` only (a 422 otherwise): a name of the server's `reward.named` (None: its `reward.terms`). Every
+    term must score without references (python, reward_model, classifier; a metric is refused, 422 naming the term);
+    the reward loads on its first use and is kept (a load failure is a 422 on `reward` saying why; the next request
+    tries again)."""
 
 
 class Candidate(_Response):
@@ -115,25 +123,27 @@ class CandidatesResponse(_Response):
     policy_version: int
     """Version of the weights that produced every candidate of this response."""
     chosen: list[int] | None = None
-    """`rerank: mbr`: per source, the index of the chosen candidate (the first of its text; ties: the lower)."""
+    """`rerank: mbr` or `reward`: per source, the index of the chosen candidate (the first of its text)."""
     expected_utility: list[list[float]] | None = None
     """`rerank: mbr`: per source, each candidate's expected utility (a duplicate scores as its text)."""
+    reward_scores: list[list[float]] | None = None
+    """`rerank: reward`: per source, each candidate's reward (a duplicate scores as its text)."""
     rerank_seconds: float | None = None
-    """`rerank: mbr`: wall time of the MBR step for the whole request."""
+    """`rerank: mbr` or `reward`: wall time of the rerank step for the whole request."""
 
     @model_serializer(mode="wrap")
-    def _without_unset_mbr_fields(self, handler: SerializerFunctionWrapHandler):
-        """The MBR fields answer only a request that asks for them: left out, not null, otherwise (other fields
+    def _without_unset_rerank_fields(self, handler: SerializerFunctionWrapHandler):
+        """The rerank fields answer only a request that asks for them: left out, not null, otherwise (other fields
         keep their nulls)."""
         out = handler(self)
         if isinstance(out, dict):
-            for name in MBR_RESPONSE_FIELDS:
+            for name in RERANK_RESPONSE_FIELDS:
                 if getattr(self, name) is None:
                     out.pop(name, None)
         return out
 
 
-MBR_RESPONSE_FIELDS = ("chosen", "expected_utility", "rerank_seconds")
+RERANK_RESPONSE_FIELDS = ("chosen", "expected_utility", "reward_scores", "rerank_seconds")
 
 
 def reference_lists(given: Sequence[str | Sequence[str]]) -> list[list[str]]:
@@ -271,3 +281,15 @@ class RewardResponse(_Response):
     reward_model_versions: dict[str, dict[str, int]] = Field(default_factory=dict)
     """Named reward with reward-model terms → term (``reward_model``, ``reward_model#2``, ...) → version (training
     step) of the reward model that scored every candidate of this response."""
+
+
+class RewardMetrics(_Response):
+    """GET /v1/metrics (reward server): what a POST /v1/reward request's ``metrics`` may name."""
+
+    metrics: list[str]
+    """Registered metrics this server scores, sorted."""
+    named: list[str]
+    """Its learned rewards (``reward.named``), in config order."""
+    unavailable: dict[str, str]
+    """Registered metric or named reward this server does not offer → why: data or a package missing on this machine
+    (with the command that installs it; checked at start-up), or constructor parameters a request cannot give."""

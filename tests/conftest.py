@@ -45,6 +45,20 @@ SYSTEM_PACKAGES = {
 }
 
 
+@pytest.fixture
+def no_wordnet(monkeypatch, tmp_path) -> Path:
+    """This machine as one without Debian's wordnet-base: no $WNSEARCHDIR / $WNHOME, and the default directories
+    replaced by an empty one (returned)."""
+    import rlt2t.common.wordnet as wordnet
+
+    empty = tmp_path / "no-wordnet"
+    empty.mkdir()
+    monkeypatch.delenv("WNSEARCHDIR", raising=False)
+    monkeypatch.delenv("WNHOME", raising=False)
+    monkeypatch.setattr(wordnet, "WORDNET_DIRS", (str(empty),))
+    return empty
+
+
 def pytest_runtest_setup(item) -> None:
     for mark in item.iter_markers("system_package"):
         (name,) = mark.args

@@ -165,6 +165,10 @@ class PretrainConfig(StageConfig):
     max_steps: int = Field(0, ge=0)
     """Stop after this many optimizer steps (0: no limit, `epochs` full passes; the default, one pass, is what the
     demo's from-scratch model needs before SFT learns on every seed)."""
+    objective: Literal["span_corruption", "reconstruct"] = "span_corruption"
+    """What the decoder writes for a span-corrupted text: `span_corruption` only the masked spans after their
+    sentinels (T5's objective: short labels), `reconstruct` the whole text (BART's text infilling: longer labels;
+    what a pretrained BART was trained with)."""
     noise_density: float = Field(0.15, gt=0.0, lt=1.0)
     """Fraction of tokens masked by span corruption."""
     mean_span_length: float = Field(3.0, ge=1.0)

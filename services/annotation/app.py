@@ -10,14 +10,20 @@ Pages (server-rendered HTML, escaped by Jinja2's autoescape; the page script fil
 
 JSON API (``schemas``): ``GET /api/me``, ``/api/next``, ``/api/items/{id}``, ``POST /api/submissions``,
 ``GET /api/annotations[/{id}]``, admin: ``/api/admin/summary``, ``/api/admin/export/{ranks.tsv,pairs.jsonl,
-ratings.jsonl}``; ops: ``/healthz``, ``/readyz`` and ``/metrics`` (admin).
+ratings.jsonl}``; ops: ``/healthz``, ``/readyz`` and ``/metrics`` (admin); the OpenAPI document
+``/openapi.json`` (logged in).
+
+Bodies go through the services' request gate (``rlt2t.services.http.RequestGate``): JSON in UTF-8 (the login
+and logout forms: urlencoded, UTF-8), else a 415 as from the policy and reward servers; at most
+``annotate.max_body_bytes`` (413).
 
 Authentication: each annotator has a bearer token (``rlt2t annotate add-user``). Scripts send
 ``Authorization: Bearer <token>``; a browser logs in once with name and token and gets a session cookie
 (HttpOnly, SameSite=Lax). Requests that change anything under a cookie must carry the session's CSRF token
 (``X-CSRF-Token`` header from the page's ``<meta name="csrf-token">``, or a ``csrf`` form field); the login
 form itself is protected by a double-submit cookie. An annotator reads and edits only their own annotations
-(another's answer 404, as if absent); admins read everything.
+(another's answer 404, as if absent); admins read everything. Every route but ``/healthz``, ``/login`` and the
+static files needs a login, the OpenAPI document included.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from rlt2t.services.annotation.schemas import (
     NextResponse,
     PairAgreementView,
     Progress,
+    StaleRevisionResponse,
     StoredText,
     SubmissionRequest,
     SubmissionResponse,
@@ -66,6 +73,7 @@ from rlt2t.services.annotation.store import (
     InvalidSubmission,
     Item,
     NotFound,
+    StaleRevision,
     Store,
     Submission,
     SubmissionConflict,
@@ -73,8 +81,9 @@ from rlt2t.services.annotation.store import (
     open_store,
 )
 from rlt2t.services.http import (
-    BodyLimit,
+    BODY_REFUSED,
     OpenApiResponses,
+    RequestGate,
     ServiceMetrics,
     add_common_routes,
     field_error,
@@ -98,6 +107,8 @@ SECURITY_HEADERS = [
 ]
 ERRORS: OpenApiResponses = {401: {"model": ErrorResponse, "description": "Not logged in, or a wrong bearer token"},
           403: {"model": ErrorResponse, "description": "Missing CSRF token, or an admin route"}}
+FORM_PATHS = ("/login", "/logout")
+"""The routes that take a urlencoded form; every other body is JSON."""
 
 
 class SecurityHeaders:
@@ -131,6 +142,7 @@ class Principal:
 def _annotation_view(a: AnnotationRecord) -> AnnotationView:
     return AnnotationView(annotation_id=a.id, item_id=a.item_id, annotator=a.annotator, status=a.status,
                           order=list(a.order), flagged=a.flagged, note=a.note, updated_at=a.updated_at,
+                          revision=a.revision,
                           ratings=[CandidateRating(candidate_id=c, rating=v) for c, v in sorted(a.ratings.items())])
 
 
@@ -166,10 +178,13 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
         if owned:
             store.close()
 
-    app = FastAPI(title="rlt2t annotation", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # The OpenAPI document is served below, behind the login (FastAPI's own route would answer anyone).
+    app = FastAPI(title="rlt2t annotation", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.store = store
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=a.max_body_bytes, setting="annotate.max_body_bytes")
+    app.add_middleware(RequestGate, token=None, max_bytes=a.max_body_bytes, body_timeout_s=30.0,
+                       form_paths=FORM_PATHS, setting="annotate.max_body_bytes")
     app.add_middleware(SecurityHeaders)
     metrics.install(app)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
@@ -181,6 +196,12 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
     @app.exception_handler(SubmissionConflict)
     async def conflict(request: Request, exc: SubmissionConflict) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=409)
+
+    @app.exception_handler(StaleRevision)
+    async def stale(request: Request, exc: StaleRevision) -> JSONResponse:
+        body = StaleRevisionResponse(detail=str(exc), revision=exc.revision,
+                                     annotation=_annotation_view(exc.current) if exc.current else None)
+        return JSONResponse(body.model_dump(mode="json"), status_code=409)
 
     # --- who is asking -------------------------------------------------------------------------------------
 
@@ -263,9 +284,7 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
 
     @app.post("/login", include_in_schema=False)
     async def login(request: Request) -> Response:
-        if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
-            return JSONResponse({"detail": "send the login form (application/x-www-form-urlencoded)"}, 415)
-        form = await _form(request)
+        form = await _form(request)  # the gate has checked its content type (FORM_PATHS)
         next_path = _safe_next(form.get("next"))
         expected = request.cookies.get(LOGIN_CSRF_COOKIE, "")
         if not expected or not secrets.compare_digest(form.get("csrf", "").encode(), expected.encode()):
@@ -347,9 +366,14 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
 
     @app.post("/api/submissions", response_model=SubmissionResponse, tags=["annotation"],
               responses={**ERRORS, 404: {"model": ErrorResponse, "description": "No such item"},
-                         409: {"model": ErrorResponse, "description": "Submission id reused for other content"}})
+                         409: {"model": StaleRevisionResponse | ErrorResponse,
+                               "description": "The annotation moved on past `base_revision` (the answer names the "
+                                              "current revision), or a submission id reused for other content"},
+                         413: {"model": ErrorResponse, "description": "Body larger than annotate.max_body_bytes"},
+                         415: BODY_REFUSED[415]})
     def submit(req: SubmissionRequest, who: Principal = Depends(api_user)) -> SubmissionResponse:  # noqa: B008
-        """Rank, rate or skip an item, in one transaction; a repeated submission_id changes nothing."""
+        """Rank, rate or skip an item, in one transaction; a repeated submission_id changes nothing. With
+        `base_revision`, a 409 instead when the annotation was saved elsewhere since."""
         ratings: dict[int, float] = {}
         for k, r in enumerate(req.ratings):
             if r.candidate_id in ratings:
@@ -358,7 +382,8 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
         if len(set(req.order)) != len(req.order):
             raise field_error(("body", "order"), "a candidate id appears twice")
         sub = Submission(submission_id=req.submission_id, item_id=req.item_id, action=req.action,
-                         order=tuple(req.order), ratings=ratings, flagged=req.flagged, note=req.note)
+                         order=tuple(req.order), ratings=ratings, flagged=req.flagged, note=req.note,
+                         base_revision=req.base_revision)
         try:
             outcome = store.submit(who.annotator, sub)
         except InvalidSubmission as e:
@@ -416,6 +441,11 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
         inc = a.include_flagged if include_flagged is None else include_flagged
         return StreamingResponse(lines(inc), media_type=media,
                                  headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi_document(who: Principal = Depends(api_user)) -> JSONResponse:  # noqa: B008
+        """This app's OpenAPI document, for any logged-in annotator (a cookie or a bearer token)."""
+        return JSONResponse(app.openapi())
 
     add_common_routes(app, metrics, lambda: True, [Depends(admin_user)])
     return app

@@ -1,7 +1,9 @@
 """The annotation app's JSON API: request and response models (``rlt2t.services.annotation.app``).
 
-Requests forbid unknown fields and non-finite numbers: a typo or a NaN rating is a 422 naming the field; so is
-an id beyond the database's id columns, and text no database can store (a NUL character).
+Requests forbid unknown fields and non-finite numbers and are strict, as the policy and reward servers' are: no
+string is read as a number or a boolean (``"6"`` is not the candidate id 6, ``1`` is not ``true``). A typo, a
+NaN rating or a wrong type is a 422 naming the field; so is an id beyond the database's id columns, and text
+no database can store (a NUL character).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ StoredText = Annotated[str, AfterValidator(_storable)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, use_attribute_docstrings=True)
 
 
 class _Response(BaseModel):
@@ -81,6 +83,8 @@ class AnnotationView(_Response):
     note: str
     updated_at: float
     """Unix seconds of the last submission."""
+    revision: int
+    """Submissions applied to this annotation so far; send it back as a submission's `base_revision`."""
 
 
 class CandidateView(_Response):
@@ -119,6 +123,21 @@ class SubmissionRequest(_Request):
     (or null): the annotation keeps its flag (none on a new one)."""
     note: Annotated[str, StringConstraints(max_length=NOTE_MAX_CHARS), AfterValidator(_storable)] | None = None
     """Why it was flagged, or any remark. Left out (or null): the annotation keeps its note."""
+    base_revision: Annotated[int, Field(ge=0, le=MAX_ID)] | None = None
+    """The `revision` of the caller's annotation this submission was made against (0: it had none yet). When
+    the annotation has moved on since (saved in another tab or by another script of the same annotator), the
+    answer is a 409 with the current revision and nothing changes; resend with that revision to overwrite.
+    Left out (or null): no check, the submission replaces whatever is stored (the page always sends it)."""
+
+
+class StaleRevisionResponse(_Response):
+    """409 to a submission whose `base_revision` is not the annotation's current revision."""
+
+    detail: str
+    revision: int
+    """The annotation's current revision: send it as `base_revision` to overwrite."""
+    annotation: AnnotationView | None
+    """What is stored now (null: nothing, the base revision named one that does not exist)."""
 
 
 class SubmissionResponse(_Response):

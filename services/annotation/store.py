@@ -14,6 +14,13 @@ answered with the stored result and changes nothing; an id reused for different 
 submission sets the flag and the note only where it gives them: the terminal's ratings, which say nothing of
 either, keep a flag set in the browser (and so keep the item out of the exports).
 
+Each applied submission moves the annotation's *revision* on by one (a new annotation is revision 1). A
+submission that names the revision it was made against (``base_revision``, 0: no annotation yet) is refused
+with :class:`StaleRevision` when the annotation has moved on since: the same annotator's other tab or machine
+saved the item in between, and replacing that unseen would lose it. Overwriting is then an explicit second
+submission against the current revision. A submission naming none (the terminal loop, scripts) applies to
+whatever is there.
+
 - ``rank``: a permutation of the item's candidate ids, best first; replaces the annotation's labels.
 - ``rate``: ratings of some or all candidates; merged into earlier ratings (the terminal stores each one as
   it is typed), replacing a ranking or a skip. ``rated`` once every candidate has a rating.
@@ -74,7 +81,7 @@ log = logging.getLogger("rlt2t.services.annotation")
 logging.getLogger("alembic").setLevel(logging.WARNING)  # one INFO line per plugin and step on every open
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
-SCHEMA_HEAD = "0001"
+SCHEMA_HEAD = "0002"
 """The newest revision in migrations/versions (a test checks it is alembic's head): a database already there
 opens without importing alembic at all (half a second of every CLI call)."""
 DONE = ("ranked", "rated", "skipped")
@@ -104,6 +111,17 @@ class InvalidSubmission(ValueError):
 
 class SubmissionConflict(ValueError):
     """A submission id already used for different content (or by another annotator)."""
+
+
+class StaleRevision(SubmissionConflict):
+    """A submission made against an older revision of the annotation than the stored one."""
+
+    def __init__(self, item_id: int, base: int, current: AnnotationRecord | None) -> None:
+        self.item_id, self.base, self.current = item_id, base, current
+        self.revision = current.revision if current is not None else 0
+        super().__init__(f"item {item_id} was saved elsewhere since (revision {self.revision}; this submission was "
+                         f"made against revision {base}): load it again, or send base_revision {self.revision} to "
+                         "overwrite it")
 
 
 # --- records ----------------------------------------------------------------------------------------------
@@ -164,6 +182,8 @@ class AnnotationRecord:
     ratings: dict[int, float]
     """Candidate id → rating (``rated`` / ``partial``), else empty."""
     updated_at: float
+    revision: int
+    """Submissions applied to this annotation (1 after the first)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +199,9 @@ class Submission:
     """Set or clear the annotation's flag; None keeps it (False on a new annotation)."""
     note: str | None = None
     """Replace the annotation's note; None keeps it (empty on a new annotation)."""
+    base_revision: int | None = None
+    """The annotation's revision this was made against (0: none yet); StaleRevision when it has moved on. None:
+    no check. Not part of the digest: a condition of applying the content, not the content."""
 
     def digest(self) -> str:
         body = [self.item_id, self.action, list(self.order), sorted(self.ratings.items()), self.flagged, self.note]
@@ -519,10 +542,14 @@ class Store:
         now = time.time()
         # FOR UPDATE (PostgreSQL; SQLite already holds the write lock): a concurrent submission of this annotator
         # to this item waits, then sees these labels (rating merges count complete ratings correctly).
-        current = conn.execute(select(annotations_table.c.id, annotations_table.c.status).where(
+        current = conn.execute(select(annotations_table.c.id, annotations_table.c.status,
+                                      annotations_table.c.revision).where(
             annotations_table.c.annotator_id == annotator.id, annotations_table.c.item_id == item.id
         ).with_for_update()).first()
-        fields: dict[str, object] = {"submission_id": sub.submission_id, "updated_at": now}
+        revision = current.revision if current is not None else 0
+        if sub.base_revision is not None and sub.base_revision != revision:
+            raise StaleRevision(item.id, sub.base_revision, self._annotation(conn, current.id) if current else None)
+        fields: dict[str, object] = {"submission_id": sub.submission_id, "updated_at": now, "revision": revision + 1}
         if sub.flagged is not None:
             fields["flagged"] = sub.flagged
         if sub.note is not None:
@@ -589,7 +616,7 @@ class Store:
         order = tuple(r.candidate_id for r in sorted((r for r in rows if r.rank is not None), key=lambda r: r.rank))
         ratings = {r.candidate_id: r.rating for r in rows if r.rating is not None}
         return AnnotationRecord(row.id, row.item_id, row.name, row.status, bool(row.flagged), row.note, order,
-                                ratings, row.updated_at)
+                                ratings, row.updated_at, row.revision)
 
     def annotation(self, annotation_id: int, viewer: Annotator) -> AnnotationRecord:
         """An annotation its owner or an admin may read; anyone else gets NotFound (as if it did not exist)."""

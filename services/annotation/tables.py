@@ -68,6 +68,8 @@ annotations = Table(
     Column("submission_id", String(64), nullable=False),
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+    # Submissions applied so far: a page sends the revision it saw (409 when another tab has moved it on).
+    Column("revision", Integer, nullable=False, server_default="1"),
     UniqueConstraint("annotator_id", "item_id"),
 )
 labels = Table(

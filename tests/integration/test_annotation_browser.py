@@ -48,14 +48,15 @@ class Site:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory, live_server):
-    """The app on a loopback port: 3 items of 4 candidates, one item of injected markup; four people."""
+    """The app on a loopback port: 3 items of 4 candidates, one item of injected markup; annotators, each test
+    its own, and an admin."""
     root = tmp_path_factory.mktemp("annotate-site")
     cfg = load_config([], [f"run.dir={root}"])
     store = Store.open(f"sqlite:///{root}/annotations.db")
     store.add_items([NewItem(f"source {i}: describe the finding", tuple(f"candidate {i}.{k}" for k in range(4)), "test")
                      for i in range(3)] + [NewItem("<script>window.__pwned = 3</script>", tuple(INJECTED), "test")])
     tokens = {name: store.add_annotator(name, "admin" if name == "boss" else "annotator")
-              for name in ("alice", "bob", "carol", "dave", "boss")}
+              for name in ("alice", "bob", "carol", "dave", "erin", "fay", "gus", "hal", "boss")}
     ids = [store.next_item(store.annotator_by_name("alice")).id + k for k in range(4)]
     with live_server(create_app(cfg, store)) as server:
         yield Site(server.url, store, tokens, ids)
@@ -251,6 +252,7 @@ def test_rating_on_a_scale(page_of, site, tmp_path, live_server):
         page.wait_for_selector("#candidates li input[type=range]")
         item = shown_item(page)
         ids = order(page)
+        assert page.locator("#candidates .place").count() == 0  # places are a ranking's
         page.keyboard.press("Enter")  # not every candidate rated yet: refused in the page
         assert page.locator("#status").inner_text() == "Rate every candidate first (or skip the item)."
         for k, li in enumerate(page.locator("#candidates li").all()):
@@ -263,3 +265,153 @@ def test_rating_on_a_scale(page_of, site, tmp_path, live_server):
     dave = site.store.annotator_by_name("dave")
     assert site.store.annotation_of(dave, item).ratings == {cid: 0.5 * (k + 1) for k, cid in enumerate(ids)}
     assert not page.js_errors
+
+
+def focused_id(page) -> str:
+    return page.evaluate("document.activeElement.id || document.activeElement.tagName")
+
+
+def test_enter_submits_after_flag_or_skip_was_clicked(page_of, site, tmp_path):
+    page = page_of("erin")
+    page.wait_for_selector("#candidates li")
+    erin = site.store.annotator_by_name("erin")
+    first, ids = shown_item(page), order(page)
+    page.click("#flag")  # with the mouse: the button must not keep the focus
+    expect(page.locator("#flag")).to_have_attribute("aria-pressed", "true")
+    expect(page.locator("#note-box")).to_be_visible()
+    assert focused_id(page) != "flag"
+    shot(page, tmp_path, "flag-clicked")
+    page.keyboard.press("Enter")  # submits (a focused Flag would have been un-flagged instead)
+    expect(page.locator("#progress")).to_have_text(re.compile("^done 1"))
+    mine = site.store.annotation_of(erin, first)
+    assert (mine.status, mine.flagged, mine.order) == ("ranked", True, tuple(ids))
+
+    # Flag clicked twice (on, then off again), then Enter: one submission, unflagged.
+    second = site.item_ids[1]
+    expect(page.locator("#item-label")).to_have_text(f"item {second}")
+    page.click("#flag")
+    page.click("#flag")
+    expect(page.locator("#flag")).to_have_attribute("aria-pressed", "false")
+    page.keyboard.press("Enter")
+    expect(page.locator("#progress")).to_have_text(re.compile("^done 2"))
+    assert site.store.annotation_of(erin, second).flagged is False
+
+    # Reached with Tab, Flag still lets Enter submit; Space presses it.
+    third = site.item_ids[2]
+    expect(page.locator("#item-label")).to_have_text(f"item {third}")
+    page.focus("#flag")
+    page.keyboard.press("Space")
+    expect(page.locator("#flag")).to_have_attribute("aria-pressed", "true")
+    page.focus("#flag")
+    page.keyboard.press("Enter")
+    expect(page.locator("#progress")).to_have_text(re.compile("^done 3"))
+    assert site.store.annotation_of(erin, third).flagged is True
+
+    # Skip clicked on an item's page, then Enter: the item is ranked (Enter did not press Skip again).
+    page.goto(site.url + f"/items/{second}")
+    page.wait_for_selector("#candidates li")
+    with page.expect_response("**/api/submissions") as skipped:
+        page.click("#skip")
+    assert skipped.value.status == 200 and site.store.annotation_of(erin, second).status == "skipped"
+    expect(page.locator("#task")).to_have_attribute("aria-busy", "false")  # the item is shown again
+    expect(page.locator("#status")).to_have_text("Saved.")
+    assert focused_id(page) != "skip"
+    with page.expect_response("**/api/submissions") as ranked:
+        page.keyboard.press("Enter")
+    assert ranked.value.status == 200 and site.store.annotation_of(erin, second).status == "ranked"
+    assert not page.js_errors
+
+
+def test_place_numbers_follow_the_candidates(page_of, site, tmp_path):
+    page = page_of("hal")
+    page.wait_for_selector("#candidates li")
+    places = page.locator("#candidates li .place")
+    expect(places.first).to_be_visible()
+    assert places.all_text_contents() == ["1", "2", "3", "4"]
+    a, b, c, d = order(page)
+    page.keyboard.press("3")  # the first candidate (focused) goes to place 3, the number shown beside it
+    assert order(page) == [b, c, a, d]
+    assert places.all_text_contents() == ["1", "2", "3", "4"]
+    assert page.locator(f"#candidates li[data-id='{a}'] .place").inner_text() == "3"
+    handle = page.locator(f"#candidates li[data-id='{d}'] .handle").bounding_box()
+    target = page.locator(f"#candidates li[data-id='{b}']").bounding_box()
+    page.mouse.move(handle["x"] + handle["width"] / 2, handle["y"] + handle["height"] / 2)
+    page.mouse.down()
+    page.mouse.move(target["x"] + 40, target["y"] + 4, steps=8)
+    assert page.locator(f"#candidates li[data-id='{d}'] .place").inner_text() == "1"  # while it is dragged
+    page.mouse.up()
+    assert order(page) == [d, b, c, a] and places.all_text_contents() == ["1", "2", "3", "4"]
+    shot(page, tmp_path, "places")
+    assert not page.js_errors
+
+
+def test_a_second_tab_is_told_before_it_can_overwrite_and_overwrites_only_when_asked(page_of, site, tmp_path):
+    one = page_of("fay")
+    one.wait_for_selector("#candidates li")
+    two = one.context.new_page()  # the same browser: the tabs share the session and localStorage
+    two.set_default_timeout(10_000)
+    two.goto(site.url + "/")
+    two.wait_for_selector("#candidates li")
+    item = shown_item(one)
+    assert shown_item(two) == item
+    fay = site.store.annotator_by_name("fay")
+    a, b, c, d = order(one)
+    two.keyboard.press("4")  # tab two reorders (its own draft: tab one's screen does not change)
+    mine = order(two)
+    assert mine == [b, c, d, a] and order(one) == [a, b, c, d]
+    one.keyboard.press("2")
+    one.keyboard.press("Enter")
+    expect(one.locator("#progress")).to_have_text(re.compile("^done 1"))
+    assert site.store.annotation_of(fay, item).order == (b, a, c, d)
+
+    # Tab two hears of it before it submits anything; Enter does not replace the save it has not seen.
+    expect(two.locator("#conflict")).to_be_visible()
+    expect(two.locator("#conflict-text")).to_contain_text("another tab or window")
+    shot(two, tmp_path, "second-tab-told")
+    two.keyboard.press("Enter")
+    expect(two.locator("#status")).to_have_text(re.compile("^Not saved: this item was saved in another tab"))
+    assert site.store.annotation_of(fay, item).order == (b, a, c, d)
+    assert order(two) == mine  # its own order is still on screen
+
+    # The explicit overwrite replaces it, and says so.
+    two.click("#overwrite")
+    expect(two.locator("#status")).to_have_text("Saved.")
+    saved = site.store.annotation_of(fay, item)
+    assert (saved.order, saved.revision) == (tuple(mine), 2)
+    assert focused_id(two) != "overwrite"
+    # And now tab one, still open, is the one told (its next item is another; reopening this one shows it).
+    one.goto(site.url + f"/items/{item}")
+    one.wait_for_selector("#candidates li")
+    assert order(one) == mine and one.locator("#conflict").is_hidden()
+    assert not one.js_errors
+
+
+def test_another_machine_is_refused_with_409_and_can_load_the_saved_version(page_of, site, tmp_path):
+    one, two = page_of("gus"), page_of("gus")  # two browsers: no message passes between them
+    for page in (one, two):
+        page.wait_for_selector("#candidates li")
+    item = shown_item(one)
+    assert shown_item(two) == item
+    gus = site.store.annotator_by_name("gus")
+    a, b, c, d = order(one)
+    one.keyboard.press("4")
+    one.keyboard.press("Enter")
+    expect(one.locator("#progress")).to_have_text(re.compile("^done 1"))
+    assert two.locator("#conflict").is_hidden()  # nothing told it yet
+
+    two.keyboard.press("Enter")  # the server refuses: it was made against no annotation, and there is one now
+    expect(two.locator("#status")).to_have_text(f"Not saved: item {item} was saved in another tab or window since.")
+    expect(two.locator("#conflict")).to_be_visible()
+    assert site.store.annotation_of(gus, item).order == (b, c, d, a)
+    shot(two, tmp_path, "refused-409")
+
+    two.click("#show-saved")
+    expect(two.locator("#status")).to_have_text("This is the saved version.")
+    assert order(two) == [b, c, d, a] and two.locator("#conflict").is_hidden()
+    two.locator(f"#candidates li[data-id='{d}']").focus()
+    two.keyboard.press("1")
+    two.keyboard.press("Enter")  # built on the saved version now: accepted
+    expect(two.locator("#progress")).to_have_text(re.compile("^done 1"))
+    saved = site.store.annotation_of(gus, item)
+    assert (saved.order, saved.revision) == ((d, b, c, a), 2)
+    assert not one.js_errors and not two.js_errors

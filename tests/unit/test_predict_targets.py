@@ -192,9 +192,56 @@ def test_reward_rerank_picks_the_candidate_the_python_reward_prefers(bart_export
     assert any(len(set(c["rerank_score"] for c in row["candidates"])) > 1 for row in rows)  # the reward decided
 
     cfg.reward.terms = [PythonTerm(fn=prefer_letter), MetricTerm(name="bleu4")]
-    with pytest.raises(ValueError, match=r"--rerank reward: reward.terms term metric:bleu4 needs references"):
-        predict(cfg, [bart_export], [bart_export], inputs, tmp_path / "pred2.csv", rerank="reward")
+    with pytest.MonkeyPatch.context() as mp:  # refused before any model is resolved (exported) or decoded
+        mp.setattr(predict_mod, "resolve_model", lambda *a: pytest.fail("a model was resolved before the refusal"))
+        with pytest.raises(ValueError, match=r"--rerank reward: reward.terms term metric:bleu4 needs references"):
+            predict(cfg, [bart_export], [bart_export], inputs, tmp_path / "pred2.csv", rerank="reward")
     assert len(calls) == 1 and not (tmp_path / "pred2.csv").exists()
+
+
+def test_eval_rerank_reward_scores_the_models_pool_without_references(bart_dir, tmp_path):
+    """`rlt2t eval --rerank reward`: the model generates and scores its pool on the torch backend, the reward picks
+    (ties to the better mean log-prob) from each example's extra fields and no references, and the eval row scores
+    those picks; a term that needs references is refused naming it."""
+    from rlt2t import api
+    from rlt2t.common.config import MetricTerm, PythonTerm
+    from rlt2t.common.policy import load_policy
+    from rlt2t.ensemble import rerank_with_policy
+
+    calls = []
+
+    def prefer_letter(sources, candidates, references, letter):
+        calls.append(references)
+        return [float(c.count(x)) for c, x in zip(candidates, letter, strict=True)]
+
+    rows = [{"id": str(i), "source": s, "target": t, "letter": x}
+            for i, (s, t, x) in enumerate(zip(SOURCES, TRAIN, "caab", strict=False))]
+    valid = _write_jsonl(tmp_path / "valid.jsonl", rows)
+    cfg = _cfg(tmp_path, tmp_path / "train.jsonl")
+    cfg.data.valid, cfg.predict.backend = str(valid), "torch"
+    cfg.reward.terms = [PythonTerm(fn=prefer_letter)]
+    from rlt2t.common.data import load_data
+
+    examples = list(load_data(valid, cfg.data))
+    policy = load_policy(cfg.model, None, checkpoint=bart_dir)
+    got = rerank_with_policy(cfg, policy, bart_dir, examples, "reward")
+    assert calls and all(r == [] for refs in calls for r in refs)
+    for cands, scores, chosen, lps, letter in zip(got.candidates, got.scores, got.chosen, got.logprobs, "caab",
+                                                  strict=True):
+        want = [float(c.count(letter)) for c in cands]
+        means = [sum(lp) / len(lp) for lp in lps[0]]
+        assert scores.tolist() == want and chosen == max(range(len(cands)), key=lambda k: (want[k], means[k]))
+    assert any(len(set(s.tolist())) > 1 for s in got.scores)  # the reward decided somewhere
+
+    table = api.evaluate(cfg, {"bart": bart_dir}, split="valid", metrics="bleu4", rerank="reward")
+    assert "rerank reward" in table.title and set(table.rows) == {"bart"}
+    saved = [json.loads(line)["prediction"]
+             for line in (cfg.run_dir / "eval" / "bart-valid.predictions.jsonl").read_text().splitlines()]
+    assert saved == got.predictions  # a beam pool: the same pool, the same picks
+
+    cfg.reward.terms = [PythonTerm(fn=prefer_letter), MetricTerm(name="rouge_l")]
+    with pytest.raises(ValueError, match=r"--rerank reward: reward.terms term metric:rouge_l needs references"):
+        api.evaluate(cfg, {"bart": bart_dir}, split="valid", metrics="bleu4", rerank="reward")
 
 
 def _mbr_inputs(tmp_path: Path) -> tuple[Path, Path]:

@@ -207,3 +207,27 @@ def test_dataset_validates_arguments() -> None:
         DenoisingDataset([[10, 11]], sentinel_ids=SENTINELS, eos_id=EOS, seed=-1)
     with pytest.raises(ValueError, match="epoch"):
         make_dataset(0).set_epoch(-1)
+
+
+@pytest.mark.parametrize("length", [0, 1, 2, 7, 60])
+def test_reconstruct_labels_the_whole_text_from_the_same_corrupted_input(length: int) -> None:
+    tokens = random_text(random.Random(length), length)
+    for seed in range(20):
+        t5_input, t5_labels = span_corruption(tokens, random.Random(seed), sentinel_ids=SENTINELS, eos_id=EOS)
+        inp, lab = span_corruption(tokens, random.Random(seed), sentinel_ids=SENTINELS, eos_id=EOS, reconstruct=True)
+        assert inp == t5_input  # the same noise: only the label differs
+        assert lab == [*tokens, EOS]
+        assert reconstruct(inp, t5_labels, SENTINELS, EOS) == tokens
+        if length >= 2:
+            assert any(t in SENTINELS for t in inp)  # something is hidden, and the label still has all of it
+
+
+def test_dataset_reconstruct_objective() -> None:
+    data_rng = random.Random(3)
+    texts = [random_text(data_rng, 60) for _ in range(5)]
+    spans = DenoisingDataset(texts, sentinel_ids=SENTINELS, eos_id=EOS, seed=7)
+    whole = DenoisingDataset(texts, sentinel_ids=SENTINELS, eos_id=EOS, seed=7, reconstruct=True)
+    for i in range(5):
+        a, b = spans[i], whole[i]
+        assert a["input_ids"] == b["input_ids"]
+        assert b["labels"] == [*texts[i], EOS] and a["labels"] != b["labels"]

@@ -98,6 +98,29 @@ def test_pretrain_denoising_runs_and_lowers_loss(tmp_path, ids_tokenizer_dir):
     assert (tmp_path / "p" / "pretrain" / "checkpoints" / "epoch-0003").is_dir()
 
 
+@pytest.mark.parametrize("objective", ["reconstruct", "span_corruption"])
+def test_pretrain_objective_sets_what_the_decoder_writes(tmp_path, ids_tokenizer_dir, monkeypatch, objective):
+    import rlt2t.learner.stages as stages
+
+    seen = []
+
+    class Recording(stages.DenoisingDataset):
+        def __getitem__(self, index):
+            item = super().__getitem__(index)
+            seen.append((self.texts[range(len(self.texts))[index]], item["labels"]))
+            return item
+
+    monkeypatch.setattr(stages, "DenoisingDataset", Recording)
+    policy = load_policy(ModelConfig(preset="tiny"), ids_tokenizer_dir, seed=0)
+    texts = [[10 + i + j for j in range(12)] for i in range(16)]
+    cfg = PretrainConfig(batch_size=8, max_steps=1, lr=1e-3)
+    assert PretrainConfig().objective == "span_corruption"  # the default: T5's objective
+    run_pretrain(policy, texts, cfg.model_copy(update={"objective": objective}), _run(tmp_path, objective),
+                 tmp_path / objective / "pretrain")
+    eos = policy.tokenizer.eos_token_id
+    assert seen and all((labels == [*text, eos]) == (objective == "reconstruct") for text, labels in seen)
+
+
 def test_max_steps_and_nan_guard(tmp_path, ids_tokenizer_dir):
     policy = load_policy(ModelConfig(preset="tiny"), ids_tokenizer_dir, seed=0)
     src, tgt = _task(policy.tokenizer)

@@ -176,7 +176,7 @@ class El {
   append(...xs) { this.children.push(...xs); }
   replaceChildren(...xs) { this.children = []; this.append(...xs); }
   get firstElementChild() { return this.children[0] || null; }
-  querySelector() { return null; }
+  querySelector(sel) { return this.children.find((c) => c.className.split(" ").includes(sel.slice(1))) || null; }
   click() { for (const f of this.listeners.click || []) f({}); }
 }
 const els = {};
@@ -185,18 +185,27 @@ global.document = { body: Object.assign(new El("body"), { dataset: { mode: "rank
   ratingMin: "-2", ratingMax: "2", ratingStep: "0.5" } }),
   querySelector: () => ({ content: "csrf" }), getElementById: byId, createElement: (t) => new El(t),
   addEventListener() {} };
-const stored = {};
-global.localStorage = { getItem: (k) => stored[k] ?? null, setItem: (k, v) => { stored[k] = v; },
-  removeItem: (k) => { delete stored[k]; } };
+const storage = (stored) => ({ getItem: (k) => stored[k] ?? null, setItem: (k, v) => { stored[k] = v; },
+  removeItem: (k) => { delete stored[k]; }, key: (i) => Object.keys(stored)[i] ?? null,
+  get length() { return Object.keys(stored).length; } });
+global.localStorage = storage({});
+global.sessionStorage = storage({});
+global.BroadcastChannel = undefined;  // one tab here
 global.location = { assign() {}, pathname: "/" };
-let failures = 0; const sent = [];
+let failures = 0; let staleAt = null; let revision = 0; const sent = [];
 const item = { item_id: 1, source: "s", candidates: [1, 2, 3].map((id) => ({ id, text: "t" + id })), annotation: null };
 const progress = { done: 0, left: 1, skipped: 0, flagged: 0 };
 global.fetch = async (path, init) => {
   if (init.method === "POST") {
     if (failures > 0) { failures -= 1; throw new TypeError("network down"); }
-    sent.push(JSON.parse(init.body));
-    return { status: 200, ok: true, json: async () => ({ annotation: {}, duplicate: false, progress }) };
+    const payload = JSON.parse(init.body);
+    if (staleAt !== null && payload.base_revision !== staleAt) {  // saved elsewhere: at revision staleAt
+      return { status: 409, ok: false, statusText: "Conflict",
+               json: async () => ({ detail: "saved elsewhere", revision: staleAt, annotation: null }) };
+    }
+    sent.push(payload);
+    revision += 1;
+    return { status: 200, ok: true, json: async () => ({ annotation: { revision }, duplicate: false, progress }) };
   }
   return { status: 200, ok: true, json: async () => ({ item, progress }) };
 };
@@ -216,9 +225,22 @@ const submit = async () => { byId("submit").click(); await tick(); };
   failures = 1; await submit();                  // the stale one fails again: nothing new is sent
   out.staleStillUnsent = sent.length;
   await submit();                                // stale one first (its own id), then the screen's order
-  out.changed = sent.map((b) => [b.order, b.submission_id]);
+  out.changed = sent.map((b) => [b.order, b.submission_id, b.base_revision]);
   out.status = byId("status").textContent;
-  out.pending = localStorage.getItem("rlt2t.pending.ann");
+  out.pending = localStorage.getItem("rlt2t.pending.1.ann");
+  out.places = list.children.map((li) => li.children[0].textContent);
+
+  // Another tab saved the item (revision 7): the submission is refused, the notice shows, Enter sends nothing
+  // more, and only "Overwrite" sends the screen, against revision 7.
+  sent.length = 0; staleAt = 7;
+  await submit();
+  out.conflictShown = !byId("conflict").hidden;
+  out.staleStatus = byId("status").textContent;
+  await submit();
+  out.sentWhileConflict = sent.length;
+  byId("overwrite").click(); await tick();
+  out.overwrite = sent.map((b) => b.base_revision);
+  out.conflictAfter = !byId("conflict").hidden;
   console.log(JSON.stringify(out));
 })();
 """
@@ -234,6 +256,12 @@ def test_the_page_resends_a_pending_submission_only_while_the_screen_still_shows
     (order, sid), = out["unchanged"]
     assert order == [1, 2, 3] and len(sid) == 32
     assert out["staleStillUnsent"] == 0
-    (stale, stale_id), (new, new_id) = out["changed"]
+    (stale, stale_id, stale_base), (new, new_id, new_base) = out["changed"]
     assert stale == [1, 2, 3] and new == [3, 2, 1] and stale_id != new_id
+    # The new order builds on the page's own earlier try, which moved the revision from 0 to 1.
+    assert (stale_base, new_base) == (0, 1)
     assert out["status"] == "Saved." and out["pending"] is None
+    assert out["places"] == ["1", "2", "3"]
+    assert out["conflictShown"] and out["staleStatus"] == "Not saved: item 1 was saved in another tab or window since."
+    assert out["sentWhileConflict"] == 0
+    assert out["overwrite"] == [7] and not out["conflictAfter"]

@@ -184,3 +184,20 @@ def test_reload_posts_without_a_body_and_parses_the_model_info(waits):
         out = c.reload()
     assert (calls[0].method, calls[0].url.path, calls[0].content) == ("POST", "/v1/reload", b"")
     assert out.version == 3 and out.on_disk and out.note is None
+
+
+def test_reward_clients_read_what_the_server_offers(waits):
+    answer = {"metrics": ["bleu4", "task_score"], "named": ["prefs"],
+              "unavailable": {"meteor": "WordNet data not found; install Debian's wordnet-base"}}
+    handler, calls = scripted((200, answer, {}))
+    with RewardClient("http://svc", transport=httpx.MockTransport(handler)) as c:
+        out = c.metrics()
+    assert out.metrics == ["bleu4", "task_score"] and out.named == ["prefs"]
+    assert "wordnet-base" in out.unavailable["meteor"]
+    assert calls[-1].method == "GET" and calls[-1].url.path == "/v1/metrics"
+
+    async def run():
+        async with AsyncRewardClient("http://svc", transport=httpx.MockTransport(handler)) as c:
+            return await c.metrics()
+
+    assert asyncio.run(run()).unavailable == answer["unavailable"]
