@@ -304,16 +304,6 @@ class RequestGate:
                       [(b"connection", b"close")])
 
 
-class BodyLimit(RequestGate):
-    """The gate's body handling alone (413, 408): no auth, and any content type and encoding. (The annotation
-    app, with its own auth, uses the whole gate with ``token=None`` and ``form_paths`` for its forms.)"""
-
-    def __init__(self, app, max_bytes: int, setting: str = "serve.max_body_bytes", body_timeout_s: float = 30.0
-                 ) -> None:
-        super().__init__(app, token=None, max_bytes=max_bytes, body_timeout_s=body_timeout_s, json_only=False,
-                         setting=setting)
-
-
 def _content_type_problem(headers: dict[bytes, bytes], expected: str = JSON) -> str | None:
     """Why a request's body cannot be read as ``expected`` (UTF-8) from its headers alone, or None (no body is
     fine)."""

@@ -20,7 +20,7 @@ from rlt2t.common.checkpoint import save_checkpoint
 from rlt2t.common.config import Config
 from rlt2t.services import policy_app, reward_app
 from rlt2t.services.backends import Sampling, TorchBackend
-from rlt2t.services.http import BodyLimit
+from rlt2t.services.http import RequestGate
 
 JSON = {"content-type": "application/json"}
 
@@ -298,14 +298,15 @@ def test_a_body_that_is_not_declared_json_is_a_415(policy, reward, headers):
 
 
 def test_body_limit_alone_takes_any_content_type():
-    """BodyLimit: the gate's body handling without auth or the JSON rule (apps with forms and cookies)."""
+    """The gate with no token and json_only=False: its body handling alone (no auth, no content-type rule)."""
     app = FastAPI()
 
     @app.post("/form")
     async def form(request: Request) -> dict:
         return {"size": len(await request.body())}
 
-    app.add_middleware(BodyLimit, max_bytes=10, setting="annotate.max_body_bytes")
+    app.add_middleware(RequestGate, token=None, max_bytes=10, body_timeout_s=30.0, json_only=False,
+                       setting="annotate.max_body_bytes")
     with TestClient(app) as c:
         ok = c.post("/form", content=b"a=1&b=2", headers={"content-type": "application/x-www-form-urlencoded"})
         assert ok.status_code == 200 and ok.json() == {"size": 7}
