@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the runs go, one run.dir per seed (default /tmp/bench-demo/<name>)")
     parser.add_argument("--name", default="demo_seeds", help="results file stem under bench/results")
     parser.add_argument("--rerun", action="store_true", help="run seeds again even when a saved run matches")
+    parser.add_argument("--note", default="",
+                        help="what else ran on the machine while the seeds were timed (shown beside the seconds)")
     parser.add_argument("overrides", nargs="*", help="config overrides passed to every demo (key.path=value)")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -97,8 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(per_seed)
     command = " ".join(["python bench/demo_seeds.py", f"--seeds {args.seeds}",
                         *([f"--name {args.name}"] if args.name != "demo_seeds" else []), *args.overrides])
+    # The synthetic task's generator version, as each seed's data recorded it (a reused run keeps its data).
+    versions = sorted({json.loads((workdir / f"seed{s}" / "data" / "synth_meta.json").read_text())["version"]
+                       for s in seeds})
     path = save(args.name, {"benchmark": "demo_seeds", "command": command,
-                            "settings": {"seeds": seeds, "overrides": args.overrides}, "seeds": per_seed,
+                            "settings": {"seeds": seeds, "overrides": args.overrides, "note": args.note,
+                                         "synth_generator_version": versions[0] if len(versions) == 1 else versions},
+                            "seeds": per_seed,
                             "summary": summary})
     for t in TABLES:
         row = ", ".join(f"{m} {summary[t][m]['mean']:.3f} ± {summary[t][m]['std']:.3f}" for m in MODELS)

@@ -16,9 +16,10 @@ the same task) assigns shuffled ids to disjoint pools:
   real reports, so a small model learns the mapping in a few hundred steps and the demo stays short;
   the interesting part is on the target side;
 - concepts: each finding maps to one of ``num_concepts`` diagnosis concepts (several findings may share
-  a concept, and then its head token). Concept c has three phrasings: ``A = (a_c,)`` with probability
-  0.4 and ``B = (x1, y_c, q)``, ``C = (x2, y_c, q)`` with probability 0.3 each, where ``x1, x2`` are
-  category tokens shared by groups of concepts and ``q`` a shared qualifier token;
+  a concept, and then its head token). Concept c has nine phrasings: ``A = (a_c,)`` with probability 0.4
+  and ``B_j = (x_j, y_c, q)`` for j = 1..8 with probability 0.075 each, where the openers ``x_j`` are
+  category tokens shared by groups of concepts and ``q`` a shared qualifier token: the eight B phrasings
+  differ in their first token and share the suffix ``y_c q``;
 - a connector token joining concepts, a prefix token, and a small pool of clinical tokens.
 
 A description is 6–20 filler tokens with 1–3 distinct findings (probabilities 0.5/0.35/0.15) inserted
@@ -26,19 +27,24 @@ at distinct gaps, so two findings are always separated by filler. 30% of the row
 field of 1–4 tokens (noise: it does not change the diagnosis). The diagnosis lists the concepts of the
 findings (deduplicated) in description order with probability 0.6, otherwise in one of the other
 orders; each concept gets an independently sampled phrasing, concepts are joined by the connector,
-and with probability 0.3 the whole starts with the prefix token.
+and with probability 0.2 the whole starts with the prefix token.
 
 Why maximum likelihood and the metric disagree
 ----------------------------------------------
-The most probable diagnosis *string* (what beam search on a perfect MLE model returns without length
-normalisation) uses phrasing A everywhere: 0.4 beats 0.3 for either of B and C. Greedy decoding agrees: at the
-first step A's token (0.4) beats either opener x1, x2 (0.3 each). Beam search that divides a hypothesis'
-log-probability by its length (CTranslate2's default, `length_penalty=1`) favours the three-token B and C
-instead, so it already collects part of what RL learns (bench/findings/demo_seeds.md). But against a random
-reference an n-gram metric prefers B: B shares ``y_c q`` with C, so it earns partial credit 60% of the time, A
-only ever matches A (40%). With the mean of unigram and bigram F1 for one concept, A scores 0.40 in
-expectation and B 0.3 + 0.3·(2/3 + 1/2)/2 = 0.475; under CIDEr-D (rare n-grams weigh more) the gap is wider. A
-policy trained on the metric can learn to say B; one trained on likelihood cannot.
+The most probable diagnosis *string* uses phrasing A everywhere (0.4 beats 0.075 for any B_j), and no
+decoding of a perfect maximum-likelihood model finds anything else: greedy decoding sees A's token (0.8 · 0.4
+with the prefix's 0.2 taken out) beat the prefix and every opener (0.8 · 0.075) at the first step, and beam
+search that divides a hypothesis' log-probability by its length (CTranslate2's default, `length_penalty=1`;
+EOS counted) still prefers A per position, log(0.8 · 0.4) / 2 > log(0.8 · 0.075) / 4 for one concept, and on
+rows of two and three concepts too (checked exhaustively in the tests; with five B phrasings at 0.12 each,
+which this version first had, the length-normalised mode said B for a third of the concepts). But against a
+random reference an n-gram metric prefers B: every B_j shares ``y_c q`` with the other seven, so any B earns
+partial credit 60% of the time, A only ever matches A (40%). On 1,200 rows the task score of the oracle
+mapping said always with A is 0.95, always with B_1 1.41 (1.5x). A policy trained on the metric can learn to
+say B; one trained on likelihood cannot, however a perfect one is decoded. A trained model is not perfect:
+while it is unsure of a concept its beam search may still say B for some (the openers are shared between
+concepts), which narrows RL's lead on that table. (Generator version 2 had two B phrasings at 0.3 each; a
+length-normalised beam then found B on the SFT model and collected most of what RL learns.)
 Ordering and the prefix add reference noise with the MLE choice also being the metric's choice.
 
 Determinism
@@ -64,13 +70,14 @@ from typing import Any, Literal, NamedTuple
 from rlt2t.common.data import Example, split_examples, write_examples
 from rlt2t.common.io import atomic_open, atomic_write_json
 
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 SEPARATOR_TOKEN = "<sep>"
 META_FILE = "synth_meta.json"
 
-PHRASING_PROBS = (0.4, 0.3, 0.3)  # A (1 token), B and C (3 tokens sharing a 2-token suffix)
+NUM_OPENERS = 8  # metric phrasings per concept: (opener, y_c, q_c) with one of 8 openers
+PHRASING_PROBS = (0.4,) + (0.075,) * NUM_OPENERS  # A (1 token), then B_1..B_8 (3 tokens sharing a 2-token suffix)
 IN_ORDER_PROB = 0.6  # concepts listed in description order
-PREFIX_PROB = 0.3  # diagnosis starts with the prefix token
+PREFIX_PROB = 0.2  # diagnosis starts with the prefix token
 CLINICAL_PROB = 0.3  # row has a clinical field
 FINDINGS_PER_REPORT_PROBS = (0.5, 0.35, 0.15)  # 1, 2 or 3 findings
 FILLER_LEN = (6, 20)
@@ -134,7 +141,7 @@ def build_spec(num_data_tokens: int = 1894, num_findings: int = 48, num_concepts
         raise ValueError(f"num_findings must be >= {max_per_report}, got {num_findings}")
     if not 1 <= num_concepts <= num_findings:
         raise ValueError(f"num_concepts must be in [1, num_findings={num_findings}], got {num_concepts}")
-    num_categories = max(2, num_concepts // 4)
+    num_categories = max(NUM_OPENERS + 1, num_concepts // 4)  # 9: no concept's openers are all of them
     finding_pool = FINDING_LEN[1] * num_findings
     needed = (
         2
@@ -189,11 +196,12 @@ def build_spec(num_data_tokens: int = 1894, num_findings: int = 48, num_concepts
 
     phrasings = []
     for c in range(num_concepts):
-        # B and C differ in their first token and share the suffix `y_c q`: the first decoding step
-        # sees A (0.4) beat either opener (0.3), so greedy and beam search both commit to A.
-        x1, x2 = categories[c % num_categories], categories[(c + 1) % num_categories]
+        # B_1..B_8 differ in their first token (an opener) and share the suffix `y_c q`: the first decoding
+        # step sees A (0.4) beat every opener (0.075), so greedy commits to A, and so does beam search that
+        # divides by length (see the module docstring).
         q = rng.choice(qualifiers)
-        phrasings.append(((single[c],), (x1, heads[c], q), (x2, heads[c], q)))
+        openers = [categories[(c + j) % num_categories] for j in range(NUM_OPENERS)]
+        phrasings.append(((single[c],), *((x, heads[c], q) for x in openers)))
 
     weights = [1.0 / (rank + 1) ** ZIPF_EXPONENT for rank in range(len(filler))]
     return SynthSpec(
@@ -295,14 +303,16 @@ def generate_synthetic(
 
 
 def oracle_diagnosis(spec: SynthSpec, source: str, phrasing: int = 0) -> str:
-    """The diagnosis of ``source`` with phrasing ``phrasing`` (0=A, 1=B, 2=C) for every concept,
-    in description order, without the prefix.
+    """The diagnosis of ``source`` with phrasing ``phrasing`` for every concept (0 = A, ``j`` = B_j for
+    ``1 <= j <= NUM_OPENERS``), in description order, without the prefix.
 
-    ``phrasing=0`` is the single most probable diagnosis (what beam search on a perfect maximum-
-    likelihood model returns); ``phrasing=1`` is the suffix-sharing alternative an n-gram metric prefers.
+    ``phrasing=0`` is the single most probable diagnosis (what greedy decoding and beam search, with or without
+    length normalisation, return on a perfect maximum-likelihood model); ``phrasing=1`` is one of the
+    suffix-sharing phrasings an n-gram metric prefers.
     """
-    if phrasing not in (0, 1, 2):
-        raise ValueError(f"phrasing must be 0, 1 or 2, got {phrasing!r}")
+    count = len(spec.phrasings[0])
+    if isinstance(phrasing, bool) or not isinstance(phrasing, int) or not 0 <= phrasing < count:
+        raise ValueError(f"phrasing must be an integer in [0, {count - 1}], got {phrasing!r}")
     description = source.split(SEPARATOR_TOKEN)[-1]
     concepts = spec.concepts_of(spec.find_findings([int(t) for t in description.split()]))
     tokens: list[int] = []
@@ -315,15 +325,16 @@ def oracle_diagnosis(spec: SynthSpec, source: str, phrasing: int = 0) -> str:
 
 def phrasing_usage(spec: SynthSpec, diagnoses: Iterable[str]) -> dict[str, int]:
     """How often ``diagnoses`` (model outputs or targets) say a concept with phrasing A (likelihood's
-    choice), B or C (the suffix-sharing ones the metric prefers), and how many start with the prefix.
+    choice) or one of B_1..B_5 (the suffix-sharing ones the metric prefers), and how many start with the prefix.
 
-    A concept counts as A when its single token ``a_c`` appears, as B or C when its head ``y_c`` follows
-    that phrasing's opener; a head after any other token counts as ``other``. Returns the counts keyed
-    ``A``, ``B``, ``C``, ``other``, ``prefix`` and ``outputs``.
+    A concept counts as A when its single token ``a_c`` appears, as B when its head ``y_c`` follows one of the
+    concept's openers; a head after any other token counts as ``other``. Returns the counts keyed ``A``, ``B``,
+    ``other``, ``prefix`` and ``outputs``.
     """
     single = {p[0][0]: c for c, p in enumerate(spec.phrasings)}
     heads = {p[1][1]: c for c, p in enumerate(spec.phrasings)}
-    counts = dict.fromkeys(("A", "B", "C", "other", "prefix", "outputs"), 0)
+    openers = [{b[0] for b in p[1:]} for p in spec.phrasings]
+    counts = dict.fromkeys(("A", "B", "other", "prefix", "outputs"), 0)
     for text in diagnoses:
         tokens = [int(t) for t in text.split() if t.isdigit()]
         counts["outputs"] += 1
@@ -332,9 +343,8 @@ def phrasing_usage(spec: SynthSpec, diagnoses: Iterable[str]) -> dict[str, int]:
             if t in single:
                 counts["A"] += 1
             elif t in heads:
-                _, b, c = spec.phrasings[heads[t]]
                 opener = tokens[i - 1] if i else None
-                counts["B" if opener == b[0] else "C" if opener == c[0] else "other"] += 1
+                counts["B" if opener in openers[heads[t]] else "other"] += 1
     return counts
 
 

@@ -219,14 +219,26 @@ def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metri
 
 
 def monitor_score(policy: Policy, examples: Sequence[Example], metric: MetricConfig, *, max_source_len: int,
-                  max_new_tokens: int, batch_size: int = 64) -> dict[str, float]:
-    """The validation monitor: greedy decoding scored with (1-w)·CIDEr-D + w·BLEU-4, w = monitor weight, with
-    CIDEr-D alone and the outputs' variety (:func:`distinct_outputs`, which shows a decoder that ignores its
-    source)."""
+                  max_new_tokens: int, batch_size: int = 64, by: str = "metric",
+                  max_target_len: int | None = None) -> dict[str, float]:
+    """The validation monitor: greedy decoding scored with (1-w)·CIDEr-D + w·BLEU-4, w = monitor weight
+    (``metric``), with CIDEr-D alone and the outputs' variety (:func:`distinct_outputs`, which shows a decoder
+    that ignores its source). ``by="loss"``: the monitor is instead minus ``valid_loss``, the references' mean
+    cross-entropy per token under teacher forcing (the log of :func:`reference_perplexity`; targets cut at
+    ``max_target_len`` as training cut them), so that a higher monitor is still better."""
+    if by not in ("metric", "loss"):
+        raise ValueError(f"monitor must be 'metric' or 'loss', got {by!r}")
     refs = references_of(examples, "the validation monitor")
-    hyps = generate(policy, [e.source for e in examples], max_new_tokens=max_new_tokens, batch_size=batch_size,
+    sources = [e.source for e in examples]
+    hyps = generate(policy, sources, max_new_tokens=max_new_tokens, batch_size=batch_size,
                     max_source_len=max_source_len)
     score = get_metric("task_score", bleu_weight=metric.monitor_bleu_weight, sigma=metric.cider_sigma)
-    return {"monitor": score.corpus(hyps, refs),
-            "cider_d": get_metric("cider_d", sigma=metric.cider_sigma).corpus(hyps, refs),
-            "distinct_outputs": distinct_outputs([e.source for e in examples], hyps)}
+    out = {"monitor": score.corpus(hyps, refs),
+           "cider_d": get_metric("cider_d", sigma=metric.cider_sigma).corpus(hyps, refs),
+           "distinct_outputs": distinct_outputs(sources, hyps)}
+    if by == "loss":
+        targets = [e.target for e in examples if e.target is not None]  # every one (references_of checked)
+        loss = math.log(reference_perplexity(policy, sources, targets, batch_size=batch_size,
+                                             max_source_len=max_source_len, max_target_len=max_target_len))
+        out = {**out, "metric": out["monitor"], "valid_loss": loss, "monitor": -loss}
+    return out

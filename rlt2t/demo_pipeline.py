@@ -133,8 +133,9 @@ def _relative(value: float, baseline: float) -> float:
 
 
 def _plot_validation(cfg: Config, labels: dict[str, str]) -> Path | None:
-    """The validation monitor after each epoch of SFT, then of continued SFT and RL from the SFT checkpoint
-    they start at, against optimizer steps; None (with a warning) when it cannot be drawn."""
+    """Validation CIDEr-D of greedy outputs (logged by every stage's monitor, whatever it selects by) after each
+    epoch of SFT, then of continued SFT and RL from the SFT checkpoint they start at, against optimizer steps;
+    None (with a warning) when it cannot be drawn."""
     logs = cfg.run_dir / "logs"
     out = cfg.run_dir / "eval" / "demo-validation.png"
     try:
@@ -144,13 +145,13 @@ def _plot_validation(cfg: Config, labels: dict[str, str]) -> Path | None:
         for key, stage, offset in ((SFT, "sft", 0), (CONTINUED, CONTINUED, start), (RL, "rl", start)):
             path = logs / stage / "metrics.jsonl"
             if key in labels and path.is_file():
-                pts = [(offset + r["step"], r["monitor"]) for r in read_rows(path)
-                       if r.get("kind") == "valid" and isinstance(r.get("monitor"), int | float)]
+                pts = [(offset + r["step"], r["cider_d"]) for r in read_rows(path)
+                       if r.get("kind") == "valid" and isinstance(r.get("cider_d"), int | float)]
                 # Continued SFT and RL start where the SFT curve has its best point.
                 begin = dict(curves.get(labels[SFT], [])).get(start) if key != SFT else None
                 curves[labels[key]] = ([(start, begin)] if begin is not None else []) + pts
-        return plot_lines(curves, out, title=f"validation monitor: {cfg.run_dir}", xlabel="optimizer steps",
-                          ylabel="validation monitor")
+        return plot_lines(curves, out, title=f"validation CIDEr-D (greedy): {cfg.run_dir}",
+                          xlabel="optimizer steps", ylabel="validation CIDEr-D")
     except (OSError, ValueError) as e:
         log.warning("demo: could not draw %s: %s", out, e)
         return None

@@ -173,12 +173,13 @@ def continued_sft_job(cfg: Config, resume: bool = False, init: str | Path | None
     the run's best SFT checkpoint) with the RL stage's budget — CE on the gold targets of the same rows (the first
     ``rl.train_subset``), ``rl.epochs`` passes, ``rl.batch_size`` rows a step (so the same number of optimizer
     steps), ``rl.lr`` with its warm-up and floor — into ``{run}/continued_sft``, keeping its best checkpoint
-    by the validation monitor as RL does. SFT's other settings (R-drop, augmentation, FGM) carry over."""
+    by the validation metric as RL does (``sft.monitor`` does not apply). SFT's other settings (R-drop,
+    augmentation, FGM) carry over."""
     r = cfg.rl
     stage_cfg = cfg.sft.model_copy(update=dict(
         epochs=r.epochs, max_steps=r.max_steps, batch_size=r.batch_size, lr=r.lr, weight_decay=r.weight_decay,
         warmup_ratio=r.warmup_ratio, min_lr_ratio=r.min_lr_ratio, grad_clip=r.grad_clip, save_every_steps=0,
-        keep_last=r.keep_last, patience=0))
+        keep_last=r.keep_last, patience=0, monitor="metric"))
     rows = load_split(cfg, "train")
     if r.train_subset:
         rows = rows[: r.train_subset]
@@ -203,7 +204,8 @@ def _sft_stage(cfg: Config, stage: str, stage_cfg: SFTConfig, train: Sequence[Ex
 
         def evaluate(model):
             return monitor_score(Policy(model, policy.tokenizer, policy.origin), valid, cfg.metric,
-                                 max_source_len=cfg.data.max_source_len, max_new_tokens=cfg.eval.max_new_tokens)
+                                 max_source_len=cfg.data.max_source_len, max_new_tokens=cfg.eval.max_new_tokens,
+                                 by=stage_cfg.monitor, max_target_len=cfg.data.max_target_len)
 
     patience_counts = None
     if evaluate is not None:

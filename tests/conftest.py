@@ -85,7 +85,7 @@ def ids_tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def tiny_policy(ids_tokenizer_dir):
-    return load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    return load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
 
 
 @pytest.fixture(autouse=True, scope="session")

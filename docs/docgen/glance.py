@@ -133,7 +133,8 @@ def demo_block(results_dir: Path = RESULTS) -> str:
                f"baselines on validation, test greedy and test beam search {every}: on test, greedy, RL − SFT "
                f"{paired(greedy['rl-sft'])} and RL − continued SFT {paired(greedy['rl-continued_sft'])}; with "
                f"CTranslate2 beam search {paired(beam['rl-sft'])} and {paired(beam['rl-continued_sft'])}. The demo "
-               f"takes {s['wall_seconds']['mean']:.0f} ± {s['wall_seconds']['std']:.0f} s there "
+               f"took {s['wall_seconds']['mean']:.0f} ± {s['wall_seconds']['std']:.0f} s there"
+               f"{' (' + note + ')' if (note := data.get('settings', {}).get('note')) else ''} "
                f"([demo seeds](docs/benchmarks/demo_seeds.md)). Below, seed {seed}'s output, abridged:")
     return "\n".join([header("bench/results/demo_seeds.json").rstrip(), textwrap.fill(summary, 115,
                                                                                         break_on_hyphens=False),

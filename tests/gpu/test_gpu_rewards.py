@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def test_reward_model_scores_and_trains_on_cuda(ids_tokenizer_dir, tmp_path):
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     policy.model.save_pretrained(tmp_path / "policy")
     save_tokenizer(policy.tokenizer, tmp_path / "policy")
     model = init_reward_model(tmp_path / "policy", max_source_len=16, max_candidate_len=16, dropout=0.0, seed=0)

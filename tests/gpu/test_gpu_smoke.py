@@ -31,7 +31,7 @@ def _pairs(n: int) -> list[ScoredPair]:
 
 @pytest.fixture
 def init_dir(ids_tokenizer_dir, tmp_path):
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     policy.model.save_pretrained(tmp_path / "init")
     policy.tokenizer.save_pretrained(tmp_path / "init")
     return tmp_path / "init"
@@ -84,7 +84,7 @@ def test_policy_gradient_learner_steps_on_cuda_with_its_frozen_models(init_dir, 
     rl = RLConfig(algorithm=algorithm, lr=1e-3, warmup_ratio=0.0, batch_size=8, learner_gpus=1,
                   pg={"sft_coef": sft_coef})
     rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8, source=source)
-    model = ModelConfig(preset="tiny", dropout=0.0)
+    model = ModelConfig(preset="tiny", family="bart", dropout=0.0)
     learner = Learner(model, None, rl, rollout, init_checkpoint=str(init_dir), rank=0,
                       world_size=1, total_steps=4, seed=0, max_source_len=32, max_target_len=16,
                       mixed_precision=precision)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlt2t.common.checkpoint import read_checkpoint
+from rlt2t.common.plots import read_rows
 
 pytestmark = pytest.mark.integration
 
@@ -57,6 +58,15 @@ def test_demo_pipeline_end_to_end(demo_run):
     steps = {stage: read_checkpoint(run / stage / "checkpoints" / "epoch-0002").step
              for stage in ("continued_sft", "rl")}
     assert steps["continued_sft"] == steps["rl"] > 0, steps
+    # SFT keeps the checkpoint of the lowest validation loss (sft.monitor=loss); continued SFT, RL's baseline,
+    # selects by the greedy metric as RL does
+    sft_valid = [r for r in read_rows(run / "logs" / "sft" / "metrics.jsonl") if r.get("kind") == "valid"]
+    assert sft_valid and all(r["monitor"] == -r["valid_loss"] for r in sft_valid)
+    best = read_checkpoint(run / "sft" / "checkpoints" / "epoch-0002").meta["best"]
+    assert best["score"] == -min(r["valid_loss"] for r in sft_valid)
+    continued_valid = [r for r in read_rows(run / "logs" / "continued_sft" / "metrics.jsonl")
+                       if r.get("kind") == "valid"]
+    assert continued_valid and not any("valid_loss" in r for r in continued_valid)
     summary = json.loads((run / "eval" / "demo-summary.json").read_text())
     assert set(summary["scores"]) == {"valid", "test_greedy", "test_ct2_beam"}
     assert all(set(s) == {"sft", "continued_sft", "rl"} for s in summary["scores"].values())

@@ -34,7 +34,7 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def make_model(run: Path, name: str, seed: int) -> Path:
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), run / "tokenizer", seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), run / "tokenizer", seed=0)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in policy.model.parameters():

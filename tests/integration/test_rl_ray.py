@@ -46,7 +46,7 @@ def _pairs(n: int, seed: int = 0) -> list[ScoredPair]:
 
 
 def test_two_ddp_ranks_stay_identical_and_match_one_rank(ray_session, ids_tokenizer_dir, tmp_path):
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     policy.model.save_pretrained(tmp_path / "init")
     policy.tokenizer.save_pretrained(tmp_path / "init")
     cfg = RLConfig(algorithm="rank", lr=1e-3, warmup_ratio=0.0, batch_size=16, learners=2)

@@ -43,7 +43,7 @@ def policy_schema(request, fuzz_cfg, ids_tokenizer_dir, tmp_path_factory):
     from rlt2t.common.config import ModelConfig
     from rlt2t.common.policy import load_policy
 
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     root = tmp_path_factory.mktemp("fuzz-ckpt")
     save_checkpoint(root, "epoch-0001", model=policy.model, tokenizer=policy.tokenizer, step=1)
     cfg = fuzz_cfg.model_copy(update={"serve": fuzz_cfg.serve.model_copy(update={"backend": request.param})})

@@ -30,8 +30,8 @@ def test_choose_token_takes_the_one_nearest_a_quarter():
 
 
 def test_kl_is_zero_against_itself_and_matches_a_hand_computation(ids_tokenizer_dir):
-    new = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=1)
-    ref = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=2)
+    new = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=1)
+    ref = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=2)
     sources = ["1 2 3", "4 5 6 7", "8"]
     texts, same = sample_and_kl(new, new, sources, k=3, max_new_tokens=6, max_source_len=16, seed=0)
     assert same["kl_per_sequence"] == 0.0 and len(texts) == 3 and all(len(t) == 3 for t in texts)

@@ -23,7 +23,7 @@ from rlt2t.common.policy import load_policy
 from rlt2t.common.types import RolloutSpec
 from rlt2t.learner.learner import Learner
 
-MODEL = ModelConfig(preset="tiny", dropout=0.1)  # dropout in the config: the PG learner must turn it off
+MODEL = ModelConfig(preset="tiny", family="bart", dropout=0.1)  # dropout in the config: the PG learner must turn it off
 EXAMPLES = [Example(id=f"ex{i}", source=" ".join(str(10 + (i * 7 + j) % 50) for j in range(3 + i % 4)),
                     target=" ".join(str(10 + (i * 3 + j) % 50) for j in range(2 + i % 3))) for i in range(8)]
 
@@ -31,7 +31,7 @@ EXAMPLES = [Example(id=f"ex{i}", source=" ".join(str(10 + (i * 7 + j) % 50) for 
 @pytest.fixture(scope="module")
 def init_dir(ids_tokenizer_dir, tmp_path_factory) -> Path:
     """A tiny BART with wide weights (its samples depend on the source and vary) saved as a checkpoint."""
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in policy.model.parameters():
@@ -185,7 +185,8 @@ def test_stale_tokens_outside_the_new_top_k_leave_the_loss_without_nan(init_dir)
 def test_lora_trains_adapters_only_publishes_them_and_the_reference_is_the_base(init_dir):
     """model.lora: the learner trains and publishes the adapters alone, the rollout worker applies them to its
     copy of the base (shipped once) and samples on-policy, and the KL's reference is the base, adapters off."""
-    lora_model = ModelConfig(preset="tiny", dropout=0.1, lora={"enabled": True, "r": 4, "alpha": 8.0, "dropout": 0.0})
+    lora_model = ModelConfig(preset="tiny", family="bart", dropout=0.1,
+                             lora={"enabled": True, "r": 4, "alpha": 8.0, "dropout": 0.0})
     rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8)
     rl = RLConfig(algorithm="grpo", batch_size=8, lr=5e-3, warmup_ratio=0.0, kl={"coef": 0.1})
     learner = Learner(lora_model, None, rl, rollout, init_checkpoint=str(init_dir), rank=0, world_size=1,
@@ -214,7 +215,8 @@ def test_start_weights_may_come_with_the_first_sampling_call_and_are_fetched_onc
     """The Ray launch gives rollout workers no start weights in their constructor (Ray keeps constructor arguments
     for restarts and logs an error about object-store ones): each sampling call carries a fetcher instead, called
     once. The samples and reference log-probs equal a worker's that got the weights in its constructor."""
-    model = ModelConfig(preset="tiny", dropout=0.1, lora={"enabled": lora, "r": 4, "alpha": 8.0, "dropout": 0.0})
+    model = ModelConfig(preset="tiny", family="bart", dropout=0.1,
+                        lora={"enabled": lora, "r": 4, "alpha": 8.0, "dropout": 0.0})
     rollout = RolloutConfig(num_samples=3, top_k=0, max_new_tokens=8)
     spec = rollout_spec_for("grpo", kl=True)
     full = load_policy(MODEL, checkpoint=init_dir).model.state_dict()
@@ -418,7 +420,8 @@ def test_under_mixed_precision_the_reference_pass_matches_the_policy_and_values_
         values = head(hidden)
     assert values.dtype == torch.float32 and torch.equal(values, head(hidden))
 
-    lora_model = ModelConfig(preset="tiny", dropout=0.1, lora={"enabled": True, "r": 4, "alpha": 8.0, "dropout": 0.0})
+    lora_model = ModelConfig(preset="tiny", family="bart", dropout=0.1,
+                             lora={"enabled": True, "r": 4, "alpha": 8.0, "dropout": 0.0})
     rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
     rl = RLConfig(algorithm="grpo", batch_size=8, lr=5e-3, warmup_ratio=0.0, kl={"coef": 0.1})
     full = load_policy(MODEL, checkpoint=init_dir).model.state_dict()

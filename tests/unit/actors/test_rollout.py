@@ -45,12 +45,13 @@ def spread_state_dict(policy: Policy, seed: int = 1, eos_bias: float = 2.0) -> d
 
 @pytest.fixture(scope="module")
 def weights(ids_tokenizer_dir) -> dict[str, torch.Tensor]:
-    return spread_state_dict(load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0))
+    return spread_state_dict(load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir,
+                                         seed=0))
 
 
 @pytest.fixture(scope="module")
 def policy(ids_tokenizer_dir, weights) -> Policy:
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     policy.model.load_state_dict(weights)
     policy.model.eval()
     return policy
@@ -58,7 +59,8 @@ def policy(ids_tokenizer_dir, weights) -> Policy:
 
 def make_worker(tokenizer_dir, weights, *, seed: int = 7, version: int = 1, **rollout) -> RolloutWorker:
     cfg = RolloutConfig(max_new_tokens=MAX_NEW, **rollout)
-    worker = RolloutWorker(ModelConfig(preset="tiny"), str(tokenizer_dir), cfg, seed=seed, max_source_len=32)
+    worker = RolloutWorker(ModelConfig(preset="tiny", family="bart"), str(tokenizer_dir), cfg, seed=seed,
+                           max_source_len=32)
     worker.set_weights(version, weights)
     return worker
 
@@ -277,7 +279,7 @@ def test_worker_rejects_bad_input(ids_tokenizer_dir, weights):
         worker.set_weights(3, {"nope": torch.zeros(1)})
     assert worker.version == 1  # a failed load does not advance the version
     with pytest.raises(ValueError, match="max_source_len"):
-        RolloutWorker(ModelConfig(preset="tiny"), str(ids_tokenizer_dir), RolloutConfig(), seed=0,
+        RolloutWorker(ModelConfig(preset="tiny", family="bart"), str(ids_tokenizer_dir), RolloutConfig(), seed=0,
                       max_source_len=10_000)
     with pytest.raises(ValidationError, match="num_samples"):
         RolloutConfig(num_samples=0)
@@ -292,7 +294,7 @@ def test_ct2_backend_keeps_the_candidate_contract_and_follows_new_weights(ids_to
 
     cfg = RolloutConfig(num_samples=3, top_k=3, temperature=0.8, max_new_tokens=8, backend="ct2",
                         ct2_compute_type="float32")
-    worker = RolloutWorker(ModelConfig(preset="tiny", dropout=0.0), str(ids_tokenizer_dir), cfg, seed=0,
+    worker = RolloutWorker(ModelConfig(preset="tiny", family="bart", dropout=0.0), str(ids_tokenizer_dir), cfg, seed=0,
                            max_source_len=32)
     examples = [Example(id=str(i), source=f"{10 + i} 11 12", target="13 14") for i in range(4)]
     first = worker.sample(examples)
@@ -306,7 +308,7 @@ def test_ct2_backend_keeps_the_candidate_contract_and_follows_new_weights(ids_to
     worker.close()
     assert not workdir.exists()  # the conversions do not outlive the worker
 
-    greedy = RolloutWorker(ModelConfig(preset="tiny", dropout=0.0), str(ids_tokenizer_dir),
+    greedy = RolloutWorker(ModelConfig(preset="tiny", family="bart", dropout=0.0), str(ids_tokenizer_dir),
                            cfg.model_copy(update={"top_k": 1, "include_gold": False}), seed=0, max_source_len=32)
     before = [s.candidates for s in greedy.sample(examples)]
     g = torch.Generator().manual_seed(3)

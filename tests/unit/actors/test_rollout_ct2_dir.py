@@ -36,7 +36,7 @@ def test_a_ct2_worker_names_its_directory_for_its_pid_and_sweeps_first(ids_token
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     stale = tmp_path / f"rlt2t-ct2-{dead_pid()}-zz9"
     stale.mkdir()
-    worker = RolloutWorker(ModelConfig(preset="tiny", dropout=0.0), str(ids_tokenizer_dir),
+    worker = RolloutWorker(ModelConfig(preset="tiny", family="bart", dropout=0.0), str(ids_tokenizer_dir),
                            RolloutConfig(backend="ct2", num_samples=2, max_new_tokens=4), seed=0, max_source_len=16)
     try:
         assert not stale.exists()

@@ -51,7 +51,7 @@ def random_sources(n: int, seed: int) -> list[str]:
 
 
 def perturbed_policy(tokenizer_dir, seed: int = 1, eos_bias: float = 2.0) -> Policy:
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), tokenizer_dir, seed=0)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in policy.model.parameters():
@@ -277,7 +277,7 @@ def test_sampled_rows_the_tokenizer_has_no_name_for_keep_their_own_ids(ids_token
     from rlt2t.common.ct2 import ct2_sampler_from_state_dict, sample_ct2_logprobs
     from rlt2t.common.scoring import sequence_logprobs
 
-    pol = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    pol = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     named = len(pol.tokenizer)
     pol.model.resize_token_embeddings(named + 8, mean_resizing=False)
     pol.model.eval()

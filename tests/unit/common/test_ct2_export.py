@@ -99,7 +99,7 @@ def test_export_beside_the_checkpoints_still_works(checkpoint_root, tmp_path):
 @pytest.fixture
 def adapter_root(tmp_path, ids_tokenizer_dir) -> tuple[Path, Path]:
     """(base model dir, checkpoint root of an adapter checkpoint on it whose adapters change the outputs)."""
-    base = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    base = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     base_dir = tmp_path / "base"
     base.model.save_pretrained(base_dir)
     save_tokenizer(base.tokenizer, base_dir)

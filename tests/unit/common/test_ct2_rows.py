@@ -22,7 +22,7 @@ K = 4
 @pytest.fixture(scope="module")
 def grown(ids_tokenizer_dir) -> Policy:
     """The tiny BART grown by EXTRA_ROWS output rows the tokenizer has no name for, made likely."""
-    pol = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    pol = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     named = len(pol.tokenizer)
     pol.model.resize_token_embeddings(named + EXTRA_ROWS, mean_resizing=False)
     pol.model.eval()

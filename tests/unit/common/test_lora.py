@@ -70,7 +70,7 @@ def batch():
 
 
 def _lora_policy(ids_tokenizer_dir, seed=0, **lora):
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     return apply_lora(policy.model, LoraConfig(dropout=0.0, **lora), seed=seed)
 
 
@@ -83,10 +83,10 @@ def _train_a_little(model, batch, steps=5):
 
 
 def test_init_is_seeded_leaves_the_global_rng_and_starts_at_the_base(ids_tokenizer_dir, batch):
-    base = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0).model.eval()
+    base = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0).model.eval()
     with torch.no_grad():
         base_logits = base(**batch).logits
-    model = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0).model
+    model = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0).model
     torch.manual_seed(123)
     before = torch.get_rng_state()
     a = apply_lora(model, LoraConfig(dropout=0.0), seed=5).eval()
@@ -118,7 +118,7 @@ def test_training_moves_adapters_only_and_merge_matches(ids_tokenizer_dir, batch
     assert torch.equal(after, unmerged), "the adapters must be back on after the reference block"
     assert (reference - unmerged).abs().max() > 1e-3, "training changed nothing the reference could tell apart"
     # The reference is the base model: the frozen weights as they were, no adapters.
-    base = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0).model.eval()
+    base = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0).model.eval()
     with torch.no_grad():
         assert torch.equal(reference, base(**batch).logits)
         assert torch.equal(model(**batch).logits, unmerged), "merged_model must not modify the LoRA policy"

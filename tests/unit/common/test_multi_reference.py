@@ -126,14 +126,15 @@ def test_groups_and_pairs_are_scored_against_every_reference():
 
 def test_rollouts_carry_the_examples_references(ids_tokenizer_dir, tiny_policy):
     weights = tiny_policy.model.state_dict()
-    worker = RolloutWorker(ModelConfig(preset="tiny"), str(ids_tokenizer_dir), RolloutConfig(max_new_tokens=4,
-                           num_samples=2), seed=1, max_source_len=16, spec=rollout_spec_for("grpo", kl=False))
+    worker = RolloutWorker(ModelConfig(preset="tiny", family="bart"), str(ids_tokenizer_dir),
+                           RolloutConfig(max_new_tokens=4, num_samples=2), seed=1, max_source_len=16,
+                           spec=rollout_spec_for("grpo", kl=False))
     worker.set_weights(0, weights)
     examples = [Example(id="a", source="5 6", target=REFS[0], references=tuple(REFS)),
                 Example(id="b", source="7", target="8 9")]
     groups = worker.sample(examples)
     assert [g.refs for g in groups] == [tuple(REFS), ("8 9",)]
-    pair_worker = RolloutWorker(ModelConfig(preset="tiny"), str(ids_tokenizer_dir),
+    pair_worker = RolloutWorker(ModelConfig(preset="tiny", family="bart"), str(ids_tokenizer_dir),
                                 RolloutConfig(max_new_tokens=4, num_samples=2), seed=1, max_source_len=16)
     pair_worker.set_weights(0, weights)
     assert [s.refs for s in pair_worker.sample(examples)] == [tuple(REFS), ("8 9",)]

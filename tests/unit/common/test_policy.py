@@ -19,8 +19,8 @@ def test_preset_matches_tokenizer_and_is_ct2_convertible(ids_tokenizer_dir):
 
 
 def test_same_seed_same_initial_weights(ids_tokenizer_dir):
-    a = load_policy(ModelConfig(preset="tiny"), ids_tokenizer_dir, seed=3).model
-    b = load_policy(ModelConfig(preset="tiny"), ids_tokenizer_dir, seed=3).model
+    a = load_policy(ModelConfig(preset="tiny", family="bart"), ids_tokenizer_dir, seed=3).model
+    b = load_policy(ModelConfig(preset="tiny", family="bart"), ids_tokenizer_dir, seed=3).model
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
 
 
@@ -49,7 +49,7 @@ def test_clear_errors(ids_tokenizer_dir, tmp_path, tiny_policy):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_policy(ModelConfig(path=str(tmp_path)))
     with pytest.raises(ValueError, match="tokenizer"):
-        load_policy(ModelConfig(preset="tiny"))
+        load_policy(ModelConfig(preset="tiny", family="bart"))
     with pytest.raises(ValueError, match="data.max_source_len=300 exceeds the model's 256 positions"):
         check_lengths(tiny_policy, DataConfig(max_source_len=300))
 

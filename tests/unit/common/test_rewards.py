@@ -30,7 +30,7 @@ REFS = [["11 12 13 15"], ["11 12 13 15"], ["20 21 22"]]
 def reward_model_root(tmp_path_factory, ids_tokenizer_dir):
     """A checkpoint root holding a (randomly initialised) seq2seq reward model on the tiny policy."""
     tmp = tmp_path_factory.mktemp("rm")
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     policy.model.save_pretrained(tmp / "policy")
     save_tokenizer(policy.tokenizer, tmp / "policy")
     model = init_reward_model(tmp / "policy", max_source_len=16, max_candidate_len=16, seed=0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from collections import Counter
 
 import pytest
@@ -11,7 +13,9 @@ from rlt2t.common.data import import_competition_csv, load_examples
 from rlt2t.common.synth import (
     GENERATOR_VERSION,
     IN_ORDER_PROB,
+    NUM_OPENERS,
     PHRASING_PROBS,
+    PREFIX_PROB,
     SEPARATOR_TOKEN,
     build_spec,
     generate_synthetic,
@@ -117,13 +121,14 @@ def test_spec_layout(spec):
             if i != j:  # no phrase inside another, so a finding is recognised unambiguously
                 assert not any(q[k : k + len(p)] == p for k in range(len(q) - len(p) + 1))
     assert sorted(set(spec.finding_concept)) == list(range(32))  # every concept reachable
-    for a, b, c in spec.phrasings:  # A: one token of its own; B and C: 3 tokens sharing a 2-token suffix
-        assert len(a) == 1 and len(b) == len(c) == 3
-        assert b[1:] == c[1:] and b[0] != c[0] and a[0] not in b + c
-    assert len({a for a, _, _ in spec.phrasings}) == 32 and len({b[1:] for _, b, _ in spec.phrasings}) == 32
+    for a, *bs in spec.phrasings:  # A: one token of its own; B_1..B_5: 3 tokens sharing a 2-token suffix
+        assert len(a) == 1 and len(bs) == NUM_OPENERS and all(len(b) == 3 for b in bs)
+        assert len({b[1:] for b in bs}) == 1 and len({b[0] for b in bs}) == NUM_OPENERS
+        assert a[0] not in {t for b in bs for t in b}
+    assert len({p[0] for p in spec.phrasings}) == 32 and len({p[1][1:] for p in spec.phrasings}) == 32
     description_side = set(spec.filler) | set(spec.clinical) | {t for p in spec.findings for t in p}
     diagnosis_side = {spec.prefix, spec.connector} | {t for ps in spec.phrasings for p in ps for t in p}
-    heads = {b[1] for _, b, _ in spec.phrasings}
+    heads = {p[1][1] for p in spec.phrasings}
     assert description_side & diagnosis_side == heads  # findings mention their concept's head token y_c
     for phrase, concept in zip(spec.findings, spec.finding_concept, strict=True):
         assert spec.phrasings[concept][1][1] in phrase
@@ -149,10 +154,43 @@ def test_target_concepts_are_determined_by_description_findings(spec, sample):
 def test_most_frequent_phrasing_is_short_but_suffix_sharing_ones_win_together(spec, sample):
     counts = Counter(k for e in sample for _, k in _parse_target(spec, e.target))
     total = sum(counts.values())
-    freq = [counts[k] / total for k in range(3)]
-    assert freq == pytest.approx(PHRASING_PROBS, abs=0.03)
-    assert freq[0] > freq[1] and freq[0] > freq[2]  # the single most likely phrasing is the short one...
-    assert freq[1] + freq[2] > freq[0]  # ...but the two that share a suffix are more likely together
+    freq = [counts[k] / total for k in range(1 + NUM_OPENERS)]
+    assert freq == pytest.approx(PHRASING_PROBS, abs=0.02)
+    assert freq[0] > 2 * max(freq[1:])  # the single most likely phrasing is the short one, by far...
+    assert sum(freq[1:]) > freq[0]  # ...but those that share a suffix are more likely together
+
+
+def _length_normalised_mode(spec, concepts: list[int]) -> tuple[int, ...]:
+    """The phrasings of the diagnosis a length-normalised beam search returns on a perfect model of the task: the
+    argmax over every prefix choice, concept order and phrasing of log p / (tokens + EOS), as CTranslate2's
+    ``length_penalty=1`` scores a finished hypothesis."""
+    n = len(concepts)
+    orders = list(itertools.permutations(range(n)))
+    best = (-math.inf, ())
+    for prefix in (False, True):
+        for k, order in enumerate(orders):
+            p_order = 1.0 if n == 1 else IN_ORDER_PROB if k == 0 else (1 - IN_ORDER_PROB) / (len(orders) - 1)
+            for phrasings in itertools.product(range(1 + NUM_OPENERS), repeat=n):
+                logp = math.log(PREFIX_PROB if prefix else 1 - PREFIX_PROB) + math.log(p_order)
+                logp += sum(math.log(PHRASING_PROBS[j]) for j in phrasings)
+                length = prefix + (n - 1) + sum(len(spec.phrasings[concepts[i]][j]) for i, j in zip(order, phrasings,
+                                                                                                    strict=True)) + 1
+                best = max(best, (logp / length, phrasings))
+    return best[1]
+
+
+def test_no_likelihood_decoding_prefers_the_metric_phrasings(spec, sample):
+    # Greedy on a perfect model, first step: A's token against the prefix and each opener (no prefix: 1 - 0.2).
+    p_a, *p_b = PHRASING_PROBS
+    assert (1 - PREFIX_PROB) * p_a > 1.5 * max(PREFIX_PROB, (1 - PREFIX_PROB) * max(p_b))
+    # A length-normalised beam on a perfect model says A for every concept, on rows of one, two and three
+    # concepts (with five B phrasings at 0.12 it said B for about a third of them).
+    seen = Counter()
+    for e in sample[:120]:
+        concepts = spec.concepts_of(spec.find_findings(_ids(e.source.split(SEPARATOR_TOKEN)[1])))
+        seen[len(concepts)] += 1
+        assert _length_normalised_mode(spec, concepts) == (0,) * len(concepts), e
+    assert set(seen) == {1, 2, 3}
 
 
 def _ngram_f1(candidate: list[str], reference: list[str], n: int) -> float:
@@ -183,32 +221,35 @@ def test_metric_prefers_suffix_sharing_output_over_the_mode(spec, sample):
 
 def test_oracle_mode_is_the_most_frequent_whole_target(spec, sample):
     # Sequence level, pooled over concepts: a single-concept diagnosis equals oracle phrasing A (no
-    # prefix) with probability 0.7 * 0.4 = 0.28, each of B and C with 0.7 * 0.3 = 0.21.
+    # prefix) with probability 0.8 * 0.4 = 0.32, each B_j with 0.8 * 0.12 = 0.096.
     hits = Counter()
     single = 0
     for e in sample:
         if len(_parse_target(spec, e.target)) == 1:
             single += 1
-            hits.update(k for k in range(3) if e.target == oracle_diagnosis(spec, e.source, k))
-    freq = [hits[k] / single for k in range(3)]
+            hits.update(k for k in range(1 + NUM_OPENERS) if e.target == oracle_diagnosis(spec, e.source, k))
+    freq = [hits[k] / single for k in range(1 + NUM_OPENERS)]
     assert single > 1500
-    assert freq == pytest.approx([0.28, 0.21, 0.21], abs=0.04)
-    assert freq[0] > max(freq[1], freq[2]) + 0.03
+    assert freq == pytest.approx([(1 - PREFIX_PROB) * p for p in PHRASING_PROBS], abs=0.03)
+    assert freq[0] > 2 * max(freq[1:])
 
 
 def test_phrasing_usage_counts_what_the_targets_and_the_oracles_say(spec, sample):
-    expected = Counter("ABC"[k] for e in sample for _, k in _parse_target(spec, e.target))
+    expected = Counter("A" if k == 0 else "B" for e in sample for _, k in _parse_target(spec, e.target))
     got = phrasing_usage(spec, [e.target for e in sample])
-    assert {k: got[k] for k in "ABC"} == {k: expected[k] for k in "ABC"}
+    assert {k: got[k] for k in "AB"} == {k: expected[k] for k in "AB"}
     assert got["other"] == 0 and got["outputs"] == len(sample)
     assert got["prefix"] == sum(_ids(e.target)[:1] == [spec.prefix] for e in sample)
-    for phrasing, name in enumerate("ABC"):
+    for phrasing in range(1 + NUM_OPENERS):
+        name = "A" if phrasing == 0 else "B"
         oracle = phrasing_usage(spec, [oracle_diagnosis(spec, e.source, phrasing) for e in sample[:50]])
-        assert oracle[name] > 0 and sum(oracle[k] for k in "ABC") == oracle[name] and oracle["prefix"] == 0
-    # a head after a wrong opener is neither B nor C
-    _, b, _ = spec.phrasings[0]
-    assert phrasing_usage(spec, [f"{spec.connector} {b[1]} {b[2]}", f"{b[0]} {b[1]} {b[2]}"]) == {
-        "A": 0, "B": 1, "C": 0, "other": 1, "prefix": 0, "outputs": 2}
+        assert oracle[name] > 0 and oracle["A"] + oracle["B"] == oracle[name] and oracle["prefix"] == 0
+    # a head after a token that is not one of its concept's openers is not B
+    b = spec.phrasings[0][1]
+    other_opener = next(p[1][0] for p in spec.phrasings if p[1][0] not in {x[0] for x in spec.phrasings[0][1:]})
+    assert phrasing_usage(spec, [f"{spec.connector} {b[1]} {b[2]}", f"{b[0]} {b[1]} {b[2]}",
+                                 f"{other_opener} {b[1]} {b[2]}"]) == {
+        "A": 0, "B": 1, "other": 2, "prefix": 0, "outputs": 3}
 
 
 @pytest.mark.parametrize(
@@ -237,4 +278,4 @@ def test_generate_and_oracle_validate_arguments(spec):
     with pytest.raises(ValueError, match="size"):
         generate_synthetic(-1, seed=0)
     with pytest.raises(ValueError, match="phrasing"):
-        oracle_diagnosis(spec, "<sep> 1 2", phrasing=3)
+        oracle_diagnosis(spec, "<sep> 1 2", phrasing=1 + NUM_OPENERS)

@@ -18,7 +18,7 @@ from rlt2t.common.types import PreferencePair
 from rlt2t.learner.algorithms.dpo import DPOSettings, preference_loss
 from rlt2t.learner.learner import Learner
 
-MODEL = ModelConfig(preset="tiny", dropout=0.1)  # dropout in the config: DPO turns it off
+MODEL = ModelConfig(preset="tiny", family="bart", dropout=0.1)  # dropout in the config: DPO turns it off
 PAIRS = [PreferencePair(f"p{i}", source=" ".join(str(10 + (i * 7 + j) % 50) for j in range(3 + i % 3)),
                         chosen=" ".join(str(10 + (i + j) % 50) for j in range(2 + i % 2)),
                         rejected=" ".join(str(40 + (i * 5 + j) % 20) for j in range(3)))
@@ -63,7 +63,7 @@ def test_the_settings_section_is_rl_dpo():
 
 @pytest.fixture(scope="module")
 def init_dir(ids_tokenizer_dir, tmp_path_factory) -> Path:
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     out = tmp_path_factory.mktemp("init")
     policy.model.save_pretrained(out)
     policy.tokenizer.save_pretrained(out)
@@ -131,7 +131,7 @@ def test_pair_weights_weigh_the_loss(init_dir):
 
 
 def test_under_lora_the_reference_is_the_base_with_the_adapters_off(init_dir):
-    lora = ModelConfig(preset="tiny", dropout=0.0, lora={"enabled": True, "r": 4})
+    lora = ModelConfig(preset="tiny", family="bart", dropout=0.0, lora={"enabled": True, "r": 4})
     learner = _learner(init_dir, model=lora)
     assert learner.objective.reference is None and learner.objective.frozen_modules() == []
     first = learner.train_step(PAIRS)

@@ -90,6 +90,29 @@ def test_reference_perplexity_is_exp_of_token_weighted_cross_entropy(tiny_policy
         reference_perplexity(tiny_policy, sources, targets[:2])
 
 
+def test_monitor_by_loss_is_minus_the_references_cross_entropy(tiny_policy):
+    from rlt2t.common.config import MetricConfig
+    from rlt2t.common.data import Example
+    from rlt2t.learner.evaluate import monitor_score, reference_perplexity
+
+    examples = [Example(id=str(i), source=f"{i} {i + 1} 3", target=f"{i} {i}") for i in range(6)]
+    kw = dict(max_source_len=32, max_new_tokens=8)
+    by_metric = monitor_score(tiny_policy, examples, MetricConfig(), **kw)
+    by_loss = monitor_score(tiny_policy, examples, MetricConfig(), by="loss", max_target_len=16, **kw)
+    loss = math.log(reference_perplexity(tiny_policy, [e.source for e in examples], [e.target for e in examples],
+                                         max_source_len=32, max_target_len=16))
+    assert by_loss["valid_loss"] == pytest.approx(loss, rel=1e-9) and by_loss["monitor"] == -by_loss["valid_loss"]
+    # The greedy outputs' figures are still there (the demo's curves and the collapse check read them).
+    assert by_loss["metric"] == by_metric["monitor"]
+    assert {k: by_loss[k] for k in ("cider_d", "distinct_outputs")} == {
+        k: by_metric[k] for k in ("cider_d", "distinct_outputs")}
+    assert "valid_loss" not in by_metric
+    with pytest.raises(ValueError, match="monitor must be"):
+        monitor_score(tiny_policy, examples, MetricConfig(), by="bleu", **kw)
+    with pytest.raises(ValueError, match="validation monitor"):
+        monitor_score(tiny_policy, [Example(id="x", source="1 2", target=None)], MetricConfig(), by="loss", **kw)
+
+
 def test_evaluate_columns_follow_eval_metrics(tiny_policy):
     from rlt2t.learner.evaluate import reference_perplexity
 

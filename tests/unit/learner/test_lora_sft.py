@@ -22,7 +22,7 @@ from rlt2t.common.policy import is_adapter_checkpoint, load_policy
 from rlt2t.common.tokenization import save_tokenizer
 from rlt2t.learner.stages import run_sft
 
-MC = ModelConfig(preset="tiny", dropout=0.1)
+MC = ModelConfig(preset="tiny", family="bart", dropout=0.1)
 LORA = LoraConfig(enabled=True, r=4, alpha=8.0, dropout=0.1)
 
 

@@ -51,7 +51,7 @@ def data():
 @pytest.fixture(scope="module")
 def seq2seq_init(tmp_path_factory, ids_tokenizer_dir):
     out = tmp_path_factory.mktemp("policy")
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     policy.model.save_pretrained(out)
     save_tokenizer(policy.tokenizer, out)
     return out

@@ -20,7 +20,7 @@ def _long_source(tok, limit: int) -> list[int]:
 
 
 def test_augmented_sources_are_cut_again_to_the_limit_keeping_eos(ids_tokenizer_dir):
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     tok = policy.tokenizer
     limit = max_positions(policy.model.config)
     assert limit is not None
@@ -41,7 +41,7 @@ def test_augmented_sources_are_cut_again_to_the_limit_keeping_eos(ids_tokenizer_
 def test_sft_with_augmentation_trains_on_sources_at_the_position_limit(tmp_path, ids_tokenizer_dir):
     """run_sft bounds augmented sources by the model's positions when no data.max_source_len is given (it used to
     raise IndexError in the position embedding: a CUDA device assert on a GPU)."""
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     tok = policy.tokenizer
     src = _long_source(tok, max_positions(policy.model.config))
     run = RunConfig(dir=str(tmp_path), seed=0, device="cpu", progress=False, log_every=1)

@@ -42,7 +42,7 @@ def test_epoch_order_is_a_seeded_permutation():
 
 
 def test_sft_learns_and_writes_logs_and_checkpoints(tmp_path, ids_tokenizer_dir):
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     src, tgt = _task(policy.tokenizer)
     run = _run(tmp_path, "a")
     result = run_sft(policy, src, tgt, _sft_cfg(epochs=4, save_every_steps=0), run, tmp_path / "a" / "sft")
@@ -62,7 +62,7 @@ def test_sft_learns_and_writes_logs_and_checkpoints(tmp_path, ids_tokenizer_dir)
 def test_resume_is_bitwise_identical(tmp_path, ids_tokenizer_dir, kill_after_checkpoint):
     """A run stopped after any checkpoint and resumed ends with exactly the weights of an uninterrupted run."""
     cfg = _sft_cfg(augment_prob=0.15, fgm_epsilon=0.5, rdrop_alpha=1.0)
-    mc = ModelConfig(preset="tiny", dropout=0.1)
+    mc = ModelConfig(preset="tiny", family="bart", dropout=0.1)
 
     full = load_policy(mc, ids_tokenizer_dir, seed=0)
     src, tgt = _task(full.tokenizer)
@@ -89,7 +89,7 @@ def test_resume_is_bitwise_identical(tmp_path, ids_tokenizer_dir, kill_after_che
 
 
 def test_pretrain_denoising_runs_and_lowers_loss(tmp_path, ids_tokenizer_dir):
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     rng = random.Random(1)
     texts = [[10 + rng.randrange(60) for _ in range(rng.randint(5, 20))] for _ in range(64)]
     cfg = PretrainConfig(epochs=3, batch_size=16, lr=3e-3, warmup_ratio=0.1)
@@ -111,7 +111,7 @@ def test_pretrain_objective_sets_what_the_decoder_writes(tmp_path, ids_tokenizer
             return item
 
     monkeypatch.setattr(stages, "DenoisingDataset", Recording)
-    policy = load_policy(ModelConfig(preset="tiny"), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart"), ids_tokenizer_dir, seed=0)
     texts = [[10 + i + j for j in range(12)] for i in range(16)]
     cfg = PretrainConfig(batch_size=8, max_steps=1, lr=1e-3)
     assert PretrainConfig().objective == "span_corruption"  # the default: T5's objective
@@ -122,7 +122,7 @@ def test_pretrain_objective_sets_what_the_decoder_writes(tmp_path, ids_tokenizer
 
 
 def test_max_steps_and_nan_guard(tmp_path, ids_tokenizer_dir):
-    policy = load_policy(ModelConfig(preset="tiny"), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart"), ids_tokenizer_dir, seed=0)
     src, tgt = _task(policy.tokenizer)
     result = run_sft(policy, src, tgt, _sft_cfg(max_steps=5, save_every_steps=0), _run(tmp_path, "m"), tmp_path / "m")
     assert result.steps == 5
@@ -131,7 +131,7 @@ def test_max_steps_and_nan_guard(tmp_path, ids_tokenizer_dir):
 
 
 def test_evaluate_hook_keeps_best(tmp_path, ids_tokenizer_dir):
-    policy = load_policy(ModelConfig(preset="tiny"), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart"), ids_tokenizer_dir, seed=0)
     src, tgt = _task(policy.tokenizer)
     scores = iter([0.5, 0.9, 0.1])
     result = run_sft(policy, src, tgt, _sft_cfg(keep_last=1, save_every_steps=0), _run(tmp_path, "b"),
@@ -145,7 +145,7 @@ def test_evaluate_hook_keeps_best(tmp_path, ids_tokenizer_dir):
 def test_resuming_with_a_longer_schedule_is_refused_not_run_at_the_floor_rate(tmp_path, ids_tokenizer_dir):
     """A finished stage resumed with more epochs: its restored scheduler keeps the old length, so the extra
     steps would all run at the floor learning rate. Refused, naming the settings."""
-    mc = ModelConfig(preset="tiny", dropout=0.0)
+    mc = ModelConfig(preset="tiny", family="bart", dropout=0.0)
     policy = load_policy(mc, ids_tokenizer_dir, seed=0)
     src, tgt = _task(policy.tokenizer, n=32)
     run_sft(policy, src, tgt, _sft_cfg(epochs=1, save_every_steps=0), _run(tmp_path, "r"), tmp_path / "r")
@@ -170,7 +170,7 @@ def _scripted(scores):
 def test_patience_stops_after_epochs_without_a_better_monitor(tmp_path, ids_tokenizer_dir):
     """Best at epoch 2, then two epochs without beating it: with patience 2 the stage stops after epoch 4 of 8,
     and the best checkpoint is the one later stages take."""
-    policy = load_policy(ModelConfig(preset="tiny"), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart"), ids_tokenizer_dir, seed=0)
     src, tgt = _task(policy.tokenizer)
     evaluate, calls = _scripted([0.5, 0.9, 0.9, 0.7, 2.0, 3.0, 4.0, 5.0])
     result = run_sft(policy, src, tgt, _sft_cfg(epochs=8, patience=2, save_every_steps=0), _run(tmp_path, "p"),
@@ -184,7 +184,7 @@ def test_patience_stops_after_epochs_without_a_better_monitor(tmp_path, ids_toke
 def test_patience_does_not_count_epochs_its_hook_leaves_out(tmp_path, ids_tokenizer_dir):
     """Epochs 2-3 do not beat epoch 1 but are left out of the count (SFT: collapsed outputs), so with patience 1
     the stage runs on; epoch 5 counts and stops it."""
-    policy = load_policy(ModelConfig(preset="tiny"), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart"), ids_tokenizer_dir, seed=0)
     src, tgt = _task(policy.tokenizer)
     evaluate, calls = _scripted([0.3, 0.2, 0.25, 0.9, 0.5, 1.0])
     result = run_sft(policy, src, tgt, _sft_cfg(epochs=6, patience=1, save_every_steps=0), _run(tmp_path, "c"),
@@ -194,7 +194,7 @@ def test_patience_does_not_count_epochs_its_hook_leaves_out(tmp_path, ids_tokeni
 
 
 def test_patience_zero_or_without_a_monitor_runs_every_epoch(tmp_path, ids_tokenizer_dir):
-    policy = load_policy(ModelConfig(preset="tiny"), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart"), ids_tokenizer_dir, seed=0)
     src, tgt = _task(policy.tokenizer)
     evaluate, calls = _scripted([0.9, 0.1, 0.1, 0.1])
     result = run_sft(policy, src, tgt, _sft_cfg(epochs=4, patience=0, save_every_steps=0), _run(tmp_path, "z"),
@@ -208,7 +208,7 @@ def test_patience_zero_or_without_a_monitor_runs_every_epoch(tmp_path, ids_token
 def test_patience_resumes_where_the_uninterrupted_run_stopped(tmp_path, ids_tokenizer_dir):
     """Killed after epoch 3 (one epoch without improvement): the resumed run counts that epoch, stops after
     epoch 4 as the uninterrupted run did, with its weights; resumed once more it trains nothing."""
-    mc = ModelConfig(preset="tiny", dropout=0.1)
+    mc = ModelConfig(preset="tiny", family="bart", dropout=0.1)
     scores = [0.5, 0.9, 0.8, 0.7, 2.0, 3.0]
     cfg = _sft_cfg(epochs=6, patience=2, save_every_steps=0, keep_last=10)
     full = load_policy(mc, ids_tokenizer_dir, seed=0)

@@ -31,7 +31,7 @@ def scalers(monkeypatch):
 
 
 def test_resume_restores_the_gradient_scaler(tmp_path, ids_tokenizer_dir, scalers):
-    mc = ModelConfig(preset="tiny", dropout=0.0)
+    mc = ModelConfig(preset="tiny", family="bart", dropout=0.0)
     policy = load_policy(mc, ids_tokenizer_dir, seed=0)
     tok = policy.tokenizer
     src = encode_texts(tok, [f"{i} {i + 1} {i + 2}" for i in range(10, 42)], 16)[0]
@@ -49,7 +49,7 @@ def test_resume_restores_the_gradient_scaler(tmp_path, ids_tokenizer_dir, scaler
 
 
 def test_no_scaler_no_scaler_state(tmp_path, ids_tokenizer_dir):
-    policy = load_policy(ModelConfig(preset="tiny", dropout=0.0), ids_tokenizer_dir, seed=0)
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     src = encode_texts(policy.tokenizer, ["1 2 3", "4 5 6"], 16)[0]
     cfg = SFTConfig(epochs=1, batch_size=2, lr=1e-3, save_every_steps=0)
     run = RunConfig(dir=str(tmp_path / "run"), seed=0, device="cpu", progress=False)
