@@ -1,13 +1,14 @@
-"""The servers' request batcher: concurrent requests share model calls, long ones are split, gone ones dropped.
+"""The servers' request batcher: concurrent requests share model calls, long ones are split, gone ones dropped,
+and work that cannot be answered in time is refused before it starts.
 
-A request is queued as a *job*: its items (one per source, or per scored candidate) and each item's
-*cost*, the work it asks for (the policy server counts token positions: rows × (source + new tokens)).
-One worker thread, the only thread that touches the model, builds *calls*. The oldest job's key (route
-and decoding settings) gathers the queued jobs with that key, up to ``max_batch_size`` items and
-``max_call_cost`` work, and runs them as one call. A job too large for one call runs as several: after
-each of its calls it goes to the back of the queue, so other requests' calls run in between. All the
-calls of a job run on the backend of its first call, so a response comes from one policy version even
-when a hot reload lands between them.
+A request is queued as a *job*: its items (one per source, or per scored candidate), each item's *cost*, the
+work it asks for (the policy server counts token positions: rows × (source + new tokens)), and each item's
+:class:`~rlt2t.services.admission.Work`, the features of the service-time model. One worker thread, the only
+thread that touches the model, builds *calls*. The oldest job's key (route and decoding settings) gathers the
+queued jobs with that key, up to ``max_batch_size`` items and ``max_call_cost`` work, and runs them as one
+call. A job too large for one call runs as several: after each of its calls it goes to the back of the
+queue, so other requests' calls run in between. All the calls of a job run on the backend of its first call,
+so a response comes from one policy version even when a hot reload lands between them.
 
 Between two decoding steps of a call (the sampler's ``between_steps`` hook, :class:`CallControl`) the
 worker
@@ -20,12 +21,25 @@ worker
   delays a small one by about one decoding step and the small one's own call, not by its whole length;
   requests of similar size are batched and take turns call by call as usual. The running call keeps
   at least ``1 / (1 + NESTED_TIME_SHARE)`` of the worker's time, so a stream of small requests slows a
-  long one down but cannot stall it.
+  long one down but cannot stall it, and more when its requests need more to meet their deadlines (their
+  predicted time left over the time to the deadline): the long request gets what it needs, spread over its
+  calls, and the small ones the rest. A nested call runs only when every request of the running call is
+  predicted to finish in time after it (its *slack*).
 
-The queue is bounded in work, not requests: a job that would take the queued work past ``max_queue_cost``
-is refused at once with :class:`Overloaded` (the routes answer 503 + Retry-After, estimated from the
-measured work rate); a job larger than the whole bound is admitted into an empty queue only. Hot reload
-hands a new backend to :meth:`Batcher.swap_backend`; it is installed between calls.
+Admission (once the service-time model is calibrated, :class:`~rlt2t.services.admission.ServiceTime`): a
+request is predicted, when it arrives, to take its own model time divided by the share of the worker it can
+expect (what the small requests that would run inside its calls took lately, at most ``NESTED_TIME_SHARE /
+(1 + NESTED_TIME_SHARE)`` of it), after the work already queued or running. One whose own time exceeds the time
+left before its deadline is refused at once with :class:`TooSlow` (the routes answer 429, naming the prediction
+and the limit): no retry would help at this speed. One that would fit alone but not behind the queued work
+is refused with :class:`Overloaded` (503 + Retry-After). A job whose slack runs short goes first, ahead of the
+queue's order: what was admitted is answered within its deadline as long as the model's predictions hold.
+
+The queue is also bounded in work, not requests: a job that would take the queued work past
+``max_queue_cost`` is refused at once with :class:`Overloaded`; a job larger than the whole bound is admitted
+into an empty queue only. Hot reload hands a new backend to :meth:`Batcher.swap_backend`; it is installed
+between calls. After heavy work (``release_after_cost`` of it since the last time) the worker calls
+``release``: the policy server returns the freed heap to the system there (``rlt2t.services.memory``).
 """
 
 from __future__ import annotations
@@ -40,6 +54,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
+
+from rlt2t.services.admission import RecentCalls, ServiceTime, Work, total
 
 log = logging.getLogger("rlt2t.services.batching")
 
@@ -57,21 +73,48 @@ NESTED_SHARE = 4
 nested call at most that share of the running call's work)."""
 NESTED_TIME_SHARE = 3
 """While a call runs, the calls run inside it take at most this many times its own time."""
+MAX_LOST_SHARE = NESTED_TIME_SHARE / (1 + NESTED_TIME_SHARE)
+"""The most of the worker's time a long request can lose to the small ones run inside its calls."""
 
 DEADLINE_PASSED = "not answered within serve.request_timeout_s; dropped"
 """The 503's message for a request whose deadline passed, queued or running."""
 
 # run(backend, key, items, control) -> one result per item; the same callable for every job of a key.
 Runner = Callable[[Any, Any, list[Any], "CallControl"], list[Any]]
+# measure(items, results) -> the work one call actually did for these items of a job (rows that stopped early
+# did less than predicted); what the service-time model learns from.
+Measure = Callable[[list[Any], list[Any]], Work]
+# calibration(backend) -> (work, seconds) of calls of chosen shapes, run on the worker before any request.
+Calibration = Callable[[Any], Sequence[tuple[Work, float]]]
+
+
+def nested_time_ratio(need: float) -> float:
+    """How much time calls run inside a running call may take per second of its own, when its requests need
+    ``need`` of the worker to meet their deadlines: NESTED_TIME_SHARE while they need at most what that leaves
+    them, then what is left over, none once they need it all."""
+    if need <= 1 - MAX_LOST_SHARE:
+        return float(NESTED_TIME_SHARE)
+    return max(0.0, (1 - need) / need)
 
 
 class Overloaded(Exception):
-    """The queue is full, the request's deadline passed, or the server is stopping; retry after
-    ``retry_after`` seconds."""
+    """The queue is full, the queued work leaves no time for the request, its deadline passed, or the server is
+    stopping; retry after ``retry_after`` seconds."""
 
-    def __init__(self, message: str, retry_after: int) -> None:
+    def __init__(self, message: str, retry_after: int, predicted_s: float | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.predicted_s = predicted_s
+
+
+class TooSlow(Exception):
+    """The request alone is predicted to take ``predicted_s`` seconds, more than the ``limit_s`` left before its
+    deadline: refused before any work (429; the message says what to reduce)."""
+
+    def __init__(self, message: str, predicted_s: float, limit_s: float) -> None:
+        super().__init__(message)
+        self.predicted_s = predicted_s
+        self.limit_s = limit_s
 
 
 class ClientGone(Exception):
@@ -84,9 +127,11 @@ class _Job:
     runner: Runner
     items: list[Any]
     costs: list[int]
+    work: list[Work]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     deadline: float
+    measure: Measure | None = None
     enqueued: float = field(default_factory=time.monotonic)
     ready_since: float = field(default_factory=time.monotonic)
     """When the job last (re-)entered the queue (what a running call's courtesy waits on)."""
@@ -97,12 +142,18 @@ class _Job:
     results: list[Any] = field(default_factory=list)
     done: int = 0
     cancelled: bool = False
+    cost: int = field(init=False, default=0)
+    """All its items' cost."""
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.items)
+        self.cost = sum(self.costs)
 
     def left_cost(self) -> int:
         return sum(self.costs[self.next :])
+
+    def left_work(self) -> Work:
+        return total(self.work[self.next :])
 
     def gone(self, now: float) -> bool:
         return self.cancelled or now > self.deadline
@@ -143,6 +194,15 @@ class _Call:
     backend: Any
     parts: list[tuple[_Job, int, int]]
     cost: int
+    predicted_s: float = 0.0
+    """The model's seconds for the call when it was built (0 before the model is ready)."""
+    started: float = 0.0
+    nested_s: float = 0.0
+    """Seconds spent on the calls run inside this one (not its own time)."""
+    steps: int = 0
+    """Decoding steps to run at most (the most of its items')."""
+    steps_done: int = 0
+    """Decoding steps run so far (counted where the sampler asks the control between steps)."""
 
     @property
     def items(self) -> list[Any]:
@@ -169,13 +229,19 @@ def _resolve(future: asyncio.Future, result: Any = None, error: BaseException | 
 
 
 class Batcher(Generic[B]):
-    """Bounded, batching, splitting front of one backend; see the module docstring.
+    """Bounded, batching, splitting, admitting front of one backend; see the module docstring.
 
-    ``on_batch(num_items, seconds)`` is called after every call (metrics).
+    ``on_batch(num_items, seconds)`` is called after every call (metrics). ``calibration(backend)`` runs once on
+    the worker, on the first backend, before any call: its ``(work, seconds)`` fit ``timing``. ``release()`` is
+    called on the worker after every ``release_after_cost`` of work (default ``max_call_cost``).
+    ``request_timeout_s`` names the deadline in refusals.
     """
 
     def __init__(self, backend: B | None, *, max_batch_size: int, max_wait_ms: float, max_queue_cost: int,
-                 max_call_cost: int, on_batch: Callable[[int, float], None] | None = None) -> None:
+                 max_call_cost: int, on_batch: Callable[[int, float], None] | None = None,
+                 timing: ServiceTime | None = None, calibration: Calibration | None = None,
+                 release: Callable[[], object] | None = None, release_after_cost: int | None = None,
+                 request_timeout_s: float | None = None) -> None:
         if max_batch_size < 1 or max_queue_cost < 1 or max_call_cost < 1 or max_wait_ms < 0:
             raise ValueError(f"need max_batch_size, max_queue_cost, max_call_cost >= 1 and max_wait_ms >= 0; got "
                              f"{max_batch_size}, {max_queue_cost}, {max_call_cost}, {max_wait_ms}")
@@ -183,15 +249,25 @@ class Batcher(Generic[B]):
         self.max_wait_s = max_wait_ms / 1000.0
         self.max_queue_cost = max_queue_cost
         self.max_call_cost = max_call_cost
+        self.timing = timing if timing is not None else ServiceTime()
+        self.recent = RecentCalls()
+        self.request_timeout_s = request_timeout_s
         self._backend = backend
         self._next_backend: B | None = None
         self._on_batch = on_batch
+        self._calibration = calibration
+        self._calibrated = threading.Event()
+        if calibration is None:
+            self._calibrated.set()
+        self._release = release
+        self._release_after_cost = release_after_cost if release_after_cost is not None else max_call_cost
+        self._since_release = 0
         self._queue: deque[_Job] = deque()
         self._queued_cost = 0
+        self._running: _Call | None = None  # the top-level call on the worker
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._rate: float | None = None  # work per second of model time (moving average)
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -213,6 +289,12 @@ class Batcher(Generic[B]):
         return self._queued_cost
 
     @property
+    def running_cost(self) -> int:
+        """Work of the call on the worker now (0 when idle)."""
+        call = self._running
+        return call.cost if call is not None else 0
+
+    @property
     def stopping(self) -> bool:
         """True once :meth:`stop` was called: new work is refused."""
         return self._stopping
@@ -222,6 +304,10 @@ class Batcher(Generic[B]):
         with self._cond:
             self._next_backend = backend
             self._cond.notify_all()
+
+    def wait_calibrated(self, timeout: float | None = None) -> bool:
+        """Block until the start-up calibration has run (or failed, or there is none); False on timeout."""
+        return self._calibrated.wait(timeout)
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -257,45 +343,122 @@ class Batcher(Generic[B]):
             b.close()
         return True
 
-    # -- producer side (event loop) ------------------------------------------------------------------
+    # -- predictions ---------------------------------------------------------------------------------
+
+    def _job_seconds(self, job: _Job) -> float:
+        """Model seconds of the job's work not yet handed to a call, run alone."""
+        left_items, left_cost = len(job.items) - job.next, job.left_cost()
+        if left_items <= 0:
+            return 0.0
+        calls = max(1, math.ceil(left_cost / self.max_call_cost), math.ceil(left_items / self.max_batch_size))
+        return self.timing.seconds(job.left_work(), calls)
+
+    def _running_left(self, now: float) -> float:
+        """Seconds the running call still needs: from its pace once it has run a few steps (the model's
+        prediction may be off, the pace is what it is), else the prediction less its own time so far."""
+        call = self._running
+        if call is None:
+            return 0.0
+        own = max(0.0, now - call.started - call.nested_s)
+        if call.steps_done >= 2:
+            return own / call.steps_done * max(0, call.steps - call.steps_done)
+        return max(0.0, call.predicted_s - own)
+
+    def _backlog_seconds_locked(self, now: float) -> float:
+        """Model seconds of everything queued or running: what a new job may have to wait for."""
+        return self._running_left(now) + sum(self._job_seconds(j) for j in self._queue)
+
+    def _slack(self, job: _Job, now: float) -> float:
+        """Seconds the job can give to other work and still finish by its deadline (as predicted)."""
+        if math.isinf(job.deadline):
+            return math.inf
+        running = self._running
+        left = self._job_seconds(job) + (self._running_left(now) if running is not None and job in running.jobs
+                                         else 0.0)
+        return job.deadline - now - left
+
+    def _needed_share(self, call: _Call, now: float) -> float:
+        """The largest share of the worker one of the call's requests needs from now on to finish in time (its
+        predicted time left over its time to the deadline; 1 or more: all of it)."""
+        need = 0.0
+        for job in call.jobs:
+            if job.gone(now) or math.isinf(job.deadline):
+                continue
+            left = job.deadline - now
+            if left <= 0:
+                return 1.0
+            need = max(need, (self._job_seconds(job) + self._running_left(now)) / left)
+        return need
 
     def retry_after(self) -> int:
         """Seconds until the queued work has likely drained (at least 1)."""
-        if not self._rate:
-            return 1
-        return max(1, math.ceil(self._queued_cost / self._rate))
+        with self._cond:
+            return max(1, math.ceil(self._backlog_seconds_locked(time.monotonic())))
+
+    def _admit_locked(self, job: _Job, now: float, describe: str, reduce: str) -> None:
+        """Raise :class:`TooSlow` or :class:`Overloaded` when the job is predicted to miss its deadline."""
+        if not self.timing.ready or math.isinf(job.deadline):
+            return
+        left = job.deadline - now
+        lost = min(self.recent.share_below(job.cost // NESTED_SHARE, now), MAX_LOST_SHARE)
+        own = self._job_seconds(job) / (1.0 - lost)
+        limit = (f"serve.request_timeout_s = {self.request_timeout_s:g} s" if self.request_timeout_s is not None
+                 else "its deadline")
+        shared = (f", sharing the worker with the small requests that took {lost:.0%} of it lately" if lost >= 0.05
+                  else "")
+        if own > left:
+            raise TooSlow(f"predicted {own:.3g} s for this request{f' ({describe})' if describe else ''} at this "
+                          f"server's measured speed{shared}: more than the {left:.3g} s left of {limit}; refused "
+                          f"before any work{f'. Ask for less: {reduce}' if reduce else ''}", own, left)
+        backlog = self._backlog_seconds_locked(now)
+        if backlog + own > left:
+            raise Overloaded(f"predicted {backlog + own:.3g} s for this request behind the {backlog:.3g} s of work "
+                             f"queued or running: more than the {left:.3g} s left of {limit}",
+                             max(1, math.ceil(backlog + own - left)), predicted_s=backlog + own)
+
+    # -- producer side (event loop) ------------------------------------------------------------------
 
     async def submit(self, key: Hashable, items: Sequence[Any], runner: Runner, *, costs: Sequence[int] | None = None,
-                     deadline: float | None = None, gone: Callable[[], Awaitable[Any]] | None = None
-                     ) -> tuple[list[Any], B | None]:
-        """Queue ``items`` (cost ``costs[i]`` each, default 1) and wait for ``runner``'s results and the
-        backend used (for no items: the current one, None before any is installed).
+                     work: Sequence[Work] | None = None, measure: Measure | None = None,
+                     deadline: float | None = None, gone: Callable[[], Awaitable[Any]] | None = None,
+                     describe: str = "", reduce: str = "") -> tuple[list[Any], B | None]:
+        """Queue ``items`` (cost ``costs[i]`` each, default 1; model features ``work[i]``, default
+        ``Work(rows=cost)``) and wait for ``runner``'s results and the backend used (for no items: the current
+        one, None before any is installed). ``measure`` gives the work a call actually did for some of the
+        items (default: as predicted).
 
         ``deadline`` (``time.monotonic()``) and ``gone`` (an awaitable that completes when the client has
         disconnected) end the wait early: the job leaves the queue and its running call, and
-        :class:`Overloaded` (deadline) or :class:`ClientGone` is raised. Raises :class:`Overloaded` at
-        once when admitting the job would take the queued work past ``max_queue_cost``.
+        :class:`Overloaded` (deadline) or :class:`ClientGone` is raised. Raises at once :class:`TooSlow` when
+        the job alone is predicted to miss ``deadline`` (``describe``: the request's work in words, ``reduce``:
+        what to ask for less of; both for the message), :class:`Overloaded` when it would miss it behind the
+        queued work or would take the queued work past ``max_queue_cost``.
         """
         if not items:
             return [], self.backend
         costs = [int(c) for c in costs] if costs is not None else [1] * len(items)
         if len(costs) != len(items):
             raise ValueError(f"costs: need one per item ({len(items)}), got {len(costs)}")
+        works = list(work) if work is not None else [Work(steps=1, rows=float(c)) for c in costs]
+        if len(works) != len(items):
+            raise ValueError(f"work: need one per item ({len(items)}), got {len(works)}")
         if self._stopping:  # after shutdown: refuse, never restart the worker
             raise Overloaded("server is shutting down", 1)
         self.start()
         loop = asyncio.get_running_loop()
-        job = _Job(key=key, runner=runner, items=list(items), costs=costs, loop=loop, future=loop.create_future(),
-                   deadline=deadline if deadline is not None else math.inf)
-        total = sum(costs)
+        job = _Job(key=key, runner=runner, items=list(items), costs=costs, work=works, loop=loop,
+                   future=loop.create_future(), deadline=deadline if deadline is not None else math.inf,
+                   measure=measure)
         with self._cond:
             if self._stopping:
                 raise Overloaded("server is shutting down", 1)
-            if self._queued_cost and self._queued_cost + total > self.max_queue_cost:
-                raise Overloaded(f"queue full ({self._queued_cost} + {total} work > {self.max_queue_cost} queued "
+            now = time.monotonic()
+            self._admit_locked(job, now, describe, reduce)
+            if self._queued_cost and self._queued_cost + job.cost > self.max_queue_cost:
+                raise Overloaded(f"queue full ({self._queued_cost} + {job.cost} work > {self.max_queue_cost} queued "
                                  "at most)", self.retry_after())
             self._queue.append(job)
-            self._queued_cost += total
+            self._queued_cost += job.cost
             self._cond.notify_all()
         try:
             return await self._wait(job, gone)
@@ -334,7 +497,7 @@ class Batcher(Generic[B]):
             self._queued_cost -= job.left_cost()
             job.next = len(job.items)
 
-    # -- worker thread -------------------------------------------------------------------------------
+    # -- worker thread: choosing calls ---------------------------------------------------------------
 
     def _expire_locked(self, now: float) -> None:
         """Answer and drop queued jobs whose deadline passed (the route normally gets there first)."""
@@ -344,11 +507,12 @@ class Batcher(Generic[B]):
                 _post(job, None, Overloaded(DEADLINE_PASSED, 1))
 
     def _next_call(self, *, wait: bool, exclude: Collection[_Job] = (), max_job_cost: int | None = None,
-                   max_cost: int | None = None) -> _Call | None:
+                   max_cost: int | None = None, max_seconds: float = math.inf) -> _Call | None:
         """The next call to run. ``wait``: block for work, and let a fresh first job wait ``max_wait_ms``
-        for company. Otherwise (inside a running call) only jobs that have already waited that long, none of
-        ``exclude`` (the running call's jobs), none costing more than ``max_job_cost``, at most
-        ``max_cost`` in all."""
+        for company; a job whose slack is shorter than that call goes first. Otherwise (inside a running call)
+        only jobs that have already waited that long, none of ``exclude`` (the running call's jobs), none
+        costing more than ``max_job_cost``, at most ``max_cost`` in all, in a call predicted to take at most
+        ``max_seconds``."""
         with self._cond:
             while True:
                 if self._stopping:
@@ -356,7 +520,7 @@ class Batcher(Generic[B]):
                 now = time.monotonic()
                 self._expire_locked(now)
                 waiting = [j for j in self._queue if j not in exclude
-                           and (max_job_cost is None or sum(j.costs) <= max_job_cost)]
+                           and (max_job_cost is None or j.cost <= max_job_cost)]
                 if not waiting:
                     if not wait:
                         return None
@@ -367,85 +531,154 @@ class Batcher(Generic[B]):
                     if now - first.ready_since < self.max_wait_s:
                         return None
                     chosen = set(waiting)  # too large to run inside the running call: left out of this one too
-                    return self._build_call_locked(first, {j for j in self._queue if j not in chosen}, max_cost)
+                    parts = self._select_locked(first, {j for j in self._queue if j not in chosen}, max_cost)
+                    if self._parts_seconds(parts) > max_seconds:
+                        return None  # the running call's requests have no time for it
+                    return self._commit_locked(parts)
                 remaining = first.enqueued + self.max_wait_s - now
                 if first.next == 0 and remaining > 0 and self._compatible_items(first) < self.max_batch_size:
                     self._cond.wait(remaining)
                     continue
-                return self._build_call_locked(first, exclude)
+                first = self._most_urgent_locked(first, now)
+                return self._commit_locked(self._select_locked(first, exclude))
 
     def _compatible_items(self, first: _Job) -> int:
         return sum(len(j.items) - j.next for j in self._queue if j.key == first.key)
 
-    def _build_call_locked(self, first: _Job, exclude: Collection[_Job], max_cost: int | None = None) -> _Call:
+    def _most_urgent_locked(self, first: _Job, now: float) -> _Job:
+        """``first``, unless a job outside the call it would start has less slack than that call's time: then the
+        job with the least slack (earliest-deadline-first where the queue's order would make one late)."""
+        if not self.timing.ready:
+            return first
+        parts = self._select_locked(first, ())
+        call_s = self._parts_seconds(parts)
+        in_call = {job for job, _, _ in parts}
+        slack = {job: self._slack(job, now) for job in self._queue if job not in in_call}
+        urgent = [job for job, s in slack.items() if s < call_s]
+        return min(urgent, key=slack.__getitem__) if urgent else first
+
+    def _call_backend_locked(self, first: _Job) -> Any:
+        return first.backend if first.backend is not None else (self._next_backend or self._backend)
+
+    def _select_locked(self, first: _Job, exclude: Collection[_Job],
+                       max_cost: int | None = None) -> list[tuple[_Job, int, int]]:
+        """The (job, first item, end) parts of the call ``first`` would start (changes nothing): ``first``'s
+        key, ``first`` and then the queue in order, up to ``max_batch_size`` items and the call's work bound; a
+        job that fits whole waits for a call it fits in rather than being split."""
         call_cost = self.max_call_cost if max_cost is None else min(max_cost, self.max_call_cost)
-        if first.backend is not None:
-            backend = first.backend
-        else:
-            if self._next_backend is not None:  # the swap point: between calls, never inside one
-                self._backend, self._next_backend = self._next_backend, None
-            backend = self._backend
+        backend = self._call_backend_locked(first)
         parts: list[tuple[_Job, int, int]] = []
         count = cost = 0
-        keep: deque[_Job] = deque()
-        again: list[_Job] = []
-        for job in self._queue:
-            full = count >= self.max_batch_size or cost >= call_cost
-            if (full or job in exclude or job.key != first.key
-                    or (job.backend is not None and job.backend is not backend)):
-                keep.append(job)
+        for job in [first, *(j for j in self._queue if j is not first)]:
+            if count >= self.max_batch_size or cost >= call_cost:
+                break
+            if job in exclude or job.key != first.key or (job.backend is not None and job.backend is not backend):
                 continue
             left_items, left_cost = len(job.items) - job.next, job.left_cost()
             oversized = left_items > self.max_batch_size or left_cost > call_cost
             fits = count + left_items <= self.max_batch_size and cost + left_cost <= call_cost
             if not fits and not oversized:
-                keep.append(job)  # it waits for a call it fits in whole, rather than being split
-                continue
+                continue  # it waits for a call it fits in whole, rather than being split
             start = end = job.next
             while (end < len(job.items) and count < self.max_batch_size
                    and (count == 0 or cost + job.costs[end] <= call_cost)):
                 cost += job.costs[end]
                 count += 1
                 end += 1
-            if end == start:
-                keep.append(job)
-                continue
-            job.backend, job.next = backend, end
-            self._queued_cost -= sum(job.costs[start:end])
-            parts.append((job, start, end))
-            if end < len(job.items):
-                again.append(job)  # the rest of a long job waits behind the others: they run in between
+            if end > start:
+                parts.append((job, start, end))
+        return parts
+
+    def _parts_seconds(self, parts: list[tuple[_Job, int, int]]) -> float:
+        return self.timing.seconds(total(w for job, first, end in parts for w in job.work[first:end]))
+
+    def _commit_locked(self, parts: list[tuple[_Job, int, int]]) -> _Call:
+        """Hand the parts to a call: pin their backend (installing a pending one between calls, never inside
+        one), take them out of the queue, and send the rest of a split job to the back."""
+        first = parts[0][0]
+        if first.backend is None and self._next_backend is not None:  # the swap point
+            self._backend, self._next_backend = self._next_backend, None
+        backend = first.backend if first.backend is not None else self._backend
         now = time.monotonic()
-        for job in again:
-            job.ready_since = now
-        self._queue = keep + deque(again)
-        return _Call(key=first.key, runner=first.runner, backend=backend, parts=parts, cost=cost)
+        taken: set[_Job] = set()
+        again: list[_Job] = []
+        cost = 0
+        for job, start, end in parts:
+            job.backend, job.next = backend, end
+            part_cost = sum(job.costs[start:end])
+            cost += part_cost
+            self._queued_cost -= part_cost
+            taken.add(job)
+            if end < len(job.items):
+                job.ready_since = now
+                again.append(job)  # the rest of a long job waits behind the others: they run in between
+        self._queue = deque(j for j in self._queue if j not in taken) + deque(again)
+        return _Call(key=first.key, runner=first.runner, backend=backend, parts=parts, cost=cost,
+                     predicted_s=self._parts_seconds(parts), started=now,
+                     steps=max(w.steps for job, start, end in parts for w in job.work[start:end]))
+
+    # -- worker thread: running calls ----------------------------------------------------------------
+
+    def _calibrate(self, backend: Any) -> None:
+        """Run the start-up calibration once, on the first backend there is."""
+        if self._calibrated.is_set() or backend is None or self._calibration is None:
+            return
+        try:
+            started = time.monotonic()
+            samples = self._calibration(backend)
+            self.timing.calibrate(samples)
+            log.info("calibrated in %.1f s on %d calls: %.3g s per step, %.3g per row-step, %.3g per attended "
+                     "position, %.3g per source position", time.monotonic() - started, len(samples),
+                     *self.timing.coefficients)
+        except Exception:  # the server still serves; the model learns from served calls instead
+            log.exception("start-up calibration failed; predicting from served calls only")
+        finally:
+            self._calibrated.set()
 
     def _work(self) -> None:
+        self._calibrate(self.backend)
         while True:
             call = self._next_call(wait=True)
             if call is None:
                 return
-            self._run(call, nested=False)
+            self._calibrate(call.backend)  # no backend at start: before the first call instead
+            self._running = call
+            try:
+                self._run(call, nested=False)
+            finally:
+                self._running = None
+            self._release_if_due()
+
+    def _release_if_due(self) -> None:
+        if self._release is None or self._since_release < self._release_after_cost:
+            return
+        self._since_release = 0
+        try:
+            self._release()
+        except Exception:  # freeing memory is a courtesy: never let it fail the worker
+            log.exception("memory release failed")
 
     def _run(self, call: _Call, *, nested: bool) -> None:
-        nested_seconds = 0.0
-
         def between() -> None:
-            nonlocal nested_seconds
-            if nested_seconds > NESTED_TIME_SHARE * (time.perf_counter() - start - nested_seconds):
+            call.steps_done += 1
+            now = time.monotonic()
+            own = now - call.started - call.nested_s
+            with self._cond:
+                need = self._needed_share(call, now)
+                slack = min((self._slack(job, now) for job in call.jobs if not job.gone(now)), default=math.inf)
+            if call.nested_s > nested_time_ratio(need) * own or slack <= 0:
                 return  # the running call's turn
-            largest = max(sum(job.costs) for job in call.jobs)
+            largest = max(job.cost for job in call.jobs)
             inner = self._next_call(wait=False, exclude=call.jobs, max_job_cost=largest // NESTED_SHARE,
-                                    max_cost=max(1, call.cost // NESTED_SHARE))
+                                    max_cost=max(1, call.cost // NESTED_SHARE), max_seconds=slack)
             if inner is not None:
-                t0 = time.perf_counter()
+                t0 = time.monotonic()
                 self._run(inner, nested=True)
-                nested_seconds += time.perf_counter() - t0
+                call.nested_s += time.monotonic() - t0
 
         control = CallControl(call.parts, None if nested else between)
         items = call.items
-        start = time.perf_counter()
+        call.started = time.monotonic()
         try:
             results = call.runner(call.backend, call.key, items, control)
             if len(results) != len(items):
@@ -459,9 +692,9 @@ class Batcher(Generic[B]):
             if not isinstance(e, Exception):
                 raise
             return
-        seconds = max(time.perf_counter() - start - nested_seconds, 1e-6)
-        rate = call.cost / seconds
-        self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
+        seconds = max(time.monotonic() - call.started - call.nested_s, 1e-6)
+        self._learn(call, results, seconds)
+        self._since_release += call.cost
         if self._on_batch is not None:
             try:
                 self._on_batch(len(items), seconds)
@@ -482,3 +715,22 @@ class Batcher(Generic[B]):
                 complete = job.done == len(job.items)
             if complete:
                 _post(job, (job.results, call.backend))
+
+    def _learn(self, call: _Call, results: list[Any], seconds: float) -> None:
+        """What the call did and how long it took, into the service-time model and the recent calls."""
+        done: list[Work] = []
+        offset = 0
+        for job, first, end in call.parts:
+            own = results[offset : offset + end - first]
+            offset += end - first
+            predicted = total(job.work[first:end])
+            if job.measure is None:
+                done.append(predicted)
+                continue
+            try:
+                done.append(job.measure(job.items[first:end], own))
+            except Exception:  # a measure that fails leaves the prediction standing
+                log.exception("measuring a call's work failed")
+                done.append(predicted)
+        self.timing.observe(total(done), seconds)
+        self.recent.record(seconds, max(job.cost for job in call.jobs))

@@ -45,15 +45,16 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from rlt2t.common.config import ServeConfig
 from rlt2t.common.tokenization import LONE_SURROGATE
-from rlt2t.services.batching import ClientGone, Overloaded
-from rlt2t.services.schemas import ErrorResponse, Health
+from rlt2t.services.admission import ServiceTime
+from rlt2t.services.batching import ClientGone, Overloaded, TooSlow
+from rlt2t.services.schemas import ErrorResponse, Health, TooSlowResponse
 
 log = logging.getLogger("rlt2t.services.http")
 T = TypeVar("T")
@@ -70,8 +71,11 @@ OpenApiResponses: TypeAlias = dict[int | str, dict[str, Any]]
 UNAUTHORIZED: OpenApiResponses = {401: {"model": ErrorResponse, "description": "Missing or wrong bearer token"}}
 _RETRY_AFTER = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
 OVERLOADED: OpenApiResponses = {
-    503: {"model": ErrorResponse, "description": "Queue full, deadline passed (serve.request_timeout_s) "
-          "or shutting down; retry after the Retry-After header's seconds", "headers": _RETRY_AFTER}}
+    429: {"model": TooSlowResponse, "description": "Predicted to take longer than serve.request_timeout_s at this "
+          "server's measured speed, even alone: refused before any work (ask for less work)"},
+    503: {"model": ErrorResponse, "description": "Queue full, not answerable in serve.request_timeout_s behind the "
+          "queued work, deadline passed or shutting down; retry after the Retry-After header's seconds",
+          "headers": _RETRY_AFTER}}
 NOT_READY: OpenApiResponses = {
     503: {"model": ErrorResponse, "description": "Not ready; retry after the Retry-After header's seconds",
           "headers": _RETRY_AFTER}}
@@ -180,13 +184,29 @@ class ServiceMetrics:
     """Prometheus metrics of one app: requests by route and status, latency by route."""
 
     def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
         self.registry = CollectorRegistry()
         self.requests = Counter(f"{prefix}_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=self.registry)
         self.latency = Histogram(f"{prefix}_request_seconds", "Request latency by route", ["route"],
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.rejected = Counter(f"{prefix}_rejected", "Requests refused with 503 (queue full, deadline, stopping)",
-                                registry=self.registry)
+        self.rejected = Counter(f"{prefix}_rejected", "Requests refused with 503 or 429 (queue full, predicted too "
+                                "slow, deadline, stopping)", registry=self.registry)
+
+    def track_service_time(self, timing: Callable[[], ServiceTime]) -> None:
+        """Gauges of the service-time model the app predicts with (``timing()``: the current one): its scale and
+        its calibrated seconds per feature, what a refusal's prediction was made of."""
+        scale = Gauge(f"{self.prefix}_service_time_scale", "Measured over modelled seconds of the recent calls",
+                      registry=self.registry)
+        scale.set_function(lambda: timing().scale)
+        per = Gauge(f"{self.prefix}_service_time_seconds_per", "Calibrated seconds per unit of each work feature",
+                    ["feature"], registry=self.registry)
+
+        def coefficient(i: int) -> Callable[[], float]:
+            return lambda: timing().coefficients[i]
+
+        for i, feature in enumerate(("step", "row_step", "context_position", "source_position")):
+            per.labels(feature).set_function(coefficient(i))
 
     def install(self, app: FastAPI) -> None:
         """Count and time every request, labelled by its route template (never the raw path)."""
@@ -451,6 +471,13 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics | None = None) 
         if metrics is not None:
             metrics.rejected.inc()
         return ErrorJSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(TooSlow)
+    async def too_slow(request: Request, exc: TooSlow) -> JSONResponse:
+        if metrics is not None:
+            metrics.rejected.inc()
+        body = TooSlowResponse(detail=str(exc), predicted_s=round(exc.predicted_s, 3), limit_s=round(exc.limit_s, 3))
+        return ErrorJSONResponse(body.model_dump(), status_code=429)
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, exc: ClientGone) -> Response:

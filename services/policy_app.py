@@ -41,6 +41,13 @@ most ``max_new_tokens`` tokens per source, small beside the decoding the cost bo
 per call (ROUGE, METEOR, a plugin's) could take far longer and is refused (422 on ``utility``). A reward rerank
 scores each distinct candidate once (at most ``serve.max_sources_per_call`` x ``serve.max_candidates_per_source``
 texts of at most ``max_new_tokens`` tokens), one request at a time, in the reward's own batches.
+
+Time: the server knows its speed (``rlt2t.services.admission``): calibrated at start-up by a few timed sampling
+calls (:func:`calibrate_policy`; requests wait for it), updated from every call it serves. A request predicted to
+take longer than ``serve.request_timeout_s`` (every row decoding to ``max_new_tokens``) is refused at once: 429
+naming the prediction, the limit and what to ask less of, or 503 + Retry-After when only the queued work is in
+its way. After heavy work (half of ``serve.max_call_cost`` since the last time: one call of a maximum-cost
+request, even one cut short) the worker hands the freed heap back to the system (``rlt2t.services.memory``).
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ from rlt2t.common.python_rewards import RewardError
 from rlt2t.common.rerank import check_reference_free
 from rlt2t.common.rewards import WeightedReward, build_reward, score_pairs, task_reward
 from rlt2t.common.sampling import candidate_set, stable_seed
+from rlt2t.services.admission import ServiceTime, Work, sampled_work, total
 from rlt2t.services.backends import Generation, PolicyBackend, Sampling, Scored, StepControl, load_backend
 from rlt2t.services.batching import Batcher, Overloaded
 from rlt2t.services.http import (
@@ -83,6 +91,7 @@ from rlt2t.services.http import (
     install_middleware,
     load_token,
 )
+from rlt2t.services.memory import release_memory
 from rlt2t.services.reload import CheckpointWatcher, is_checkpoint_root
 from rlt2t.services.schemas import (
     Candidate,
@@ -102,29 +111,110 @@ from rlt2t.services.schemas import (
 log = logging.getLogger("rlt2t.services.policy")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CALIBRATION_WAIT_S = 300.0
+"""Start-up waits this long at most for the calibration calls (a slow model serves uncalibrated meanwhile)."""
+SAMPLING_REDUCE = ("fewer sources, num_candidates or max_new_tokens (or shorter sources); an operator may raise "
+                   "serve.request_timeout_s")
 
 
 # -- runners: executed on the batcher's worker thread, one merged call per batch ----------------------
 
-def _run_candidates(backend: PolicyBackend, key: tuple[str, Sampling], items: list[tuple[str, list[int]]],
+# Items end with the source's token count (what measuring a call's work needs).
+
+def _run_candidates(backend: PolicyBackend, key: tuple[str, Sampling], items: list[tuple[str, list[int], int]],
                     control: StepControl) -> list[list[Generation]]:
     sampling = key[1]
-    return backend.candidates([s for s, _ in items], sampling, [seed for _, seeds in items for seed in seeds],
+    return backend.candidates([s for s, _, _ in items], sampling, [seed for _, seeds, _ in items for seed in seeds],
                               control)
 
 
-def _run_pair_samples(backend: PolicyBackend, key: tuple[str, Sampling], items: list[tuple[str, str, int]],
+def _run_pair_samples(backend: PolicyBackend, key: tuple[str, Sampling], items: list[tuple[str, str, int, int]],
                       control: StepControl) -> list[list[Generation]]:
     # Row seeds as RolloutWorker keys them, with the version of the weights that actually sample.
     sampling = key[1]
-    seeds = [stable_seed(seed, backend.version, ex_id, j) for _, ex_id, seed in items
+    seeds = [stable_seed(seed, backend.version, ex_id, j) for _, ex_id, seed, _ in items
              for j in range(sampling.num_candidates)]
-    return backend.candidates([s for s, _, _ in items], sampling, seeds, control)
+    return backend.candidates([s for s, _, _, _ in items], sampling, seeds, control)
 
 
-def _run_score(backend: PolicyBackend, key: str, items: list[tuple[str, list[str]]],
+def _run_score(backend: PolicyBackend, key: str, items: list[tuple[str, list[str], int]],
                control: StepControl) -> list[list[Scored]]:
-    return backend.score([s for s, _ in items], [t for _, t in items])
+    return backend.score([s for s, _, _ in items], [t for _, t, _ in items])
+
+
+# -- work: what the service-time model predicts from and learns from (rlt2t.services.admission) -------------
+
+def _sampled_work_done(items: list[tuple], results: list[list[Generation]]) -> Work:
+    """What sampling these items did: each row's own length (rows that stopped early left the batch)."""
+    done = []
+    for item, gens in zip(items, results, strict=True):
+        n = item[-1]
+        lengths = [len(g.token_ids) for g in gens]
+        done.append(Work(steps=max(lengths, default=0), rows=float(sum(lengths)),
+                         context=float(sum(m * (n + m / 2) for m in lengths)), prefill=float(len(lengths) * n)))
+    return total(done)
+
+
+def _beam_work_done(beam_size: int):
+    """What beam search did for items: every beam runs as long as the longest hypothesis of its source."""
+    def measure(items: list[tuple], results: list[list[Generation]]) -> Work:
+        return total(sampled_work(beam_size, item[-1], max((len(g.token_ids) for g in gens), default=0))
+                     for item, gens in zip(items, results, strict=True))
+
+    return measure
+
+
+def _score_work(source_tokens: int, target_tokens: Sequence[int]) -> Work:
+    """Teacher forcing: one forward pass over every target (+ EOS) after the source."""
+    return total(Work(steps=1, rows=float(t + 1), context=float((t + 1) * (source_tokens + (t + 1) / 2)),
+                      prefill=float(source_tokens)) for t in target_tokens)
+
+
+def calibration_source(backend: PolicyBackend, tokens: int) -> tuple[str, int]:
+    """A source of about ``tokens`` tokens (at most) that passes the backend's token rule, and its token count:
+    a word repeated (``1`` for an ``ids`` vocabulary, a common word for a subword one)."""
+    for word in ("1", "a", "the", "x"):
+        text = " ".join([word] * tokens)
+        if backend.check_text(text) is not None:
+            continue
+        (n,) = backend.count_tokens([text])
+        if n > tokens:  # the word is several tokens here
+            text = " ".join([word] * max(1, tokens * tokens // n))
+            (n,) = backend.count_tokens([text])
+        if 0 < n <= tokens:
+            return text, n
+    raise ValueError("no calibration source passes this tokenizer's token rule")
+
+
+CALIBRATION_SHAPES = ((1, "short", 2), (1, "short", 4), (64, "short", 1), (4, "long", 4), (16, "long", 1),
+                      (16, "short", 2), (64, "long", 1))
+"""(rows, source, new tokens in units of 16) of the calibration calls: rows, steps, attended positions and source
+positions varied apart from each other (few rows over long contexts, many over short ones), so that the fit can tell
+them apart."""
+
+
+def calibrate_policy(backend: PolicyBackend, max_source_tokens: int) -> list[tuple[Work, float]]:
+    """Sampling calls of the :data:`CALIBRATION_SHAPES` at temperature 100 (no row stops early), each run twice,
+    interleaved, its faster time kept (a burst of other work on the machine slows one run, rarely both): what the
+    service-time model is fitted to at start-up. A few seconds on a CPU for the `small` preset, after one warm-up
+    call."""
+    limit = min(max_source_tokens, backend.max_positions - 1)
+    unit = max(1, min(16, (backend.max_positions - 1) // 8))
+    texts = {"short": calibration_source(backend, min(8, limit)), "long": calibration_source(backend, min(255, limit))}
+    backend.candidates([texts["short"][0]], Sampling(num_candidates=1, top_k=0, temperature=100.0, max_new_tokens=2),
+                       [0])  # warm-up: first-call allocations are not the model's speed
+    best: dict[int, tuple[Work, float]] = {}
+    for _ in range(2):
+        for i, (rows, kind, steps) in enumerate(CALIBRATION_SHAPES):
+            text, n = texts[kind]
+            sampling = Sampling(mode="sample", num_candidates=rows, top_k=0, temperature=100.0, beam_size=1,
+                                max_new_tokens=steps * unit)
+            started = time.perf_counter()
+            gens = backend.candidates([text], sampling, list(range(rows)))
+            seconds = time.perf_counter() - started
+            if i not in best or seconds < best[i][1]:
+                best[i] = (_sampled_work_done([(text, n)], gens), seconds)
+    return list(best.values())
 
 
 class _PolicyMetrics(ServiceMetrics):
@@ -138,6 +228,8 @@ class _PolicyMetrics(ServiceMetrics):
                                  registry=self.registry)
         self.queue_cost = Gauge("rlt2t_policy_queue_cost", "Work (token positions) waiting for a model call",
                                 registry=self.registry)
+        self.running_cost = Gauge("rlt2t_policy_running_cost", "Work (token positions) of the model call running now",
+                                  registry=self.registry)
         self.model_version = Gauge("rlt2t_policy_model_version", "Policy version being served",
                                    registry=self.registry)
         self.reloads = Counter("rlt2t_policy_reloads", "Checkpoints hot-reloaded", registry=self.registry)
@@ -198,10 +290,15 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
 
     metrics = _PolicyMetrics()
     batcher = Batcher(backend, max_batch_size=serve.max_batch_size, max_wait_ms=serve.max_wait_ms,
-                      max_queue_cost=serve.max_queue_cost, max_call_cost=serve.max_call_cost, on_batch=metrics.on_batch)
+                      max_queue_cost=serve.max_queue_cost, max_call_cost=serve.max_call_cost, on_batch=metrics.on_batch,
+                      timing=ServiceTime(), calibration=lambda b: calibrate_policy(b, serve.max_tokens_per_source),
+                      release=release_memory, release_after_cost=max(1, serve.max_call_cost // 2),
+                      request_timeout_s=serve.request_timeout_s)
     metrics.queue_depth.set_function(lambda: batcher.queue_depth)
     metrics.queue_cost.set_function(lambda: batcher.queued_cost)
+    metrics.running_cost.set_function(lambda: batcher.running_cost)
     metrics.model_version.set_function(lambda: batcher.backend.version if batcher.backend is not None else -1)
+    metrics.track_service_time(lambda: batcher.timing)
 
     def install(new: PolicyBackend) -> None:
         batcher.swap_backend(new)
@@ -216,6 +313,8 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         batcher.start()
+        if backend is not None:  # requests wait for the calibration: admission needs the model's speed
+            await run_in_threadpool(batcher.wait_calibrated, CALIBRATION_WAIT_S)
         if watcher is not None:
             watcher.start()
         if backend is not None:
@@ -276,15 +375,18 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
                               f"{serve.max_request_cost} per request (serve.max_request_cost)")
         return list(costs)
 
-    def sampling_costs(counts: Sequence[int], rows: int, max_new: int, what: str) -> list[int]:
-        costs = [rows * (n + max_new) for n in counts]
+    def sampling_product(counts: Sequence[int], rows: int, max_new: int, what: str) -> str:
         mean = sum(counts) / max(1, len(counts))
-        return check_cost(costs, f"{len(counts)} sources x {rows} {what} x ({mean:.0f} source tokens on average "
-                          f"+ {max_new} new tokens)")
+        return f"{len(counts)} sources x {rows} {what} x ({mean:.0f} source tokens on average + {max_new} new tokens)"
 
-    async def submit(request: Request, key, items: list, runner, costs: list[int]):
+    def sampling_costs(counts: Sequence[int], rows: int, max_new: int, what: str) -> list[int]:
+        return check_cost([rows * (n + max_new) for n in counts], sampling_product(counts, rows, max_new, what))
+
+    async def submit(request: Request, key, items: list, runner, costs: list[int], work: list[Work], measure=None,
+                     describe: str = "", reduce: str = SAMPLING_REDUCE):
         # The deadline counts from the request's arrival at the gate (body reading and validation included).
-        return await batcher.submit(key, items, runner, costs=costs, gone=disconnected(request),
+        return await batcher.submit(key, items, runner, costs=costs, work=work, measure=measure,
+                                    gone=disconnected(request), describe=describe, reduce=reduce,
                                     deadline=request.state.arrived + serve.request_timeout_s)
 
     def check_count(field: str, value: int, limit: int, what: str) -> None:
@@ -401,7 +503,8 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             sampling = Sampling(mode="sample", num_candidates=req.num_candidates, top_k=req.top_k, top_p=req.top_p,
                                 temperature=req.temperature, beam_size=1, max_new_tokens=req.max_new_tokens)
         base = req.seed if req.seed is not None else secrets.randbits(63)
-        items = [(s, [stable_seed(base, i, j) for j in range(req.num_candidates)]) for i, s in enumerate(req.sources)]
+        items = [(s, [stable_seed(base, i, j) for j in range(req.num_candidates)], n)
+                 for i, (s, n) in enumerate(zip(req.sources, counts, strict=True))]
         if req.utility is not None and req.rerank != "mbr":
             raise field_error(("body", "utility"), f"utility is read only with rerank: mbr (rerank: {req.rerank})",
                               req.utility)
@@ -411,7 +514,10 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         # Before decoding: a bad utility or reward is a 422 at once.
         utility = mbr_utility(req.utility) if req.rerank == "mbr" else None
         reward = await run_in_threadpool(rerank_reward, req.reward) if req.rerank == "reward" else None
-        results, used = await submit(request, ("candidates", sampling), items, _run_candidates, costs)
+        results, used = await submit(request, ("candidates", sampling), items, _run_candidates, costs,
+                                     [sampled_work(rows, n, req.max_new_tokens) for n in counts],
+                                     _beam_work_done(req.beam_size) if req.mode == "beam" else _sampled_work_done,
+                                     sampling_product(counts, rows, req.max_new_tokens, what))
         response = CandidatesResponse(
             candidates=[[Candidate(text=g.text, token_ids=g.token_ids, logprobs=g.logprobs,
                                    total_logprob=float(sum(g.logprobs)), sample_logprobs=g.sample_logprobs,
@@ -469,8 +575,10 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         ids = list(req.example_ids) if req.example_ids is not None else [str(i) for i in range(n)]
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         include_gold = req.include_gold if req.include_gold is not None else r.include_gold
-        results, used = await submit(request, ("pairs", sampling), list(zip(req.sources, ids, [seed] * n, strict=True)),
-                                     _run_pair_samples, costs)
+        results, used = await submit(request, ("pairs", sampling),
+                                     list(zip(req.sources, ids, [seed] * n, counts, strict=True)), _run_pair_samples,
+                                     costs, [sampled_work(num_samples, c, max_new) for c in counts], _sampled_work_done,
+                                     sampling_product(counts, num_samples, max_new, "samples"))
 
         def score() -> list:
             sets = [candidate_set(ex_id, src, rs[0], [g.text for g in gens], include_gold=include_gold, seed=seed,
@@ -491,10 +599,12 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             return check_texts("source", [req.source], False)[0], check_texts("targets", req.targets)
 
         n_source, counts = await checks.run(check_source_and_targets)
-        cost = check_cost([sum(n_source + n + 1 for n in counts)],
-                          f"{len(counts)} targets x ({n_source} source tokens + {sum(counts) / len(counts):.0f} "
-                          "target tokens on average + 1)")
-        results, used = await submit(request, "score", [(req.source, list(req.targets))], _run_score, cost)
+        product = (f"{len(counts)} targets x ({n_source} source tokens + {sum(counts) / len(counts):.0f} target tokens "
+                   "on average + 1)")
+        cost = check_cost([sum(n_source + n + 1 for n in counts)], product)
+        results, used = await submit(request, "score", [(req.source, list(req.targets), n_source)], _run_score, cost,
+                                     [_score_work(n_source, counts)], describe=product,
+                                     reduce="fewer or shorter targets; an operator may raise serve.request_timeout_s")
         return ScoreResponse(
             scores=[TargetScore(token_ids=s.token_ids, logprobs=s.logprobs, total_logprob=float(sum(s.logprobs)),
                                 mean_logprob=float(sum(s.logprobs)) / max(1, len(s.logprobs)))

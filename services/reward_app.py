@@ -34,12 +34,16 @@ candidates and their references of (candidate tokens + 1) × (reference tokens +
 times the number of metrics (ROUGE-L's table; chrF's character n-grams); above ``serve.max_reward_cost`` it is
 a 422 naming the product, queued work above ``serve.max_reward_queue_cost`` a 503 + Retry-After. Scoring runs
 on one worker thread, off the event loop, in parts of at most ``serve.max_reward_call_cost``; a request whose
-client disconnected or whose ``serve.request_timeout_s`` passed is dropped between parts.
+client disconnected or whose ``serve.request_timeout_s`` passed is dropped between parts. The server's speed is
+calibrated at start-up on the task score (:func:`calibrate_reward`) and updated from the calls it serves; a request
+predicted to take longer than ``serve.request_timeout_s`` is refused at once (429 naming the prediction and the
+limit; 503 + Retry-After when only the queued work is in its way), as on the policy server.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -51,6 +55,7 @@ from rlt2t.common.config import Config
 from rlt2t.common.metrics import DocumentFrequency, available_metrics, get_metric, missing_dependency
 from rlt2t.common.python_rewards import RewardError
 from rlt2t.common.tokenization import load_tokenizer, text_checker
+from rlt2t.services.admission import ServiceTime, Work
 from rlt2t.services.batching import Batcher, CallControl
 from rlt2t.services.http import (
     BODY_REFUSED,
@@ -152,6 +157,23 @@ def _run_reward(scorer: _Scorer, key, items: list, control: CallControl) -> list
     return scorer.score(key, items)  # metrics have no decoding steps: a call is stopped between parts
 
 
+def calibrate_reward(scorer: _Scorer) -> list[tuple[Work, float]]:
+    """The task score of synthetic candidates against references, in calls of 1 to 64 items of 8 to 128 words,
+    timed: what the service-time model is fitted to at start-up (a fraction of a second). A metric scored far
+    slower per unit of work (a reward model's forward pass, METEOR) is learned from the calls that serve it."""
+    samples = []
+    for items, words in ((1, 8), (1, 8), (16, 16), (64, 32), (16, 128)):  # the first: a warm-up, not kept
+        hyps = [" ".join(str((i + j) % 97) for j in range(words)) for i in range(items)]
+        refs = [[" ".join(str((3 * i + j) % 89) for j in range(words))] for i in range(items)]
+        own = _OwnFrequencies(DocumentFrequency.from_references(refs)) if scorer.fixed_df is None else None
+        started = time.perf_counter()
+        scorer.score((("task_score",), own), [(h, r, None) for h, r in zip(hyps, refs, strict=True)])
+        seconds = time.perf_counter() - started
+        samples.append((Work(steps=1, rows=float(sum(reward_cost(h, r, 1) for h, r in zip(hyps, refs, strict=True)))),
+                        seconds))
+    return samples[1:]
+
+
 def reward_cost(candidate: str, references: Sequence[str], num_metrics: int, source: str = "") -> int:
     """Work estimate of one item: Σ_refs ((candidate tokens + 1) × (reference tokens + 1) + their characters),
     × metrics: ROUGE-L's table, and the character n-grams of chrF; without references (a learned reward) the
@@ -174,8 +196,10 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
     check_tokens = text_checker(load_tokenizer(cfg.tokenizer_dir)) if cfg.tokenizer_dir.is_dir() else None
     named = NamedRewards(cfg, document_frequency=fixed_df)  # reward.named: learned rewards, hot-reloaded
     batcher = Batcher(_Scorer(cfg, fixed_df, named, named.rewards), max_batch_size=max_items, max_wait_ms=0,
-                      max_queue_cost=serve.max_reward_queue_cost, max_call_cost=serve.max_reward_call_cost)
+                      max_queue_cost=serve.max_reward_queue_cost, max_call_cost=serve.max_reward_call_cost,
+                      timing=ServiceTime(), calibration=calibrate_reward, request_timeout_s=serve.request_timeout_s)
     named.on_reload = lambda rewards: batcher.swap_backend(_Scorer(cfg, fixed_df, named, rewards))
+    metrics.track_service_time(lambda: batcher.timing)
     problems: dict[str, str | None] = {}  # registered metric -> why it cannot be built (None: it can)
     unavailable = _not_offered(cfg, fixed_df, named)  # not offered: the first call would fail on what is missing
     for name, reason in unavailable.items():
@@ -185,6 +209,7 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
     async def lifespan(app: FastAPI):
         named.start()
         batcher.start()
+        await run_in_threadpool(batcher.wait_calibrated, 60.0)  # requests wait for it: admission needs the speed
         try:
             yield
         finally:
@@ -277,7 +302,10 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
         items = list(zip(req.candidates, item_refs, sources, strict=True))
         results, scorer = await batcher.submit((tuple(req.metrics), own), items,
                                                _run_reward, costs=costs, gone=disconnected(request),
-                                               deadline=request.state.arrived + serve.request_timeout_s)
+                                               deadline=request.state.arrived + serve.request_timeout_s,
+                                               describe=f"{n} candidates, {len(req.metrics)} metrics, work {total}",
+                                               reduce="fewer or shorter candidates or references, or fewer metrics; "
+                                                      "an operator may raise serve.request_timeout_s")
         assert scorer is not None  # None only for a request without items
         return RewardResponse(scores={name: [r[name] for r in results] for name in req.metrics},
                               reward_model_versions=scorer.model_versions(req.metrics))

@@ -51,6 +51,16 @@ class ErrorResponse(_Response):
     """What went wrong."""
 
 
+class TooSlowResponse(ErrorResponse):
+    """Body of a 429: the request alone is predicted to take longer than the server may work on it."""
+
+    predicted_s: float
+    """Seconds the request is predicted to take at the server's measured speed (the model's time with a margin
+    for its error, divided by the share of the server it can expect next to the small requests running)."""
+    limit_s: float
+    """Seconds it had left of serve.request_timeout_s when it was refused."""
+
+
 class SamplingParams(_Request):
     """How candidates are produced; shared by /v1/candidates (and, with server defaults, /v1/pairs)."""
 

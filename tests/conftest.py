@@ -140,6 +140,30 @@ def cli(capsys):
     return run
 
 
+def _load_bench_script(name: str):
+    """bench/<name>.py as a module (bench/ is not a package; its scripts import their neighbours by name)."""
+    import importlib.util
+    import sys
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}_under_test", bench / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    sys.path.insert(0, str(bench))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+        sys.path.remove(str(bench))
+    return module
+
+
+@pytest.fixture(scope="session")  # a function: usable from fixtures of any scope
+def bench_script():
+    """``bench_script(name)``: bench/<name>.py loaded as a module, for testing a benchmark's pure parts."""
+    return _load_bench_script
+
+
 @pytest.fixture(scope="session")  # a class, not a server: usable from fixtures of any scope
 def live_server() -> type[LiveServer]:
     """The LiveServer class: `with live_server(app) as s: httpx.get(s.url + ...)`."""

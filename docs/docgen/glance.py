@@ -79,6 +79,22 @@ def glance_ct2(results_dir: Path) -> list[str] | None:
             f"K = 6, 48 tokens, {'; '.join(machines)}", "ct2_sampling"]
 
 
+def glance_decoding(results_dir: Path) -> list[str] | None:
+    data = read_json(results_dir / "decoding.json")
+    if data is None:
+        return None
+    figures, seeds = [], set()
+    for task, s in data["summary"].items():
+        by = {(d["comparison"], d["metric"]): d for d in s["paired"]}
+        mbr = by[("grpo: mbr_task_score - beam", "task_score")]
+        both = by[("grpo mbr_task_score - sft greedy", "task_score")]
+        figures.append(f"{task}: {paired(mbr)} over beam, RL + MBR {paired(both)} over SFT greedy")
+        seeds.add(mbr["n"])
+    return ["MBR decoding (task-score utility) on the GRPO checkpoint", "; ".join(figures),
+            f"{'/'.join(str(n) for n in sorted(seeds))} seeds per task, test split, {short_machine(data)}",
+            "decoding"]
+
+
 def glance_block(results_dir: Path = RESULTS) -> str:
     rows = []
     for make in (glance_demo,
@@ -88,7 +104,7 @@ def glance_block(results_dir: Path = RESULTS) -> str:
                                             "GRPO vs likelihood training, several-reference names (held back)"),
                  lambda d: glance_algorithm(d, "dpo_synth", "dpo:e6lr2e-5",
                                             "DPO (offline pairs, rl.lr 2e-5) vs likelihood training, synthetic task"),
-                 glance_serving, glance_ct2):
+                 glance_decoding, glance_serving, glance_ct2):
         try:
             row = make(results_dir)
         except (KeyError, TypeError, ValueError, StopIteration, AttributeError):
@@ -113,6 +129,17 @@ def _plain_table(title: str, rows: dict[str, dict[str, float]]) -> list[str]:
     return lines + [""]
 
 
+def _idle(results_dir: Path) -> str:
+    """`; alone on an idle machine, seed N took X s`, from demo_seeds_idle.json when there is one."""
+    data = read_json(results_dir / "demo_seeds_idle.json")
+    if not data or not data.get("seeds"):
+        return ""
+    runs = data["seeds"]
+    which = ", ".join(runs)
+    mean = sum(r["seconds"] for r in runs.values()) / len(runs)
+    return f"; alone on the idle machine, seed{'s' if len(runs) > 1 else ''} {which} took {mean:.0f} s"
+
+
 def demo_block(results_dir: Path = RESULTS) -> str:
     """The README's quick-start sample: the tables and verdict one seed of bench/results/demo_seeds.json
     printed, then mean ± std over all its seeds (empty without that file)."""
@@ -134,8 +161,9 @@ def demo_block(results_dir: Path = RESULTS) -> str:
                f"{paired(greedy['rl-sft'])} and RL − continued SFT {paired(greedy['rl-continued_sft'])}; with "
                f"CTranslate2 beam search {paired(beam['rl-sft'])} and {paired(beam['rl-continued_sft'])}. The demo "
                f"took {s['wall_seconds']['mean']:.0f} ± {s['wall_seconds']['std']:.0f} s there"
-               f"{' (' + note + ')' if (note := data.get('settings', {}).get('note')) else ''} "
+               f"{' (' + note + ')' if (note := data.get('settings', {}).get('note')) else ''}{_idle(results_dir)} "
                f"([demo seeds](docs/benchmarks/demo_seeds.md)). Below, seed {seed}'s output, abridged:")
-    return "\n".join([header("bench/results/demo_seeds.json").rstrip(), textwrap.fill(summary, 115,
-                                                                                        break_on_hyphens=False),
+    sources = ["bench/results/demo_seeds.json"] + (["bench/results/demo_seeds_idle.json"]
+                                                   if (results_dir / "demo_seeds_idle.json").is_file() else [])
+    return "\n".join([header(*sources).rstrip(), textwrap.fill(summary, 115, break_on_hyphens=False),
                       "", "```", *sample, "```"])

@@ -48,6 +48,7 @@ PAGES = {
     "learner_step": Page("Rank-RL learner step: shared encoder", "learner_step"),
     "group_step": Page("Group policy-gradient step: shared encoder", "group_step"),
     "pipeline": Page("Pipeline overlap of rollout and learning", "pipeline"),
+    "decoding": Page("Decoding: MBR, reward rerank and the oracle", "decoding"),
     "serve_load": Page("Policy server under load", "serve_load"),
     "ct2_sampling": Page("CTranslate2 sampling throughput", "ct2_sampling"),
     "reward_throughput": Page("Learned-reward throughput", "reward_throughput"),

@@ -6,8 +6,6 @@ checkpoint itself and the continued-SFT arms, the one with the best mean validat
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,16 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def bench():
-    path = REPO / "bench" / "algorithms.py"
-    spec = importlib.util.spec_from_file_location("bench_algorithms_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
-    return module
+def bench(bench_script):
+    return bench_script("algorithms")
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,23 +14,9 @@ from rlt2t.common.metrics import get_metric
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _bench_script(name: str):
-    """bench/<name>.py as a module (bench/ is not a package; its scripts import their neighbours by name)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}_under_test", REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
-        sys.path.remove(str(REPO / "bench"))
-    return module
-
-
 @pytest.fixture(scope="module")
-def boot():
-    return _bench_script("paired_bootstrap")
+def boot(bench_script):
+    return bench_script("paired_bootstrap")
 
 
 class ExactMatch:
@@ -117,7 +101,7 @@ def test_measure_reads_each_seeds_predictions_and_refuses_a_changed_run(boot, tm
         boot.measure(payload, samples=5)
 
 
-def test_group_spread_counts_tied_thin_and_wide_sources():
-    out = _bench_script("group_spread").spread([0.0, 0.01, 0.1, 0.9], [0.0, 0.1, 0.5, 1.4], [1, 2, 6, 6])
+def test_group_spread_counts_tied_thin_and_wide_sources(bench_script):
+    out = bench_script("group_spread").spread([0.0, 0.01, 0.1, 0.9], [0.0, 0.1, 0.5, 1.4], [1, 2, 6, 6])
     assert out == {"sources": 4, "tied": 0.25, "std_under_0.05": 0.25, "std_under_0.2": 0.5, "median_std": 0.055,
                    "mean_reward": 0.5, "distinct_samples": 3.75}

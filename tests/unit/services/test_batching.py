@@ -324,11 +324,14 @@ def test_a_failed_call_fails_only_its_requests():
 
 def test_route_answers_503_with_retry_after_over_capacity(serve_cfg):
     gate = threading.Event()
-    backend = FakeBackend(gate=gate)
+    backend = FakeBackend()
     # Every request below costs 1 source x 1 candidate x (1 token + 2 new) = 3: the queue holds one.
     serve_cfg.serve.max_batch_size, serve_cfg.serve.max_queue_cost = 1, 3
     app = create_app(serve_cfg, backend=backend)
     with TestClient(app) as c:
+        # The start-up calibration has run (ungated); from here every model call waits at the gate.
+        backend.gate = gate
+        backend.started.clear()
         results = {}
 
         def post(name):
