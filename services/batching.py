@@ -234,14 +234,16 @@ class Batcher(Generic[B]):
     ``on_batch(num_items, seconds)`` is called after every call (metrics). ``calibration(backend)`` runs once on
     the worker, on the first backend, before any call: its ``(work, seconds)`` fit ``timing``. ``release()`` is
     called on the worker after every ``release_after_cost`` of work (default ``max_call_cost``).
-    ``request_timeout_s`` names the deadline in refusals.
+    ``request_timeout_s`` names the deadline in refusals. ``timing_key(key)``: calls whose job keys map to
+    different values get service-time models of their own (forked from ``timing`` after the calibration).
     """
 
     def __init__(self, backend: B | None, *, max_batch_size: int, max_wait_ms: float, max_queue_cost: int,
                  max_call_cost: int, on_batch: Callable[[int, float], None] | None = None,
                  timing: ServiceTime | None = None, calibration: Calibration | None = None,
                  release: Callable[[], object] | None = None, release_after_cost: int | None = None,
-                 request_timeout_s: float | None = None) -> None:
+                 request_timeout_s: float | None = None, timing_key: Callable[[Any], Hashable] | None = None
+                 ) -> None:
         if max_batch_size < 1 or max_queue_cost < 1 or max_call_cost < 1 or max_wait_ms < 0:
             raise ValueError(f"need max_batch_size, max_queue_cost, max_call_cost >= 1 and max_wait_ms >= 0; got "
                              f"{max_batch_size}, {max_queue_cost}, {max_call_cost}, {max_wait_ms}")
@@ -250,6 +252,8 @@ class Batcher(Generic[B]):
         self.max_queue_cost = max_queue_cost
         self.max_call_cost = max_call_cost
         self.timing = timing if timing is not None else ServiceTime()
+        self._timing_key = timing_key
+        self._timings: dict[Hashable, ServiceTime] = {}
         self.recent = RecentCalls()
         self.request_timeout_s = request_timeout_s
         self._backend = backend
@@ -345,13 +349,25 @@ class Batcher(Generic[B]):
 
     # -- predictions ---------------------------------------------------------------------------------
 
+    def _timing(self, key: Any) -> ServiceTime:
+        """The service-time model for calls of ``key``: ``timing``, or with ``timing_key`` one per kind of call,
+        forked from ``timing`` once the start-up calibration has run (a reward model's calls, a hundred times
+        slower per unit of work than the task score's, must not make the task score's predictions slow)."""
+        if self._timing_key is None or not self._calibrated.is_set():
+            return self.timing
+        kind = self._timing_key(key)
+        timing = self._timings.get(kind)
+        if timing is None:
+            timing = self._timings.setdefault(kind, self.timing.fork())
+        return timing
+
     def _job_seconds(self, job: _Job) -> float:
         """Model seconds of the job's work not yet handed to a call, run alone."""
         left_items, left_cost = len(job.items) - job.next, job.left_cost()
         if left_items <= 0:
             return 0.0
         calls = max(1, math.ceil(left_cost / self.max_call_cost), math.ceil(left_items / self.max_batch_size))
-        return self.timing.seconds(job.left_work(), calls)
+        return self._timing(job.key).seconds(job.left_work(), calls)
 
     def _running_left(self, now: float) -> float:
         """Seconds the running call still needs: from its pace once it has run a few steps (the model's
@@ -397,7 +413,7 @@ class Batcher(Generic[B]):
 
     def _admit_locked(self, job: _Job, now: float, describe: str, reduce: str) -> None:
         """Raise :class:`TooSlow` or :class:`Overloaded` when the job is predicted to miss its deadline."""
-        if not self.timing.ready or math.isinf(job.deadline):
+        if not self._timing(job.key).ready or math.isinf(job.deadline):
             return
         left = job.deadline - now
         lost = min(self.recent.share_below(job.cost // NESTED_SHARE, now), MAX_LOST_SHARE)
@@ -548,7 +564,7 @@ class Batcher(Generic[B]):
     def _most_urgent_locked(self, first: _Job, now: float) -> _Job:
         """``first``, unless a job outside the call it would start has less slack than that call's time: then the
         job with the least slack (earliest-deadline-first where the queue's order would make one late)."""
-        if not self.timing.ready:
+        if not self._timing(first.key).ready:
             return first
         parts = self._select_locked(first, ())
         call_s = self._parts_seconds(parts)
@@ -590,7 +606,9 @@ class Batcher(Generic[B]):
         return parts
 
     def _parts_seconds(self, parts: list[tuple[_Job, int, int]]) -> float:
-        return self.timing.seconds(total(w for job, first, end in parts for w in job.work[first:end]))
+        if not parts:
+            return 0.0
+        return self._timing(parts[0][0].key).seconds(total(w for job, first, end in parts for w in job.work[first:end]))
 
     def _commit_locked(self, parts: list[tuple[_Job, int, int]]) -> _Call:
         """Hand the parts to a call: pin their backend (installing a pending one between calls, never inside
@@ -732,5 +750,5 @@ class Batcher(Generic[B]):
             except Exception:  # a measure that fails leaves the prediction standing
                 log.exception("measuring a call's work failed")
                 done.append(predicted)
-        self.timing.observe(total(done), seconds)
+        self._timing(call.key).observe(total(done), seconds)
         self.recent.record(seconds, max(job.cost for job in call.jobs))

@@ -197,7 +197,8 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
     named = NamedRewards(cfg, document_frequency=fixed_df)  # reward.named: learned rewards, hot-reloaded
     batcher = Batcher(_Scorer(cfg, fixed_df, named, named.rewards), max_batch_size=max_items, max_wait_ms=0,
                       max_queue_cost=serve.max_reward_queue_cost, max_call_cost=serve.max_reward_call_cost,
-                      timing=ServiceTime(), calibration=calibrate_reward, request_timeout_s=serve.request_timeout_s)
+                      timing=ServiceTime(), calibration=calibrate_reward, request_timeout_s=serve.request_timeout_s,
+                      timing_key=lambda key: key[0])  # a model per metric set: a reward model is far slower per unit
     named.on_reload = lambda rewards: batcher.swap_backend(_Scorer(cfg, fixed_df, named, rewards))
     metrics.track_service_time(lambda: batcher.timing)
     problems: dict[str, str | None] = {}  # registered metric -> why it cannot be built (None: it can)

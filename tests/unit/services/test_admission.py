@@ -241,14 +241,44 @@ def test_the_policy_route_answers_429_with_the_prediction_and_the_limit(serve_cf
 
 
 def test_the_reward_route_answers_429_for_work_predicted_too_slow(serve_cfg):
+    body = {"candidates": ["1 2 3"] * 4, "references": ["1 2 4"] * 4, "metrics": ["task_score"]}
     with TestClient(reward_app.create_app(serve_cfg)) as c:
         assert c.app.state.batcher.timing.calibrated
-        body = {"candidates": ["1 2 3"] * 4, "references": ["1 2 4"] * 4, "metrics": ["task_score"]}
         assert c.post("/v1/reward", json=body).status_code == 200
-        c.app.state.batcher.timing = slow_timing(10.0)  # 10 s per unit of reward work
+    with TestClient(reward_app.create_app(serve_cfg)) as c:
+        # 10 s per unit of reward work, before any request: every metric's model is forked from this one
+        c.app.state.batcher.timing = slow_timing(10.0)
         r = c.post("/v1/reward", json=body)
         assert r.status_code == 429, r.text
         assert "4 candidates, 1 metrics" in r.json()["detail"] and r.json()["predicted_s"] > 120
+
+
+def test_each_kind_of_call_learns_its_own_speed():
+    """With timing_key, a kind of call far slower than calibrated (a reward model beside the task score) rescales
+    its own model: its requests are refused, while the same work of another kind is still admitted."""
+
+    def runner(delay_s: float):
+        def run(backend, key, items, control):
+            time.sleep(delay_s)
+            return list(items)
+
+        return run
+
+    batcher = batcher_of(None, timing=slow_timing(1e-3), timing_key=lambda key: key)  # 10 rows: 0.012 s
+
+    async def run():
+        for _ in range(3):  # each call 0.3 s where 0.01 s was modelled: thirty times slower
+            await batcher.submit("reward_model", ["x"], runner(0.3), work=[Work(rows=10.0)])
+        with pytest.raises(TooSlow):  # predicted about 0.36 s
+            await batcher.submit("reward_model", ["x"], runner(0.0), work=[Work(rows=10.0)],
+                                 deadline=time.monotonic() + 0.2)
+        return await batcher.submit("task_score", ["y"], runner(0.0), work=[Work(rows=10.0)],
+                                    deadline=time.monotonic() + 0.2)
+
+    results, _ = asyncio.run(run())
+    batcher.stop()
+    assert results == ["y"]
+    assert batcher.timing.scale == pytest.approx(1.0)  # the calibrated model itself is left as it was
 
 
 # -- fair sharing ----------------------------------------------------------------------------------------
