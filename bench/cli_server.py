@@ -14,12 +14,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class CliServer:
-    """``python -m rlt2t.cli *args``; ``url`` is the last word of its first stdout line, which must start with
-    ``banner`` (the servers print ``serving <what> on <url>`` once they listen)."""
+    """``python -m rlt2t.cli *args`` (or ``python *args`` with ``module=None``: a script of its own); ``url`` is
+    the last word of its first stdout line, which must start with ``banner`` (the servers print
+    ``serving <what> on <url>`` once they listen)."""
 
-    def __init__(self, args: Sequence[str], banner: str, env: Mapping[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "rlt2t.cli", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, env=dict(env or os.environ), cwd=REPO)
+    def __init__(self, args: Sequence[str], banner: str, env: Mapping[str, str] | None = None,
+                 module: str | None = "rlt2t.cli") -> None:
+        command = [sys.executable, *(["-m", module] if module else []), *args]
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     env=dict(env or os.environ), cwd=REPO)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.startswith(banner):

@@ -174,6 +174,12 @@ def sources(n: int, seed: int = 0) -> list[str]:
     return [" ".join(str(rng.randrange(1894)) for _ in range(SOURCE_TOKENS)) for _ in range(n)]
 
 
+def phase_line(name: str, p: dict[str, Any], width: int, tail: str) -> str:
+    """One printed row of a load phase: requests/s and p50/p99 latency, then ``tail``."""
+    return (f"  {name:<{width}} {p['requests_per_s']:>8.1f} req/s  p50 {p['p50_ms']:>6.0f} ms  "
+            f"p99 {p['p99_ms']:>6.0f} ms  {tail}")
+
+
 async def big_client(url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
     """Posts ``body`` back to back until cancelled (then its connection closes: the server drops the job)."""
     out.update(statuses=Counter(), latencies_s=[], refused_ms=[], detail=None)
@@ -471,9 +477,7 @@ def main() -> None:
               f"x {b['num_candidates']} candidates x {b['max_new_tokens']} new tokens (work {b['cost']}, "
               f"serve.max_request_cost {m['limits']['max_request_cost']})")
         for name in ("small_alone", "mixed"):
-            p = m[name]
-            print(f"  {name:<12} {p['requests_per_s']:>8.1f} req/s  p50 {p['p50_ms']:>6.0f} ms  "
-                  f"p99 {p['p99_ms']:>6.0f} ms  {p['statuses']}")
+            print(phase_line(name, m[name], 12, str(m[name]["statuses"])))
         print(f"  small p99 mixed / alone: {m['p99_ratio']:.2f}x (target <= {MIXED_TARGET:.0f}x); max-cost client: "
               f"{m['mixed']['big']['statuses']}")
     if "maxcost" in wanted:
@@ -487,9 +491,8 @@ def main() -> None:
               f"{m['limits']['request_timeout_s']:g})")
         for name in ("small_alone", "max_mixed", "small_alone_long_timeout", "max_served"):
             p = m[name]
-            print(f"  {name:<25} {p['requests_per_s']:>8.1f} req/s  p50 {p['p50_ms']:>6.0f} ms  "
-                  f"p99 {p['p99_ms']:>6.0f} ms  load {p['loadavg_start'][0]:.2f}-{p['loadavg_end'][0]:.2f}  "
-                  f"{p.get('big', {}).get('statuses', '')}")
+            print(phase_line(name, p, 25, f"load {p['loadavg_start'][0]:.2f}-{p['loadavg_end'][0]:.2f}  "
+                                          f"{p.get('big', {}).get('statuses', '')}"))
         print(f"  small p99 beside the client, refused: {m['p99_ratio_refused']:.2f}x; admitted: "
               f"{m['p99_ratio_served']:.2f}x (target <= {MIXED_TARGET:.0f}x)")
     if not args.no_save:

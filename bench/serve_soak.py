@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,12 +41,12 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_server import CliServer  # noqa: E402
 from machine_info import save  # noqa: E402
 from serve_load import load_average, max_cost_request, prepare  # noqa: E402
 
 from rlt2t.common.config import ServeConfig  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 TARGET = 1.15
 SMALL = {"sources": ["1 2 3 4 5 6 7 8"], "num_candidates": 1, "top_k": 3, "temperature": 0.8, "max_new_tokens": 16}
 
@@ -69,24 +67,17 @@ def child(model_dir: str, workdir: str, release: bool, timeout_s: float, no_pred
     run_server(app, "127.0.0.1", 0, "policy", cfg.serve)
 
 
-class SoakServer:
+class SoakServer(CliServer):
     """This script's child server on a free loopback port, with its resident memory."""
 
     def __init__(self, model_dir: Path, workdir: Path, *, release: bool, timeout_s: float,
                  no_prediction: bool = False) -> None:
-        args = [sys.executable, __file__, "--child", str(model_dir), str(workdir), "--timeout", str(timeout_s)]
+        args = [__file__, "--child", str(model_dir), str(workdir), "--timeout", str(timeout_s)]
         args += [] if release else ["--no-release"]
         args += ["--no-prediction"] if no_prediction else []
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         env.pop("RLT2T_API_TOKEN", None)
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                                     cwd=REPO)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("serving policy on "):
-            self.stop()
-            raise RuntimeError(f"server did not start: {line!r}")
-        self.url = line.split()[-1]
+        super().__init__(args, "serving policy on ", env, module=None)
         self.ps = psutil.Process(self.proc.pid)
         with httpx.Client(base_url=self.url, timeout=600) as http:  # start-up (calibration) and first allocations
             for _ in range(5):
@@ -110,15 +101,6 @@ class SoakServer:
                     break
                 time.sleep(0.5)
         time.sleep(1.0)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def soak(model_dir: Path, work: Path, args, release: bool) -> dict[str, Any]:

@@ -548,30 +548,34 @@ class Batcher(Generic[B]):
                         return None
                     chosen = set(waiting)  # too large to run inside the running call: left out of this one too
                     parts = self._select_locked(first, {j for j in self._queue if j not in chosen}, max_cost)
-                    if self._parts_seconds(parts) > max_seconds:
+                    seconds = self._parts_seconds(parts)
+                    if seconds > max_seconds:
                         return None  # the running call's requests have no time for it
-                    return self._commit_locked(parts)
+                    return self._commit_locked(parts, seconds)
                 remaining = first.enqueued + self.max_wait_s - now
                 if first.next == 0 and remaining > 0 and self._compatible_items(first) < self.max_batch_size:
                     self._cond.wait(remaining)
                     continue
-                first = self._most_urgent_locked(first, now)
-                return self._commit_locked(self._select_locked(first, exclude))
+                return self._commit_locked(*self._most_urgent_locked(first, now))
 
     def _compatible_items(self, first: _Job) -> int:
         return sum(len(j.items) - j.next for j in self._queue if j.key == first.key)
 
-    def _most_urgent_locked(self, first: _Job, now: float) -> _Job:
-        """``first``, unless a job outside the call it would start has less slack than that call's time: then the
-        job with the least slack (earliest-deadline-first where the queue's order would make one late)."""
-        if not self._timing(first.key).ready:
-            return first
+    def _most_urgent_locked(self, first: _Job, now: float) -> tuple[list[tuple[_Job, int, int]], float]:
+        """The parts of the call ``first`` would start and its predicted seconds, unless a job outside it has less
+        slack than that call's time: then those of the job with the least slack (earliest-deadline-first where
+        the queue's order would make one late)."""
         parts = self._select_locked(first, ())
         call_s = self._parts_seconds(parts)
+        if not self._timing(first.key).ready:
+            return parts, call_s
         in_call = {job for job, _, _ in parts}
         slack = {job: self._slack(job, now) for job in self._queue if job not in in_call}
         urgent = [job for job, s in slack.items() if s < call_s]
-        return min(urgent, key=slack.__getitem__) if urgent else first
+        if not urgent:
+            return parts, call_s
+        parts = self._select_locked(min(urgent, key=slack.__getitem__), ())
+        return parts, self._parts_seconds(parts)
 
     def _call_backend_locked(self, first: _Job) -> Any:
         return first.backend if first.backend is not None else (self._next_backend or self._backend)
@@ -610,9 +614,10 @@ class Batcher(Generic[B]):
             return 0.0
         return self._timing(parts[0][0].key).seconds(total(w for job, first, end in parts for w in job.work[first:end]))
 
-    def _commit_locked(self, parts: list[tuple[_Job, int, int]]) -> _Call:
+    def _commit_locked(self, parts: list[tuple[_Job, int, int]], seconds: float) -> _Call:
         """Hand the parts to a call: pin their backend (installing a pending one between calls, never inside
-        one), take them out of the queue, and send the rest of a split job to the back."""
+        one), take them out of the queue, and send the rest of a split job to the back; ``seconds``: the call's
+        predicted time."""
         first = parts[0][0]
         if first.backend is None and self._next_backend is not None:  # the swap point
             self._backend, self._next_backend = self._next_backend, None
@@ -632,7 +637,7 @@ class Batcher(Generic[B]):
                 again.append(job)  # the rest of a long job waits behind the others: they run in between
         self._queue = deque(j for j in self._queue if j not in taken) + deque(again)
         return _Call(key=first.key, runner=first.runner, backend=backend, parts=parts, cost=cost,
-                     predicted_s=self._parts_seconds(parts), started=now,
+                     predicted_s=seconds, started=now,
                      steps=max(w.steps for job, start, end in parts for w in job.work[start:end]))
 
     # -- worker thread: running calls ----------------------------------------------------------------
