@@ -165,12 +165,13 @@ def run_async(cfg: Config, train: list[Example], ckpt: Path) -> dict[str, Any]:
     """The real RL job for one epoch; returns its phase timings and what it logged."""
     import ray
 
-    from rlt2t import train as job
+    from rlt2t import driver as job
+    from rlt2t.groups import init_ray
 
     # A reused --workdir: start the run clean, so its metrics.jsonl holds this epoch only.
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     t0 = time.perf_counter()
-    job.init_ray(cfg)
+    init_ray(cfg)
     ray_start = time.perf_counter() - t0
     print(f"Ray started in {ray_start:.1f}s", flush=True)
 

@@ -86,6 +86,9 @@ class Algorithm:
     """The rollouts sample inside a masking policy's top-p set (NLPO)."""
     default_refresh_steps: ClassVar[int] = 1
     """rl.refresh_every_steps when left unset (0: once per epoch)."""
+    shardable: ClassVar[bool] = True
+    """Its learner runs under rl.strategy=fsdp: every pass over the policy goes through the objective's module
+    (the root FSDP unit), ranks take the same passes, and the optimizer alone moves the weights."""
     default_lr: ClassVar[float | None] = None
     """rl.lr when left unset (None: the config's own default, the policy gradients')."""
     default_epochs: ClassVar[int] = 1

@@ -15,15 +15,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from transformers.modeling_outputs import BaseModelOutput
 
 from rlt2t.common.collate import IGNORE_INDEX
-from rlt2t.common.families import with_cache
-from rlt2t.learner.rank_step import (
-    _decoder_special_ids,
-    shared_cross_attention_cache,
-    shift_right,
-)
+from rlt2t.learner.rank_step import _decoder_special_ids, repeated_encoder_states, shift_right
 
 
 class GroupOutput(NamedTuple):
@@ -63,7 +57,7 @@ def _check(input_ids: Tensor, labels: Tensor, k: int) -> int:
 
 
 def group_forward(model: Any, input_ids: Tensor, attention_mask: Tensor, labels: Tensor, k: int,
-                  value_head: ValueHead | None = None) -> GroupOutput:
+                  value_head: ValueHead | None = None, *, share_cross_attention: bool = True) -> GroupOutput:
     """Teacher-forced logits (and values) of K label rows per source with one encoder pass.
 
     input_ids, attention_mask: [B, S]; labels: [K*B, T] rep-major (row j*B + i = sample j of source i),
@@ -73,13 +67,10 @@ def group_forward(model: Any, input_ids: Tensor, attention_mask: Tensor, labels:
     _check(input_ids, labels, k)
     start_id, pad_id = _decoder_special_ids(model)
     hidden = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask)[0]
-    cache = shared_cross_attention_cache(model, hidden, k)
     outputs = model(
-        # With the cache the decoder reads only the shape of these states (its keys/values are cached).
-        encoder_outputs=BaseModelOutput(last_hidden_state=hidden.detach().repeat(k, 1, 1)),
+        **repeated_encoder_states(model, hidden, k, share=share_cross_attention),
         attention_mask=attention_mask.repeat(k, 1),
         decoder_input_ids=shift_right(labels, start_id, pad_id),
-        **with_cache(cache),
         output_hidden_states=value_head is not None,
     )
     values = value_head(outputs.decoder_hidden_states[-1]) if value_head is not None else None
@@ -116,6 +107,9 @@ class GroupPolicy(nn.Module):
         super().__init__()
         self.model = model
         self.value_head = value_head
+        self.share_cross_attention = True
+        """False under the sharded learner (``repeated_encoder_states``)."""
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor, k: int) -> GroupOutput:
-        return group_forward(self.model, input_ids, attention_mask, labels, k, self.value_head)
+        return group_forward(self.model, input_ids, attention_mask, labels, k, self.value_head,
+                             share_cross_attention=self.share_cross_attention)

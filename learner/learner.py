@@ -1,5 +1,6 @@
-"""One rank of the RL learner group: the policy under DDP, stepping on its shard of each batch with the
-algorithm's objective (``rlt2t.learner.objectives``: rank RL or a policy gradient).
+"""One rank of the RL learner group: the policy under DDP (or sharded, rl.strategy=fsdp:
+``rlt2t.learner.sharding``), stepping on its shard of each batch with the algorithm's objective
+(``rlt2t.learner.objectives``: rank RL or a policy gradient).
 
 A plain class: the job wraps it with ``ray.remote`` and places N of them through a placement group;
 ``world_size = 1`` runs the same code without a process group. The ranks rendezvous over TCP on an
@@ -11,6 +12,7 @@ are reduced across ranks here.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import logging
@@ -44,6 +46,7 @@ from rlt2t.common.families import check_mixed_precision
 from rlt2t.common.lora import apply_lora, is_lora, load_weights, policy_weights
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.types import ScoredGroup, ScoredPair
+from rlt2t.learner import sharding
 from rlt2t.learner.evaluate import distinct_outputs, generate, metric_table
 from rlt2t.learner.objectives import (
     MAXED_METRICS,
@@ -120,6 +123,8 @@ class Learner:
                  total_steps: int, seed: int, max_source_len: int, max_target_len: int, threads: int = 0,
                  mixed_precision: str = "no", reference_checkpoint: str | None = None):
         self.cfg, self.rank, self.world_size = rl_cfg, rank, world_size
+        self.sharded = rl_cfg.strategy == "fsdp"
+        self.total_steps = total_steps
         rollout_cfg = rollout_cfg or RolloutConfig()
         self.max_source_len, self.max_target_len = max_source_len, max_target_len
         if threads:
@@ -148,16 +153,31 @@ class Learner:
         self.objective: Objective = build_objective(rl_cfg, rollout_cfg, self.policy, seed=seed,
                                                     reference=reference.model if reference else None)
         self.module: torch.nn.Module = self.objective.module
-        # Only what trains: with LoRA the adapters (the frozen base has no gradient and no optimizer state).
-        self.optimizer = torch.optim.AdamW([p for p in self.module.parameters() if p.requires_grad], lr=rl_cfg.lr,
-                                           weight_decay=rl_cfg.weight_decay)
-        # Not handed to accelerate: its wrapper steps a scheduler once per process, ours counts learner steps.
-        self.scheduler = linear_warmup_decay(self.optimizer, warmup_steps=round(rl_cfg.warmup_ratio * total_steps),
-                                             total_steps=max(1, total_steps), min_lr_ratio=rl_cfg.min_lr_ratio)
+        # Parameters outside the policy (PPO's value head): whole on every rank when the policy is sharded.
+        self._replicated: list[torch.nn.Parameter] = []
+        if self.sharded:
+            if self.objective.frozen_modules():
+                raise ValueError(f"rl.strategy=fsdp: rl.algorithm={rl_cfg.algorithm} holds frozen models in the "
+                                 "learner (a reference or masking policy), which are not sharded; use rl.strategy=ddp")
+            if hasattr(self.module, "share_cross_attention"):  # a layer's weights are whole only in its forward
+                self.module.share_cross_attention = False
+            inside = set(map(id, self.policy.model.parameters()))
+            self._replicated = [p for p in self.module.parameters() if id(p) not in inside]
+        self._build_optimizer()
         self.accelerator: Accelerator | None = None
         # Dropout (rank RL) differs per rank but is reproducible: the RNG is part of every checkpoint.
         torch.manual_seed(seed * 7919 + rank)
         self.steps = 0
+
+    def _build_optimizer(self) -> None:
+        """AdamW on what trains (with LoRA the adapters: the frozen base has no gradient and no optimizer state)
+        and the schedule; built again once the parameters are sharded (they are new tensors then)."""
+        self.optimizer = torch.optim.AdamW([p for p in self.module.parameters() if p.requires_grad], lr=self.cfg.lr,
+                                           weight_decay=self.cfg.weight_decay)
+        # Not handed to accelerate: its wrapper steps a scheduler once per process, ours counts learner steps.
+        self.scheduler = linear_warmup_decay(
+            self.optimizer, warmup_steps=round(self.cfg.warmup_ratio * self.total_steps),
+            total_steps=max(1, self.total_steps), min_lr_ratio=self.cfg.min_lr_ratio)
 
     @property
     def device(self) -> torch.device:
@@ -170,6 +190,8 @@ class Learner:
                 # Each Ray actor sees only its own GPU (CUDA_VISIBLE_DEVICES), so its local rank is 0.
                 os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                                   LOCAL_WORLD_SIZE="1")
+            if self.sharded:
+                return self._prepare_sharded()
             acc = Accelerator(cpu=not self.use_cuda, mixed_precision=self.mixed_precision)
             if self.world_size > 1 and acc.num_processes != self.world_size:
                 raise RuntimeError(f"accelerate sees {acc.num_processes} processes, the learner group has "
@@ -180,6 +202,19 @@ class Learner:
             self.accelerator = acc
         return self.accelerator
 
+    def _prepare_sharded(self) -> Accelerator:
+        """rl.strategy=fsdp: accelerate places nothing (FSDP2 shards, moves and casts); it only names the device."""
+        if not dist.is_initialized():
+            raise RuntimeError("rl.strategy=fsdp: the learner ranks shard over a process group; join() first")
+        acc = Accelerator(cpu=not self.use_cuda, mixed_precision="no")
+        sharding.shard(self.module, self.policy.model, self.cfg.fsdp, device=acc.device,
+                       mixed_precision=self.mixed_precision, replicated=self._replicated)
+        for param in self._replicated:
+            param.data = param.data.to(acc.device)
+        self._build_optimizer()  # over the shards (the steps taken so far: none, _prepare runs before any)
+        self.accelerator = acc
+        return acc
+
     # --- process group ----------------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
         return free_address()
@@ -187,16 +222,17 @@ class Learner:
     def join(self, rendezvous: tuple[str, int]) -> None:
         """Form the DDP world at rank 0's ``rendezvous_address()`` (call on every rank concurrently)."""
         address, port = rendezvous
-        if self.world_size > 1:
+        if self.world_size > 1 or self.sharded:  # FSDP shards over a process group, also of one rank
             # Our own rendezvous (rank 0's node, a free port): accelerate then finds the group initialised.
             backend = "nccl" if self.use_cuda else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
                                     world_size=self.world_size, timeout=datetime.timedelta(minutes=10))
             os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port))  # what accelerate expects to find
         acc = self._prepare()
-        log.info("learner rank %d/%d ready: %s on %s, mixed precision %s", self.rank, self.world_size,
-                 acc.distributed_type.value if acc.distributed_type != DistributedType.NO else "single process",
-                 acc.device, acc.mixed_precision)
+        kind = ("FSDP" if self.sharded else acc.distributed_type.value if acc.distributed_type != DistributedType.NO
+                else "single process")
+        log.info("learner rank %d/%d ready: %s on %s, mixed precision %s", self.rank, self.world_size, kind,
+                 acc.device, self.mixed_precision)
 
     # --- preflight ---------------------------------------------------------------------------------------------
     def largest_batch_shape(self) -> tuple[int, int, int]:
@@ -289,10 +325,18 @@ class Learner:
 
     # --- what an objective's step calls (StepRunner) ------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)  # prepare() wrapped it in DDP and autocast when those are on
+        return self.module(*args, **kwargs)  # prepare() wrapped it in DDP and autocast (or sharded it)
 
     def optimize(self, loss: torch.Tensor) -> float:
         acc = self._prepare()
+        if self.sharded:
+            loss.backward()  # FSDP reduce-scatters the shards' gradients (averaged over the ranks, as DDP)
+            if self.world_size > 1:
+                sharding.average_replicated_grads(self._replicated)
+            grad_norm = sharding.clip_grad_norm(self.module.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm
         acc.backward(loss)  # scales the loss for fp16
         grad_norm = acc.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)  # unscales first
         self.optimizer.step()  # skipped by accelerate's wrapper on an fp16 overflow
@@ -301,6 +345,8 @@ class Learner:
 
     def autocast(self) -> AbstractContextManager:
         """The mixed precision (if any) that ``forward`` runs under, for passes outside the prepared module."""
+        if self.sharded:  # FSDP casts the parameters itself; no pass runs outside the sharded module
+            return contextlib.nullcontext()
         return self._prepare().autocast()
 
     def all_min(self, value: int) -> int:
@@ -329,7 +375,11 @@ class Learner:
 
     # --- state --------------------------------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
-        """What gets published and checkpointed: the policy's CPU state dict (with LoRA: the adapters alone)."""
+        """What gets published and checkpointed: the policy's CPU state dict (with LoRA: the adapters alone).
+        Sharded: gathered from every rank (a collective all ranks call; rank 0 gets them, the others {})."""
+        if self.sharded:
+            self._prepare()
+            return sharding.full_state(self.module, self.policy.model)
         return policy_weights(self.policy.model)
 
     def publish_weights(self) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
@@ -337,8 +387,11 @@ class Learner:
         (``step``: the learner step, hence the policy version, these weights are; ``bytes``) and the weights.
         Ray stores the weights in this node's object store, owned by the caller: the driver waits on the
         summary alone (a failed rank shows there) and hands the weights' reference on without fetching them;
-        the object outlives this process, should it die."""
-        weights = published_weights(self.policy.model)
+        the object outlives this process, should it die. Sharded: every rank calls it (the gather is a
+        collective); the others return no weights."""
+        weights = self.weights() if self.sharded else published_weights(self.policy.model)
+        if self.sharded and self.mixed_precision == "bf16":  # what the sharded learner computes with: half the bytes
+            weights = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}
         return {"step": self.steps, "bytes": sum(t.numel() * t.element_size() for t in weights.values())}, weights
 
     def training_state(self) -> dict[str, Any]:
@@ -346,9 +399,13 @@ class Learner:
         return copy.deepcopy(self._training_state())
 
     def _training_state(self) -> dict[str, Any]:
-        """The state itself, aliasing live tensors: to serialise at once."""
+        """The state itself, aliasing live tensors: to serialise at once. Sharded: this rank's optimizer shards
+        as plain tensors."""
         acc = self._prepare()
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        optimizer = self.optimizer.state_dict()
+        if self.sharded:
+            optimizer = sharding.local_optimizer_state(optimizer)
+        return {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
                 "rng": rng_state(), "steps": self.steps, "objective": self.objective.state_dict(),
                 **scaler_state(acc)}
 
@@ -358,14 +415,17 @@ class Learner:
         anywhere else); returns its path. ``states_and_weights`` are the training states of ranks 1..N-1, then
         the weights of each of ``published_versions`` (top-level arguments: Ray resolves their references here,
         from the object store). The training state is the one a resumed job reads (``load_training_state_from``
-        and the driver): every rank's state, the published weights, the epoch's trained ids."""
+        and the driver): every rank's state, the published weights, the epoch's trained ids. Sharded: the
+        weights are gathered here, a collective the other ranks join by calling :meth:`weights` after handing
+        over their states (``LearnerGroup.write_checkpoint``)."""
         peers = self.world_size - 1
         if len(states_and_weights) != peers + len(published_versions):
             raise ValueError(f"rank 0 of {self.world_size} got {len(states_and_weights)} states and weights for "
                              f"{len(published_versions)} published versions")
         states = [self._training_state(), *states_and_weights[:peers]]
         published = dict(zip(published_versions, states_and_weights[peers:], strict=True))
-        path = save_checkpoint(root, name, model=self.policy.model, tokenizer=self.policy.tokenizer, step=step,
+        model = self._consolidated(self.weights()) if self.sharded else self.policy.model
+        path = save_checkpoint(root, name, model=model, tokenizer=self.policy.tokenizer, step=step,
                                meta=meta, training_state={"learners": states, "published": published,
                                                           "trained_in_epoch": list(trained_in_epoch)})
         return str(path)
@@ -376,12 +436,19 @@ class Learner:
         ``root`` (the newest two kept). This rank's own model when it is at that version; otherwise (a version a
         resumed job restored) a copy of it loaded with ``weights()``, which fetches them only then."""
         model = self.policy.model
-        if version != self.steps:
+        if self.sharded:  # the peers join the gather (LearnerGroup.write_published), whichever version this is
+            gathered = self.weights()
+            model = self._consolidated(gathered if version == self.steps else weights())
+        elif version != self.steps:
             model = copy.deepcopy(model)
             load_weights(model, weights())
         save_checkpoint(root, checkpoint_name(step=version), model=model, tokenizer=self.policy.tokenizer,
                         step=version, meta=dict(meta))
         prune_checkpoints(root, keep_last=2)
+
+    def _consolidated(self, state: dict[str, torch.Tensor]) -> Any:
+        """What ``save_checkpoint`` saves for a sharded policy: its class and config with the whole ``state``."""
+        return _Consolidated(self.policy.model, state)
 
     def load_training_state_from(self, checkpoint: str) -> None:
         """This rank's state out of a checkpoint's training state, read here (memory-mapped: the other ranks'
@@ -395,6 +462,8 @@ class Learner:
     def load_training_state(self, state: dict[str, Any]) -> None:
         acc = self._prepare()
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:
+            sharding.reshard_optimizer_state(self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         load_scaler_state(acc, state)
         set_rng_state(state["rng"])
@@ -406,8 +475,13 @@ class Learner:
     def evaluate(self, examples: Sequence[Example], metric: MetricConfig, max_new_tokens: int) -> dict[str, float]:
         """Greedy-decode this rank's shard of ``examples``; the metric is computed on all ranks' outputs."""
         shard = list(range(self.rank, len(examples), self.world_size))
-        hyps = generate(self.policy, [examples[i].source for i in shard], max_new_tokens=max_new_tokens,
-                        max_source_len=self.max_source_len)
+        whole = (sharding.gathered(self.module, self.cfg.fsdp.reshard_after_forward) if self.sharded
+                 else contextlib.nullcontext())  # generate's passes differ between ranks: no collective inside
+        if self.sharded:
+            self._prepare()
+        with whole:
+            hyps = generate(self.policy, [examples[i].source for i in shard], max_new_tokens=max_new_tokens,
+                            max_source_len=self.max_source_len)
         pieces: list[Any] = [list(zip(shard, hyps, strict=True))]
         if self.world_size > 1:
             pieces = [None] * self.world_size
@@ -425,3 +499,14 @@ class Learner:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
+
+
+class _Consolidated:
+    """A sharded policy as ``save_checkpoint`` saves it: the model's class and config, the whole weights
+    gathered from the ranks (a Hugging Face directory that export, evaluation and serving load as any other)."""
+
+    def __init__(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        self.model, self.state = model, state
+
+    def save_pretrained(self, path: Any) -> None:
+        self.model.save_pretrained(path, state_dict=self.state)  # type: ignore[operator]

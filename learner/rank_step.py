@@ -144,6 +144,21 @@ def shared_cross_attention_cache(model: Any, hidden: Tensor, repeats: int) -> En
     return cache
 
 
+def repeated_encoder_states(model: Any, hidden: Tensor, repeats: int, *, share: bool = True) -> dict[str, Any]:
+    """The decoder call's encoder inputs for ``repeats``·B label rows over B sources' states ``hidden``.
+
+    ``share``: each layer's cross-attention keys and values projected once per source and tiled
+    (:func:`shared_cross_attention_cache`; the decoder then reads only the repeated states' shape). Without it
+    the states themselves are repeated and every layer projects them ``repeats`` times in its own forward: the
+    sharded learner's way (rl.strategy=fsdp), where a layer's weights exist whole only inside its forward.
+    """
+    if not share:  # and no cache at all: a layer's forward then depends on its inputs alone (recomputable)
+        return {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden.repeat(repeats, 1, 1)), "use_cache": False}
+    cache = shared_cross_attention_cache(model, hidden, repeats)
+    return {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden.detach().repeat(repeats, 1, 1)),
+            **with_cache(cache)}
+
+
 def shared_encoder_rank_loss(
     model: Any,
     batch: RankBatch,
@@ -151,6 +166,7 @@ def shared_encoder_rank_loss(
     score_kind: ScoreKind = "logprobs",
     loss_weight: float = 0.2,
     alpha: float = 0.95,
+    share_cross_attention: bool = True,
 ) -> RankLossOutput:
     """CE(gold) + loss_weight * rank_loss with one encoder pass and one batched decoder pass.
 
@@ -176,13 +192,10 @@ def shared_encoder_rank_loss(
             pad_labels(batch.labels_b, common),
         ]
     )
-    cache = shared_cross_attention_cache(model, hidden, 3)
     outputs = model(
-        # With the cache the decoder reads only the shape of these states (its keys/values are cached).
-        encoder_outputs=BaseModelOutput(last_hidden_state=hidden.detach().repeat(3, 1, 1)),
+        **repeated_encoder_states(model, hidden, 3, share=share_cross_attention),
         attention_mask=batch.attention_mask.repeat(3, 1),
         decoder_input_ids=shift_right(labels, start_id, pad_id),
-        **with_cache(cache),
     )
     logits_gold, logits_a, logits_b = outputs.logits.split(size)  # each [B, L, V]
     labels_gold = labels[:size]
@@ -252,9 +265,12 @@ class SharedEncoderRankLoss(nn.Module):
         self.score_kind: ScoreKind = score_kind
         self.loss_weight = loss_weight
         self.alpha = alpha
+        self.share_cross_attention = True
+        """False under the sharded learner (`repeated_encoder_states`)."""
 
     def forward(self, batch: RankBatch) -> RankLossOutput:
         """One rank-RL step on `batch`; see `shared_encoder_rank_loss`."""
         return shared_encoder_rank_loss(
-            self.model, batch, score_kind=self.score_kind, loss_weight=self.loss_weight, alpha=self.alpha
+            self.model, batch, score_kind=self.score_kind, loss_weight=self.loss_weight, alpha=self.alpha,
+            share_cross_attention=self.share_cross_attention,
         )

@@ -152,10 +152,11 @@ def _unschedulable(what: str, timeout_s: float) -> str:
 # --- the learner group ------------------------------------------------------------------------------------
 
 class LearnerGroup:
-    """N Learner actors in one placement group, forming one DDP world."""
+    """N Learner actors in one placement group, forming one DDP world (or one FSDP world: rl.strategy=fsdp)."""
 
     def __init__(self, cfg: Config, init_checkpoint: Path, total_steps: int, *, reference_checkpoint: Path):
         r = cfg.rl
+        self.sharded = r.strategy == "fsdp"  # gathers of the weights are collectives every rank joins
         bundles = [{"CPU": r.learner_cpus, **({"GPU": r.learner_gpus} if r.learner_gpus else {}),
                     **r.learner_resources} for _ in range(r.learners)]
         self.pg = placement_group(bundles, strategy="PACK")
@@ -290,10 +291,18 @@ class LearnerGroup:
     def result(self, refs: list[ray.ObjectRef]) -> dict[str, float]:
         return self._get(refs)[0]  # scalars are already averaged over ranks
 
+    def _gather_peers(self, method: str = "weights") -> list[ray.ObjectRef]:
+        """Sharded learners (rl.strategy=fsdp): the other ranks' part of a gather of the weights that rank 0
+        runs in the call submitted beside this one (each rank runs its calls in order)."""
+        if not self.sharded:
+            return []
+        return [getattr(r, method).remote() for r in self.ranks[1:]]
+
     def weights(self) -> dict[str, torch.Tensor]:
         """Rank 0's weights, fetched here (tests; the job publishes them with :meth:`publish`)."""
         self._settle()
-        return self._get(self.ranks[0].weights.remote())
+        joins = self._gather_peers()
+        return self._get([self.ranks[0].weights.remote(), *joins])[0]
 
     def publish(self) -> tuple[ray.ObjectRef, int]:
         """Rank 0's current weights in the object store, and the learner step they are: rank 0 stores them as
@@ -301,7 +310,8 @@ class LearnerGroup:
         call's small summary is fetched here, never the weights."""
         self._settle()
         summary, weights = self.ranks[0].publish_weights.options(num_returns=2).remote()
-        return weights, self._get(summary)["step"]
+        joins = [r.publish_weights.options(num_returns=2).remote()[0] for r in self.ranks[1:]] if self.sharded else []
+        return weights, self._get([summary, *joins])[0]["step"]
 
     def write_checkpoint(self, root: Path, name: str, *, step: int, meta: dict[str, Any],
                          published: Mapping[int, ray.ObjectRef], trained_in_epoch: Sequence[str]) -> Path:
@@ -309,15 +319,18 @@ class LearnerGroup:
         ranks' training states and the ``published`` weights reach it by reference, not through this process."""
         self._settle()
         peers = [r.training_state.remote() for r in self.ranks[1:]]
+        joins = self._gather_peers()  # after their states, which rank 0's call waits for
         versions = sorted(published)
-        return Path(self._get(self.ranks[0].write_checkpoint.remote(
-            str(root), name, step, meta, list(trained_in_epoch), versions, *peers, *(published[v] for v in versions))))
+        path = self.ranks[0].write_checkpoint.remote(
+            str(root), name, step, meta, list(trained_in_epoch), versions, *peers, *(published[v] for v in versions))
+        return Path(self._get([path, *joins])[0])
 
     def write_published(self, root: Path, version: int, weights: ray.ObjectRef, meta: dict[str, Any]) -> None:
         """Policy servers: rank 0 writes ``version`` under ``root`` (``Learner.write_published``; ``weights`` are
         fetched there only when rank 0 is at another version)."""
         self._settle()
-        self._get(self.ranks[0].write_published.remote(str(root), version, meta, FetchObject(weights)))
+        joins = self._gather_peers()
+        self._get([self.ranks[0].write_published.remote(str(root), version, meta, FetchObject(weights)), *joins])
 
     def training_states(self) -> list[dict[str, Any]]:
         self._settle()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import socket
 import threading
 import time
@@ -302,3 +303,39 @@ def family_dirs(tmp_path_factory) -> dict[str, Path]:
 def bart_family_dir(tmp_path_factory) -> Path:
     """The tiny BART of :func:`family_dirs` alone, for tests that need one pretrained-like directory."""
     return build_family_dir("bart", tmp_path_factory.mktemp("bart-family") / "bart", family_texts())
+
+
+def _run_ranks(fn, args: tuple, nprocs: int = 2, deadline_s: float = 90.0) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` spawned processes (a gloo world the function forms itself), waited for.
+    A rank still running at the deadline has its Python stacks dumped into the test's captured stderr
+    (faulthandler on SIGABRT) and all are killed, so a hang fails here, it does not outlive the session (pytest
+    waits on live non-daemon children at exit); a rank that raises fails the test with its traceback."""
+    import torch.multiprocessing as mp
+
+    os.environ["PYTHONFAULTHANDLER"] = "1"
+    try:
+        context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    finally:
+        del os.environ["PYTHONFAULTHANDLER"]
+    try:
+        stop = time.monotonic() + deadline_s
+        while not context.join(timeout=1.0):
+            if time.monotonic() > stop:
+                for process in context.processes:  # one at a time, so that the dumps do not interleave
+                    if process.is_alive():
+                        os.kill(process.pid, signal.SIGABRT)
+                        process.join(5)
+                pytest.fail(f"the {nprocs} gloo ranks did not finish in {deadline_s:.0f} s; their stacks are in "
+                            "the captured stderr")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+
+
+@pytest.fixture
+def run_ranks():
+    """``run_ranks(fn, args, nprocs=2, deadline_s=90)``: ``fn(rank, *args)`` on that many spawned processes
+    (``fn`` at module level, forming its own process group), waited for with a deadline."""
+    return _run_ranks

@@ -60,6 +60,7 @@ from rlt2t.common.config.reward import (  # noqa: F401
 )
 from rlt2t.common.config.rl import (  # noqa: F401
     RANK_LOSS_KEYS,
+    FSDPConfig,
     KLConfig,
     PolicyGradientConfig,
     RankLossConfig,
@@ -87,6 +88,7 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "ExportConfig",
+    "FSDPConfig",
     "FeedbackConfig",
     "HttpTerm",
     "KLConfig",

@@ -97,6 +97,22 @@ class PolicyGradientConfig(_Section):
     refresh lets it in (one synthetic-benchmark seed in three collapsed that way). 0 turns it off."""
 
 
+class FSDPConfig(_Section):
+    """The sharded learner (rl.strategy=fsdp): PyTorch's FSDP2 (``fully_shard``) over the learner ranks, one
+    unit per encoder and decoder layer plus the rest of the model (docs/guides/cluster.md, "Models that do not
+    fit one GPU")."""
+
+    reshard_after_forward: bool = True
+    """Free each layer's gathered weights after its forward and gather them again for the backward (ZeRO-3's
+    memory); false keeps them from forward to backward (ZeRO-2's: less communication, more memory)."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward instead of keeping them (less memory, about a third
+    more compute)."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer state in CPU memory, moved to the GPU per layer
+    (CUDA only: ignored, with a warning, by a learner on the CPU)."""
+
+
 class RLConfig(StageConfig):
     """The RL job on Ray: rollout and reward actors feeding a DDP learner group (`rlt2t train`)."""
 
@@ -124,6 +140,13 @@ class RLConfig(StageConfig):
     for real runs (the job logs how many sources it uses)."""
     learners: int = Field(1, ge=1)
     """Learner ranks forming one DDP world (gloo on CPU, nccl on GPU)."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How the learner ranks hold the policy: `ddp`, every rank a whole copy of the weights, gradients and
+    AdamW's moments (about 16 bytes a parameter in fp32); `fsdp`, each rank 1/rl.learners of them (FSDP2),
+    gathered layer by layer for the forward and backward, for models that do not fit one GPU (rl.fsdp.*).
+    Under `fsdp` with run.mixed_precision=bf16 the parameters compute in bf16 and the gradients reduce in fp32.
+    Checkpoints hold the whole model either way (a Hugging Face directory) and each rank's optimizer shard."""
+    fsdp: FSDPConfig = FSDPConfig()
     rollout_workers: int = Field(1, ge=1)
     """Rollout actors sampling candidates."""
     reward_workers: int = Field(1, ge=1)

@@ -131,6 +131,8 @@ class Config(_Section):
         if self.rollout.backend == "ct2" and self.rollout.top_p < 1.0:
             raise ValueError("rollout.top_p: the ct2 rollout backend has no nucleus sampling (leave it at 1)")
         _check_precision(self.model, self.run.mixed_precision)
+        if self.rl.strategy == "fsdp":
+            _check_sharded(self)
         if self.rollout.source == "http" and not self.rollout.urls:
             raise ValueError("rollout.source=http needs rollout.urls (policy server base URLs)")
         if self.reward.source == "http" and not self.reward.url:
@@ -160,6 +162,22 @@ class Config(_Section):
     @property
     def tokenizer_dir(self) -> Path:
         return self.path(self.tokenizer.path) if self.tokenizer.path else self.run_dir / "tokenizer"
+
+
+def _check_sharded(cfg: Config) -> None:
+    """What rl.strategy=fsdp does not cover yet, refused before anything runs (each with the key to change)."""
+    why = None
+    if not cfg.rl.unit.shardable:
+        why = f"rl.algorithm={cfg.rl.algorithm} has no sharded learner (its unit is not shardable)"
+    elif cfg.model.lora.enabled:
+        why = "model.lora.enabled: LoRA's adapters are small enough for rl.strategy=ddp"
+    elif cfg.run.mixed_precision == "fp16":
+        why = "run.mixed_precision=fp16 needs a sharded loss scaler; use bf16"
+    elif cfg.rl.uses_kl and cfg.rollout.source == "http":
+        why = ("rollout.source=http with a KL (rl.kl.coef > 0): the learner would hold the reference; the rollout "
+               "workers score it under rollout.source=ray")
+    if why:
+        raise ValueError(f"rl.strategy=fsdp: {why}. Use rl.strategy=ddp for this run.")
 
 
 def _check_precision(model: ModelConfig, mixed_precision: str) -> None:

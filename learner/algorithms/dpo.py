@@ -71,6 +71,7 @@ class DPO(Algorithm):
     settings = DPOSettings
     uses_reference = False  # the KL of rl.kl.* does not apply: the reference enters through the loss itself
     learner_reference = True
+    shardable = False  # the learner's reference passes bypass the policy's module
     default_refresh_steps = 0
     default_lr = 2e-5  # at the policy gradients' 2e-4 it drifted 6-31 nats from the start (bench/findings/dpo_synth.md)
 

@@ -19,6 +19,7 @@ class NLPO(ActorCritic):
 
     name = "nlpo"
     masked = True
+    shardable = False  # the masking policy loads each group's weights on the rank that holds the group
 
     def mask_refresh_steps(self, rl: RLConfig) -> int:
         return rl.pg.nlpo_mask_refresh_steps

@@ -65,6 +65,7 @@ class TRPO(ActorCritic):
     step; under LoRA only the adapters move. Not with rl.pg.sft_coef, rl.pg.entropy_coef or fp16."""
 
     name = "trpo"
+    shardable = False  # it moves the weights itself (line search over flat parameter vectors)
     settings = TRPOSettings
     clipped = False
 

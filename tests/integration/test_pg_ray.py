@@ -1,5 +1,6 @@
 """The policy-gradient algorithms on a real (embedded) Ray, one of each family (RLOO: group advantages; PPO:
-value head, GAE, adaptive KL): bitwise resume after a real kill (value head and KL controller included), a
+value head, GAE, adaptive KL; GRPO on sharded learners): bitwise resume after a real kill (value head, KL
+controller and optimizer shards included), a
 killed rollout worker re-dispatched with nothing lost, and DDP ranks that stay identical."""
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ SETTINGS = ["rl.epochs=2", "rl.train_subset=48", "rl.batch_size=8", "rl.chunk_si
 LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0"]
 # The resumable variants: one group algorithm on full weights, and PPO (value head, KL controller) on LoRA
 # adapters (full-weight resume of the same loop: rloo here, rank RL in test_rl_ray.py).
-VARIANTS = {"rloo": ("rloo", []), "ppo-lora": ("ppo", LORA)}
+# And GRPO on two sharded learner ranks (rl.strategy=fsdp): checkpoints of gathered weights and per-rank optimizer
+# shards, resumed by ranks that each read their own.
+VARIANTS = {"rloo": ("rloo", []), "ppo-lora": ("ppo", LORA),
+            "grpo-fsdp": ("grpo", ["rl.strategy=fsdp", "rl.learners=2"])}
 
 
 def _config(run: Path, algorithm: str, *extra: str):

@@ -9,15 +9,12 @@ import contextlib
 import datetime
 import json
 import os
-import signal
-import time
 import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from rlt2t.common.collate import IGNORE_INDEX
@@ -162,45 +159,18 @@ def _rank(rank: int, rendezvous: str, results: str) -> None:
     os._exit(0)
 
 
-def _run_two_ranks(tmp_path: Path, deadline_s: float = 90.0) -> dict[int, dict]:
-    """Both ranks' gradients. A rank still running at the deadline has its Python stacks dumped into the test's
-    captured stderr (faulthandler on SIGABRT) and both are killed, so a hang fails here, it does not outlive the
-    session (pytest waits on live non-daemon children at exit)."""
-    os.environ["PYTHONFAULTHANDLER"] = "1"
-    try:
-        context = mp.start_processes(_rank, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
-                                     join=False, start_method="spawn")
-    finally:
-        del os.environ["PYTHONFAULTHANDLER"]
-    try:
-        stop = time.monotonic() + deadline_s
-        while not context.join(timeout=1.0):
-            if time.monotonic() > stop:
-                for process in context.processes:  # one at a time, so that the two dumps do not interleave
-                    if process.is_alive():
-                        os.kill(process.pid, signal.SIGABRT)
-                        process.join(5)
-                pytest.fail(f"the two gloo ranks did not finish in {deadline_s:.0f} s; their stacks are in the "
-                            "captured stderr")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(5)
-    return {rank: json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)}
-
-
 def test_one_rank_is_unscaled():
     assert rank_token_share(_Ranks(), MASK) == 1.0
     assert rank_token_share(_Ranks(), torch.zeros(2, 3, dtype=torch.bool)) == 1.0
 
 
 @pytest.mark.timeout(120)
-def test_two_ddp_ranks_step_as_one_learner_on_the_whole_batch(tmp_path):
+def test_two_ddp_ranks_step_as_one_learner_on_the_whole_batch(tmp_path, run_ranks):
     single = _model()
     _loss(single(torch.ones(1, 1)).expand(4, 10), [0, 1, 2, 3]).backward()
     expected = single.weight.grad.flatten().tolist()
-    grads = _run_two_ranks(tmp_path)
+    run_ranks(_rank, (str(tmp_path / "rendezvous"), str(tmp_path)))
+    grads = {rank: json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)}
     # Unscaled, the mean of the ranks' token means weighted the 4 short tokens like the 20 long ones: -0.225
     # where the whole batch's token mean gives -0.125.
     assert grads[0]["pg"] == grads[1]["pg"]

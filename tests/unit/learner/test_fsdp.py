@@ -1,0 +1,224 @@
+"""The sharded learner (rl.strategy=fsdp) on two gloo ranks on the CPU: it takes the steps DDP takes (loss and
+weights within 1e-5 over three steps, tiny BART and T5, GRPO and PPO), holds about half the bytes per rank, and a
+checkpoint written mid-run (a Hugging Face directory plus each rank's optimizer shard) resumes to the weights of
+the uninterrupted run."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlt2t.actors.reward import RewardWorker
+from rlt2t.actors.rollout import RolloutWorker
+from rlt2t.common.algorithms import rollout_spec_for
+from rlt2t.common.checkpoint import checkpoint_name, read_checkpoint
+from rlt2t.common.config import Config, MetricConfig, ModelConfig, RewardConfig, RLConfig, RolloutConfig
+from rlt2t.common.data import Example
+from rlt2t.common.family_table import PRESET_FAMILIES, PRESETS
+from rlt2t.common.metrics import DocumentFrequency
+from rlt2t.common.policy import load_policy
+from rlt2t.learner.learner import Learner
+from rlt2t.learner.sharding import layer_units, rank_bytes
+
+ROLLOUT = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
+EXAMPLES = [Example(id=f"ex{i}", source=" ".join(str(10 + (i * 7 + j) % 50) for j in range(3 + i % 4)),
+                    target=" ".join(str(10 + (i * 3 + j) % 50) for j in range(2 + i % 3))) for i in range(24)]
+STEPS = 3
+
+
+def _model(family: str) -> ModelConfig:
+    return ModelConfig(preset="tiny", family=family, dropout=0.0)
+
+
+def _rl(family: str, algorithm: str, strategy: str) -> RLConfig:
+    # T5 also under the memory options (recomputed activations and gathered weights kept for the backward),
+    # which change where the work happens, not the result.
+    fsdp = {"activation_checkpointing": True, "reshard_after_forward": False} if family == "t5" else {}
+    # lr 1e-3: at 3e-3 the wide tiny T5's third step is already unstable (gradient norm 160, clipped to 0.5) and
+    # the reductions' round-off between the strategies grows to 2e-5 in its loss.
+    return RLConfig(algorithm=algorithm, strategy=strategy, batch_size=8, learners=2, lr=1e-3,
+                    kl={"coef": 0.1}, pg={"target_kl": 0.0}, fsdp=fsdp)
+
+
+@pytest.fixture(scope="module")
+def family_dir(request, ids_tokenizer_dir, tmp_path_factory) -> tuple[str, Path]:
+    """A tiny policy of the family with wide weights (its samples vary), saved as a checkpoint."""
+    family = request.param
+    policy = load_policy(_model(family), ids_tokenizer_dir, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in policy.model.parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 2.0 / param.shape[-1] ** 0.5)
+    out = tmp_path_factory.mktemp(f"init-{family}")
+    policy.model.save_pretrained(out)
+    policy.tokenizer.save_pretrained(out)
+    return family, out
+
+
+def _batches(family: str, init_dir: Path, algorithm: str, path: Path) -> None:
+    """STEPS global batches of scored groups (8 sources each), sampled once from the start policy and saved for
+    the ranks: both strategies train on the same items."""
+    spec = rollout_spec_for(algorithm, kl=algorithm != "rank")
+    weights = load_policy(_model(family), checkpoint=init_dir).model.state_dict()
+    worker = RolloutWorker(_model(family), str(init_dir), ROLLOUT, seed=3, max_source_len=16, spec=spec,
+                           start_weights=weights)
+    worker.set_weights(0, weights)
+    reward = RewardWorker(RewardConfig(), DocumentFrequency.from_references([[e.target] for e in EXAMPLES]))
+    torch.save([reward.score(worker.sample(EXAMPLES[i * 8:(i + 1) * 8])) for i in range(STEPS)], path)
+
+
+def _learner(family: str, init: str, algorithm: str, strategy: str, rank: int) -> Learner:
+    learner = Learner(_model(family), None, _rl(family, algorithm, strategy), ROLLOUT, init_checkpoint=init,
+                      rank=rank, world_size=2, total_steps=10, seed=0, max_source_len=16, max_target_len=16)
+    # DDP through the sharded learner's passes (encoder states repeated, not a shared cross-attention cache,
+    # which test_group_step.py compares with the repeated passes), so that the two differ in the sharding alone
+    # (the two passes differ in round-off, which three policy-gradient steps grew to 2e-4 in the wide tiny T5's
+    # loss).
+    learner.module.share_cross_attention = False
+    return learner
+
+
+def _rank(rank: int, rendezvous: str, out: str, family: str, init_dir: str, algorithm: str, strategy: str,
+          resume_at: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # what Learner.join leaves for accelerate
+    out_dir = Path(out)
+    batches = torch.load(out_dir / "batches.pt", weights_only=False)
+    learners = {"run": _learner(family, init_dir, algorithm, strategy, rank)}
+    results: dict = {"run": {"loss": [], "grad_norm": []}}
+    # How often the first layer runs: twice per pass when its activations are recomputed for the backward.
+    # (Counted in its forward itself: the recomputation calls it without the module's hooks.)
+    calls = [0]
+    layer = layer_units(learners["run"].policy.model)[0]
+    forward = layer.forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return forward(*args, **kwargs)
+
+    layer.forward = counted
+    # An evaluation first: 5 sources, so the ranks decode 3 and 2 (different passes, no collective inside),
+    # and training after it must still match DDP's.
+    results["run"]["eval"] = learners["run"].evaluate(EXAMPLES[:5], MetricConfig(), max_new_tokens=8)
+    for step, batch in enumerate(batches):
+        if step == resume_at:
+            # As LearnerGroup.write_checkpoint: rank 1 hands its state to rank 0, then joins rank 0's gather
+            # of the weights. A second learner on each rank starts from that checkpoint, its own state read
+            # back, and trains beside the uninterrupted one from there.
+            states: list = [None, None]
+            dist.all_gather_object(states, learners["run"].training_state() if rank == 1 else None)
+            root = out_dir / "checkpoints"
+            if rank == 0:
+                learners["run"].write_checkpoint(str(root), checkpoint_name(step=step), step, {}, [], [], states[1])
+            else:
+                learners["run"].weights()
+            dist.barrier()
+            path = root / checkpoint_name(step=step)
+            learners["resumed"] = _learner(family, str(path), algorithm, strategy, rank)
+            learners["resumed"].load_training_state_from(str(path))
+            results["resumed"] = {"loss": [], "grad_norm": []}
+        for name, learner in learners.items():
+            metrics = learner.train_step(list(batch[rank::2]))
+            results[name]["loss"].append(metrics["loss"])
+            results[name]["grad_norm"].append(metrics.get("grad_norm", 0.0))
+    results["run"]["layer_calls"] = calls[0]
+    for name, learner in learners.items():
+        results[name]["bytes"] = rank_bytes(learner.module, learner.optimizer)
+        weights = learner.weights() if strategy == "fsdp" or rank == 0 else {}
+        if rank == 0:
+            torch.save(weights, out_dir / f"weights-{name}.pt")
+    (out_dir / f"{rank}.json").write_text(json.dumps(results))
+    # No teardown: freeing a DDP module under torch 2.13's gloo can deadlock (test_pg_rank_share.py's _rank).
+    os._exit(0)
+
+
+def _train(run_ranks, tmp: Path, family: str, init_dir: Path, algorithm: str, strategy: str,
+           resume_at: int = -1) -> dict:
+    """Each run's (``run``; with ``resume_at``, also ``resumed``) per-rank results and gathered weights."""
+    tmp.mkdir(parents=True)
+    (tmp / "batches.pt").write_bytes((tmp.parent / "batches.pt").read_bytes())
+    run_ranks(_rank, (str(tmp / "rendezvous"), str(tmp), family, str(init_dir), algorithm, strategy, resume_at),
+              deadline_s=240)
+    ranks = [json.loads((tmp / f"{r}.json").read_text()) for r in (0, 1)]
+    return {name: {"ranks": [ranks[r][name] for r in (0, 1)], "weights": torch.load(tmp / f"weights-{name}.pt")}
+            for name in ranks[0]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family_dir, algorithm", [("bart", "grpo"), ("bart", "ppo"), ("bart", "rank"), ("t5", "grpo")],
+                         indirect=["family_dir"])  # PPO's value head and rank RL's loss are family-independent
+def test_fsdp_steps_as_ddp_with_half_the_bytes_per_rank_and_resumes_exactly(family_dir, algorithm, tmp_path,
+                                                                            run_ranks):
+    family, init_dir = family_dir
+    _batches(family, init_dir, algorithm, tmp_path / "batches.pt")
+    ddp = _train(run_ranks, tmp_path / "ddp", family, init_dir, algorithm, "ddp")["run"]
+    runs = _train(run_ranks, tmp_path / "fsdp", family, init_dir, algorithm, "fsdp", resume_at=2)
+    fsdp, resumed = runs["run"], runs["resumed"]
+    assert fsdp["ranks"][0]["eval"] == ddp["ranks"][0]["eval"]  # the same greedy decodes, the same table
+    # T5's run recomputes its layers' activations (rl.fsdp.activation_checkpointing): one more forward of a layer
+    # per training pass; the evaluation's decoding steps are no-grad and run once either way.
+    recomputed = fsdp["ranks"][0]["layer_calls"] - ddp["ranks"][0]["layer_calls"]
+    assert recomputed > 0 if family == "t5" else recomputed == 0
+    # The same losses on each rank's shard, step by step, and the same global gradient norm.
+    for rank in (0, 1):
+        assert fsdp["ranks"][rank]["loss"] == pytest.approx(ddp["ranks"][rank]["loss"], abs=1e-5)
+        assert fsdp["ranks"][rank]["grad_norm"] == pytest.approx(ddp["ranks"][rank]["grad_norm"], rel=1e-4)
+    # The whole weights gathered from the shards: DDP's keys (tied names included), values within 1e-5.
+    assert set(fsdp["weights"]) == set(ddp["weights"])
+    start = load_policy(_model(family), checkpoint=init_dir).model.state_dict()
+    moved = max(float((ddp["weights"][k] - start[k]).abs().max()) for k in start)
+    assert moved > 1e-3  # three steps changed the weights, so equality below is not equality of the starts
+    # Except the attention keys' biases (BART's k_proj.bias): a bias added to every key shifts all of a query's
+    # logits alike, which the softmax ignores, so their gradient is zero in exact arithmetic and round-off in
+    # floats, which AdamW's normalisation turns into steps of the learning rate's size, different for any two
+    # orders of summation (two DDP bucket layouts as much as DDP and FSDP).
+    exact = [k for k in ddp["weights"] if not k.endswith("k_proj.bias")]
+    worst = max(float((fsdp["weights"][k] - ddp["weights"][k]).abs().max()) for k in exact)
+    assert worst < 1e-5
+    # Parameters plus AdamW's moments per rank: about half of DDP's whole copy (the value head stays whole).
+    for rank in (0, 1):
+        share = fsdp["ranks"][rank]["bytes"] / ddp["ranks"][rank]["bytes"]
+        assert 0.45 < share < 0.6, share
+    # Checkpointed after two steps, new learners from that checkpoint take the third step as the run did.
+    for rank in (0, 1):
+        assert resumed["ranks"][rank]["loss"] == fsdp["ranks"][rank]["loss"][2:]
+    assert all(torch.equal(resumed["weights"][k], fsdp["weights"][k]) for k in fsdp["weights"])
+    checkpoint = read_checkpoint(tmp_path / "fsdp" / "checkpoints" / checkpoint_name(step=2))
+    assert checkpoint is not None  # complete: a Hugging Face directory any loader reads
+    assert load_policy(_model(family), checkpoint=checkpoint.path).model.config.model_type == family
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rl": {"algorithm": "trpo"}}, "rl.algorithm=trpo has no sharded learner"),
+    ({"model": {"lora": {"enabled": True}}}, "model.lora.enabled"),
+    ({"run": {"mixed_precision": "fp16", "device": "cuda"}}, "run.mixed_precision=fp16"),
+    ({"rollout": {"source": "http", "urls": ["http://127.0.0.1:1"]}}, "rollout.source=http with a KL"),
+])
+def test_what_fsdp_does_not_cover_is_refused_at_config_time_naming_the_key(change, message):
+    base = {"rl": {"strategy": "fsdp", "learners": 2}}
+    for section, values in change.items():
+        base.setdefault(section, {}).update(values)
+    with pytest.raises(ValueError, match="rl.strategy=fsdp: .*" + message.replace(".", r"\.")):
+        Config.model_validate(base)
+    Config.model_validate({**base, "rl": {**base["rl"], "strategy": "ddp"}})  # the same run under DDP is fine
+
+
+@pytest.mark.parametrize("family", PRESET_FAMILIES)
+def test_every_family_shards_by_its_encoder_and_decoder_layers(family, ids_tokenizer_dir):
+    """One FSDP unit per layer, whatever the family calls its stacks (Pegasus and Marian declare no
+    _no_split_modules; mBART also names its attention there)."""
+    model = load_policy(ModelConfig(preset="small", family=family), ids_tokenizer_dir, seed=0).model
+    units = layer_units(model)
+    assert len(units) == 2 * PRESETS["small"]["layers"]
+    assert all(type(u).__name__.endswith(("EncoderLayer", "DecoderLayer", "Block")) for u in units)
+    assert len({id(p) for u in units for p in u.parameters()}) == sum(len(list(u.parameters())) for u in units)
