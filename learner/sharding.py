@@ -122,7 +122,10 @@ def full_state(module: nn.Module, inner: nn.Module) -> dict[str, Tensor]:
     collective every rank calls; rank 0 gets the tensors, the others an empty dict."""
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     prefix = prefix_of(module, inner)
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix) and isinstance(v, Tensor)}
+    # One rank on the CPU: the "gathered" tensors are the live parameters themselves; a snapshot must not move.
+    alias = dist.get_world_size() == 1
+    return {k[len(prefix):]: v.detach().clone() if alias else v for k, v in state.items()
+            if k.startswith(prefix) and isinstance(v, Tensor)}
 
 
 def _local(value: Any) -> Any:

@@ -1,7 +1,8 @@
 """GPU smoke test (`make gpu-smoke`): the learner's CUDA path through accelerate, bf16 and fp16.
 
 Skipped without CUDA (so `make test` on a CPU machine passes); `make gpu-smoke` refuses to run there.
-With two or more GPUs it also forms a two-rank nccl DDP world through Ray, as training does.
+The sharded learner (rl.strategy=fsdp) on one GPU. With two or more GPUs it also forms two-rank nccl DDP and
+FSDP worlds through Ray, as training does.
 """
 
 from __future__ import annotations
@@ -148,3 +149,68 @@ def test_two_rank_nccl_ddp_keeps_ranks_identical(init_dir):
         assert all(torch.equal(w0[k], w1[k]) for k in w0)
     finally:
         ray.shutdown()
+
+
+def test_sharded_learner_steps_on_one_gpu_in_bf16(init_dir):
+    """rl.strategy=fsdp on one GPU (a one-rank nccl group): bf16 parameters with fp32 reductions, activation
+    checkpointing, the preflight, three steps, an evaluation on the gathered weights, bf16 publishing."""
+    from accelerate.state import AcceleratorState
+
+    from rlt2t.common.config import MetricConfig
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    learner = Learner(ModelConfig(dropout=0.0), None,
+                      RLConfig(algorithm="rank", lr=1e-3, warmup_ratio=0.0, learner_gpus=1, strategy="fsdp",
+                               fsdp={"activation_checkpointing": True}),
+                      init_checkpoint=str(init_dir), rank=0, world_size=1, total_steps=4, seed=0,
+                      max_source_len=32, max_target_len=16, mixed_precision="bf16")
+    learner.join(("127.0.0.1", _free_port()))
+    assert learner.device.type == "cuda"
+    assert learner.preflight()["peak_memory_gib"] > 0
+    before = learner.weights()
+    for _ in range(3):
+        metrics = learner.train_step(_pairs(8))
+        assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+    after = learner.weights()
+    assert after.keys() == before.keys() and all(v.dtype == torch.float32 for v in after.values())  # fp32 shards
+    assert any(not torch.equal(before[k], after[k]) for k in after), "no parameter moved"
+    summary, published = learner.publish_weights()
+    assert summary["step"] == 3 and {v.dtype for v in published.values() if v.is_floating_point()} == {torch.bfloat16}
+    examples = [Example(id=str(i), source=" ".join(str(10 + i + j) for j in range(5)), target="11 12")
+                for i in range(3)]
+    assert "cider_d" in learner.evaluate(examples, MetricConfig(), max_new_tokens=8)
+    learner.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_rank_nccl_fsdp_gathers_the_whole_policy_on_rank_zero(init_dir):
+    import ray
+
+    ray.init(num_gpus=2, include_dashboard=False, configure_logging=False)
+    try:
+        cfg = RLConfig(algorithm="rank", lr=1e-3, warmup_ratio=0.0, batch_size=16, learners=2, learner_gpus=1,
+                       strategy="fsdp")
+        actor = ray.remote(Learner).options(num_cpus=1, num_gpus=1)
+        ranks = [actor.remote(ModelConfig(dropout=0.0), None, cfg, init_checkpoint=str(init_dir), rank=i,
+                              world_size=2, total_steps=4, seed=0, max_source_len=32, max_target_len=16,
+                              mixed_precision="bf16") for i in range(2)]
+        rendezvous = ranks[0].rendezvous_address.remote()
+        ray.get([r.join.remote(rendezvous) for r in ranks])
+        pairs = _pairs(16)
+        for _ in range(2):
+            metrics = ray.get([r.train_step.remote(pairs[i::2]) for i, r in enumerate(ranks)])
+            assert metrics[0]["loss"] == metrics[1]["loss"]  # averaged over the ranks
+        w0, w1 = ray.get([r.weights.remote() for r in ranks])  # a collective: both ranks call it
+        start = load_policy(ModelConfig(), checkpoint=init_dir).model.state_dict()
+        assert w1 == {} and w0.keys() == start.keys()
+        assert any(not torch.equal(w0[k], start[k]) for k in start), "no parameter moved"
+    finally:
+        ray.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

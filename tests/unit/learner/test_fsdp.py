@@ -222,3 +222,26 @@ def test_every_family_shards_by_its_encoder_and_decoder_layers(family, ids_token
     assert len(units) == 2 * PRESETS["small"]["layers"]
     assert all(type(u).__name__.endswith(("EncoderLayer", "DecoderLayer", "Block")) for u in units)
     assert len({id(p) for u in units for p in u.parameters()}) == sum(len(list(u.parameters())) for u in units)
+
+
+@pytest.mark.parametrize("family_dir", ["bart"], indirect=True)
+def test_one_sharded_rank_trains_and_its_snapshots_do_not_alias_the_live_weights(family_dir, tmp_path):
+    """rl.strategy=fsdp with one learner (what one GPU with CPU offload, or bench/gpu.py, runs): a process group
+    of one, formed by join. On the CPU FSDP's gathered tensors would be the parameters themselves, so a snapshot
+    taken before a step must not move with it."""
+    family, init_dir = family_dir
+    _batches(family, init_dir, "grpo", tmp_path / "batches.pt")
+    batches = torch.load(tmp_path / "batches.pt", weights_only=False)
+    learner = Learner(_model(family), None, RLConfig(strategy="fsdp", batch_size=8, lr=1e-3, kl={"coef": 0.1}),
+                      ROLLOUT, init_checkpoint=str(init_dir), rank=0, world_size=1, total_steps=10, seed=0,
+                      max_source_len=16, max_target_len=16)
+    learner.join(learner.rendezvous_address())
+    try:
+        before = learner.weights()
+        learner.train_step(list(batches[0]))
+        after = learner.weights()
+        assert any(not torch.equal(before[k], after[k]) for k in after)
+        summary, published = learner.publish_weights()
+        assert summary["step"] == 1 and all(torch.equal(published[k], after[k]) for k in after)
+    finally:
+        learner.shutdown()
