@@ -98,9 +98,10 @@ def is_lora(model: torch.nn.Module) -> TypeIs[PeftModel]:
     return isinstance(model, PeftModel)
 
 
-def adapter_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
-    """The adapter weights alone, detached CPU copies (peft's key format); safe to publish while training."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(model).items()}
+def adapter_state_dict(model: PeftModel, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter weights alone, detached CPU copies (peft's key format); safe to publish while training.
+    ``state``: take them from this state dict of ``model`` (its own parameter names) instead of the model."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(model, state_dict=state).items()}
 
 
 def load_adapter_state_dict(model: PeftModel, state: dict[str, torch.Tensor]) -> None:

@@ -43,7 +43,13 @@ from rlt2t.common.checkpoint import (
 from rlt2t.common.config import MetricConfig, ModelConfig, RLConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.families import check_mixed_precision
-from rlt2t.common.lora import apply_lora, is_lora, load_weights, policy_weights
+from rlt2t.common.lora import (
+    adapter_state_dict,
+    apply_lora,
+    is_lora,
+    load_weights,
+    policy_weights,
+)
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.types import ScoredGroup, ScoredPair
 from rlt2t.learner import sharding
@@ -378,9 +384,18 @@ class Learner:
         """What gets published and checkpointed: the policy's CPU state dict (with LoRA: the adapters alone).
         Sharded: gathered from every rank (a collective all ranks call; rank 0 gets them, the others {})."""
         if self.sharded:
-            self._prepare()
-            return sharding.full_state(self.module, self.policy.model)
+            gathered = self._gathered()
+            return adapter_state_dict(self.policy.model, gathered) if is_lora(self.policy.model) and gathered \
+                else gathered
         return policy_weights(self.policy.model)
+
+    def _gathered(self) -> dict[str, torch.Tensor]:
+        """Sharded: the whole policy (LoRA: its adapters, under peft's parameter names) gathered on rank 0, a
+        collective; what a checkpoint's ``save_pretrained`` takes."""
+        self._prepare()
+        if is_lora(self.policy.model):
+            return sharding.full_trainable_state(self.policy.model)
+        return sharding.full_state(self.module, self.policy.model)
 
     def publish_weights(self) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
         """What the job publishes, as two results (the job calls it with ``num_returns=2``): a small summary
@@ -424,7 +439,7 @@ class Learner:
                              f"{len(published_versions)} published versions")
         states = [self._training_state(), *states_and_weights[:peers]]
         published = dict(zip(published_versions, states_and_weights[peers:], strict=True))
-        model = self._consolidated(self.weights()) if self.sharded else self.policy.model
+        model = self._consolidated(self._gathered()) if self.sharded else self.policy.model
         path = save_checkpoint(root, name, model=model, tokenizer=self.policy.tokenizer, step=step,
                                meta=meta, training_state={"learners": states, "published": published,
                                                           "trained_in_epoch": list(trained_in_epoch)})
@@ -437,8 +452,10 @@ class Learner:
         resumed job restored) a copy of it loaded with ``weights()``, which fetches them only then."""
         model = self.policy.model
         if self.sharded:  # the peers join the gather (LearnerGroup.write_published), whichever version this is
-            gathered = self.weights()
-            model = self._consolidated(gathered if version == self.steps else weights())
+            gathered = self._gathered()
+            if version != self.steps:
+                gathered = weights()  # LoRA: peft's saved adapter names, which its save_pretrained also takes
+            model = self._consolidated(gathered)
         elif version != self.steps:
             model = copy.deepcopy(model)
             load_weights(model, weights())
@@ -496,7 +513,7 @@ class Learner:
         return table
 
     def shutdown(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():
+        if (self.world_size > 1 or self.sharded) and dist.is_initialized():  # joined one (join)
             dist.destroy_process_group()
 
 

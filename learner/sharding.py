@@ -128,6 +128,20 @@ def full_state(module: nn.Module, inner: nn.Module) -> dict[str, Tensor]:
             if k.startswith(prefix) and isinstance(v, Tensor)}
 
 
+def full_trainable_state(model: nn.Module) -> dict[str, Tensor]:
+    """The trainable parameters of ``model`` whole, as CPU copies under their ``named_parameters`` names (a LoRA
+    policy's adapters: peft's own names, which ``get_peft_model_state_dict`` and ``save_pretrained`` read),
+    gathered from the shards: a collective every rank calls; rank 0 gets them, the others an empty dict."""
+    rank0 = dist.get_rank() == 0
+    state = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            whole = param.full_tensor() if isinstance(param, DTensor) else param
+            if rank0:
+                state[name] = whole.detach().to("cpu", copy=True)
+    return state
+
+
 def _local(value: Any) -> Any:
     if isinstance(value, DTensor):
         return value.to_local().detach().clone()

@@ -169,8 +169,6 @@ def _check_sharded(cfg: Config) -> None:
     why = None
     if not cfg.rl.unit.shardable:
         why = f"rl.algorithm={cfg.rl.algorithm} has no sharded learner (its unit is not shardable)"
-    elif cfg.model.lora.enabled:
-        why = "model.lora.enabled: LoRA's adapters are small enough for rl.strategy=ddp"
     elif cfg.run.mixed_precision == "fp16":
         why = "run.mixed_precision=fp16 needs a sharded loss scaler; use bf16"
     elif cfg.rl.uses_kl and cfg.rollout.source == "http":

@@ -32,8 +32,9 @@ EXAMPLES = [Example(id=f"ex{i}", source=" ".join(str(10 + (i * 7 + j) % 50) for 
 STEPS = 3
 
 
-def _model(family: str) -> ModelConfig:
-    return ModelConfig(preset="tiny", family=family, dropout=0.0)
+def _model(family: str, lora: bool = False) -> ModelConfig:
+    adapters = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0} if lora else {}
+    return ModelConfig(preset="tiny", family=family, dropout=0.0, lora=adapters)
 
 
 def _rl(family: str, algorithm: str, strategy: str) -> RLConfig:
@@ -65,6 +66,7 @@ def family_dir(request, ids_tokenizer_dir, tmp_path_factory) -> tuple[str, Path]
 def _batches(family: str, init_dir: Path, algorithm: str, path: Path) -> None:
     """STEPS global batches of scored groups (8 sources each), sampled once from the start policy and saved for
     the ranks: both strategies train on the same items."""
+    algorithm = algorithm.partition("+")[0]
     spec = rollout_spec_for(algorithm, kl=algorithm != "rank")
     weights = load_policy(_model(family), checkpoint=init_dir).model.state_dict()
     worker = RolloutWorker(_model(family), str(init_dir), ROLLOUT, seed=3, max_source_len=16, spec=spec,
@@ -75,7 +77,9 @@ def _batches(family: str, init_dir: Path, algorithm: str, path: Path) -> None:
 
 
 def _learner(family: str, init: str, algorithm: str, strategy: str, rank: int) -> Learner:
-    learner = Learner(_model(family), None, _rl(family, algorithm, strategy), ROLLOUT, init_checkpoint=init,
+    """``algorithm``: a registered name, ``+lora`` for a LoRA policy (the same adapters on every rank)."""
+    algorithm, _, lora = algorithm.partition("+")
+    learner = Learner(_model(family, bool(lora)), None, _rl(family, algorithm, strategy), ROLLOUT, init_checkpoint=init,
                       rank=rank, world_size=2, total_steps=10, seed=0, max_source_len=16, max_target_len=16)
     # DDP through the sharded learner's passes (encoder states repeated, not a shared cross-attention cache,
     # which test_group_step.py compares with the repeated passes), so that the two differ in the sharding alone
@@ -155,8 +159,9 @@ def _train(run_ranks, tmp: Path, family: str, init_dir: Path, algorithm: str, st
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family_dir, algorithm", [("bart", "grpo"), ("bart", "ppo"), ("bart", "rank"), ("t5", "grpo")],
-                         indirect=["family_dir"])  # PPO's value head and rank RL's loss are family-independent
+@pytest.mark.parametrize("family_dir, algorithm", [("bart", "grpo"), ("bart", "ppo"), ("bart", "rank"),
+                                                  ("bart", "grpo+lora"), ("t5", "grpo")],
+                         indirect=["family_dir"])  # PPO's value head, rank RL's loss, LoRA: family-independent
 def test_fsdp_steps_as_ddp_with_half_the_bytes_per_rank_and_resumes_exactly(family_dir, algorithm, tmp_path,
                                                                             run_ranks):
     family, init_dir = family_dir
@@ -175,9 +180,12 @@ def test_fsdp_steps_as_ddp_with_half_the_bytes_per_rank_and_resumes_exactly(fami
         assert fsdp["ranks"][rank]["grad_norm"] == pytest.approx(ddp["ranks"][rank]["grad_norm"], rel=1e-4)
     # The whole weights gathered from the shards: DDP's keys (tied names included), values within 1e-5.
     assert set(fsdp["weights"]) == set(ddp["weights"])
-    start = load_policy(_model(family), checkpoint=init_dir).model.state_dict()
-    moved = max(float((ddp["weights"][k] - start[k]).abs().max()) for k in start)
-    assert moved > 1e-3  # three steps changed the weights, so equality below is not equality of the starts
+    lora = algorithm.endswith("+lora")
+    # Three steps changed the weights (LoRA: the adapters alone, whose B starts at zero), so equality below is
+    # not equality of the starts.
+    start = {} if lora else load_policy(_model(family), checkpoint=init_dir).model.state_dict()
+    moved = max(float((ddp["weights"][k] - start.get(k, 0)).abs().max()) for k in ddp["weights"] if "lora_A" not in k)
+    assert moved > 1e-3
     # Except the attention keys' biases (BART's k_proj.bias): a bias added to every key shifts all of a query's
     # logits alike, which the softmax ignores, so their gradient is zero in exact arithmetic and round-off in
     # floats, which AdamW's normalisation turns into steps of the learning rate's size, different for any two
@@ -195,12 +203,11 @@ def test_fsdp_steps_as_ddp_with_half_the_bytes_per_rank_and_resumes_exactly(fami
     assert all(torch.equal(resumed["weights"][k], fsdp["weights"][k]) for k in fsdp["weights"])
     checkpoint = read_checkpoint(tmp_path / "fsdp" / "checkpoints" / checkpoint_name(step=2))
     assert checkpoint is not None  # complete: a Hugging Face directory any loader reads
-    assert load_policy(_model(family), checkpoint=checkpoint.path).model.config.model_type == family
+    assert load_policy(_model(family, lora), checkpoint=checkpoint.path).model.config.model_type == family
 
 
 @pytest.mark.parametrize("change, message", [
     ({"rl": {"algorithm": "trpo"}}, "rl.algorithm=trpo has no sharded learner"),
-    ({"model": {"lora": {"enabled": True}}}, "model.lora.enabled"),
     ({"run": {"mixed_precision": "fp16", "device": "cuda"}}, "run.mixed_precision=fp16"),
     ({"rollout": {"source": "http", "urls": ["http://127.0.0.1:1"]}}, "rollout.source=http with a KL"),
 ])
@@ -243,5 +250,35 @@ def test_one_sharded_rank_trains_and_its_snapshots_do_not_alias_the_live_weights
         assert any(not torch.equal(before[k], after[k]) for k in after)
         summary, published = learner.publish_weights()
         assert summary["step"] == 1 and all(torch.equal(published[k], after[k]) for k in after)
+    finally:
+        learner.shutdown()
+
+
+@pytest.mark.parametrize("family_dir", ["bart"], indirect=True)
+def test_a_sharded_lora_learner_writes_any_published_version_for_the_policy_servers(family_dir, tmp_path):
+    """rollout.source=http: rank 0 writes each published version as a checkpoint, its own adapters when it is at
+    that version, else the published ones (peft's saved names mapped back to the model's)."""
+    from rlt2t.common.lora import adapter_state_dict
+
+    family, init_dir = family_dir
+    _batches(family, init_dir, "grpo", tmp_path / "batches.pt")
+    batches = torch.load(tmp_path / "batches.pt", weights_only=False)
+    learner = Learner(_model(family, lora=True), None, RLConfig(strategy="fsdp", batch_size=8, lr=1e-3,
+                      kl={"coef": 0.1}), ROLLOUT, init_checkpoint=str(init_dir), rank=0, world_size=1,
+                      total_steps=10, seed=0, max_source_len=16, max_target_len=16)
+    learner.join(learner.rendezvous_address())
+    try:
+        learner.train_step(list(batches[0]))
+        first = learner.publish_weights()[1]
+        learner.train_step(list(batches[1]))
+        second = learner.weights()
+        assert any(not torch.equal(first[k], second[k]) for k in first)
+        root = tmp_path / "published"
+        for version, expected in ((1, first), (2, second)):
+            learner.write_published(str(root), version, {}, lambda: first)
+            written = load_policy(_model(family, lora=True), checkpoint=root / checkpoint_name(step=version),
+                                  trainable_adapters=True).model
+            saved = adapter_state_dict(written)
+            assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)
     finally:
         learner.shutdown()
