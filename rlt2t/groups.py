@@ -154,9 +154,12 @@ def _unschedulable(what: str, timeout_s: float) -> str:
 class LearnerGroup:
     """N Learner actors in one placement group, forming one DDP world (or one FSDP world: rl.strategy=fsdp)."""
 
+    sharded = False
+    """rl.strategy=fsdp: gathers of the weights are collectives every rank joins."""
+
     def __init__(self, cfg: Config, init_checkpoint: Path, total_steps: int, *, reference_checkpoint: Path):
         r = cfg.rl
-        self.sharded = r.strategy == "fsdp"  # gathers of the weights are collectives every rank joins
+        self.sharded = r.strategy == "fsdp"
         bundles = [{"CPU": r.learner_cpus, **({"GPU": r.learner_gpus} if r.learner_gpus else {}),
                     **r.learner_resources} for _ in range(r.learners)]
         self.pg = placement_group(bundles, strategy="PACK")
@@ -298,11 +301,15 @@ class LearnerGroup:
             return []
         return [getattr(r, method).remote() for r in self.ranks[1:]]
 
+    def _get_joined(self, ref: ray.ObjectRef, joins: list[ray.ObjectRef]) -> Any:
+        """``ref``'s result once the other ranks' part of it (``_gather_peers``) is done too."""
+        return self._get([ref, *joins])[0] if joins else self._get(ref)
+
     def weights(self) -> dict[str, torch.Tensor]:
         """Rank 0's weights, fetched here (tests; the job publishes them with :meth:`publish`)."""
         self._settle()
         joins = self._gather_peers()
-        return self._get([self.ranks[0].weights.remote(), *joins])[0]
+        return self._get_joined(self.ranks[0].weights.remote(), joins)
 
     def publish(self) -> tuple[ray.ObjectRef, int]:
         """Rank 0's current weights in the object store, and the learner step they are: rank 0 stores them as
@@ -311,7 +318,7 @@ class LearnerGroup:
         self._settle()
         summary, weights = self.ranks[0].publish_weights.options(num_returns=2).remote()
         joins = [r.publish_weights.options(num_returns=2).remote()[0] for r in self.ranks[1:]] if self.sharded else []
-        return weights, self._get([summary, *joins])[0]["step"]
+        return weights, self._get_joined(summary, joins)["step"]
 
     def write_checkpoint(self, root: Path, name: str, *, step: int, meta: dict[str, Any],
                          published: Mapping[int, ray.ObjectRef], trained_in_epoch: Sequence[str]) -> Path:
@@ -323,14 +330,14 @@ class LearnerGroup:
         versions = sorted(published)
         path = self.ranks[0].write_checkpoint.remote(
             str(root), name, step, meta, list(trained_in_epoch), versions, *peers, *(published[v] for v in versions))
-        return Path(self._get([path, *joins])[0])
+        return Path(self._get_joined(path, joins))
 
     def write_published(self, root: Path, version: int, weights: ray.ObjectRef, meta: dict[str, Any]) -> None:
         """Policy servers: rank 0 writes ``version`` under ``root`` (``Learner.write_published``; ``weights`` are
         fetched there only when rank 0 is at another version)."""
         self._settle()
         joins = self._gather_peers()
-        self._get([self.ranks[0].write_published.remote(str(root), version, meta, FetchObject(weights)), *joins])
+        self._get_joined(self.ranks[0].write_published.remote(str(root), version, meta, FetchObject(weights)), joins)
 
     def training_states(self) -> list[dict[str, Any]]:
         self._settle()

@@ -39,10 +39,10 @@ SETTINGS = ["rl.epochs=2", "rl.train_subset=48", "rl.batch_size=8", "rl.chunk_si
 
 
 LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0"]
-# The resumable variants: one group algorithm on full weights, and PPO (value head, KL controller) on LoRA
-# adapters (full-weight resume of the same loop: rloo here, rank RL in test_rl_ray.py).
-# And GRPO on two sharded learner ranks (rl.strategy=fsdp): checkpoints of gathered weights and per-rank optimizer
-# shards, resumed by ranks that each read their own.
+# The uninterrupted runs: one group algorithm on full weights (rloo), PPO (value head, KL controller) on LoRA
+# adapters, and GRPO on two sharded learner ranks (rl.strategy=fsdp: checkpoints of gathered weights and per-rank
+# optimizer shards, resumed by ranks that each read their own). Full-weight resume under DDP: rank RL in
+# test_rl_ray.py, TRPO in test_trpo_ray.py.
 VARIANTS = {"rloo": ("rloo", []), "ppo-lora": ("ppo", LORA),
             "grpo-fsdp": ("grpo", ["rl.strategy=fsdp", "rl.learners=2"])}
 
@@ -91,7 +91,9 @@ def references(ray_session, prepared_run, copy_prepared, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+# rloo's uninterrupted run is the reference of the re-dispatch test below; its resume is grpo-fsdp's loop without
+# the sharding (full-weight DDP resume of a policy gradient: test_trpo_ray.py), left out to keep the suite short.
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "rloo"])
 def test_resume_after_a_real_kill_is_bitwise_identical(references, copy_prepared, kill_training, tmp_path, variant):
     algorithm, extra = VARIANTS[variant]
     run = copy_prepared(tmp_path / "killed")
