@@ -89,14 +89,26 @@ def _learner(family: str, init: str, algorithm: str, strategy: str, rank: int) -
     return learner
 
 
-def _rank(rank: int, rendezvous: str, out: str, family: str, init_dir: str, algorithm: str, strategy: str,
-          resume_at: int) -> None:
+def _rank(rank: int, rendezvous: str, out: str, family: str, init_dir: str, algorithm: str,
+          plan: list[tuple[str, int]]) -> None:
+    """Each (strategy, resume_at) of ``plan`` in turn, in this one process group: the learners' losses, gradient
+    norms, bytes and an evaluation's table into ``<rank>.json``, their gathered weights into ``weights-*.pt``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # what Learner.join leaves for accelerate
     out_dir = Path(out)
     batches = torch.load(out_dir / "batches.pt", weights_only=False)
+    results: dict = {}
+    for strategy, resume_at in plan:
+        results[strategy] = _run(rank, out_dir / strategy, batches, family, init_dir, algorithm, strategy, resume_at)
+    (out_dir / f"{rank}.json").write_text(json.dumps(results))
+    # No teardown: freeing a DDP module under torch 2.13's gloo can deadlock (test_pg_rank_share.py's _rank).
+    os._exit(0)
+
+
+def _run(rank: int, out_dir: Path, batches: list, family: str, init_dir: str, algorithm: str, strategy: str,
+         resume_at: int) -> dict:
     learners = {"run": _learner(family, init_dir, algorithm, strategy, rank)}
     results: dict = {"run": {"loss": [], "grad_norm": []}}
     # How often the first layer runs: twice per pass when its activations are recomputed for the backward.
@@ -140,21 +152,20 @@ def _rank(rank: int, rendezvous: str, out: str, family: str, init_dir: str, algo
         weights = learner.weights() if strategy == "fsdp" or rank == 0 else {}
         if rank == 0:
             torch.save(weights, out_dir / f"weights-{name}.pt")
-    (out_dir / f"{rank}.json").write_text(json.dumps(results))
-    # No teardown: freeing a DDP module under torch 2.13's gloo can deadlock (test_pg_rank_share.py's _rank).
-    os._exit(0)
+    return results
 
 
-def _train(run_ranks, tmp: Path, family: str, init_dir: Path, algorithm: str, strategy: str,
-           resume_at: int = -1) -> dict:
-    """Each run's (``run``; with ``resume_at``, also ``resumed``) per-rank results and gathered weights."""
-    tmp.mkdir(parents=True)
-    (tmp / "batches.pt").write_bytes((tmp.parent / "batches.pt").read_bytes())
-    run_ranks(_rank, (str(tmp / "rendezvous"), str(tmp), family, str(init_dir), algorithm, strategy, resume_at),
-              deadline_s=240)
+def _train(run_ranks, tmp: Path, family: str, init_dir: Path, algorithm: str) -> dict:
+    """DDP's uninterrupted run, then FSDP's with a checkpoint after two steps (``run`` and ``resumed``), on the
+    same two processes: per strategy and run, the ranks' results and the gathered weights."""
+    plan = [("ddp", -1), ("fsdp", 2)]
+    for strategy, _ in plan:
+        (tmp / strategy).mkdir(parents=True)
+    run_ranks(_rank, (str(tmp / "rendezvous"), str(tmp), family, str(init_dir), algorithm, plan), deadline_s=240)
     ranks = [json.loads((tmp / f"{r}.json").read_text()) for r in (0, 1)]
-    return {name: {"ranks": [ranks[r][name] for r in (0, 1)], "weights": torch.load(tmp / f"weights-{name}.pt")}
-            for name in ranks[0]}
+    return {strategy: {name: {"ranks": [ranks[r][strategy][name] for r in (0, 1)],
+                              "weights": torch.load(tmp / strategy / f"weights-{name}.pt")}
+                       for name in ranks[0][strategy]} for strategy, _ in plan}
 
 
 @pytest.mark.slow
@@ -166,9 +177,8 @@ def test_fsdp_steps_as_ddp_with_half_the_bytes_per_rank_and_resumes_exactly(fami
                                                                             run_ranks):
     family, init_dir = family_dir
     _batches(family, init_dir, algorithm, tmp_path / "batches.pt")
-    ddp = _train(run_ranks, tmp_path / "ddp", family, init_dir, algorithm, "ddp")["run"]
-    runs = _train(run_ranks, tmp_path / "fsdp", family, init_dir, algorithm, "fsdp", resume_at=2)
-    fsdp, resumed = runs["run"], runs["resumed"]
+    runs = _train(run_ranks, tmp_path, family, init_dir, algorithm)
+    ddp, fsdp, resumed = runs["ddp"]["run"], runs["fsdp"]["run"], runs["fsdp"]["resumed"]
     assert fsdp["ranks"][0]["eval"] == ddp["ranks"][0]["eval"]  # the same greedy decodes, the same table
     # T5's run recomputes its layers' activations (rl.fsdp.activation_checkpointing): one more forward of a layer
     # per training pass; the evaluation's decoding steps are no-grad and run once either way.
