@@ -121,9 +121,6 @@ class RolloutWorker:
         if rollout.backend == "ct2":
             sweep_stale_ct2_dirs()
             self._ct2_dir = tempfile.TemporaryDirectory(prefix=f"{CT2_DIR_PREFIX}{os.getpid()}-")
-        if rollout.backend == "ct2" and self.device.type != "cpu":
-            log.warning("rollout.backend=ct2 samples on CPU here (device %s is used by the torch backend only)",
-                        self.device)
         if start_weights is not None:
             self._install_start(start_weights)
 
@@ -305,13 +302,28 @@ class RolloutWorker:
                 policy = Policy(merged_model(self.policy.model), self.policy.tokenizer, self.policy.origin)
             self._ct2 = ct2_sampler_from_state_dict(
                 policy, None, self._ct2_dir.name, cfg.ct2_compute_type, intra_threads=torch.get_num_threads(),
-                max_source_len=self.max_source_len, name="current")
+                max_source_len=self.max_source_len, name="current", device=self._ct2_device())
         seed = stable_seed(self.seed, self._version, "ct2", *(ex.id for ex in chunk)) % (2**31 - 1)
         if with_logprobs:
             return sample_ct2_logprobs(self._ct2, [ex.source for ex in chunk], cfg.num_samples, cfg.top_k,
                                        cfg.temperature, cfg.max_new_tokens, seed)
         return sample_ct2(self._ct2, [ex.source for ex in chunk], cfg.num_samples, cfg.top_k, cfg.temperature,
                           cfg.max_new_tokens, seed)
+
+    def _ct2_device(self) -> str:
+        """Where CTranslate2 samples: this worker's GPU (rl.rollout_gpus) when the CTranslate2 build sees one,
+        else the CPU (with a warning once)."""
+        if self.device.type != "cuda":
+            return "cpu"
+        import ctranslate2
+
+        if ctranslate2.get_cuda_device_count() > 0:
+            return "cuda"
+        if not getattr(self, "_warned_ct2_cpu", False):
+            log.warning("rollout.backend=ct2: this CTranslate2 build sees no CUDA device; it samples on the CPU "
+                        "(the torch backend samples on %s)", self.device)
+            self._warned_ct2_cpu = True
+        return "cpu"
 
     def _candidate_set(self, ex: Example, samples: Sequence[str]) -> CandidateSet:
         if ex.target is None:

@@ -574,6 +574,7 @@ def ct2_sampler_from_state_dict(
     max_batch_size: int = 0,
     max_source_len: int | None = None,
     name: str = "current",
+    device: str = "cpu",
 ) -> Ct2Policy:
     """Load ``state_dict`` (strictly; None keeps the current weights) into ``policy`` and convert it.
 
@@ -588,8 +589,8 @@ def ct2_sampler_from_state_dict(
         policy.model.load_state_dict(state_dict, strict=True)
     quantization = compute_type if compute_type in QUANTIZATIONS else "float32"
     out = export_policy(policy, Path(work_dir) / name, quantization, source=policy.origin)
-    return Ct2Policy(out, compute_type=compute_type, intra_threads=intra_threads, max_batch_size=max_batch_size,
-                     max_source_len=max_source_len)
+    return Ct2Policy(out, device=device, compute_type=compute_type, intra_threads=intra_threads,
+                     max_batch_size=max_batch_size, max_source_len=max_source_len)
 
 
 def sample_ct2(

@@ -129,6 +129,18 @@ def test_rollout_worker_samples_on_cuda(ids_tokenizer_dir, init_dir):
     assert [s.candidates for s in first] == [s.candidates for s in again]  # seeded per (seed, version, id)
 
 
+def test_ct2_rollout_worker_samples_on_its_gpu(ids_tokenizer_dir, init_dir):
+    from rlt2t.actors.rollout import RolloutWorker
+
+    worker = RolloutWorker(ModelConfig(dropout=0.0), str(ids_tokenizer_dir), RolloutConfig(
+        num_samples=4, max_new_tokens=8, backend="ct2", ct2_compute_type="int8_float16", top_k=0),
+        seed=0, max_source_len=32, device="cuda", spec=rollout_spec_for("grpo", kl=False))
+    examples = [Example(id=str(i), source="11 12 13", target="14 15") for i in range(3)]
+    groups = worker.sample(examples)
+    assert worker._ct2 is not None and worker._ct2._translator_args["device"] == "cuda"
+    assert all(len(g.token_ids) == 4 for g in groups)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_rank_nccl_ddp_keeps_ranks_identical(init_dir):
     import ray
