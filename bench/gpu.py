@@ -618,6 +618,7 @@ def e2e_sync_split(cfg: Any, train: list[Any], ckpt: Path, device: str, steps: i
     learner = Learner(cfg.model, str(cfg.tokenizer_dir), r, cfg.rollout, init_checkpoint=str(ckpt), rank=0,
                       world_size=1, total_steps=steps, seed=cfg.run.seed, max_source_len=cfg.data.max_source_len,
                       max_target_len=cfg.data.max_target_len, mixed_precision=cfg.run.mixed_precision)
+    learner.join(learner.rendezvous_address())  # rl.strategy=fsdp: a process group of one, as the job forms it
     if r.preflight:
         learner.preflight()
     split: dict[str, list[float]] = {"rollout": [], "reward": [], "learner": [], "publish": []}
@@ -639,6 +640,7 @@ def e2e_sync_split(cfg: Any, train: list[Any], ckpt: Path, device: str, steps: i
         t4 = time.perf_counter()
         for key, a, b in (("rollout", t0, t1), ("reward", t1, t2), ("learner", t2, t3), ("publish", t3, t4)):
             split[key].append(round(b - a, 4))
+    learner.shutdown()  # the process group it joined
     del rollout, learner
     per_step = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in split.items()}  # step 1 warms up
     total = sum(per_step.values())
