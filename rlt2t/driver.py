@@ -367,11 +367,12 @@ class _Job:
                 publisher.publish(int(v), weights)
             step, epoch0 = resume_from.step, resume_from.meta["epoch"]
             log.info("rl: resuming from %s (step %d, epoch %d)", resume_from.path, step, epoch0)
-        ranks = f"{r.learners} learner rank{'s' if r.learners > 1 else ''}"
+        learner_ranks = f"{r.learners} learner rank{'s' if r.learners > 1 else ''}"
         if r.strategy == "fsdp":
-            ranks += f" sharded (rl.strategy=fsdp: each holds 1/{r.learners} of the weights, gradients and AdamW state)"
+            learner_ranks += (f" sharded (rl.strategy=fsdp: each holds 1/{r.learners} of the weights, gradients and "
+                              "AdamW state)")
         log.info("rl: %s on %d sources, %d steps/epoch, %d steps, batch %d, K %d, %s", r.algorithm, len(examples),
-                 steps_per_epoch, total_steps, r.batch_size, cfg.rollout.num_samples, ranks)
+                 steps_per_epoch, total_steps, r.batch_size, cfg.rollout.num_samples, learner_ranks)
         logger = RunLogger(cfg.run_dir / "logs" / STAGE, STAGE)
         bar = tqdm(total=total_steps, initial=step, desc=f"rl:{r.algorithm}", disable=True if not cfg.run.progress
                    else None, dynamic_ncols=True)
