@@ -82,6 +82,9 @@ def shard(module: nn.Module, policy_model: nn.Module, cfg: FSDPConfig, *, device
     for layer in layers:
         fully_shard(layer, **options)
     ignored = set(replicated)
+    if mixed_precision == "bf16":  # the root's outputs (logits, values) in fp32, as autocast's softmax is under DDP
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                    output_dtype=torch.float32)
     fully_shard(module, **options, ignored_params=ignored or None)
     log.info("rl.strategy=fsdp: %d layer units (%s) and the root over %d ranks, %s%s%s", len(layers),
              ", ".join(sorted({type(m).__name__ for m in layers})), dist.get_world_size(),

@@ -292,3 +292,32 @@ def test_a_sharded_lora_learner_writes_any_published_version_for_the_policy_serv
             assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)
     finally:
         learner.shutdown()
+
+
+@pytest.mark.parametrize("family_dir", ["t5"], indirect=True)  # BART's fp32 final_logits_bias would promote them
+def test_under_bf16_the_shards_stay_fp32_compute_in_bf16_and_the_logits_come_out_fp32(family_dir, tmp_path):
+    """run.mixed_precision=bf16 under FSDP (checked on the CPU, where FSDP casts as it does on a GPU): the
+    parameters the optimizer steps stay fp32, the layers compute in bf16, and the root returns fp32 logits
+    (what the losses' log-softmax reads, as under DDP's autocast)."""
+    from rlt2t.common.config import FSDPConfig
+    from rlt2t.learner import sharding
+    from rlt2t.learner.group_step import GroupPolicy
+
+    family, init_dir = family_dir
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = load_policy(_model(family), checkpoint=init_dir).model.eval()
+        module = GroupPolicy(model)
+        module.share_cross_attention = False
+        sharding.shard(module, model, FSDPConfig(), device=torch.device("cpu"), mixed_precision="bf16")
+        seen: list[torch.dtype] = []
+        layer_units(model)[0].register_forward_hook(lambda _m, _i, out: seen.append(out[0].dtype))
+        ids = torch.randint(10, 60, (2, 6))
+        out = module(ids, torch.ones_like(ids), torch.randint(10, 60, (4, 5)), 2)
+        out.logits.float().mean().backward()
+        assert seen == [torch.bfloat16] and out.logits.dtype == torch.float32
+        assert {p.dtype for p in module.parameters()} == {torch.float32}
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in module.parameters()
+                   if p.requires_grad and p.grad is not None)
+    finally:
+        dist.destroy_process_group()
