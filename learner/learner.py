@@ -439,7 +439,7 @@ class Learner:
                              f"{len(published_versions)} published versions")
         states = [self._training_state(), *states_and_weights[:peers]]
         published = dict(zip(published_versions, states_and_weights[peers:], strict=True))
-        model = self._consolidated(self._gathered()) if self.sharded else self.policy.model
+        model = _Consolidated(self.policy.model, self._gathered()) if self.sharded else self.policy.model
         path = save_checkpoint(root, name, model=model, tokenizer=self.policy.tokenizer, step=step,
                                meta=meta, training_state={"learners": states, "published": published,
                                                           "trained_in_epoch": list(trained_in_epoch)})
@@ -450,22 +450,18 @@ class Learner:
         """Rank 0, for policy servers (rollout.source=http): ``version``'s weights as a checkpoint under
         ``root`` (the newest two kept). This rank's own model when it is at that version; otherwise (a version a
         resumed job restored) a copy of it loaded with ``weights()``, which fetches them only then."""
-        model = self.policy.model
+        model: Any = self.policy.model
         if self.sharded:  # the peers join the gather (LearnerGroup.write_published), whichever version this is
             gathered = self._gathered()
             if version != self.steps:
                 gathered = weights()  # LoRA: peft's saved adapter names, which its save_pretrained also takes
-            model = self._consolidated(gathered)
+            model = _Consolidated(self.policy.model, gathered)
         elif version != self.steps:
             model = copy.deepcopy(model)
             load_weights(model, weights())
         save_checkpoint(root, checkpoint_name(step=version), model=model, tokenizer=self.policy.tokenizer,
                         step=version, meta=dict(meta))
         prune_checkpoints(root, keep_last=2)
-
-    def _consolidated(self, state: dict[str, torch.Tensor]) -> Any:
-        """What ``save_checkpoint`` saves for a sharded policy: its class and config with the whole ``state``."""
-        return _Consolidated(self.policy.model, state)
 
     def load_training_state_from(self, checkpoint: str) -> None:
         """This rank's state out of a checkpoint's training state, read here (memory-mapped: the other ranks'

@@ -108,10 +108,6 @@ def _checkpointed(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
     return wrapped
 
 
-def is_sharded(module: nn.Module) -> bool:
-    return isinstance(module, FSDPModule)
-
-
 def prefix_of(module: nn.Module, inner: nn.Module) -> str:
     """The state-dict prefix under which ``inner`` sits in ``module`` ('' when it is ``module``)."""
     for name, sub in module.named_modules():
@@ -145,19 +141,16 @@ def full_trainable_state(model: nn.Module) -> dict[str, Tensor]:
     return state
 
 
-def _local(value: Any) -> Any:
-    if isinstance(value, DTensor):
-        return value.to_local().detach().clone()
-    if isinstance(value, dict):
-        return {k: _local(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_local(v) for v in value]
-    return value
-
-
-def local_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state dict with each DTensor replaced by a copy of this rank's shard (picklable, no mesh)."""
-    return _local(state)
+def local_optimizer_state(state: Any) -> Any:
+    """An optimizer state dict with each DTensor replaced by this rank's shard, a plain tensor (picklable, no
+    mesh); like ``state_dict()`` itself it aliases the live moments (``Learner.training_state`` copies)."""
+    if isinstance(state, DTensor):
+        return state.to_local().detach()
+    if isinstance(state, dict):
+        return {k: local_optimizer_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [local_optimizer_state(v) for v in state]
+    return state
 
 
 def reshard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -199,7 +192,7 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> float:
     squares = torch.zeros((), dtype=torch.float64)
     for group in (sharded, whole):
         if group:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None])
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None])  # (mypy)
             norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
             squares = squares + norm.double().cpu() ** 2
     total = squares.sqrt()

@@ -7,6 +7,8 @@ FSDP worlds through Ray, as training does.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -141,26 +143,36 @@ def test_ct2_rollout_worker_samples_on_its_gpu(ids_tokenizer_dir, init_dir):
     assert all(len(g.token_ids) == 4 for g in groups)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_two_rank_nccl_ddp_keeps_ranks_identical(init_dir):
+@contextlib.contextmanager
+def _two_ray_ranks(init_dir, strategy: str):
+    """Two bf16 rank-RL learner actors on two GPUs, joined into one nccl world through Ray, as training does."""
     import ray
 
     ray.init(num_gpus=2, include_dashboard=False, configure_logging=False)
     try:
-        cfg = RLConfig(algorithm="rank", lr=1e-3, warmup_ratio=0.0, batch_size=16, learners=2, learner_gpus=1)
+        cfg = RLConfig(algorithm="rank", lr=1e-3, warmup_ratio=0.0, batch_size=16, learners=2, learner_gpus=1,
+                       strategy=strategy)
         actor = ray.remote(Learner).options(num_cpus=1, num_gpus=1)
         ranks = [actor.remote(ModelConfig(dropout=0.0), None, cfg, init_checkpoint=str(init_dir), rank=i,
                               world_size=2, total_steps=4, seed=0, max_source_len=32, max_target_len=16,
                               mixed_precision="bf16") for i in range(2)]
         rendezvous = ranks[0].rendezvous_address.remote()
         ray.get([r.join.remote(rendezvous) for r in ranks])
+        yield ranks
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_rank_nccl_ddp_keeps_ranks_identical(init_dir):
+    import ray
+
+    with _two_ray_ranks(init_dir, "ddp") as ranks:
         pairs = _pairs(16)
         for _ in range(2):
             ray.get([r.train_step.remote(pairs[i::2]) for i, r in enumerate(ranks)])
         w0, w1 = ray.get([r.weights.remote() for r in ranks])
         assert all(torch.equal(w0[k], w1[k]) for k in w0)
-    finally:
-        ray.shutdown()
 
 
 def test_sharded_learner_steps_on_one_gpu_in_bf16(init_dir):
@@ -176,7 +188,7 @@ def test_sharded_learner_steps_on_one_gpu_in_bf16(init_dir):
                                fsdp={"activation_checkpointing": True}),
                       init_checkpoint=str(init_dir), rank=0, world_size=1, total_steps=4, seed=0,
                       max_source_len=32, max_target_len=16, mixed_precision="bf16")
-    learner.join(("127.0.0.1", _free_port()))
+    learner.join(learner.rendezvous_address())
     assert learner.device.type == "cuda"
     assert learner.preflight()["peak_memory_gib"] > 0
     before = learner.weights()
@@ -198,16 +210,7 @@ def test_sharded_learner_steps_on_one_gpu_in_bf16(init_dir):
 def test_two_rank_nccl_fsdp_gathers_the_whole_policy_on_rank_zero(init_dir):
     import ray
 
-    ray.init(num_gpus=2, include_dashboard=False, configure_logging=False)
-    try:
-        cfg = RLConfig(algorithm="rank", lr=1e-3, warmup_ratio=0.0, batch_size=16, learners=2, learner_gpus=1,
-                       strategy="fsdp")
-        actor = ray.remote(Learner).options(num_cpus=1, num_gpus=1)
-        ranks = [actor.remote(ModelConfig(dropout=0.0), None, cfg, init_checkpoint=str(init_dir), rank=i,
-                              world_size=2, total_steps=4, seed=0, max_source_len=32, max_target_len=16,
-                              mixed_precision="bf16") for i in range(2)]
-        rendezvous = ranks[0].rendezvous_address.remote()
-        ray.get([r.join.remote(rendezvous) for r in ranks])
+    with _two_ray_ranks(init_dir, "fsdp") as ranks:
         pairs = _pairs(16)
         for _ in range(2):
             metrics = ray.get([r.train_step.remote(pairs[i::2]) for i, r in enumerate(ranks)])
@@ -216,13 +219,3 @@ def test_two_rank_nccl_fsdp_gathers_the_whole_policy_on_rank_zero(init_dir):
         start = load_policy(ModelConfig(), checkpoint=init_dir).model.state_dict()
         assert w1 == {} and w0.keys() == start.keys()
         assert any(not torch.equal(w0[k], start[k]) for k in start), "no parameter moved"
-    finally:
-        ray.shutdown()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
