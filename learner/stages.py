@@ -49,6 +49,10 @@ class SFTDataset:
     def __len__(self) -> int:
         return len(self.sources)
 
+    def lengths(self) -> list[int]:
+        """Source token counts (before augmentation): the sort keys of batches grouped by length."""
+        return [len(s) for s in self.sources]
+
     def __getitem__(self, i: int) -> dict[str, list[int]]:
         src = self.sources[i]
         if self.augment_prob > 0:
@@ -111,7 +115,7 @@ def run_pretrain(policy: Policy, texts: Sequence[list[int]], cfg: PretrainConfig
                                reconstruct=cfg.objective == "reconstruct")
     return train_stage(stage="pretrain", cfg=cfg, run=run, model=policy.model, tokenizer=tok, dataset=dataset,
                        collate=make_collate(tok.pad_token_id, policy.model.config), step_fn=ce_step, out_dir=out_dir,
-                       resume_from=resume_from)
+                       resume_from=resume_from, lengths=[len(t) for t in texts] if cfg.group_by_length else None)
 
 
 def with_lora(policy: Policy, lora: LoraConfig, seed: int) -> Policy:
@@ -152,4 +156,5 @@ def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list
                        collate=make_collate(tok.pad_token_id, policy.model.config),
                        step_fn=make_sft_step(cfg, policy.model), out_dir=out_dir, resume_from=resume_from,
                        evaluate=evaluate, monitor="monitor" if evaluate is not None else None,
-                       patience=cfg.patience, patience_counts=patience_counts)
+                       patience=cfg.patience, patience_counts=patience_counts,
+                       lengths=dataset.lengths() if cfg.group_by_length else None)

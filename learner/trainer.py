@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -106,10 +106,31 @@ def load_scaler_state(accelerator: Accelerator, state: dict[str, Any]) -> None:
         log.warning("resuming under fp16 from a checkpoint without gradient-scaler state: the loss scale restarts")
 
 
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """The example order of an epoch: a permutation depending only on (seed, epoch)."""
+GROUP_WINDOW = 64
+"""Batches per window of a length-grouped epoch order (:func:`epoch_order`)."""
+
+
+def epoch_order(n: int, seed: int, epoch: int, *, batch_size: int = 1,
+                lengths: Sequence[Any] | None = None) -> list[int]:
+    """The example order of an epoch: a permutation depending only on (seed, epoch) and ``lengths``.
+
+    With ``lengths`` (one sort key per example, e.g. its (source, target) token counts) the batches are grouped
+    by length: the permutation is cut into windows of :data:`GROUP_WINDOW` batches, each window sorted by key
+    (stably, so equal keys keep their random order) and cut into batches of ``batch_size``, and the epoch's full
+    batches are shuffled; a last, partial batch stays last (the loop reads batch ``b`` as the order's slice
+    ``[b * batch_size, (b + 1) * batch_size)``).
+    """
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=g).tolist()
+    order = torch.randperm(n, generator=g).tolist()
+    if lengths is None or batch_size < 2:
+        return order
+    if len(lengths) != n:
+        raise ValueError(f"{len(lengths)} length keys for {n} examples")
+    window = GROUP_WINDOW * batch_size
+    grouped = [i for w in range(0, n, window) for i in sorted(order[w:w + window], key=lengths.__getitem__)]
+    full = n // batch_size
+    shuffled = torch.randperm(full, generator=g).tolist()
+    return [i for b in shuffled for i in grouped[b * batch_size:(b + 1) * batch_size]] + grouped[full * batch_size:]
 
 
 def train_stage(
@@ -128,6 +149,7 @@ def train_stage(
     monitor: str | None = None,
     patience: int = 0,
     patience_counts: Callable[[dict[str, float]], bool] | None = None,
+    lengths: Sequence[Any] | None = None,
 ) -> StageResult:
     """Train ``model`` in place on ``dataset``; checkpoints (with ``tokenizer``) go to ``<out_dir>/checkpoints``.
 
@@ -138,6 +160,7 @@ def train_stage(
     ``patience`` > 0 the stage stops once that many epochs in a row have not beaten the best (early stopping:
     the count is kept in checkpoint meta, so a resumed run stops where the uninterrupted one did).
     ``patience_counts(scores)`` False leaves an epoch out of that count (SFT: while its outputs have collapsed).
+    ``lengths`` (a sort key per example): batches grouped by length (:func:`epoch_order`).
     """
     if len(dataset) == 0:
         raise ValueError(f"{stage}: the training set is empty")
@@ -185,8 +208,9 @@ def train_stage(
                  "every epoch runs", stage, stage, patience)
         patience = 0
     logger = RunLogger(Path(run.dir) / "logs" / stage, stage)
-    log.info("%s: %d examples, %d steps/epoch, %d steps, batch %d, lr %.2g, device %s", stage, len(dataset),
-             steps_per_epoch, total_steps, cfg.batch_size, cfg.lr, accelerator.device)
+    log.info("%s: %d examples, %d steps/epoch, %d steps, batch %d%s, lr %.2g, device %s", stage, len(dataset),
+             steps_per_epoch, total_steps, cfg.batch_size, " grouped by length" if lengths is not None else "", cfg.lr,
+             accelerator.device)
 
     def checkpoint(name: str, epoch: int, batch_in_epoch: int, metrics: dict[str, float]) -> Path:
         meta = {"stage": stage, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "metrics": metrics,
@@ -212,7 +236,7 @@ def train_stage(
                 break
             if hasattr(dataset, "set_epoch"):
                 dataset.set_epoch(epoch)
-            order = epoch_order(len(dataset), run.seed, epoch)
+            order = epoch_order(len(dataset), run.seed, epoch, batch_size=cfg.batch_size, lengths=lengths)
             first = skip_batches if epoch == start_epoch else 0
             for b in range(first, steps_per_epoch):
                 if step >= total_steps:

@@ -201,7 +201,7 @@ class LearnerGroup:
         # reaches the other ranks as an object reference.
         rendezvous = self.ranks[0].rendezvous_address.remote()
         self._joining = [rank.join.remote(rendezvous) for rank in self.ranks]
-        self._preflight = [rank.preflight.remote() for rank in self.ranks] if r.preflight else []
+        self._preflight = [rank.preflight.remote() for rank in self.ranks] if r.runs_preflight else []
 
     def _get(self, refs):
         """ray.get, failing on the first rank that fails: under DDP the others may wait on it forever."""

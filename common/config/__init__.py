@@ -44,6 +44,7 @@ from rlt2t.common.config.model import (  # noqa: F401
     SFTConfig,
     StageConfig,
     SynthConfig,
+    TextStageConfig,
     TokenizerConfig,
 )
 from rlt2t.common.config.reward import (  # noqa: F401
@@ -113,6 +114,7 @@ __all__ = [
     "ServeConfig",
     "StageConfig",
     "SynthConfig",
+    "TextStageConfig",
     "TokenizerConfig",
     "config_to_yaml",
     "explain",

@@ -161,7 +161,22 @@ class StageConfig(_Section):
     """Checkpoints kept (oldest deleted first)."""
 
 
-class PretrainConfig(StageConfig):
+class TextStageConfig(StageConfig):
+    """A stage that trains the policy on (source, target) token sequences: pretraining and the SFT stages."""
+
+    group_by_length: bool = True
+    """Batch examples of similar source length together: each epoch's shuffled order is cut into windows of 64
+    batches, each window sorted by source length and cut into batches, and the batches shuffled (the order still
+    depends only on run.seed and the epoch; targets are not sorted). A batch then pads its sources to about their
+    own length rather than the longest of a random draw, so a step computes fewer padding tokens. false: batches
+    of uniformly random examples, the order of earlier versions (CHANGELOG)."""
+
+
+class PretrainConfig(TextStageConfig):
+    group_by_length: bool = False
+    """Batch texts of similar length together (as `sft.group_by_length` does). Off by default: pretraining's texts
+    are the sources and the targets, whose lengths differ, so grouped batches hold one kind of text each; on the
+    demo's task (one seed) the SFT that followed a grouped pretraining learnt to read its sources later."""
     lr: float = Field(5e-4, gt=0.0)
     """Peak learning rate (AdamW)."""
     max_steps: int = Field(0, ge=0)
@@ -177,7 +192,7 @@ class PretrainConfig(StageConfig):
     """Mean length of a masked span."""
 
 
-class SFTConfig(StageConfig):
+class SFTConfig(TextStageConfig):
     lr: float = Field(1e-3, gt=0.0)
     """Peak learning rate (the original used 2e-5 on a pretrained BART-base; scratch models want more)."""
     epochs: int = Field(6, ge=1)

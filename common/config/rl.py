@@ -181,11 +181,18 @@ class RLConfig(StageConfig):
     schedule_timeout_s: float = Field(300.0, gt=0.0)
     """A worker or learner rank that the cluster cannot place within this many seconds fails the job, naming
     the resources it asked for."""
-    preflight: bool = True
+    preflight: bool | None = None
     """Each learner rank runs one forward/backward on the largest batch it can receive (rl.batch_size /
     learners sources, data.max_source_len / max_target_len tokens) while the workers start: out-of-memory
     fails the job at setup, and the first step does not pay the fresh process's warm-up. No optimizer step,
-    RNGs restored: training is unchanged."""
+    RNGs restored: training is unchanged. null: on when the learner ranks have GPUs (rl.learner_gpus > 0), whose
+    memory is what runs out; off on CPU, where the pass competes with the starting workers for the cores (on
+    the 2-core demo it added about 5 s)."""
+
+    @property
+    def runs_preflight(self) -> bool:
+        """``preflight`` resolved: explicit, else on for GPU learner ranks."""
+        return self.preflight if self.preflight is not None else self.learner_gpus > 0
 
     _sections: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
 

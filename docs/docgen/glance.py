@@ -129,17 +129,6 @@ def _plain_table(title: str, rows: dict[str, dict[str, float]]) -> list[str]:
     return lines + [""]
 
 
-def _idle(results_dir: Path) -> str:
-    """`; alone on an idle machine, seed N took X s`, from demo_seeds_idle.json when there is one."""
-    data = read_json(results_dir / "demo_seeds_idle.json")
-    if not data or not data.get("seeds"):
-        return ""
-    runs = data["seeds"]
-    which = ", ".join(runs)
-    mean = sum(r["seconds"] for r in runs.values()) / len(runs)
-    return f"; alone on the idle machine, seed{'s' if len(runs) > 1 else ''} {which} took {mean:.0f} s"
-
-
 def demo_block(results_dir: Path = RESULTS) -> str:
     """The README's quick-start sample: the tables and verdict one seed of bench/results/demo_seeds.json
     printed, then mean ± std over all its seeds (empty without that file)."""
@@ -161,9 +150,7 @@ def demo_block(results_dir: Path = RESULTS) -> str:
                f"{paired(greedy['rl-sft'])} and RL − continued SFT {paired(greedy['rl-continued_sft'])}; with "
                f"CTranslate2 beam search {paired(beam['rl-sft'])} and {paired(beam['rl-continued_sft'])}. The demo "
                f"took {s['wall_seconds']['mean']:.0f} ± {s['wall_seconds']['std']:.0f} s there"
-               f"{' (' + note + ')' if (note := data.get('settings', {}).get('note')) else ''}{_idle(results_dir)} "
+               f"{' (' + note + ')' if (note := data.get('settings', {}).get('note')) else ''} "
                f"([demo seeds](docs/benchmarks/demo_seeds.md)). Below, seed {seed}'s output, abridged:")
-    sources = ["bench/results/demo_seeds.json"] + (["bench/results/demo_seeds_idle.json"]
-                                                   if (results_dir / "demo_seeds_idle.json").is_file() else [])
-    return "\n".join([header(*sources).rstrip(), textwrap.fill(summary, 115, break_on_hyphens=False),
-                      "", "```", *sample, "```"])
+    return "\n".join([header("bench/results/demo_seeds.json").rstrip(),
+                      textwrap.fill(summary, 115, break_on_hyphens=False), "", "```", *sample, "```"])

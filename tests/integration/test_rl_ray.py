@@ -132,7 +132,7 @@ def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, copy_p
     import json
 
     run = copy_prepared(tmp_path / "refresh")
-    cfg = _config(run, "rl.refresh_every_steps=2", "rl.epochs=1")
+    cfg = _config(run, "rl.refresh_every_steps=2", "rl.epochs=1", "rl.preflight=true")  # off by default on CPU
     with caplog.at_level("INFO", logger="rlt2t.train"):
         result = _run_rank(cfg)
     # The learner's preflight ran on the largest batch (16 pairs, tiny.yaml's max lengths) before step 1.

@@ -216,3 +216,12 @@ def test_a_value_a_cross_section_rule_derives_is_said_in_the_log_the_dump_and_ex
     assert not any(line.startswith(("rl.chunk_size", "rollout.max_new_tokens")) for line in explicit.derived)
     text = "\n".join(explain_derived())
     assert all(key in text for key, _ in DERIVED_VALUES)
+
+
+@pytest.mark.parametrize(("overrides", "runs"), [
+    ([], False), (["rl.learner_gpus=1"], True), (["rl.preflight=true"], True),
+    (["rl.learner_gpus=1", "rl.preflight=false"], False),
+])
+def test_the_learner_preflight_runs_for_gpu_ranks_unless_set(overrides, runs):
+    assert load_config(overrides=overrides).rl.runs_preflight is runs
+

@@ -41,6 +41,51 @@ def test_epoch_order_is_a_seeded_permutation():
     assert a == epoch_order(50, 1, 0) and a != epoch_order(50, 1, 1) and a != epoch_order(50, 2, 0)
 
 
+def _padded(order, lengths, bs):
+    return sum(bs * max(lengths[i] for i in order[b:b + bs]) for b in range(0, len(order), bs))
+
+
+def test_grouped_epoch_order_pads_less_and_stays_seeded():
+    """Grouped by length: still a permutation of (seed, epoch), every batch but the last one full and the
+    partial one last, far fewer padding tokens than the random order, and batches not sorted across the epoch."""
+    rng = random.Random(0)
+    n, bs = 2 * 64 * 4 + 5, 4  # two windows of 64 batches and a remainder of 5: a partial batch of 1
+    lengths = [rng.randint(1, 40) for _ in range(n)]
+    a = epoch_order(n, 1, 0, batch_size=bs, lengths=lengths)
+    assert sorted(a) == list(range(n))
+    assert a == epoch_order(n, 1, 0, batch_size=bs, lengths=lengths) and a != epoch_order(n, 1, 1, batch_size=bs,
+                                                                                         lengths=lengths)
+    plain = epoch_order(n, 1, 0)
+    assert plain == epoch_order(n, 1, 0, batch_size=bs)  # no lengths: the random order of earlier versions
+    assert _padded(a, lengths, bs) < 0.75 * _padded(plain, lengths, bs)
+    batches = [a[b:b + bs] for b in range(0, n, bs)]
+    assert len(batches[-1]) == 1 and all(len(b) == bs for b in batches[:-1])
+    spans = [max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches[:-1]]
+    assert sum(spans) / len(spans) <= 2  # each batch's lengths nearly equal
+    firsts = [lengths[b[0]] for b in batches[:-1]]
+    assert firsts != sorted(firsts) and firsts != sorted(firsts, reverse=True)  # the batches are shuffled
+    with pytest.raises(ValueError, match="3 length keys for 10 examples"):
+        epoch_order(10, 1, 0, batch_size=2, lengths=[1, 2, 3])
+
+
+@pytest.mark.parametrize("group", [True, False])
+def test_text_stages_group_batches_by_length(tmp_path, ids_tokenizer_dir, monkeypatch, group):
+    """Pretraining and SFT hand the loop their examples' lengths (SFT its sources') when group_by_length is on, and
+    nothing when off."""
+    import rlt2t.learner.trainer as trainer
+
+    seen: list = []
+    real = trainer.epoch_order
+    monkeypatch.setattr(trainer, "epoch_order", lambda *a, **kw: seen.append(kw.get("lengths")) or real(*a, **kw))
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
+    src, tgt = _task(policy.tokenizer, n=32)
+    run_sft(policy, src, tgt, _sft_cfg(epochs=1, group_by_length=group), _run(tmp_path, "s"), tmp_path / "s")
+    run_pretrain(policy, src, PretrainConfig(epochs=1, batch_size=16, group_by_length=group), _run(tmp_path, "p"),
+                 tmp_path / "p")
+    expected = [[len(s) for s in src]] * 2 if group else [None, None]  # SFT: source lengths; pretraining: texts'
+    assert seen == expected
+
+
 def test_sft_learns_and_writes_logs_and_checkpoints(tmp_path, ids_tokenizer_dir):
     policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
     src, tgt = _task(policy.tokenizer)
