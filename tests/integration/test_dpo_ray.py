@@ -42,7 +42,9 @@ def reference(ray_session, copy_prepared, tmp_path_factory):
     train = [r for r in rows if r.get("kind", "train") == "train"]
     assert len(train) == steps and all("reward_margin" in r and "reward_accuracy" in r for r in train)
     assert train[0]["reward_margin"] == 0.0  # the first step's policy is its reference
-    assert train[-1]["reward_accuracy"] > 0.5 and train[-1]["reward_margin"] > 0
+    last_epoch = train[len(train) // 2:]  # its last step may hold 2 pairs: the epoch's mean says more
+    assert sum(r["reward_accuracy"] for r in last_epoch) / len(last_epoch) > 0.5
+    assert sum(r["reward_margin"] for r in last_epoch) / len(last_epoch) > 0
     assert any(r.get("kind") == "valid" for r in rows)  # validated after each epoch, as the online job
     return run, pairs, _weights(result.checkpoint), steps
 
