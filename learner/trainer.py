@@ -114,7 +114,7 @@ def epoch_order(n: int, seed: int, epoch: int, *, batch_size: int = 1,
                 lengths: Sequence[Any] | None = None) -> list[int]:
     """The example order of an epoch: a permutation depending only on (seed, epoch) and ``lengths``.
 
-    With ``lengths`` (one sort key per example, e.g. its (source, target) token counts) the batches are grouped
+    With ``lengths`` (one sort key per example, e.g. its source length in tokens) the batches are grouped
     by length: the permutation is cut into windows of :data:`GROUP_WINDOW` batches, each window sorted by key
     (stably, so equal keys keep their random order) and cut into batches of ``batch_size``, and the epoch's full
     batches are shuffled; a last, partial batch stays last (the loop reads batch ``b`` as the order's slice
