@@ -185,6 +185,10 @@ class DenoisingDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.texts)
 
+    def lengths(self) -> list[int]:
+        """Text token counts (before corruption): the sort keys of batches grouped by length."""
+        return [len(t) for t in self.texts]
+
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         # range() indexing normalises negative indices and raises IndexError when out of range, like a list
         index = range(len(self.texts))[index]

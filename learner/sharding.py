@@ -192,7 +192,7 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> float:
     squares = torch.zeros((), dtype=torch.float64)
     for group in (sharded, whole):
         if group:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None])  # (mypy)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None])
             norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
             squares = squares + norm.double().cpu() ** 2
     total = squares.sqrt()

@@ -115,7 +115,7 @@ def run_pretrain(policy: Policy, texts: Sequence[list[int]], cfg: PretrainConfig
                                reconstruct=cfg.objective == "reconstruct")
     return train_stage(stage="pretrain", cfg=cfg, run=run, model=policy.model, tokenizer=tok, dataset=dataset,
                        collate=make_collate(tok.pad_token_id, policy.model.config), step_fn=ce_step, out_dir=out_dir,
-                       resume_from=resume_from, lengths=[len(t) for t in texts] if cfg.group_by_length else None)
+                       resume_from=resume_from, lengths=dataset.lengths() if cfg.group_by_length else None)
 
 
 def with_lora(policy: Policy, lora: LoraConfig, seed: int) -> Policy:
