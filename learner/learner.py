@@ -103,8 +103,9 @@ class Objective(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def frozen_modules(self) -> list[torch.nn.Module]:
-        """Models the objective runs besides ``module`` (the reference, NLPO's masking policy), never trained:
-        the learner moves them to its device with ``module``."""
+        """Models the objective runs besides ``module`` (the reference, NLPO's masking policy), never trained,
+        each entered through its own forward: the learner moves them to its device with ``module``, or shards
+        them as it shards ``module`` (rl.strategy=fsdp)."""
         ...
 
 
@@ -162,11 +163,9 @@ class Learner:
         # Parameters outside the policy (PPO's value head): whole on every rank when the policy is sharded.
         self._replicated: list[torch.nn.Parameter] = []
         if self.sharded:
-            if self.objective.frozen_modules():
-                raise ValueError(f"rl.strategy=fsdp: rl.algorithm={rl_cfg.algorithm} holds frozen models in the "
-                                 "learner (a reference or masking policy), which are not sharded; use rl.strategy=ddp")
-            if hasattr(self.module, "share_cross_attention"):  # a layer's weights are whole only in its forward
-                self.module.share_cross_attention = False
+            for module in (self.module, *self.objective.frozen_modules()):
+                if hasattr(module, "share_cross_attention"):  # a layer's weights are whole only in its forward
+                    module.share_cross_attention = False
             inside = set(map(id, self.policy.model.parameters()))
             self._replicated = [p for p in self.module.parameters() if id(p) not in inside]
         self._build_optimizer()
@@ -215,6 +214,9 @@ class Learner:
         acc = Accelerator(cpu=not self.use_cuda, mixed_precision="no")
         sharding.shard(self.module, self.policy.model, self.cfg.fsdp, device=acc.device,
                        mixed_precision=self.mixed_precision, replicated=self._replicated)
+        for frozen in self.objective.frozen_modules():  # the reference: sharded alike, never trained
+            sharding.shard(frozen, frozen, self.cfg.fsdp.model_copy(update={"activation_checkpointing": False}),
+                           device=acc.device, mixed_precision=self.mixed_precision)
         for param in self._replicated:
             param.data = param.data.to(acc.device)
         self._build_optimizer()  # over the shards (the steps taken so far: none, _prepare runs before any)

@@ -97,6 +97,32 @@ def rank_shares(run: StepRunner, *counts: float) -> list[float]:
     return [ranks * local / total if total > 0 else 1.0 for local, total in zip(counts, totals, strict=True)]
 
 
+def reference_logits(run: StepRunner, module: GroupPolicy, reference: GroupPolicy | None, input_ids: Tensor,
+                     attention_mask: Tensor, labels: Tensor, k: int) -> Tensor:
+    """Teacher-forced logits [K*B, T, V] of the frozen reference (K label rows per source, rep-major), without
+    gradient, under the policy's mixed precision (at the start, policy = reference, their log-ratio is then
+    exactly 0). Under LoRA the reference is the policy's base: ``module``, the objective's own
+    :class:`GroupPolicy`, with the adapters disabled; otherwise ``reference``, the start's :class:`GroupPolicy`.
+    Both are entered through their root's forward, as the sharded learner needs (each is an FSDP root there)."""
+    model = module.model
+    with torch.no_grad(), run.autocast():
+        if is_lora(model):
+            with reference_policy(model):
+                return module(input_ids, attention_mask, labels, k).logits
+        if reference is None:
+            raise RuntimeError("the batch carries no reference log-probs and the learner holds no reference "
+                               "policy (rollout workers compute them when rl.kl.coef > 0)")
+        return reference(input_ids, attention_mask, labels, k).logits
+
+
+def frozen_reference(reference: nn.Module | None) -> GroupPolicy | None:
+    """The frozen reference model as the objective runs it: its own :class:`GroupPolicy` (an FSDP root under the
+    sharded learner, which shards it as it shards the policy), in eval mode, without gradients."""
+    if reference is None:
+        return None
+    return GroupPolicy(reference.eval().requires_grad_(False)).eval()
+
+
 def rank_token_share(run: StepRunner, mask: Tensor) -> float:
     """`rank_shares` of the tokens of ``mask``: for a token mean over the mask."""
     return rank_shares(run, float(mask.sum()))[0]
@@ -252,7 +278,7 @@ class PolicyGradientObjective:
         self.unit: PolicyGradient = unit if unit is not None else rl.unit  # type: ignore[assignment]
         self.k = rollout.num_samples
         head = ValueHead(decoder_hidden_size(policy.model.config)) if self.unit.value_head else None
-        self.module: nn.Module = GroupPolicy(policy.model, head)
+        self.module: GroupPolicy = GroupPolicy(policy.model, head)
         self.module.eval()
         self.transform = {"temperature": rollout.temperature, "top_k": rollout.top_k, "top_p": rollout.top_p}
         self.kl = AdaptiveKLController(rl.kl.coef, rl.kl.target, rl.kl.horizon)
@@ -262,7 +288,7 @@ class PolicyGradientObjective:
         self.kl_in_loss = self.unit.kl_in_loss
         self.value_clip = rl.pg.value_clip if self.unit.clipped else math.inf
         # Used only when a batch arrives without reference log-probs (policy servers do not compute them).
-        self.reference = reference
+        self.reference = frozen_reference(reference)
         # Policy servers send samples without reference log-probs: the learner scores them (a second pass).
         self.scores_reference = rl.uses_kl and rollout.source == "http"
         # NLPO's masking policy: one model whose weights are those of the version each group was sampled under
@@ -404,17 +430,8 @@ class PolicyGradientObjective:
     def _reference_logprobs(self, run: StepRunner, batch: GroupBatch) -> Tensor:
         if batch.reference_logprobs is not None:
             return batch.reference_logprobs
-        # Under the policy's mixed precision: at the start (policy = reference) the KL is then exactly 0.
-        if is_lora(self.policy.model):  # the reference is the base: the same model with its adapters disabled
-            with torch.no_grad(), run.autocast(), reference_policy(self.policy.model):
-                logits = group_forward(self.policy.model, batch.input_ids, batch.attention_mask, batch.labels,
-                                       batch.k).logits
-            return token_scores(logits, batch.labels, "logprobs", IGNORE_INDEX)
-        if self.reference is None:
-            raise RuntimeError("the batch carries no reference log-probs and the learner holds no reference "
-                               "policy (rollout workers compute them when rl.kl.coef > 0)")
-        with torch.no_grad(), run.autocast():
-            logits = group_forward(self.reference, batch.input_ids, batch.attention_mask, batch.labels, batch.k).logits
+        logits = reference_logits(run, self.module, self.reference, batch.input_ids, batch.attention_mask,
+                                  batch.labels, batch.k)
         return token_scores(logits, batch.labels, "logprobs", IGNORE_INDEX)
 
     def step(self, run: StepRunner, batch: GroupBatch, items: Sequence[ScoredGroup], step: int) -> dict[str, float]:

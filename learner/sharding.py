@@ -12,8 +12,9 @@ With rl.fsdp.activation_checkpointing each layer is recomputed in the backward, 
 its inputs alone: no decoder cache (the repeated passes set ``use_cache=False``).
 
 Small modules that are not the policy's (PPO's value head) stay whole on every rank, their gradients averaged
-by :func:`average_replicated_grads`, as DDP would. Under bf16 the sharded parameters compute in bf16 and their
-gradients reduce in fp32; on the CPU everything stays fp32.
+by :func:`average_replicated_grads`, as DDP would. A frozen reference the learner holds (DPO's, or the KL's for
+policy servers' samples) is sharded alike, as a root of its own. Under bf16 the sharded parameters compute in
+bf16 and their gradients reduce in fp32; on the CPU everything stays fp32.
 
 What leaves a rank stays independent of the sharding: the policy's whole state dict (:func:`full_state`, a
 collective, on rank 0), and each rank's optimizer state as plain local tensors (:func:`local_optimizer_state`;
@@ -221,13 +222,14 @@ def gathered(module: nn.Module, reshard_after_forward: bool) -> Iterator[None]:
             unit.reshard()
 
 
-def rank_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of parameters and optimizer state this rank holds (its shards; replicated parameters whole)."""
+def rank_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes of parameters and optimizer state this rank holds (its shards; replicated parameters whole); a
+    frozen model (the reference) has no optimizer."""
     def local_bytes(t: Tensor) -> int:
         t = t.to_local() if isinstance(t, DTensor) else t
         return t.numel() * t.element_size()
 
     total = sum(local_bytes(p) for p in module.parameters())
-    for state in optimizer.state.values():
+    for state in optimizer.state.values() if optimizer is not None else ():
         total += sum(local_bytes(v) for v in state.values() if isinstance(v, Tensor))
     return total

@@ -171,9 +171,6 @@ def _check_sharded(cfg: Config) -> None:
         why = f"rl.algorithm={cfg.rl.algorithm} has no sharded learner (its unit is not shardable)"
     elif cfg.run.mixed_precision == "fp16":
         why = "run.mixed_precision=fp16 needs a sharded loss scaler; use bf16"
-    elif cfg.rl.uses_kl and cfg.rollout.source == "http":
-        why = ("rollout.source=http with a KL (rl.kl.coef > 0): the learner would hold the reference; the rollout "
-               "workers score it under rollout.source=ray")
     if why:
         raise ValueError(f"rl.strategy=fsdp: {why}. Use rl.strategy=ddp for this run.")
 

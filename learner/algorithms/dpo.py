@@ -71,7 +71,6 @@ class DPO(Algorithm):
     settings = DPOSettings
     uses_reference = False  # the KL of rl.kl.* does not apply: the reference enters through the loss itself
     learner_reference = True
-    shardable = False  # the learner's reference passes bypass the policy's module
     default_refresh_steps = 0
     default_lr = 2e-5  # at the policy gradients' 2e-4 it drifted 6-31 nats from the start (bench/findings/dpo_synth.md)
 
@@ -106,13 +105,13 @@ class DPOObjective:
 
         from rlt2t.common.lora import is_lora
         from rlt2t.learner.group_step import GroupPolicy
+        from rlt2t.learner.objectives import frozen_reference
 
         self.settings, self.policy = settings, policy
-        self.lora = is_lora(policy.model)
-        if reference is None and not self.lora:
+        if reference is None and not is_lora(policy.model):
             # The learner built the policy from the start checkpoint and hands no reference: copy it now.
             reference = copy.deepcopy(policy.model)
-        self.reference = None if reference is None else reference.eval().requires_grad_(False)
+        self.reference = frozen_reference(reference)
         self.module = GroupPolicy(policy.model)
         self.module.eval()  # dropout off: the policy and the reference score alike at the start (h = 0)
 
@@ -158,18 +157,12 @@ class DPOObjective:
         """(h [B], the policy's sequence log-probs [2B] with gradient, the reference's [2B])."""
         import torch
 
-        from rlt2t.common.lora import reference_policy
-        from rlt2t.learner.group_step import group_forward
+        from rlt2t.learner.objectives import reference_logits
 
         size = batch.input_ids.shape[0]
-        with torch.no_grad(), run.autocast():
-            if self.lora:
-                with reference_policy(self.policy.model):
-                    ref_logits = group_forward(self.policy.model, batch.input_ids, batch.attention_mask,
-                                               batch.labels, 2).logits
-            else:
-                ref_logits = group_forward(self.reference, batch.input_ids, batch.attention_mask, batch.labels,
-                                           2).logits
+        ref_logits = reference_logits(run, self.module, self.reference, batch.input_ids, batch.attention_mask,
+                                      batch.labels, 2)
+        with torch.no_grad():
             ref = self._sequence_logprobs(ref_logits, batch.labels)
         out = run.forward(batch.input_ids, batch.attention_mask, batch.labels, 2)
         logp = self._sequence_logprobs(out.logits, batch.labels)

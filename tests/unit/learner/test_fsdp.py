@@ -1,7 +1,7 @@
 """The sharded learner (rl.strategy=fsdp) on two gloo ranks on the CPU: it takes the steps DDP takes (loss and
-weights within 1e-5 over three steps, tiny BART and T5, GRPO and PPO), holds about half the bytes per rank, and a
-checkpoint written mid-run (a Hugging Face directory plus each rank's optimizer shard) resumes to the weights of
-the uninterrupted run."""
+weights within 1e-5 over three steps, tiny BART and T5, GRPO, PPO, rank RL and DPO, a reference held in the
+learner sharded as the policy is), holds about half the bytes per rank, and a checkpoint written mid-run (a
+Hugging Face directory plus each rank's optimizer shard) resumes to the weights of the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -23,10 +23,13 @@ from rlt2t.common.data import Example
 from rlt2t.common.family_table import PRESET_FAMILIES, PRESETS
 from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.policy import load_policy
+from rlt2t.common.types import PreferencePair
 from rlt2t.learner.learner import Learner
 from rlt2t.learner.sharding import layer_units, rank_bytes
 
 ROLLOUT = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
+# Samples from policy servers: no reference log-probs come with them, the learner scores its own reference.
+HTTP_ROLLOUT = ROLLOUT.model_copy(update={"source": "http", "urls": ["http://127.0.0.1:1"]})
 EXAMPLES = [Example(id=f"ex{i}", source=" ".join(str(10 + (i * 7 + j) % 50) for j in range(3 + i % 4)),
                     target=" ".join(str(10 + (i * 3 + j) % 50) for j in range(2 + i % 3))) for i in range(24)]
 STEPS = 3
@@ -65,9 +68,14 @@ def family_dir(request, ids_tokenizer_dir, tmp_path_factory) -> tuple[str, Path]
 
 def _batches(family: str, init_dir: Path, algorithm: str, path: Path) -> None:
     """STEPS global batches of scored groups (8 sources each), sampled once from the start policy and saved for
-    the ranks: both strategies train on the same items."""
-    algorithm = algorithm.partition("+")[0]
-    spec = rollout_spec_for(algorithm, kl=algorithm != "rank")
+    the ranks: both strategies train on the same items. DPO: 8 preference pairs each (the gold target chosen
+    over another example's)."""
+    algorithm, _, variant = algorithm.partition("+")
+    if algorithm == "dpo":
+        torch.save([[PreferencePair(e.id, e.source, e.target, EXAMPLES[(i + 5) % len(EXAMPLES)].target)
+                     for i, e in enumerate(EXAMPLES[s * 8:(s + 1) * 8], start=s * 8)] for s in range(STEPS)], path)
+        return
+    spec = rollout_spec_for(algorithm, kl=algorithm != "rank" and variant != "http")
     weights = load_policy(_model(family), checkpoint=init_dir).model.state_dict()
     worker = RolloutWorker(_model(family), str(init_dir), ROLLOUT, seed=3, max_source_len=16, spec=spec,
                            start_weights=weights)
@@ -76,16 +84,19 @@ def _batches(family: str, init_dir: Path, algorithm: str, path: Path) -> None:
     torch.save([reward.score(worker.sample(EXAMPLES[i * 8:(i + 1) * 8])) for i in range(STEPS)], path)
 
 
-def _learner(family: str, init: str, algorithm: str, strategy: str, rank: int) -> Learner:
-    """``algorithm``: a registered name, ``+lora`` for a LoRA policy (the same adapters on every rank)."""
-    algorithm, _, lora = algorithm.partition("+")
-    learner = Learner(_model(family, bool(lora)), None, _rl(family, algorithm, strategy), ROLLOUT, init_checkpoint=init,
-                      rank=rank, world_size=2, total_steps=10, seed=0, max_source_len=16, max_target_len=16)
+def _learner(family: str, init: str, algorithm: str, strategy: str, rank: int, reference: str | None = None) -> Learner:
+    """``algorithm``: a registered name, ``+lora`` for a LoRA policy (the same adapters on every rank), ``+http``
+    for samples from policy servers (the learner holds and scores the reference: ``reference``, else ``init``)."""
+    algorithm, _, variant = algorithm.partition("+")
+    learner = Learner(_model(family, variant == "lora"), None, _rl(family, algorithm, strategy),
+                      HTTP_ROLLOUT if variant == "http" else ROLLOUT, init_checkpoint=init, rank=rank, world_size=2,
+                      total_steps=10, seed=0, max_source_len=16, max_target_len=16, reference_checkpoint=reference)
     # DDP through the sharded learner's passes (encoder states repeated, not a shared cross-attention cache,
     # which test_group_step.py compares with the repeated passes), so that the two differ in the sharding alone
     # (the two passes differ in round-off, which three policy-gradient steps grew to 2e-4 in the wide tiny T5's
     # loss).
-    learner.module.share_cross_attention = False
+    for module in (learner.module, *learner.objective.frozen_modules()):
+        module.share_cross_attention = False
     return learner
 
 
@@ -139,7 +150,7 @@ def _run(rank: int, out_dir: Path, batches: list, family: str, init_dir: str, al
                 learners["run"].weights()
             dist.barrier()
             path = root / checkpoint_name(step=step)
-            learners["resumed"] = _learner(family, str(path), algorithm, strategy, rank)
+            learners["resumed"] = _learner(family, str(path), algorithm, strategy, rank, reference=init_dir)
             learners["resumed"].load_training_state_from(str(path))
             results["resumed"] = {"loss": [], "grad_norm": []}
         for name, learner in learners.items():
@@ -149,6 +160,7 @@ def _run(rank: int, out_dir: Path, batches: list, family: str, init_dir: str, al
     results["run"]["layer_calls"] = calls[0]
     for name, learner in learners.items():
         results[name]["bytes"] = rank_bytes(learner.module, learner.optimizer)
+        results[name]["frozen_bytes"] = sum(rank_bytes(m) for m in learner.objective.frozen_modules())
         weights = learner.weights() if strategy == "fsdp" or rank == 0 else {}
         if rank == 0:
             torch.save(weights, out_dir / f"weights-{name}.pt")
@@ -170,9 +182,11 @@ def _train(run_ranks, tmp: Path, family: str, init_dir: Path, algorithm: str) ->
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family_dir, algorithm", [("bart", "grpo"), ("bart", "ppo"), ("bart", "rank"),
-                                                  ("bart", "grpo+lora"), ("t5", "grpo")],
-                         indirect=["family_dir"])  # PPO's value head, rank RL's loss, LoRA: family-independent
+# PPO's value head, rank RL's loss, LoRA, DPO, the learner's reference pass: family-independent. (`grpo+http`:
+# GRPO with the learner scoring its sharded reference; `t5, grpo` takes the reference log-probs with the samples.)
+@pytest.mark.parametrize("family_dir, algorithm", [("bart", "grpo+http"), ("bart", "ppo"), ("bart", "rank"),
+                                                  ("bart", "grpo+lora"), ("bart", "dpo"), ("t5", "grpo")],
+                         indirect=["family_dir"])
 def test_fsdp_steps_as_ddp_with_half_the_bytes_per_rank_and_resumes_exactly(family_dir, algorithm, tmp_path,
                                                                             run_ranks):
     family, init_dir = family_dir
@@ -207,6 +221,13 @@ def test_fsdp_steps_as_ddp_with_half_the_bytes_per_rank_and_resumes_exactly(fami
     for rank in (0, 1):
         share = fsdp["ranks"][rank]["bytes"] / ddp["ranks"][rank]["bytes"]
         assert 0.45 < share < 0.6, share
+    # A reference the learner holds (DPO's; GRPO's for policy servers' samples) is sharded as the policy is.
+    holds_reference = algorithm in ("dpo", "grpo+http")
+    assert bool(ddp["ranks"][0]["frozen_bytes"]) == holds_reference
+    if holds_reference:
+        for rank in (0, 1):
+            share = fsdp["ranks"][rank]["frozen_bytes"] / ddp["ranks"][rank]["frozen_bytes"]
+            assert 0.45 < share < 0.6, share
     # Checkpointed after two steps, new learners from that checkpoint take the third step as the run did.
     for rank in (0, 1):
         assert resumed["ranks"][rank]["loss"] == fsdp["ranks"][rank]["loss"][2:]
@@ -219,7 +240,6 @@ def test_fsdp_steps_as_ddp_with_half_the_bytes_per_rank_and_resumes_exactly(fami
 @pytest.mark.parametrize("change, message", [
     ({"rl": {"algorithm": "trpo"}}, "rl.algorithm=trpo has no sharded learner"),
     ({"run": {"mixed_precision": "fp16", "device": "cuda"}}, "run.mixed_precision=fp16"),
-    ({"rollout": {"source": "http", "urls": ["http://127.0.0.1:1"]}}, "rollout.source=http with a KL"),
 ])
 def test_what_fsdp_does_not_cover_is_refused_at_config_time_naming_the_key(change, message):
     base = {"rl": {"strategy": "fsdp", "learners": 2}}
