@@ -88,9 +88,9 @@ log = logging.getLogger("bench.algorithms")
 ALL_ARMS = ("continued_sft", "rank", "scst", "rloo", "grpo", "ppo", "a2c", "nlpo", "dpo", "trpo")
 
 # Defaults the saved results were measured with, before the demo's changed (CHANGELOG: sft.monitor, the
-# monitor's size, the synthetic splits, the preset family), pinned so that a rerun measures what they did. The
-# synthetic task itself moved to generator version 3, which no setting brings back.
-_MEASURED_WITH = ["model.family=bart", "sft.monitor=metric", "metric.monitor_size=200"]
+# monitor's size, the synthetic splits, the preset family, SFT batches grouped by length), pinned so that a rerun
+# measures what they did. The synthetic task itself moved to generator version 3, which no setting brings back.
+_MEASURED_WITH = ["model.family=bart", "sft.monitor=metric", "metric.monitor_size=200", "sft.group_by_length=false"]
 _SPLITS_BEFORE = ["synth.valid_fraction=0.05", "synth.test_fraction=0.05"]
 
 # The tasks' shared stages. The synthetic task is the demo's; WordNet definitions need a subword tokenizer,

@@ -8,7 +8,8 @@ the SFT and the GRPO checkpoint of bench/algorithms.py's runs, over seeds, on th
 The checkpoints are those of `bench/algorithms.py --task T --workdir W` (``W/T/seed<s>/base/sft`` and the ``grpo``
 arm's last checkpoint); ``--train`` first runs that script, arms continued_sft and grpo, for the seeds that lack
 them, with the settings recorded in ``bench/results/algorithms_<task>.json`` (``--settings-from`` names another
-file). Per seed and checkpoint, on the whole test split:
+file; ``--train-override key=value`` adds a setting after them, recorded with the task's results). Per seed and
+checkpoint, on the whole test split:
 
   greedy, beam           ``rlt2t eval``'s decodes (eval.num_beams 1 and BEAM), Hugging Face generate
   pool                   ``rlt2t eval --rerank`` on the torch backend (``rlt2t.ensemble.rerank_with_policy``):
@@ -410,8 +411,10 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
     return out
 
 
-def train_missing(task: str, workdir: Path, seeds: list[int], settings_from: Path) -> None:
-    """bench/algorithms.py for the seeds whose checkpoints are missing, niced as this process is."""
+def train_missing(task: str, workdir: Path, seeds: list[int], settings_from: Path,
+                  train_overrides: Sequence[str] = ()) -> None:
+    """bench/algorithms.py for the seeds whose checkpoints are missing, niced as this process is;
+    ``train_overrides`` (key=value) go to its shared stages after the saved settings' own."""
     missing = [s for s in seeds if checkpoints(workdir, task, s) is None]
     if not missing:
         return
@@ -423,6 +426,8 @@ def train_missing(task: str, workdir: Path, seeds: list[int], settings_from: Pat
                     settings["task_settings"], TASK_SETTINGS[task])
     cmd = [sys.executable, str(Path(__file__).resolve().parent / "algorithms.py"),
            *algorithms_args(task, workdir, missing, settings)]
+    for value in train_overrides:
+        cmd += ["--base-override", value]
     log.info("training: %s", " ".join(cmd))
     subprocess.run(cmd, check=True)
 
@@ -488,6 +493,9 @@ def main() -> None:
     ap.add_argument("--train", action="store_true", help="train the missing checkpoints first (bench/algorithms.py)")
     ap.add_argument("--settings-from", type=Path, default=None,
                     help="the algorithms result whose settings --train uses (default: algorithms_<task>.json)")
+    ap.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
+                    help="--train: a setting of the checkpoints' shared stages after the saved settings' own "
+                         "(repeatable; recorded in the results), e.g. model.family=mbart")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads here and in --train's runs (OMP_NUM_THREADS): with other work on the cores, "
                          "two threads that wait for each other at every op were 8x slower than one")
@@ -501,7 +509,8 @@ def main() -> None:
     workdir = args.workdir.resolve()
     setup_logging()
     if args.train:
-        train_missing(args.task, workdir, seeds, args.settings_from or RESULTS / f"algorithms_{args.task}.json")
+        train_missing(args.task, workdir, seeds, args.settings_from or RESULTS / f"algorithms_{args.task}.json",
+                      args.train_override)
     t_start = time.perf_counter()
     readings: dict[str, dict[str, Any]] = {}
     for seed in seeds:
@@ -525,6 +534,7 @@ def main() -> None:
     cfg = decoding_config(workdir, args.task, seeds[0])
     tasks[args.task] = {
         "machine": machine(), "workdir": str(workdir), "seeds": ", ".join(str(s) for s in seeds),
+        "train_overrides": args.train_override,
         "test_rows": readings[str(seeds[0])]["sft"]["rows"],
         "rl": {"algorithm": cfg.rl.algorithm, "epochs": cfg.rl.epochs, "train_subset": cfg.rl.train_subset,
                "batch_size": cfg.rl.batch_size},
