@@ -88,9 +88,11 @@ log = logging.getLogger("bench.algorithms")
 ALL_ARMS = ("continued_sft", "rank", "scst", "rloo", "grpo", "ppo", "a2c", "nlpo", "dpo", "trpo")
 
 # Defaults the saved results were measured with, before the demo's changed (CHANGELOG: sft.monitor, the
-# monitor's size, the synthetic splits, the preset family, SFT batches grouped by length), pinned so that a rerun
-# measures what they did. The synthetic task itself moved to generator version 3, which no setting brings back.
-_MEASURED_WITH = ["model.family=bart", "sft.monitor=metric", "metric.monitor_size=200", "sft.group_by_length=false"]
+# monitor's size, the synthetic splits, the preset family, SFT's early stop, SFT batches grouped by length),
+# pinned so that a rerun measures what they did. The synthetic task itself moved to generator version 3, which
+# no setting brings back.
+_MEASURED_WITH = ["model.family=bart", "sft.monitor=metric", "metric.monitor_size=200", "sft.patience=0",
+                  "sft.group_by_length=false"]
 _SPLITS_BEFORE = ["synth.valid_fraction=0.05", "synth.test_fraction=0.05"]
 
 # The tasks' shared stages. The synthetic task is the demo's; WordNet definitions need a subword tokenizer,
@@ -184,7 +186,8 @@ def arm_config(base: Config, arm: str, args: argparse.Namespace, sources: Path |
         sources = sources.with_name("train.jsonl")
     return load_config(overrides=[
         f"run.dir={base.run_dir.parent / name}", "run.progress=false", f"run.seed={base.run.seed}",
-        *TASK_SETTINGS[args.task], f"tokenizer.path={base.tokenizer_dir}",
+        # the base's settings: the model the arm's workers build must be the one its checkpoints hold
+        *TASK_SETTINGS[args.task], *args.base_override, f"tokenizer.path={base.tokenizer_dir}",
         f"data.train={sources or base.path(base.data.train)}", f"data.valid={base.path(base.data.valid)}",
         f"data.test={base.path(base.data.test)}", "eval.split=test",
         f"rl.epochs={args.rl_epochs}", f"rl.train_subset={args.train_subset}", f"rl.batch_size={args.batch_size}",
@@ -611,7 +614,8 @@ def main() -> None:
     ap.add_argument("--train-subset", type=int, default=512, help="rl.train_subset: sources per RL epoch")
     ap.add_argument("--batch-size", type=int, default=32, help="rl.batch_size: sources per learner step")
     ap.add_argument("--override", action="append", default=[], help="key=value for every arm (repeatable)")
-    ap.add_argument("--base-override", action="append", default=[], help="key=value for the shared stages")
+    ap.add_argument("--base-override", action="append", default=[],
+                    help="key=value for the shared stages (the arms take them too: their model is the base's)")
     ap.add_argument("--nl-size", type=int, default=8000, help="rows of a natural-language task (wordnet, docstrings)")
     ap.add_argument("--no-save", action="store_true", help="print only; leave bench/results/ alone")
     ap.add_argument("--heldout", type=int, default=0,

@@ -31,6 +31,7 @@ from rlt2t.common.families import (
     preset_config,
     vocab_size,
 )
+from rlt2t.common.family_table import PRESETS
 from rlt2t.common.tokenization import load_tokenizer
 
 log = logging.getLogger("rlt2t.policy")
@@ -114,6 +115,30 @@ def load_policy(
     log.info("policy from %s (%s): %.2fM parameters, vocab %d", origin, family.name,
              sum(p.numel() for p in model.parameters()) / 1e6, vocab_size(model.config))
     return Policy(model=model, tokenizer=tokenizer, origin=origin)
+
+
+def check_preset_holds(model_cfg: ModelConfig, checkpoint: str | Path, what: str) -> None:
+    """Workers that build ``model_cfg``'s preset and load another process's weights into it (the RL job's rollout
+    workers take the learner's) need the preset to be the architecture of ``checkpoint``, the weights' start: a
+    checkpoint of another family or shape is refused here, naming the key, instead of failing every worker's
+    strict load. Nothing to check with ``model.path`` (the workers load that directory) or for an adapter
+    checkpoint (its base's config)."""
+    config_file = Path(checkpoint) / "config.json"
+    if model_cfg.path is not None or model_cfg.preset is None or not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text())
+    family = family_of(config, where=str(checkpoint))
+    if family.name != model_cfg.family:
+        raise ValueError(f"model.family={model_cfg.family}: {what} {checkpoint} is a {family.name} model, and the "
+                         f"workers build model.preset={model_cfg.preset} of model.family to load its weights into; "
+                         f"set model.family={family.name}")
+    shape = PRESETS[model_cfg.preset]
+    width = config.get("d_model")
+    layers = config.get("encoder_layers", config.get("num_layers"))
+    if (width, layers) != (shape["d_model"], shape["layers"]):
+        raise ValueError(f"model.preset={model_cfg.preset} ({shape['d_model']} wide, {shape['layers']} layers): "
+                         f"{what} {checkpoint} is {width} wide with {layers} layers; set model.preset to the "
+                         f"one it was built from (known: {', '.join(PRESETS)})")
 
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -55,6 +55,7 @@ from rlt2t.common.config import Config
 from rlt2t.common.data import Example, reference_sets
 from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.plots import plot_curves
+from rlt2t.common.policy import check_preset_holds
 from rlt2t.common.python_rewards import RewardError
 from rlt2t.common.rewards import UserRegistrations, check_reward
 from rlt2t.common.tracking import RunLogger
@@ -278,6 +279,9 @@ class _Job:
         if cfg.reward.source != "http" and learned and cfg.reward.device == "cuda" and not r.reward_gpus:
             raise ValueError("reward.device=cuda: the RL job's reward workers have no GPU; give them one with "
                              "rl.reward_gpus (e.g. 0.25), or set reward.device=auto")
+        if cfg.rollout.source != "http":  # the rollout workers build the preset and load these weights into it
+            for path, what in {init: "the KL reference", start: "the RL start"}.items():
+                check_preset_holds(cfg.model, path, what)
         learners = rollouts = rewards = None
         start_weights: FetchObject | None = None
         start_weights_loaded: ray.ObjectRef | None = None

@@ -195,11 +195,14 @@ def test_the_replay_arm_trains_on_every_training_row_and_needs_the_split(bench, 
     from rlt2t.common.config import load_config
 
     base = load_config(overrides=[f"run.dir={tmp_path / 'seed1' / 'base'}"])
-    args = argparse.Namespace(task="synth", rl_epochs=1, train_subset=8, batch_size=4, override=[])
+    # A shared stages' setting reaches the arms: their workers build the model the base's checkpoints hold.
+    args = argparse.Namespace(task="synth", rl_epochs=1, train_subset=8, batch_size=4, override=[],
+                              base_override=["model.family=mbart"])
     rl_rows = tmp_path / "data" / "train_rl.jsonl"
     replay = bench.arm_config(base, "continued_sft:replay", args, rl_rows)
     plain = bench.arm_config(base, "continued_sft", args, rl_rows)
     assert Path(replay.data.train) == rl_rows.with_name("train.jsonl") and Path(plain.data.train) == rl_rows
     assert replay.run_dir != plain.run_dir and replay.rl.algorithm == "rank" and replay.rl.rank.loss_weight == 0
+    assert plain.model.family == replay.model.family == "mbart"  # the task's settings pin bart; the override wins
     with pytest.raises(ValueError, match="needs --rl-split"):
         bench.arm_config(base, "continued_sft:replay", args, None)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlt2t.common.config import DataConfig, ModelConfig
-from rlt2t.common.policy import bart_config, check_lengths, load_policy
+from rlt2t.common.policy import bart_config, check_lengths, check_preset_holds, load_policy
 from rlt2t.common.tokenization import load_tokenizer
 
 
@@ -65,3 +65,22 @@ def test_vocabulary_mismatch_is_rejected(tiny_policy, tmp_path):
 
 def test_decode_drops_specials(tiny_policy):
     assert tiny_policy.decode([[2, 10 + 5, 10 + 7, 2, 1, 1]]) == ["5 7"]
+
+
+@pytest.mark.parametrize("family", ["mbart", "t5"])
+def test_a_preset_of_another_family_or_shape_than_the_checkpoint_is_refused_naming_the_key(family, ids_tokenizer_dir,
+                                                                                          tmp_path):
+    """The RL job's rollout workers build model.preset of model.family and load the learner's weights into it: a
+    checkpoint of another architecture is refused before any worker starts (the strict load would fail in every
+    one of them). The preset it was built from passes; so does model.path, which the workers load themselves."""
+    from rlt2t.common.families import FAMILIES
+
+    load_policy(ModelConfig(preset="tiny", family=family), ids_tokenizer_dir, seed=0).model.save_pretrained(tmp_path)
+    check_preset_holds(ModelConfig(preset="tiny", family=family), tmp_path, "the RL start")
+    check_preset_holds(ModelConfig(preset=None, path=str(tmp_path)), tmp_path, "the RL start")
+    other = next(f for f in FAMILIES if f != family and FAMILIES[f].preset)
+    with pytest.raises(ValueError, match=f"model.family={other}: the RL start .* is a {family} model.*"
+                                         f"set model.family={family}"):
+        check_preset_holds(ModelConfig(preset="tiny", family=other), tmp_path, "the RL start")
+    with pytest.raises(ValueError, match="model.preset=small .* is 32 wide with 1 layers"):
+        check_preset_holds(ModelConfig(preset="small", family=family), tmp_path, "the RL start")
