@@ -22,8 +22,9 @@ checkpoint, on the whole test split:
   mean_logprob           predict's default rerank: the best length-normalised log-likelihood
   reward                 ``--rerank reward``: a reward model (``rlt2t reward-model train``: the seed's SFT checkpoint
                          as backbone, trained on ratings = the sentence task score against the references of
-                         the SFT checkpoint's pool of 512 training sources, 4 beams and 8 samples each), no
-                         reference at test time; one per seed, for both checkpoints; its defaults
+                         the SFT checkpoint's pool of 512 training sources, 4 beams and 8 samples each, empty
+                         ones left out), no reference at test time; one per seed, for both checkpoints; its
+                         defaults
   reward_lr1e-3          the same on the same ratings, reward_model.lr=1e-3 (a second protocol: the defaults'
                          held-out pair accuracy was at chance)
   oracle                 the pool's best candidate by its sentence task score against the references
@@ -306,7 +307,8 @@ def train_reward_model(cfg: Config, sft: Path, method: str) -> dict[str, Any]:
                                       sampling_topk=p.top_k, sampling_topp=p.top_p,
                                       sampling_temperature=p.temperature, seed=stable_seed(p.seed, "rm", start))
             for source, bs, ss in zip(part, beams, samples, strict=True):
-                texts = list(dict.fromkeys(h.text for h in [*bs, *ss]))
+                # an empty candidate has no row in a ratings file (the reader refuses it, naming the line)
+                texts = [t for t in dict.fromkeys(h.text for h in [*bs, *ss]) if t.strip()]
                 scores = metric.per_sample(texts, [by_source[source]] * len(texts))
                 rows += [{"source": source, "candidate": t, "rating": float(r)} for t, r in zip(texts, scores,
                                                                                               strict=True)]
