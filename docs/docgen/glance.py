@@ -79,6 +79,14 @@ def glance_ct2(results_dir: Path) -> list[str] | None:
             f"K = 6, 48 tokens, {'; '.join(machines)}", "ct2_sampling"]
 
 
+def _short(diff: dict) -> str:
+    """A paired difference as `+9 % (3.1 σ)`: short enough for three tasks in one README row (the benchmark page
+    has the means and stds)."""
+    std = diff.get("std")
+    sigmas = diff.get("sigmas", diff["mean"] / std if isinstance(std, int | float) and std > 0 else None)
+    return f"{100 * diff['relative']:+.0f} %" + (f" ({sigmas:.1f} σ)" if isinstance(sigmas, int | float) else "")
+
+
 def glance_decoding(results_dir: Path) -> list[str] | None:
     data = read_json(results_dir / "decoding.json")
     if data is None:
@@ -88,7 +96,7 @@ def glance_decoding(results_dir: Path) -> list[str] | None:
         by = {(d["comparison"], d["metric"]): d for d in s["paired"]}
         mbr = by[("grpo: mbr_task_score - beam", "task_score")]
         both = by[("grpo mbr_task_score - sft greedy", "task_score")]
-        figures.append(f"{task}: {paired(mbr)} over beam, RL + MBR {paired(both)} over SFT greedy")
+        figures.append(f"{task}: {_short(mbr)} over beam, RL + MBR {_short(both)} over SFT greedy")
         seeds.add(mbr["n"])
     return ["MBR decoding (task-score utility) on the GRPO checkpoint", "; ".join(figures),
             f"{'/'.join(str(n) for n in sorted(seeds))} seeds per task, test split, {short_machine(data)}",
