@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 from docgen.benchmarks import RESULTS
-from docgen.markdown import header, paired, table
+from docgen.markdown import header, paired, sigmas_of, table
 from docgen.results import page_of
 
 # -- README: results at a glance ----------------------------------------------------------------------------
@@ -82,8 +82,7 @@ def glance_ct2(results_dir: Path) -> list[str] | None:
 def _short(diff: dict) -> str:
     """A paired difference as `+9 % (3.1 σ)`: short enough for three tasks in one README row (the benchmark page
     has the means and stds)."""
-    std = diff.get("std")
-    sigmas = diff.get("sigmas", diff["mean"] / std if isinstance(std, int | float) and std > 0 else None)
+    sigmas = sigmas_of(diff)
     return f"{100 * diff['relative']:+.0f} %" + (f" ({sigmas:.1f} σ)" if isinstance(sigmas, int | float) else "")
 
 

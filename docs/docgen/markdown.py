@@ -70,13 +70,19 @@ def mean_std(stat: Any, digits: int = 3) -> str:
     return f"{stat['mean']:.{digits}f}" + (f" ± {std:.{digits}f}" if isinstance(std, int | float) else "")
 
 
+def sigmas_of(diff: dict) -> float | None:
+    """σ of a paired difference: its saved ``sigmas``, else mean / std of the differences over seeds."""
+    std = diff.get("std")
+    return diff.get("sigmas", diff["mean"] / std if isinstance(std, int | float) and std > 0 else None)
+
+
 def paired(diff: Any) -> str:
     """A paired difference: `+0.389 ± 0.071 (5.5 σ, +24 %)`; σ = mean / std of the differences over seeds."""
     if not isinstance(diff, dict) or not isinstance(diff.get("mean"), int | float):
         return ""
     mean, std = diff["mean"], diff.get("std")
     text = f"{mean:+.3f}" + (f" ± {std:.3f}" if isinstance(std, int | float) else "")
-    sigmas = diff.get("sigmas", mean / std if isinstance(std, int | float) and std > 0 else None)
+    sigmas = sigmas_of(diff)
     notes = [f"{sigmas:.1f} σ"] if isinstance(sigmas, int | float) else []
     if isinstance(diff.get("relative"), int | float):
         notes.append(f"{100 * diff['relative']:+.0f} %")
