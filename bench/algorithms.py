@@ -88,11 +88,11 @@ log = logging.getLogger("bench.algorithms")
 ALL_ARMS = ("continued_sft", "rank", "scst", "rloo", "grpo", "ppo", "a2c", "nlpo", "dpo", "trpo")
 
 # Defaults the saved results were measured with, before the demo's changed (CHANGELOG: sft.monitor, the
-# monitor's size, the synthetic splits, the preset family, SFT's early stop, SFT batches grouped by length),
+# monitor's size, the synthetic splits, the preset family, SFT's early stop, SFT batches grouped by length, K),
 # pinned so that a rerun measures what they did. The synthetic task itself moved to generator version 3, which
 # no setting brings back.
 _MEASURED_WITH = ["model.family=bart", "sft.monitor=metric", "metric.monitor_size=200", "sft.patience=0",
-                  "sft.group_by_length=false"]
+                  "sft.group_by_length=false", "rollout.num_samples=6"]
 _SPLITS_BEFORE = ["synth.valid_fraction=0.05", "synth.test_fraction=0.05"]
 
 # The tasks' shared stages. The synthetic task is the demo's; WordNet definitions need a subword tokenizer,

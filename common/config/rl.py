@@ -120,15 +120,15 @@ class RLConfig(StageConfig):
     """The RL algorithm: a registered name, or the `package.module:Class` path of a unit of your own
     (docs/reference/algorithms.md describes each registered one; docs/design.md defines them). `grpo`, the
     default, gave the benchmark's most consistent gain over continued SFT."""
-    epochs: int = Field(2, ge=1)
+    epochs: int = Field(1, ge=1)
     """Passes over the training sources."""
     lr: float = Field(2e-4, gt=0.0)
     """Peak learning rate (AdamW)."""
     warmup_ratio: float = Field(0.05, ge=0.0, le=1.0)
     """Fraction of steps of linear warmup."""
-    batch_size: int = Field(32, ge=1)
+    batch_size: int = Field(16, ge=1)
     """Sources per learner step over all learner ranks (rank: one pair each; others: K samples each); must
-    divide by learners."""
+    divide by learners. The default's 16 sources x K = 12 samples are 192 sequences a step."""
     rank: RankLossConfig = RankLossConfig()
     kl: KLConfig = KLConfig()
     pg: PolicyGradientConfig = PolicyGradientConfig()
@@ -301,8 +301,9 @@ def _retired_keys(tree: dict[str, Any]) -> list[str]:
 
 
 class RolloutConfig(_Section):
-    num_samples: int = Field(6, ge=1)
-    """K: candidates sampled per source (rank RL adds the gold target to them)."""
+    num_samples: int = Field(12, ge=1)
+    """K: candidates sampled per source (rank RL adds the gold target to them). The group policy gradients
+    compare a source's samples with each other: more of them, the fewer groups without a reward spread."""
     top_k: int = Field(0, ge=0)
     """Sample among the k most likely next tokens (0: the whole vocabulary, sampling the policy itself, what the
     policy gradients want; the original rank RL used 3)."""

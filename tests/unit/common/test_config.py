@@ -36,7 +36,7 @@ def test_yaml_then_overrides_later_wins(tmp_path):
         ("sft", "expected key.path=value"),
         ("sft.lr.x=1", "sft.lr"),
         ("rl.kl.target=0", "rl.kl.target"),
-        ("rl.chunk_size=24", "rl.chunk_size=24 must divide rl.batch_size=32"),
+        ("rl.chunk_size=24", "rl.chunk_size=24 must divide rl.batch_size=16"),
         ("run.dir=", "run.dir"),  # e.g. an unset $RUN_DIR: `--fresh` would delete the working directory
         ("run.dir=.", "run.dir='.' resolves to"),
         ("run.dir=/", "run.dir='/' resolves to /, the filesystem root: the run needs a directory of its own"),
@@ -151,10 +151,20 @@ def test_a_retired_rank_key_names_its_new_home():
     assert load_config(overrides=["rl.epochs=3", "rl.rank.loss_weight=0.5"]).rl.rank.loss_weight == 0.5
 
 
-@pytest.mark.parametrize(("batch", "chunk"), [(32, 32), (48, 24), (8, 8), (100, 25)])
+@pytest.mark.parametrize(("batch", "chunk"), [(32, 32), (48, 24), (8, 8), (100, 25), (16, 16)])
 def test_an_unset_chunk_size_divides_the_batch(batch, chunk):
     """No rollout chunk straddles two learner steps, so a run resumed at any step cuts the same chunks."""
     assert load_config(overrides=[f"rl.batch_size={batch}"]).rl.chunk_size == chunk
+
+
+def test_the_defaults_need_no_derived_note():
+    """A config of defaults alone logs no "not its default" line (the first thing `make demo` printed was one):
+    the default batch's chunk is derived without a note, a batch the user sets gets one."""
+    cfg = load_config()
+    assert cfg.rl.chunk_size == 16 and cfg.rl.batch_size == 16
+    assert cfg.derived == []
+    assert load_config(overrides=["rl.batch_size=48"]).derived == [
+        "rl.chunk_size: 24, not its default 32 (the largest divisor of rl.batch_size=48 up to it)"]
 
 
 def test_run_dir_rule_without_a_home_directory(monkeypatch):
