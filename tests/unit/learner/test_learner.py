@@ -20,7 +20,7 @@ def _pairs(n: int) -> list[ScoredPair]:
 def _learner(tmp_path, tiny_policy) -> Learner:
     tiny_policy.model.save_pretrained(tmp_path / "init")
     tiny_policy.tokenizer.save_pretrained(tmp_path / "init")
-    return Learner(ModelConfig(dropout=0.1), None, RLConfig(algorithm="rank", lr=1e-3, warmup_ratio=0.0),
+    return Learner(ModelConfig(dropout=0.1), None, RLConfig(algorithm="rank", lr=1e-3, warmup_ratio=0.0, batch_size=32),
                    init_checkpoint=str(tmp_path / "init"), rank=0, world_size=1, total_steps=20, seed=0,
                    max_source_len=32, max_target_len=16)
 

@@ -25,4 +25,5 @@ def serve_cfg(tmp_path, monkeypatch) -> Config:
     monkeypatch.delenv("RLT2T_API_TOKEN", raising=False)
     return load_config([], [f"run.dir={tmp_path}", "model.preset=tiny", "serve.max_wait_ms=0",
                             "serve.max_sources_per_call=8", "serve.max_candidates_per_source=6",
-                            "serve.max_tokens_per_source=40"])
+                            "serve.max_tokens_per_source=40",
+                            "rollout.num_samples=6"])  # /v1/pairs' default K, within the cap of 6
