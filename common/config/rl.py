@@ -128,7 +128,7 @@ class RLConfig(StageConfig):
     """Fraction of steps of linear warmup."""
     batch_size: int = Field(16, ge=1)
     """Sources per learner step over all learner ranks (rank: one pair each; others: K samples each); must
-    divide by learners. The default's 16 sources x K = 12 samples are 192 sequences a step."""
+    divide by learners."""
     rank: RankLossConfig = RankLossConfig()
     kl: KLConfig = KLConfig()
     pg: PolicyGradientConfig = PolicyGradientConfig()
