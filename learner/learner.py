@@ -441,7 +441,7 @@ class Learner:
                              f"{len(published_versions)} published versions")
         states = [self._training_state(), *states_and_weights[:peers]]
         published = dict(zip(published_versions, states_and_weights[peers:], strict=True))
-        model = _Consolidated(self.policy.model, self._gathered()) if self.sharded else self.policy.model
+        model = sharding.Consolidated(self.policy.model, self._gathered()) if self.sharded else self.policy.model
         path = save_checkpoint(root, name, model=model, tokenizer=self.policy.tokenizer, step=step,
                                meta=meta, training_state={"learners": states, "published": published,
                                                           "trained_in_epoch": list(trained_in_epoch)})
@@ -457,7 +457,7 @@ class Learner:
             gathered = self._gathered()
             if version != self.steps:
                 gathered = weights()  # LoRA: peft's saved adapter names, which its save_pretrained also takes
-            model = _Consolidated(self.policy.model, gathered)
+            model = sharding.Consolidated(self.policy.model, gathered)
         elif version != self.steps:
             model = copy.deepcopy(model)
             load_weights(model, weights())
@@ -513,15 +513,3 @@ class Learner:
     def shutdown(self) -> None:
         if (self.world_size > 1 or self.sharded) and dist.is_initialized():  # joined one (join)
             dist.destroy_process_group()
-
-
-
-class _Consolidated:
-    """A sharded policy as ``save_checkpoint`` saves it: the model's class and config, the whole weights
-    gathered from the ranks (a Hugging Face directory that export, evaluation and serving load as any other)."""
-
-    def __init__(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-        self.model, self.state = model, state
-
-    def save_pretrained(self, path: Any) -> None:
-        self.model.save_pretrained(path, state_dict=self.state)  # type: ignore[operator]

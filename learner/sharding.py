@@ -59,14 +59,15 @@ def layer_units(model: nn.Module) -> list[nn.Module]:
 
 
 def shard(module: nn.Module, policy_model: nn.Module, cfg: FSDPConfig, *, device: torch.device,
-          mixed_precision: str, replicated: Iterable[nn.Parameter] = ()) -> None:
+          mixed_precision: str, replicated: Iterable[nn.Parameter] = (), key: str = "rl.strategy") -> None:
     """Shard ``module`` (the objective's, holding ``policy_model``) in place over the default process group:
     one FSDP unit per layer of ``policy_model``, then ``module`` as the root. ``replicated``: parameters left
-    whole on every rank. Call before building the optimizer (the parameters become DTensors)."""
+    whole on every rank; ``key``: the setting that asked for it, for the messages. Call before building the
+    optimizer (the parameters become DTensors)."""
     layers = layer_units(policy_model)
     if not layers:
-        raise ValueError(f"rl.strategy=fsdp: {type(policy_model).__name__} has no stack of layers (nn.ModuleList) "
-                         "to shard by; use rl.strategy=ddp")
+        raise ValueError(f"{key}=fsdp: {type(policy_model).__name__} has no stack of layers (nn.ModuleList) "
+                         f"to shard by; use {key}=ddp")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if mixed_precision == "bf16" else MixedPrecisionPolicy())
@@ -87,7 +88,7 @@ def shard(module: nn.Module, policy_model: nn.Module, cfg: FSDPConfig, *, device
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                     output_dtype=torch.float32)
     fully_shard(module, **options, ignored_params=ignored or None)
-    log.info("rl.strategy=fsdp: %d layer units (%s) and the root over %d ranks, %s%s%s", len(layers),
+    log.info("%s=fsdp: %d layer units (%s) and the root over %d ranks, %s%s%s", key, len(layers),
              ", ".join(sorted({type(m).__name__ for m in layers})), dist.get_world_size(),
              "bf16 parameters, fp32 reductions" if mixed_precision == "bf16" else "fp32",
              ", activation checkpointing" if cfg.activation_checkpointing else "",
@@ -233,3 +234,14 @@ def rank_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None
     for state in optimizer.state.values() if optimizer is not None else ():
         total += sum(local_bytes(v) for v in state.values() if isinstance(v, Tensor))
     return total
+
+
+class Consolidated:
+    """A sharded policy as ``save_checkpoint`` saves it: the model's class and config, the whole weights
+    gathered from the ranks (a Hugging Face directory that export, evaluation and serving load as any other)."""
+
+    def __init__(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        self.model, self.state = model, state
+
+    def save_pretrained(self, path: Any) -> None:
+        self.model.save_pretrained(path, state_dict=self.state)  # type: ignore[operator]

@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 from rlt2t.common.checkpoint import CheckpointInfo
 from rlt2t.common.collate import collate_seq2seq, cut_ids
-from rlt2t.common.config import LoraConfig, PretrainConfig, RunConfig, SFTConfig
+from rlt2t.common.config import FSDPConfig, LoraConfig, PretrainConfig, RunConfig, SFTConfig
 from rlt2t.common.families import decoder_input_ids, max_positions
 from rlt2t.common.lora import apply_lora, is_lora
 from rlt2t.common.policy import Policy
@@ -106,16 +106,17 @@ def make_sft_step(cfg: SFTConfig, model: torch.nn.Module):
 
 
 def run_pretrain(policy: Policy, texts: Sequence[list[int]], cfg: PretrainConfig, run: RunConfig, out_dir: Path,
-                 resume_from: CheckpointInfo | None = None) -> StageResult:
+                 resume_from: CheckpointInfo | None = None, fsdp: FSDPConfig | None = None) -> StageResult:
     """Denoising on token-id texts (no EOS): span corruption, noise re-sampled per access; the decoder writes the
-    whole text or only the masked spans (``cfg.objective``)."""
+    whole text or only the masked spans (``cfg.objective``). ``fsdp``: the options of ``cfg.strategy=fsdp``."""
     tok = policy.tokenizer
     dataset = DenoisingDataset(texts, sentinel_ids=sentinel_ids(tok), eos_id=tok.eos_token_id, seed=run.seed,
                                noise_density=cfg.noise_density, mean_span_length=cfg.mean_span_length,
                                reconstruct=cfg.objective == "reconstruct")
     return train_stage(stage="pretrain", cfg=cfg, run=run, model=policy.model, tokenizer=tok, dataset=dataset,
                        collate=make_collate(tok.pad_token_id, policy.model.config), step_fn=ce_step, out_dir=out_dir,
-                       resume_from=resume_from, lengths=dataset.lengths() if cfg.group_by_length else None)
+                       resume_from=resume_from, lengths=dataset.lengths() if cfg.group_by_length else None,
+                       strategy=cfg.strategy, fsdp=fsdp)
 
 
 def with_lora(policy: Policy, lora: LoraConfig, seed: int) -> Policy:
@@ -135,13 +136,13 @@ def with_lora(policy: Policy, lora: LoraConfig, seed: int) -> Policy:
 def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list[int]], cfg: SFTConfig,
             run: RunConfig, out_dir: Path, resume_from: CheckpointInfo | None = None, evaluate=None,
             lora: LoraConfig | None = None, max_source_len: int | None = None, stage: str = "sft",
-            patience_counts=None) -> StageResult:
+            patience_counts=None, fsdp: FSDPConfig | None = None) -> StageResult:
     """Supervised fine-tuning: CE (+ R-drop, augmentation, FGM as configured), best checkpoint by the monitor.
 
     With ``lora.enabled`` only LoRA adapters train (``rlt2t.common.lora``) and checkpoints hold the adapters
     plus the training state; resume from one with ``load_lora_policy``. ``max_source_len``
     (``data.max_source_len``) bounds augmented sources; None: the model's position limit. ``stage`` names
-    the logs (``<run>/logs/<stage>``) and checkpoint meta.
+    the logs (``<run>/logs/<stage>``) and checkpoint meta. ``fsdp``: the options of ``cfg.strategy=fsdp``.
     """
     if lora is not None and lora.enabled:
         if cfg.fgm_epsilon > 0:
@@ -157,4 +158,4 @@ def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list
                        step_fn=make_sft_step(cfg, policy.model), out_dir=out_dir, resume_from=resume_from,
                        evaluate=evaluate, monitor="monitor" if evaluate is not None else None,
                        patience=cfg.patience, patience_counts=patience_counts,
-                       lengths=dataset.lengths() if cfg.group_by_length else None)
+                       lengths=dataset.lengths() if cfg.group_by_length else None, strategy=cfg.strategy, fsdp=fsdp)

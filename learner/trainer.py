@@ -36,10 +36,12 @@ from rlt2t.common.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from rlt2t.common.config import RunConfig, StageConfig
+from rlt2t.common.config import FSDPConfig, RunConfig, StageConfig
 from rlt2t.common.families import check_mixed_precision
 from rlt2t.common.tracking import RunLogger
 from rlt2t.learner.schedule import linear_warmup_decay
+from rlt2t.learner.sharding import rank_bytes
+from rlt2t.learner.stage_ranks import StageRanks
 
 log = logging.getLogger("rlt2t.trainer")
 
@@ -64,6 +66,16 @@ class StepFn(Protocol):
         """Forward and backward for one batch (no optimizer step); returns scalars to log (incl. "loss")."""
 
 
+class _NoLogger:
+    """The metrics log of a rank other than 0 (rank 0 writes the stage's logs)."""
+
+    def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
 class StageResult:
     checkpoint: Path
@@ -71,13 +83,15 @@ class StageResult:
     last_metrics: dict[str, float]
 
 
-def make_accelerator(run: RunConfig) -> Accelerator:
+def make_accelerator(run: RunConfig, *, sharded: bool = False) -> Accelerator:
+    """accelerate on ``run.device`` with ``run.mixed_precision`` (CPU: fp32); ``sharded``: it names the device
+    alone (FSDP2 shards, places and casts the model itself)."""
     cpu = run.device == "cpu" or (run.device == "auto" and not torch.cuda.is_available())
     if run.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("run.device=cuda but no CUDA device is visible")
     if run.threads:
         torch.set_num_threads(run.threads)
-    return Accelerator(cpu=cpu, mixed_precision="no" if cpu else run.mixed_precision)
+    return Accelerator(cpu=cpu, mixed_precision="no" if cpu or sharded else run.mixed_precision)
 
 
 def model_config(model: torch.nn.Module) -> PretrainedConfig | None:
@@ -150,6 +164,8 @@ def train_stage(
     patience: int = 0,
     patience_counts: Callable[[dict[str, float]], bool] | None = None,
     lengths: Sequence[Any] | None = None,
+    strategy: str = "local",
+    fsdp: FSDPConfig | None = None,
 ) -> StageResult:
     """Train ``model`` in place on ``dataset``; checkpoints (with ``tokenizer``) go to ``<out_dir>/checkpoints``.
 
@@ -161,6 +177,8 @@ def train_stage(
     the count is kept in checkpoint meta, so a resumed run stops where the uninterrupted one did).
     ``patience_counts(scores)`` False leaves an epoch out of that count (SFT: while its outputs have collapsed).
     ``lengths`` (a sort key per example): batches grouped by length (:func:`epoch_order`).
+    ``strategy`` ddp or fsdp (with ``fsdp``'s options): this process is one rank of the stage's process group,
+    and every rank calls this function alike (:mod:`rlt2t.learner.stage_ranks`).
     """
     if len(dataset) == 0:
         raise ValueError(f"{stage}: the training set is empty")
@@ -169,20 +187,26 @@ def train_stage(
     config = model_config(model)
     if config is not None:
         check_mixed_precision(config, run.mixed_precision)  # T5 in fp16 overflows: refused at start
-    accelerator = make_accelerator(run)
+    ranks = StageRanks.current(strategy, stage)
+    fsdp = fsdp or FSDPConfig()
+    accelerator = make_accelerator(run, sharded=ranks.sharded)
+    # What trains: the model, or under FSDP its shards under a root unit (before the optimizer sees them).
+    trained = ranks.shard(model, stage, fsdp, accelerator.device,
+                          run.mixed_precision if accelerator.device.type == "cuda" else "no")
     steps_per_epoch = math.ceil(len(dataset) / cfg.batch_size)
     total_steps = cfg.epochs * steps_per_epoch
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
     # Only what trains is optimised: every weight in full fine-tuning, the adapters alone under LoRA (the frozen
     # base then carries no optimizer state, and its gradients are never computed).
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in trained.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = linear_warmup_decay(
         optimizer, warmup_steps=round(cfg.warmup_ratio * total_steps), total_steps=total_steps,
         min_lr_ratio=cfg.min_lr_ratio,
     )
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if not ranks.sharded:
+        trained, optimizer = accelerator.prepare(trained, optimizer)
 
     step, start_epoch, skip_batches = 0, 0, 0
     best = BestCheckpoint.from_meta(resume_from.meta if resume_from is not None else None)
@@ -191,45 +215,51 @@ def train_stage(
     if resume_from is not None:
         check_schedule_length(stage, resume_from, total_steps, f"{stage}.epochs, {stage}.max_steps, "
                               f"{stage}.batch_size", f"remove {out_dir} or train into another directory")
-        state = load_training_state(resume_from.path)
-        optimizer.load_state_dict(state["optimizer"])
+        ranks.check_layout(stage, resume_from.path, resume_from.meta)
+        # Several ranks map the file rather than each reading every rank's optimizer shard.
+        state = load_training_state(resume_from.path, mmap=ranks.distributed)
+        own = ranks.own_state(state, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         load_scaler_state(accelerator, state)
-        set_rng_state(state["rng"])
+        set_rng_state(own["rng"])
         step = resume_from.step
         start_epoch, skip_batches = resume_from.meta["epoch"], resume_from.meta["batch_in_epoch"]
         log.info("%s: resuming from %s (step %d, epoch %d, batch %d)", stage, resume_from.path, step,
                  start_epoch, skip_batches)
     else:
-        torch.manual_seed(run.seed)
+        # Each rank its own dropout masks (reproducible: every rank's RNG is in the checkpoint).
+        torch.manual_seed(run.seed if not ranks.distributed else run.seed * 7919 + ranks.rank)
 
     if patience and not (evaluate is not None and monitor):
         log.info("%s: %s.patience=%d needs a validation monitor (a validation split, metric.monitor_size > 0): "
                  "every epoch runs", stage, stage, patience)
         patience = 0
-    logger = RunLogger(Path(run.dir) / "logs" / stage, stage)
-    log.info("%s: %d examples, %d steps/epoch, %d steps, batch %d%s, lr %.2g, device %s", stage, len(dataset),
+    logger = RunLogger(Path(run.dir) / "logs" / stage, stage) if ranks.main else _NoLogger()
+    log.info("%s: %d examples, %d steps/epoch, %d steps, batch %d%s, lr %.2g, device %s%s", stage, len(dataset),
              steps_per_epoch, total_steps, cfg.batch_size, " grouped by length" if lengths is not None else "", cfg.lr,
-             accelerator.device)
+             accelerator.device, f", {ranks.world} {strategy} ranks" if ranks.distributed else "")
 
     def checkpoint(name: str, epoch: int, batch_in_epoch: int, metrics: dict[str, float]) -> Path:
         meta = {"stage": stage, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "metrics": metrics,
-                "total_steps": total_steps, "best": best.meta(), "since_best": since_best}
-        path = save_checkpoint(
-            ckpt_root, name, model=accelerator.unwrap_model(model), tokenizer=tokenizer, step=step, meta=meta,
-            training_state={"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                            "rng": rng_state(), **scaler_state(accelerator)},
-        )
-        protect = best.protect()
-        prune_checkpoints(ckpt_root, cfg.keep_last, protect=protect | {path})
+                "total_steps": total_steps, "best": best.meta(), "since_best": since_best, **ranks.layout()}
+        # Collectives first (every rank): the weights gathered from the shards, each rank's own state.
+        saved = ranks.saved_model(trained, model)
+        state = ranks.training_state(optimizer, {"scheduler": scheduler.state_dict(), **scaler_state(accelerator)},
+                                     {"rng": rng_state()})
+        path = ckpt_root / name
+        if ranks.main:
+            save_checkpoint(ckpt_root, name, model=saved, tokenizer=tokenizer, step=step, meta=meta,
+                            training_state=state)
+            prune_checkpoints(ckpt_root, cfg.keep_last, protect=best.protect() | {path})
+        ranks.from_main(None)  # the others wait for it: they may read it next (the stage's result)
         return path
 
-    bar = tqdm(total=total_steps, initial=step, desc=stage, disable=True if not run.progress else None,
-               dynamic_ncols=True)
+    bar = tqdm(total=total_steps, initial=step, desc=stage,
+               disable=True if not (run.progress and ranks.main) else None, dynamic_ncols=True)
     last: dict[str, float] = {}
     last_path: Path | None = None
     window_t, window_n = time.perf_counter(), 0
-    model.train()
+    trained.train()
     try:
         for epoch in range(start_epoch, cfg.epochs):
             if step >= total_steps or (patience and since_best >= patience):
@@ -241,21 +271,24 @@ def train_stage(
             for b in range(first, steps_per_epoch):
                 if step >= total_steps:
                     break
-                items = [dataset[i] for i in order[b * cfg.batch_size : (b + 1) * cfg.batch_size]]
+                batch_ids = order[b * cfg.batch_size : (b + 1) * cfg.batch_size]
+                items = [dataset[i] for i in ranks.share(batch_ids)]
                 batch = {k: v.to(accelerator.device) for k, v in collate(items).items()}
-                metrics = step_fn(model, batch, accelerator)
-                grad_norm = accelerator.clip_grad_norm_(params, cfg.grad_clip)
+                metrics = ranks.mean(step_fn(trained, batch, accelerator), accelerator.device)
+                grad_norm = ranks.clip_grad_norm(params, cfg.grad_clip, accelerator)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
-                window_n += len(items)
+                window_n += len(batch_ids)
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", epoch=epoch)
                 if step % run.log_every == 0 or step == total_steps:
                     elapsed = time.perf_counter() - window_t
                     last = {**metrics, "lr": float(scheduler.get_last_lr()[0]), "grad_norm": float(grad_norm),
                             "epoch": epoch, "examples_per_s": window_n / max(elapsed, 1e-9)}
+                    if ranks.distributed:  # rank 0's parameters and optimizer state: 1/N of them under FSDP
+                        last["rank_state_bytes"] = rank_bytes(trained, optimizer)
                     logger.log(step, last)
                     window_t, window_n = time.perf_counter(), 0
                 if not math.isfinite(metrics["loss"]):
@@ -265,10 +298,10 @@ def train_stage(
             # End of epoch: evaluate, checkpoint, keep the best.
             scores: dict[str, float] = {}
             if evaluate is not None:
-                model.eval()
-                with torch.no_grad():
-                    scores = evaluate(accelerator.unwrap_model(model))
-                model.train()
+                trained.eval()
+                with torch.no_grad(), ranks.whole(trained, fsdp):
+                    scores = ranks.from_main(evaluate(model))
+                trained.train()
                 logger.log(step, {**scores, "epoch": epoch}, kind="valid")
                 log.info("%s epoch %d: %s", stage, epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
             name = checkpoint_name(epoch=epoch + 1)

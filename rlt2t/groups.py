@@ -143,7 +143,7 @@ def init_ray(cfg: Config) -> None:
              log_to_driver=True, configure_logging=False, runtime_env={"env_vars": WORKER_ENV})
 
 
-def _unschedulable(what: str, timeout_s: float) -> str:
+def unschedulable(what: str, timeout_s: float) -> str:
     return (f"{what} could not be scheduled within rl.schedule_timeout_s={timeout_s:g} s: no node offers its "
             "resources now (cluster totals: " + ", ".join(f"{k} {v:g}" for k, v in sorted(
                 ray.cluster_resources().items()) if not k.startswith("node:")) + ")")
@@ -179,7 +179,7 @@ class LearnerGroup:
         try:
             ray.get(self.pg.ready(), timeout=r.schedule_timeout_s)
         except GetTimeoutError:
-            raise ClusterTooSmall(_unschedulable(f"the learner group ({r.learners} bundles of "
+            raise ClusterTooSmall(unschedulable(f"the learner group ({r.learners} bundles of "
                                                  f"{self.pg.bundle_specs[0]}: rl.learners, rl.learner_cpus / "
                                                  "learner_gpus / learner_resources)", r.schedule_timeout_s)) from None
         actor = ray.remote(Learner)
@@ -498,7 +498,7 @@ class WorkerPool:
         refs = [a.pid.remote() for a in self.actors]
         done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if pending:
-            raise ClusterTooSmall(_unschedulable(self.what, timeout_s))
+            raise ClusterTooSmall(unschedulable(self.what, timeout_s))
         ray.get(done)  # a constructor that raised fails the job here, with its own message
 
     def shutdown(self) -> None:

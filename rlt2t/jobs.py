@@ -30,7 +30,7 @@ from rlt2t.common.checkpoint import (
     resume_point,
 )
 from rlt2t.common.collate import encode_examples
-from rlt2t.common.config import Config, SFTConfig, config_to_yaml, shared_directory
+from rlt2t.common.config import Config, SFTConfig, TextStageConfig, config_to_yaml, shared_directory
 from rlt2t.common.data import Example, load_data, reference_sets, targets_of, unique_references
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from rlt2t.common.lora import load_lora_policy
@@ -132,10 +132,29 @@ def _stage_start(cfg: Config, stage: str, init: str | Path | None, resume: bool
     return load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=init, seed=cfg.run.seed), None
 
 
+def _on_ranks(stage_cfg: TextStageConfig) -> bool:
+    """The stage trains on several ranks (its ``strategy``) and this is the driver, not yet one of them."""
+    import torch.distributed as dist
+
+    return stage_cfg.strategy != "local" and not dist.is_initialized()
+
+
+def _main_rank() -> bool:
+    """One process, or rank 0 of a stage's ranks: what writes the run's files."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def pretrain_job(cfg: Config, resume: bool = False, init: str | Path | None = None):
     from rlt2t.learner.stages import run_pretrain
 
-    save_run_config(cfg, "pretrain")
+    if _on_ranks(cfg.pretrain):
+        from rlt2t.stage_group import run_on_ranks
+
+        return run_on_ranks(cfg, "pretrain", resume, init)
+    if _main_rank():
+        save_run_config(cfg, "pretrain")
     policy, info = _stage_start(cfg, "pretrain", init, resume)
     check_lengths(policy, cfg.data)
     tok = policy.tokenizer
@@ -151,7 +170,8 @@ def pretrain_job(cfg: Config, resume: bool = False, init: str | Path | None = No
     ids = tok(texts, add_special_tokens=False)["input_ids"]
     limit = cfg.data.max_source_len - 1
     ids = [x[:limit] for x in ids if x]
-    return run_pretrain(policy, ids, cfg.pretrain, cfg.run, cfg.run_dir / "pretrain", resume_from=info)
+    return run_pretrain(policy, ids, cfg.pretrain, cfg.run, cfg.run_dir / "pretrain", resume_from=info,
+                        fsdp=cfg.rl.fsdp)
 
 
 def default_sft_init(cfg: Config) -> Path | None:
@@ -193,7 +213,12 @@ def _sft_stage(cfg: Config, stage: str, stage_cfg: SFTConfig, train: Sequence[Ex
     from rlt2t.learner.evaluate import monitor_score
     from rlt2t.learner.stages import run_sft
 
-    save_run_config(cfg, stage)
+    if _on_ranks(stage_cfg):  # each rank calls this job again, with the same (resolved) start
+        from rlt2t.stage_group import run_on_ranks
+
+        return run_on_ranks(cfg, stage, resume, init)
+    if _main_rank():
+        save_run_config(cfg, stage)
     policy, info = _stage_start(cfg, stage, init, resume)
     check_lengths(policy, cfg.data)
     enc = encode_examples(policy.tokenizer, [e.source for e in train], targets_of(train, f"{stage} (data.train)"),
@@ -220,10 +245,14 @@ def _sft_stage(cfg: Config, stage: str, stage_cfg: SFTConfig, train: Sequence[Ex
 
     result = run_sft(policy, enc.sources, enc.targets, stage_cfg, cfg.run, cfg.run_dir / stage, resume_from=info,
                      evaluate=evaluate, lora=cfg.model.lora, max_source_len=cfg.data.max_source_len, stage=stage,
-                     patience_counts=patience_counts)
-    if evaluate is not None:
+                     patience_counts=patience_counts, fsdp=cfg.rl.fsdp)
+    if evaluate is not None and _main_rank():
         warn_if_collapsed(cfg, best_or_latest(cfg.run_dir / stage / "checkpoints"), valid)
     return result
+
+
+STAGE_JOBS = {"pretrain": pretrain_job, "sft": sft_job, CONTINUED_SFT: continued_sft_job}
+"""The stages that may train on several ranks (``strategy``), by name: what each rank runs."""
 
 
 def warn_if_collapsed(cfg: Config, checkpoint: Path, valid: Sequence[Example]) -> None:

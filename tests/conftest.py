@@ -84,6 +84,26 @@ def ids_tokenizer_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def wide_policy_dir(ids_tokenizer_dir, tmp_path_factory):
+    """``wide_policy_dir(model_cfg)``: a tiny policy of that config with wide weights (its samples and greedy
+    outputs vary from source to source), saved with the tokenizer as a model directory."""
+
+    def make(model_cfg: ModelConfig) -> Path:
+        policy = load_policy(model_cfg, ids_tokenizer_dir, seed=0)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for param in policy.model.parameters():
+                if param.dim() >= 2:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 2.0 / param.shape[-1] ** 0.5)
+        out = tmp_path_factory.mktemp(f"init-{model_cfg.family}")
+        policy.model.save_pretrained(out)
+        policy.tokenizer.save_pretrained(out)
+        return out
+
+    return make
+
+
 @pytest.fixture
 def tiny_policy(ids_tokenizer_dir):
     return load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)

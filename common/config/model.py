@@ -144,7 +144,7 @@ class StageConfig(_Section):
     max_steps: int = Field(0, ge=0)
     """Stop after this many optimizer steps (0: no limit)."""
     batch_size: int = Field(32, ge=1)
-    """Examples per optimizer step (per process)."""
+    """Examples per optimizer step (over all ranks, when the stage runs on several)."""
     lr: float = Field(2e-5, gt=0.0)
     """Peak learning rate (AdamW)."""
     weight_decay: float = Field(0.01, ge=0.0)
@@ -170,6 +170,13 @@ class TextStageConfig(StageConfig):
     depends only on run.seed and the epoch; targets are not sorted). A batch then pads its sources to about their
     own length rather than the longest of a random draw, so a step computes fewer padding tokens. false: batches
     of uniformly random examples, the order of earlier versions (CHANGELOG)."""
+    strategy: Literal["local", "ddp", "fsdp"] = "local"
+    """Where the stage trains: `local`, in the job's own process on one device; `ddp` or `fsdp`, on rl.learners
+    Ray actors with the RL learner's resources (rl.learner_cpus, rl.learner_gpus, rl.learner_resources), as the
+    RL learner does under rl.strategy: every rank a whole copy of the model (`ddp`), or 1/rl.learners of its
+    weights, gradients and AdamW moments (`fsdp`, FSDP2 with rl.fsdp's options). `batch_size` is then the batch
+    of all ranks together. The ranks read the data and write the checkpoints in run.dir: one node, or a
+    filesystem every node mounts at that path. Resume with the same strategy and rl.learners."""
 
 
 class PretrainConfig(TextStageConfig):

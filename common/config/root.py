@@ -134,6 +134,7 @@ class Config(_Section):
         _check_precision(self.model, self.run.mixed_precision)
         if self.rl.strategy == "fsdp":
             _check_sharded(self)
+        _check_stage_ranks(self)
         if self.rollout.source == "http" and not self.rollout.urls:
             raise ValueError("rollout.source=http needs rollout.urls (policy server base URLs)")
         if self.reward.source == "http" and not self.reward.url:
@@ -174,6 +175,20 @@ def _check_sharded(cfg: Config) -> None:
         why = "run.mixed_precision=fp16 needs a sharded loss scaler; use bf16"
     if why:
         raise ValueError(f"rl.strategy=fsdp: {why}. Use rl.strategy=ddp for this run.")
+
+
+def _check_stage_ranks(cfg: Config) -> None:
+    """What the pretraining and SFT stages on several ranks (``strategy`` ddp / fsdp) do not cover yet."""
+    for name, stage in (("pretrain", cfg.pretrain), ("sft", cfg.sft)):
+        why = None
+        if stage.strategy != "fsdp":
+            continue
+        if cfg.run.mixed_precision == "fp16":
+            why = "run.mixed_precision=fp16 needs a sharded loss scaler; use bf16"
+        elif name == "sft" and cfg.sft.fgm_epsilon > 0:
+            why = "sft.fgm_epsilon: FGM perturbs the whole input embedding, which is sharded; set it to 0"
+        if why:
+            raise ValueError(f"{name}.strategy=fsdp: {why}. Use {name}.strategy=ddp for this run.")
 
 
 def _check_precision(model: ModelConfig, mixed_precision: str) -> None:

@@ -1,8 +1,8 @@
 """GPU smoke test (`make gpu-smoke`): the learner's CUDA path through accelerate, bf16 and fp16.
 
 Skipped without CUDA (so `make test` on a CPU machine passes); `make gpu-smoke` refuses to run there.
-The sharded learner (rl.strategy=fsdp) on one GPU. With two or more GPUs it also forms two-rank nccl DDP and
-FSDP worlds through Ray, as training does.
+The sharded learner (rl.strategy=fsdp) and a sharded SFT stage (sft.strategy=fsdp) on one GPU. With two or more
+GPUs it also forms two-rank nccl DDP and FSDP worlds through Ray, as training does.
 """
 
 from __future__ import annotations
@@ -219,3 +219,49 @@ def test_two_rank_nccl_fsdp_gathers_the_whole_policy_on_rank_zero(init_dir):
         start = load_policy(ModelConfig(), checkpoint=init_dir).model.state_dict()
         assert w1 == {} and w0.keys() == start.keys()
         assert any(not torch.equal(w0[k], start[k]) for k in start), "no parameter moved"
+
+
+def test_sft_stage_sharded_on_one_gpu_in_bf16(init_dir, tmp_path, monkeypatch):
+    """sft.strategy=fsdp on one GPU (a one-rank nccl group, as one of rlt2t.stage_group's ranks forms it): bf16
+    parameters with fp32 reductions, activation checkpointing, the validation monitor on the gathered weights, and
+    a checkpoint of the whole fp32 model."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState
+
+    from rlt2t.common.checkpoint import read_checkpoint
+    from rlt2t.common.collate import encode_examples
+    from rlt2t.common.config import FSDPConfig, MetricConfig, RunConfig, SFTConfig
+    from rlt2t.common.policy import Policy
+    from rlt2t.learner.evaluate import monitor_score
+    from rlt2t.learner.learner import free_address
+    from rlt2t.learner.stages import run_sft
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    host, port = free_address()
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR=host,
+                           MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(key, value)
+    dist.init_process_group("nccl", init_method=f"tcp://{host}:{port}", rank=0, world_size=1)
+    try:
+        policy = load_policy(ModelConfig(dropout=0.0), checkpoint=init_dir)
+        examples = [Example(id=str(i), source=" ".join(str(10 + (i + j) % 50) for j in range(6)),
+                            target=" ".join(str(10 + (i * 3 + j) % 50) for j in range(3))) for i in range(12)]
+        enc = encode_examples(policy.tokenizer, [e.source for e in examples], [e.target for e in examples], 32, 16)
+
+        def evaluate(model):
+            return monitor_score(Policy(model, policy.tokenizer, policy.origin), examples[:4], MetricConfig(),
+                                 max_source_len=32, max_new_tokens=8, by="loss")
+
+        cfg = SFTConfig(epochs=1, batch_size=4, lr=1e-3, warmup_ratio=0.0, patience=0, strategy="fsdp")
+        run = RunConfig(dir=str(tmp_path / "run"), device="cuda", mixed_precision="bf16", progress=False, log_every=1)
+        result = run_sft(policy, enc.sources, enc.targets, cfg, run, tmp_path / "run" / "sft", evaluate=evaluate,
+                         fsdp=FSDPConfig(activation_checkpointing=True))
+        assert result.steps == 3 and torch.isfinite(torch.tensor(result.last_metrics["loss"]))
+        assert result.last_metrics["rank_state_bytes"] > 0
+        assert read_checkpoint(result.checkpoint).meta["metrics"]["valid_loss"] > 0
+        saved = load_policy(ModelConfig(), checkpoint=result.checkpoint).model.state_dict()
+        start = load_policy(ModelConfig(), checkpoint=init_dir).model.state_dict()
+        assert all(v.dtype == torch.float32 for v in saved.values())  # the fp32 shards, gathered
+        assert any(not torch.equal(saved[k], start[k]) for k in start), "no parameter moved"
+    finally:
+        dist.destroy_process_group()

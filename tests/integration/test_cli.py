@@ -99,17 +99,19 @@ def test_stage_refuses_to_overwrite_without_resume(demo_run, cli):
     assert code == 2 and "--resume" in err
 
 
-def test_eval_command_and_average(demo_run, tmp_path):
+def test_eval_command_and_average(demo_run, tmp_path, cli):
     run, _ = demo_run
-    proc = rlt2t("eval", "--config", TINY, f"run.dir={run}", "eval.num_beams=2")
-    assert "beam 2" in proc.stdout and "cider_d" in proc.stdout
+    code, out, err = cli("eval", "--config", TINY, f"run.dir={run}", "eval.num_beams=2")
+    assert code == 0, err
+    assert "beam 2" in out and "cider_d" in out
     saved = json.loads((run / "eval" / "sft-valid.json").read_text())  # what was decoded, not the title
     assert saved["num_beams"] == 2 and "/sft/checkpoints/" in saved["checkpoint"]
     avg = tmp_path / "avg"
-    rlt2t("average", "--dir", str(run / "sft" / "checkpoints"), "--last", "2", "--out", str(avg))
+    code, _, err = cli("average", "--dir", str(run / "sft" / "checkpoints"), "--last", "2", "--out", str(avg))
+    assert code == 0, err
     assert (avg / "config.json").is_file() and (avg / "tokenizer.json").is_file()
-    proc = rlt2t("eval", "--config", TINY, f"run.dir={run}", "--checkpoint", str(avg))
-    assert "cider_d" in proc.stdout
+    code, out, err = cli("eval", "--config", TINY, f"run.dir={run}", "--checkpoint", str(avg))
+    assert code == 0 and "cider_d" in out, err
     evaluated = [json.loads(p.read_text()) for p in (run / "eval").glob("*-valid.json")]
     assert [t["num_beams"] for t in evaluated if Path(t.get("checkpoint", "")).resolve() == avg.resolve()] == [1]
 
@@ -218,17 +220,17 @@ def _natural_language_data(folder: Path) -> None:
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_subword_natural_language_end_to_end(tmp_path):
+def test_subword_natural_language_end_to_end(tmp_path, cli):
     run = tmp_path / "nl"
     _natural_language_data(run / "data")
     common = ["--config", TINY, f"run.dir={run}", "tokenizer.kind=subword", "tokenizer.vocab_size=400",
               "data.test=/nonexistent.jsonl"]
-    rlt2t("tokenizer", "build", *common)
+    assert cli("tokenizer", "build", *common)[0] == 0
     assert json.loads((run / "tokenizer" / "rlt2t_tokenizer.json").read_text())["kind"] == "subword"
-    proc = rlt2t("sft", *common, "sft.epochs=1", "sft.batch_size=8")
-    assert "sft: 15 steps" in proc.stdout
-    proc = rlt2t("eval", *common)
-    assert "cider_d" in proc.stdout
+    code, out, err = cli("sft", *common, "sft.epochs=1", "sft.batch_size=8")
+    assert code == 0 and "sft: 15 steps" in out, err
+    code, out, err = cli("eval", *common)
+    assert code == 0 and "cider_d" in out, err
     preds = (run / "eval").glob("*.predictions.jsonl")
     rows = [json.loads(x) for x in next(preds).read_text().splitlines()]
     assert len(rows) == 12 and all(not any(ch.isdigit() for ch in r["prediction"]) for r in rows)

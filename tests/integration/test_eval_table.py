@@ -5,9 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -107,24 +104,21 @@ def test_formats():
                     ["rl", "/b", "0.182", "44.03"]]
 
 
-def test_cli_prints_one_table_and_saves_it(run):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlt2t.cli", "eval", "--config", TINY, f"run.dir={run}", "eval.limit=8",
-         "eval.max_new_tokens=6", "--checkpoint", "sft", "--checkpoint", "rl", "--checkpoint",
-         f"again={run / 'sft' / 'checkpoints'}", "--metrics", "rougeL,mean_length,max_length", "--name", "cmp"],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("rougeL") == 1 and "again" in proc.stdout and "valid split, greedy" in proc.stdout
+def test_cli_prints_one_table_and_saves_it(run, cli):
+    code, out, err = cli("eval", "--config", TINY, f"run.dir={run}", "eval.limit=8", "eval.max_new_tokens=6",
+                         "--checkpoint", "sft", "--checkpoint", "rl", "--checkpoint",
+                         f"again={run / 'sft' / 'checkpoints'}", "--metrics", "rougeL,mean_length,max_length",
+                         "--name", "cmp")
+    assert code == 0, err
+    assert out.count("rougeL") == 1 and "again" in out and "valid split, greedy" in out
     saved = json.loads((run / "eval" / "cmp.json").read_text())
     assert list(saved["rows"]) == ["sft", "rl", "again"] and saved["columns"] == ["rougeL", "mean_length", "max_length"]
     assert saved["rows"]["again"] == saved["rows"]["sft"]
     assert (run / "eval" / "cmp.md").read_text().count("\n| ") == 5  # header, rule, 3 models
     assert (run / "eval" / "cmp.csv").is_file()
     assert (run / "eval" / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    bad = subprocess.run([sys.executable, "-m", "rlt2t.cli", "eval", "--config", TINY, f"run.dir={run}",
-                          "--metrics", "bleu5"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
-    assert bad.returncode == 2 and "unknown metric(s) ['bleu5']" in bad.stderr
+    code, _, err = cli("eval", "--config", TINY, f"run.dir={run}", "--metrics", "bleu5")
+    assert code == 2 and "unknown metric(s) ['bleu5']" in err
 
 
 def test_an_adapter_checkpoint_is_evaluated_merged(run, tmp_path):

@@ -51,19 +51,9 @@ def _rl(family: str, algorithm: str, strategy: str) -> RLConfig:
 
 
 @pytest.fixture(scope="module")
-def family_dir(request, ids_tokenizer_dir, tmp_path_factory) -> tuple[str, Path]:
+def family_dir(request, wide_policy_dir) -> tuple[str, Path]:
     """A tiny policy of the family with wide weights (its samples vary), saved as a checkpoint."""
-    family = request.param
-    policy = load_policy(_model(family), ids_tokenizer_dir, seed=0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in policy.model.parameters():
-            if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 2.0 / param.shape[-1] ** 0.5)
-    out = tmp_path_factory.mktemp(f"init-{family}")
-    policy.model.save_pretrained(out)
-    policy.tokenizer.save_pretrained(out)
-    return family, out
+    return request.param, wide_policy_dir(_model(request.param))
 
 
 def _batches(family: str, init_dir: Path, algorithm: str, path: Path) -> None:

@@ -20,8 +20,8 @@ def scalers(monkeypatch):
     made: list[torch.amp.GradScaler] = []
     original = trainer.make_accelerator
 
-    def with_scaler(run):
-        accelerator = original(run)
+    def with_scaler(run, **kwargs):
+        accelerator = original(run, **kwargs)
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
         made.append(accelerator.scaler)
         return accelerator
