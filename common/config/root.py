@@ -180,9 +180,9 @@ def _check_sharded(cfg: Config) -> None:
 def _check_stage_ranks(cfg: Config) -> None:
     """What the pretraining and SFT stages on several ranks (``strategy`` ddp / fsdp) do not cover yet."""
     for name, stage in (("pretrain", cfg.pretrain), ("sft", cfg.sft)):
-        why = None
         if stage.strategy != "fsdp":
             continue
+        why = None
         if cfg.run.mixed_precision == "fp16":
             why = "run.mixed_precision=fp16 needs a sharded loss scaler; use bf16"
         elif name == "sft" and cfg.sft.fgm_epsilon > 0:
