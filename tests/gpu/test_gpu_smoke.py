@@ -265,3 +265,33 @@ def test_sft_stage_sharded_on_one_gpu_in_bf16(init_dir, tmp_path, monkeypatch):
         assert any(not torch.equal(saved[k], start[k]) for k in start), "no parameter moved"
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_sft_stage_on_two_sharded_gpu_ranks_through_ray(tmp_path):
+    """The SFT job (what `rlt2t sft` runs) with sft.strategy=fsdp on two Ray ranks of one GPU each (nccl, the
+    objects over a gloo group): the stage's checkpoint holds the whole fp32 model, and the log rank 0's metrics."""
+    import json
+    from pathlib import Path
+
+    import ray
+
+    from rlt2t.common.checkpoint import read_checkpoint
+    from rlt2t.common.config import load_config
+    from rlt2t.jobs import build_tokenizer_job, make_synthetic_data, sft_job
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    cfg = load_config([tiny], [f"run.dir={tmp_path / 'run'}", "run.device=cuda", "run.mixed_precision=bf16",
+                               "sft.strategy=fsdp", "sft.max_steps=3", "sft.epochs=1", "sft.patience=0",
+                               "rl.learners=2", "rl.learner_gpus=1", "rl.learner_cpus=1", "run.log_every=1"])
+    make_synthetic_data(cfg)
+    build_tokenizer_job(cfg)
+    try:
+        result = sft_job(cfg)
+    finally:
+        ray.shutdown()
+    assert result.steps == 3 and read_checkpoint(result.checkpoint).meta["ranks"] == 2
+    saved = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=result.checkpoint).model.state_dict()
+    assert all(v.dtype == torch.float32 for v in saved.values())
+    rows = [json.loads(x) for x in (tmp_path / "run" / "logs" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("kind", "train") == "train"] == [1, 2, 3]
