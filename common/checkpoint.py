@@ -18,6 +18,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,11 +128,14 @@ def save_checkpoint(
     step: int,
     meta: dict[str, Any] | None = None,
     training_state: dict[str, Any] | None = None,
+    fill: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a complete checkpoint atomically; returns its path.
 
     ``training_state`` holds whatever exact resume needs (optimizer/scheduler state dicts, RNG);
-    ``meta`` is small JSON (epoch, data position, metrics) read without loading tensors.
+    ``meta`` is small JSON (epoch, data position, metrics) read without loading tensors. ``fill(directory)``
+    writes more files into the checkpoint before it is marked complete (the other ranks' states of a stage on
+    several ranks); the marker lists them with the rest.
     """
     if not _NAME.match(name):
         raise ValueError(f"checkpoint name {name!r} does not match epoch-NNNN / step-NNNNNN / final")
@@ -141,6 +145,8 @@ def save_checkpoint(
         save_tokenizer(tokenizer, tmp)
         if training_state is not None:
             torch.save(training_state, tmp / STATE_FILE)
+        if fill is not None:
+            fill(tmp)
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         marker = {"name": name, "step": step, "time": time.time(), "files": files, **(meta or {})}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")

@@ -6,8 +6,8 @@ every world-th example from the r-th; a rank left without one, in an epoch's las
 torch's ``DistributedSampler`` pads). DDP averages the gradients over the ranks; FSDP2 shards the model as the RL
 learner does (``sharding.shard``: one unit per layer, the model under a :class:`ForwardRoot`). The logged metrics
 are the ranks' mean, so every rank sees the same loss and stops alike; the validation scores are rank 0's, sent to
-the others. Rank 0 writes logs and checkpoints: the whole model (gathered from the shards under FSDP) and each
-rank's own state (its RNG, and under FSDP its optimizer shard), gathered over a CPU (gloo) group.
+the others. Rank 0 writes logs and checkpoints: the whole model (gathered from the shards under FSDP); each rank
+writes its own state (its RNG, and under FSDP its optimizer shard) into the checkpoint rank 0 is writing.
 
 ``local`` (one process, the default): every method is what the single-process loop did.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from torch import nn
 
+from rlt2t.common.checkpoint import rng_state
 from rlt2t.common.config import FSDPConfig
 from rlt2t.common.lora import is_lora
 from rlt2t.learner import sharding
@@ -115,14 +117,6 @@ class StageRanks:
         dist.broadcast_object_list(box, src=0, group=self.objects)
         return box[0]
 
-    def gather(self, value: T) -> list[T] | None:
-        """Every rank's ``value``, in rank order, on rank 0 (None on the others)."""
-        if not self.distributed:
-            return [value]
-        out: list[Any] | None = [None] * self.world if self.main else None
-        dist.gather_object(value, out, dst=0, group=self.objects)
-        return out
-
     def shard(self, model: nn.Module, stage: str, fsdp: FSDPConfig, device: torch.device,
               mixed_precision: str) -> nn.Module:
         """Under FSDP: ``model`` sharded in place, returned under the :class:`ForwardRoot` the stage trains
@@ -156,24 +150,36 @@ class StageRanks:
         state = sharding.full_trainable_state(model) if is_lora(model) else sharding.full_state(trained, model)
         return sharding.Consolidated(model, state)
 
-    def training_state(self, optimizer: torch.optim.Optimizer, shared: dict[str, Any],
-                       own: dict[str, Any]) -> dict[str, Any] | None:
-        """The checkpoint's training state on rank 0 (None on the others; a collective): ``shared`` (the same on
-        every rank) with the optimizer's state, and ``own`` (what each rank has of its own: its RNG) — one
-        process's keys as they always were; several ranks' under ``ranks``, the optimizer there too under FSDP."""
-        if not self.distributed:
-            return {"optimizer": optimizer.state_dict(), **shared, **own}
-        if self.sharded:
-            own = {**own, "optimizer": sharding.local_optimizer_state(optimizer.state_dict())}
-        else:
-            shared = {**shared, "optimizer": optimizer.state_dict()}
-        ranks = self.gather(own)
-        return {**shared, "ranks": ranks} if ranks is not None else None
+    def rank_file(self, rank: int) -> str:
+        """The file of a checkpoint that holds rank ``rank``'s own state."""
+        return f"training_state.rank{rank}.pt"
 
-    def own_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """This rank's part of a saved :meth:`training_state`, its optimizer state loaded (resharded under
-        FSDP); returns the part (its RNG)."""
-        own = state["ranks"][self.rank] if self.distributed else state
+    def training_state(self, optimizer: torch.optim.Optimizer, shared: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's training state (rank 0 saves it): ``shared`` (the same on every rank) with the
+        optimizer's state, one process's keys as they always were, its RNG included. Several ranks: the RNG (and
+        under FSDP the optimizer shard) is each rank's own, in its own file (:meth:`own_state`)."""
+        if not self.distributed:
+            return {"optimizer": optimizer.state_dict(), **shared, "rng": rng_state()}
+        return shared if self.sharded else {**shared, "optimizer": optimizer.state_dict()}
+
+    def write_own(self, optimizer: torch.optim.Optimizer, directory: Path | None) -> None:
+        """Every rank's own state into the checkpoint rank 0 is writing (``directory``: where, on rank 0; None
+        on the others): rank 0 sends the path, each rank writes its file there (on the filesystem every rank
+        shares), and rank 0 marks the checkpoint complete only after all have (a collective)."""
+        if not self.distributed:
+            return
+        directory = Path(self.from_main(str(directory) if directory is not None else ""))
+        own: dict[str, Any] = {"rng": rng_state()}
+        if self.sharded:
+            own["optimizer"] = sharding.local_optimizer_state(optimizer.state_dict())
+        torch.save(own, directory / self.rank_file(self.rank))
+        self.from_main(None)  # every rank's file is written
+
+    def own_state(self, path: Path, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's part of the training state of checkpoint ``path``, its optimizer state loaded (resharded
+        under FSDP); returns the part (its RNG)."""
+        own = torch.load(path / self.rank_file(self.rank), map_location="cpu", weights_only=False) \
+            if self.distributed else state
         optimizer.load_state_dict(own["optimizer"] if "optimizer" in own else state["optimizer"])
         if self.sharded:
             sharding.reshard_optimizer_state(optimizer)

@@ -32,7 +32,6 @@ from rlt2t.common.checkpoint import (
     checkpoint_name,
     load_training_state,
     prune_checkpoints,
-    rng_state,
     save_checkpoint,
     set_rng_state,
 )
@@ -216,9 +215,8 @@ def train_stage(
         check_schedule_length(stage, resume_from, total_steps, f"{stage}.epochs, {stage}.max_steps, "
                               f"{stage}.batch_size", f"remove {out_dir} or train into another directory")
         ranks.check_layout(stage, resume_from.path, resume_from.meta)
-        # Several ranks map the file rather than each reading every rank's optimizer shard.
-        state = load_training_state(resume_from.path, mmap=ranks.distributed)
-        own = ranks.own_state(state, optimizer)
+        state = load_training_state(resume_from.path)
+        own = ranks.own_state(resume_from.path, state, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         load_scaler_state(accelerator, state)
         set_rng_state(own["rng"])
@@ -242,15 +240,16 @@ def train_stage(
     def checkpoint(name: str, epoch: int, batch_in_epoch: int, metrics: dict[str, float]) -> Path:
         meta = {"stage": stage, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "metrics": metrics,
                 "total_steps": total_steps, "best": best.meta(), "since_best": since_best, **ranks.layout()}
-        # Collectives first (every rank): the weights gathered from the shards, each rank's own state.
-        saved = ranks.saved_model(trained, model)
-        state = ranks.training_state(optimizer, {"scheduler": scheduler.state_dict(), **scaler_state(accelerator)},
-                                     {"rng": rng_state()})
+        saved = ranks.saved_model(trained, model)  # under FSDP a collective: the weights gathered from the shards
         path = ckpt_root / name
         if ranks.main:
             save_checkpoint(ckpt_root, name, model=saved, tokenizer=tokenizer, step=step, meta=meta,
-                            training_state=state)
+                            training_state=ranks.training_state(optimizer, {"scheduler": scheduler.state_dict(),
+                                                                            **scaler_state(accelerator)}),
+                            fill=lambda directory: ranks.write_own(optimizer, directory))
             prune_checkpoints(ckpt_root, cfg.keep_last, protect=best.protect() | {path})
+        else:
+            ranks.write_own(optimizer, None)
         ranks.from_main(None)  # the others wait for it: they may read it next (the stage's result)
         return path
 

@@ -55,11 +55,7 @@ class StageRank:
 
         from rlt2t import jobs
 
-        if not (Path(cfg.run.dir) / token).is_file():
-            raise FileNotFoundError(f"{stage} rank {self.rank} on {ray.util.get_node_ip_address()} does not see the "
-                               f"driver's run.dir {cfg.run.dir}: a stage on several ranks reads its data and writes "
-                               f"its checkpoints there; mount it at that path on every node, or set "
-                               f"{stage.replace('continued_', '')}.strategy=local")
+        check_sees_run_dir(stage, self.rank, Path(cfg.run.dir), token)
         cuda = bool(cfg.rl.learner_gpus) and torch.cuda.is_available()
         if not cuda:  # a rank without a GPU of its own trains on the CPU, whatever run.device says
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"device": "cpu"})})
@@ -70,6 +66,15 @@ class StageRank:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR=address, MASTER_PORT=str(port))
         return jobs.STAGE_JOBS[stage](cfg, resume=resume, init=init)
+
+
+def check_sees_run_dir(stage: str, rank: int, run_dir: Path, token: str) -> None:
+    """A rank must see the driver's run.dir (``token``: the file the driver wrote there for this stage)."""
+    if not (run_dir / token).is_file():
+        raise FileNotFoundError(f"{stage} rank {rank} on {ray.util.get_node_ip_address()} does not see the driver's "
+                                f"run.dir {run_dir}: a stage on several ranks reads its data and writes its "
+                                f"checkpoints there; mount it at that path on every node, or set "
+                                f"{stage.replace('continued_', '')}.strategy=local")
 
 
 def run_on_ranks(cfg: Config, stage: str, resume: bool, init: str | Path | None) -> StageResult:

@@ -16,7 +16,7 @@ from rlt2t.common.checkpoint import checkpoint_name, complete_checkpoints, read_
 from rlt2t.common.config import ModelConfig, load_config
 from rlt2t.common.policy import load_policy
 from rlt2t.jobs import pretrain_job, sft_job
-from rlt2t.stage_group import StageRank
+from rlt2t.stage_group import check_sees_run_dir
 
 pytestmark = pytest.mark.integration
 
@@ -75,4 +75,4 @@ def test_pretraining_on_two_ddp_ranks_and_a_rank_that_does_not_see_run_dir(ray_s
     # A rank on a node without the driver's run.dir says so before joining the others.
     with pytest.raises(FileNotFoundError, match=r"does not see the driver's run.dir .*mount it at that path on every "
                                            r"node, or set sft.strategy=local"):
-        StageRank(1, 2, 1).run("continued_sft", cfg, False, None, ("127.0.0.1", 1), ".stage-ranks-missing")
+        check_sees_run_dir("continued_sft", 1, run, ".stage-ranks-missing")

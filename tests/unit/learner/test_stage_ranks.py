@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlt2t.common.checkpoint import checkpoint_name, read_checkpoint
+from rlt2t.common.checkpoint import checkpoint_name, load_training_state, read_checkpoint
 from rlt2t.common.collate import encode_examples
 from rlt2t.common.config import Config, FSDPConfig, LoraConfig, MetricConfig, ModelConfig, RunConfig, SFTConfig
 from rlt2t.common.data import Example
@@ -123,6 +123,13 @@ def test_sft_on_two_ranks_fsdp_steps_as_ddp_with_half_the_bytes_and_resumes_exac
     # Except the attention keys' biases, whose gradient is round-off alone (tests/unit/learner/test_fsdp.py).
     exact = [k for k in ddp_w if not k.endswith("k_proj.bias")]
     assert max(float((fsdp_w[k] - ddp_w[k]).abs().max()) for k in exact) < 1e-5
+    # Each rank's own state in its own file of the checkpoint (its RNG; under FSDP its optimizer shard, not in the
+    # shared file rank 0 writes); the checkpoint is complete only with them.
+    mid = tmp_path / "fsdp" / "sft" / "checkpoints" / checkpoint_name(step=2)
+    assert sorted(p.name for p in mid.glob("training_state.rank*.pt")) == [f"training_state.rank{r}.pt" for r in (0, 1)]
+    assert "optimizer" not in load_training_state(mid) and "optimizer" in load_training_state(
+        tmp_path / "ddp" / "sft" / "checkpoints" / checkpoint_name(step=2))
+    assert "training_state.rank1.pt" in read_checkpoint(mid).meta["files"]
     # Resumed after two steps from the mid-epoch checkpoint (each rank its own optimizer shard and RNG; dropout
     # is on): the third step and the saved weights are the uninterrupted run's, exactly.
     resumed, _ = _rows(tmp_path / "resumed")
