@@ -1,8 +1,8 @@
 """SFT on two gloo ranks on the CPU (``sft.strategy`` ddp and fsdp; pretraining runs the same loop): FSDP takes
 the steps DDP takes (losses, gradient norms, validation scores and the saved weights within 1e-5 over three steps,
-tiny BART and T5), holds about half the bytes per rank, and a checkpoint written mid-epoch resumes to the weights
-of the uninterrupted run bit for bit. The ranks' driver (Ray actors, ``rlt2t.stage_group``) is tested in
-tests/integration/test_stage_ranks_ray.py."""
+tiny BART and T5, T5 also under rl.fsdp's memory options, BART also through LoRA adapters), holds about half the
+bytes per rank, and a checkpoint written mid-epoch resumes to the weights of the uninterrupted run bit for bit.
+The ranks' driver (Ray actors, ``rlt2t.stage_group``) is tested in tests/integration/test_stage_ranks_ray.py."""
 
 from __future__ import annotations
 
@@ -42,17 +42,18 @@ LORA = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0)
 @pytest.fixture(scope="module")
 def family_dir(request, wide_policy_dir) -> tuple[str, Path]:
     """A tiny policy of the family with wide weights (its greedy outputs vary), saved as a model directory.
-    ``bart+lora``: BART trained through LoRA adapters (the frozen base sharded, the adapters gathered)."""
+    ``bart+lora``: BART trained through LoRA adapters (the frozen base sharded, the adapters gathered);
+    ``t5+memory``: under rl.fsdp's memory options (recomputed activations, gathered weights kept for the
+    backward), which change where the work happens, not the result."""
     return request.param, wide_policy_dir(_model(request.param.partition("+")[0]))
 
 
 def _sft(variant: str, start: Path, strategy: str, run_dir: Path, resume: Path | None = None) -> None:
-    family, _, lora = variant.partition("+")
+    family, _, option = variant.partition("+")
     policy = load_policy(_model(family), checkpoint=resume or start, trainable_adapters=True)
     enc = encode_examples(policy.tokenizer, [e.source for e in EXAMPLES], [e.target for e in EXAMPLES], 16, 16)
-    # T5 also under the memory options (recomputed activations, gathered weights kept for the backward), which
-    # change where the work happens, not the result.
-    fsdp = FSDPConfig(activation_checkpointing=True, reshard_after_forward=False) if family == "t5" else FSDPConfig()
+    fsdp = FSDPConfig(activation_checkpointing=True, reshard_after_forward=False) if option == "memory" \
+        else FSDPConfig()
     cfg = SFTConfig(epochs=1, batch_size=8, lr=1e-3, warmup_ratio=0.0, save_every_steps=2, patience=0,
                     group_by_length=False, strategy=strategy)
     run = RunConfig(dir=str(run_dir), seed=0, log_every=1, progress=False, device="cpu")
@@ -62,7 +63,7 @@ def _sft(variant: str, start: Path, strategy: str, run_dir: Path, resume: Path |
                              max_new_tokens=8, by="loss")
 
     run_sft(policy, enc.sources, enc.targets, cfg, run, run_dir / "sft", evaluate=evaluate, fsdp=fsdp,
-            resume_from=read_checkpoint(resume) if resume else None, lora=LORA if lora else None)
+            resume_from=read_checkpoint(resume) if resume else None, lora=LORA if option == "lora" else None)
 
 
 def _rank(rank: int, rendezvous: str, out: str, variant: str, init_dir: str) -> None:
@@ -99,7 +100,7 @@ def _weights(run_dir: Path, family: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family_dir", ["bart", "t5", "bart+lora"], indirect=True)
+@pytest.mark.parametrize("family_dir", ["bart", "t5", "t5+memory", "bart+lora"], indirect=True)
 def test_sft_on_two_ranks_fsdp_steps_as_ddp_with_half_the_bytes_and_resumes_exactly(family_dir, tmp_path,
                                                                                      run_ranks):
     variant, init_dir = family_dir
