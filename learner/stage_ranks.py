@@ -33,6 +33,11 @@ from rlt2t.learner import sharding
 T = TypeVar("T")
 
 
+def stage_section(stage: str) -> str:
+    """The config section whose ``strategy`` places ``stage`` (continued SFT follows ``sft``'s)."""
+    return "sft" if stage == "continued_sft" else stage
+
+
 class ForwardRoot(nn.Module):
     """The root FSDP unit of a model trained through its own forward (the stages' ``model(**batch)``): it holds
     what no layer owns (embeddings, LM head, final norms) and leaves the model's own class unchanged, so that its
@@ -63,8 +68,8 @@ class StageRanks:
         if strategy == "local":
             return cls()
         if not dist.is_initialized():
-            raise RuntimeError(f"{stage}.strategy={strategy}: the stage trains on ranks of one process group "
-                               "(rlt2t.stage_group.run_on_ranks starts them); none is initialised here")
+            raise RuntimeError(f"{stage_section(stage)}.strategy={strategy}: the stage trains on ranks of one process "
+                               "group (rlt2t.stage_group.run_on_ranks starts them); none is initialised here")
         objects = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         return cls(strategy, dist.get_rank(), dist.get_world_size(), objects)
 
@@ -89,10 +94,10 @@ class StageRanks:
         saved = {"strategy": meta.get("strategy", "local"), "ranks": meta.get("ranks", 1)}
         here = {"strategy": self.strategy, "ranks": self.world}
         if saved != here:
-            raise ValueError(f"{stage}: {path} was written by {saved['ranks']} rank(s) under {stage}.strategy="
-                             f"{saved['strategy']}, this run has {self.world} under {stage}.strategy={self.strategy}"
-                             f"; resume with the same {stage}.strategy and rl.learners, or train into another "
-                             "directory")
+            key = f"{stage_section(stage)}.strategy"
+            raise ValueError(f"{stage}: {path} was written by {saved['ranks']} rank(s) under {key}="
+                             f"{saved['strategy']}, this run has {self.world} under {key}={self.strategy}"
+                             f"; resume with the same {key} and rl.learners, or train into another directory")
 
     def share(self, indices: Sequence[int]) -> list[int]:
         """This rank's part of a global batch's example indices."""
@@ -125,7 +130,7 @@ class StageRanks:
             return model
         root = ForwardRoot(model)
         sharding.shard(root, model, fsdp, device=device, mixed_precision=mixed_precision,
-                       key=f"{'sft' if stage == 'continued_sft' else stage}.strategy")
+                       key=f"{stage_section(stage)}.strategy")
         return root
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float, accelerator: Accelerator) -> float:

@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlt2t.common.checkpoint import resume_point
 from rlt2t.common.config import Config
 from rlt2t.groups import ClusterTooSmall, init_ray, unschedulable
+from rlt2t.learner.stage_ranks import stage_section
 from rlt2t.learner.trainer import StageResult
 
 log = logging.getLogger("rlt2t.stages")
@@ -74,7 +75,7 @@ def check_sees_run_dir(stage: str, rank: int, run_dir: Path, token: str) -> None
         raise FileNotFoundError(f"{stage} rank {rank} on {ray.util.get_node_ip_address()} does not see the driver's "
                                 f"run.dir {run_dir}: a stage on several ranks reads its data and writes its "
                                 f"checkpoints there; mount it at that path on every node, or set "
-                                f"{stage.replace('continued_', '')}.strategy=local")
+                                f"{stage_section(stage)}.strategy=local")
 
 
 def run_on_ranks(cfg: Config, stage: str, resume: bool, init: str | Path | None) -> StageResult:
@@ -83,7 +84,7 @@ def run_on_ranks(cfg: Config, stage: str, resume: bool, init: str | Path | None)
     resume_point(cfg.run_dir / stage / "checkpoints", resume)  # a run that would write over one: refused now
     init_ray(cfg)
     r = cfg.rl
-    strategy = getattr(cfg, "pretrain" if stage == "pretrain" else "sft").strategy
+    strategy = getattr(cfg, stage_section(stage)).strategy
     bundle = {"CPU": r.learner_cpus, **({"GPU": r.learner_gpus} if r.learner_gpus else {}), **r.learner_resources}
     group = placement_group([bundle] * r.learners, strategy="PACK")
     token = cfg.run_dir / f".stage-ranks-{uuid.uuid4().hex}"  # each rank's proof that it sees run.dir
@@ -115,8 +116,8 @@ def run_on_ranks(cfg: Config, stage: str, resume: bool, init: str | Path | None)
         except (RayActorError, RayTaskError) as e:
             if isinstance(e, RayTaskError) and isinstance(e.cause, (ValueError, OSError)):
                 raise e.cause from None
-            raise RuntimeError(f"{stage}: a rank failed ({stage}.strategy={strategy}, rl.learners={r.learners}); "
-                               f"--resume continues from its newest checkpoint: {e}") from e
+            raise RuntimeError(f"{stage}: a rank failed ({stage_section(stage)}.strategy={strategy}, rl.learners="
+                               f"{r.learners}); --resume continues from its newest checkpoint: {e}") from e
     finally:
         for rank in ranks:
             ray.kill(rank)
