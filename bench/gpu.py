@@ -47,7 +47,9 @@ CTranslate2, both = the maximum; random weights would otherwise stop at random l
 T5-large shapes: HF ``generate(do_sample=True, top_k=0, num_return_sequences=8)`` on bf16 weights against
 CTranslate2 (the model exported by rlt2t.common.ct2.export_policy, translate_batch with sampling_topk=0,
 num_hypotheses=8) with compute types int8_float16 and bfloat16. Generated tokens are counted up to the first EOS.
-Median of 2 timed runs after one warm-up. Issue target: the best CTranslate2 >= 3x HF generate.
+Median of 2 timed runs after one warm-up. Issue target: the best CTranslate2 >= 3x HF generate. CTranslate2's
+wheels run on CUDA 12's cuBLAS: where libcublas.so.12 cannot be loaded (a CUDA 13 machine), its rows are left out
+and ``ct2_cuda_problem`` says why.
 
 e2e: GRPO with a from-scratch BART-base-shape policy (model.preset=base, model.family=bart) on the synthetic task,
 rl.strategy from --strategy, on the one GPU with configs/gpu-1.yaml's placement (learner, rollout and reward
@@ -237,6 +239,20 @@ def free_memory(device: str) -> None:
 
 def peak_gib(device: str) -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None
+
+
+def ct2_cuda_problem(version: str) -> str | None:
+    """Why CTranslate2 cannot run on this machine's GPU, or None. Its Linux wheels (4.x) open CUDA 12's cuBLAS
+    (libcublas.so.12) when they first run a model on the GPU: a machine with CUDA 13 alone (a cu13 torch) fails
+    there, after the model loaded."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcublas.so.12")
+    except OSError as e:
+        return (f"libcublas.so.12 cannot be loaded ({e}): CTranslate2 {version}'s wheel runs on CUDA 12's cuBLAS "
+                f"(torch here: CUDA {torch.version.cuda})")
+    return None
 
 
 def is_oom(e: BaseException) -> bool:
@@ -450,6 +466,10 @@ def rollout_part(args: argparse.Namespace, device: str, deadline: float) -> dict
     supported = sorted(ctranslate2.get_supported_compute_types(ct2_device))
     wanted = ("int8_float16", "bfloat16") if ct2_device == "cuda" else ("int8", "float32")
     compute_types = [c for c in wanted if c in supported]
+    ct2_problem = ct2_cuda_problem(ctranslate2.__version__) if ct2_device == "cuda" else None
+    if ct2_problem:
+        print(f"rollout: CTranslate2 cannot use the GPU: {ct2_problem}; HF generate alone is measured", flush=True)
+        compute_types = []
     data_tokens = 200 if args.smoke else 1894
     tok = build_ids_tokenizer(num_data_tokens=data_tokens, num_sentinels=10 if args.smoke else 100)
     special = {"pad": tok.pad_token_id, "bos": tok.bos_token_id, "eos": tok.eos_token_id}
@@ -561,6 +581,7 @@ def rollout_part(args: argparse.Namespace, device: str, deadline: float) -> dict
               + ("unknown" if s is None else f"{s:.2f}x, {'met' if s >= TARGET_CT2_SPEEDUP else 'missed'}"), flush=True)
     return {"benchmark": "gpu_rollout", "device": device, "ct2_device": ct2_device,
             "ct2_version": ctranslate2.__version__, "ct2_supported_compute_types": supported,
+            "ct2_cuda_problem": ct2_problem,
             "workload": {"sources": sources, "source_len": src_len, "k": k, "new_tokens": new, "top_k": 0,
                          "temperature": 1.0, "repeats": args.repeats, "warmup": 1,
                          "eos": "masked until new_tokens (HF min_new_tokens, CTranslate2 min_decoding_length, both = "
