@@ -203,17 +203,37 @@ def resume_point(root: str | Path, resume: bool, *, elsewhere: str = "use anothe
     return None
 
 
+def best_or_latest(ckpt_root: str | os.PathLike[str]) -> Path:
+    """The checkpoint the stage's monitor picked as best (recorded in its newest complete checkpoint), else the
+    newest complete one."""
+    ckpt_root = Path(ckpt_root)
+    latest = latest_complete_checkpoint(ckpt_root)
+    if latest is None:
+        raise FileNotFoundError(f"{ckpt_root}: no complete checkpoint")
+    best = (complete_checkpoint(latest).meta.get("best") or {}).get("path")
+    found = checkpoint_by_name(ckpt_root, best) if best else None
+    return found or latest
+
+
+def checkpoint_by_name(ckpt_root: Path, recorded: str) -> Path | None:
+    """The complete checkpoint of ``recorded``'s name under ``ckpt_root``, or None. Recorded paths are spelled
+    as the run.dir of the run that wrote them (relative, or a place the run has since moved from)."""
+    path = ckpt_root / Path(recorded).name
+    return path if read_checkpoint(path) is not None else None
+
+
 def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
-    """A model directory itself, or the newest complete checkpoint of a checkpoint root."""
+    """A model directory or checkpoint itself, or, for a checkpoint root, the checkpoint its stage's monitor
+    picked as best, else its newest complete one (:func:`best_or_latest`): what eval, export, predict and a
+    stage's ``--init`` load from a root. A server following a training run reads the newest itself."""
     path = Path(path)
     if (path / "config.json").is_file() and not path.joinpath(MARKER).exists():
         return path  # a plain HF directory
     if read_checkpoint(path) is not None:
         return path
-    latest = latest_complete_checkpoint(path)
-    if latest is None:
+    if latest_complete_checkpoint(path) is None:
         raise FileNotFoundError(f"{path}: neither a model directory nor a directory of complete checkpoints")
-    return latest
+    return best_or_latest(path)
 
 
 def load_training_state(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:

@@ -76,7 +76,7 @@ from rlt2t.common.families import (
     vocab_size,
 )
 from rlt2t.common.io import atomic_directory, atomic_write_json
-from rlt2t.common.policy import Policy, adapter_base, is_adapter_checkpoint, load_policy
+from rlt2t.common.policy import Policy, adapter_base, has_tokenizer, is_adapter_checkpoint, load_policy
 from rlt2t.common.sampling import SampledSequence, check_sampling, warp_logits
 from rlt2t.common.tokenization import decode_ids, ids_to_tokens, load_tokenizer, save_tokenizer, tokens_to_ids
 
@@ -273,9 +273,9 @@ def export_ct2(
             f"{model_dir}: CTranslate2 cannot convert {family.name} models; use the torch backend: "
             "serve.backend=torch, rollout.backend=torch, predict.backend=torch"
         )
-    if adapter and not _has_tokenizer(weights_dir) and _has_tokenizer(model_dir):
+    if adapter and not has_tokenizer(weights_dir) and has_tokenizer(model_dir):
         tokenizer_dir = model_dir  # the tokenizer the adapters were trained with, saved beside them
-    if not _has_tokenizer(weights_dir) and tokenizer_dir is None:
+    if not has_tokenizer(weights_dir) and tokenizer_dir is None:
         raise ValueError(f"{weights_dir} holds no tokenizer; pass tokenizer_dir (the run's tokenizer directory)")
     t0 = time.perf_counter()
     policy = load_policy(ModelConfig(preset=None, dropout=0.0), tokenizer_dir, checkpoint=model_dir)  # merged
@@ -283,10 +283,6 @@ def export_ct2(
                   source_sha256=source_checksum(model_dir))
     log.info("exported %s → %s (%s) in %.2f s", model_dir, out_dir, quantization, time.perf_counter() - t0)
     return out_dir
-
-
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
 
 
 def source_family(model_dir: str | Path) -> Family:

@@ -5,7 +5,8 @@ row goes through). rlt2t's own files are JSONL, one object per line::
 
     {"id": "17", "source": "12 7 <sep> 5 6 7", "target": "40 41", ...any other fields...}
 
-``id`` may be a string or an integer (read back as a string), ``source`` is a non-empty string,
+``id`` may be a string or an integer (read back as a string; a file whose first row has none numbers its rows 1, 2,
+..., and then no row may have one), ``source`` is a non-empty string,
 ``target`` a non-empty string (optional for unlabeled inputs such as a prediction-only test split);
 every other field is kept in :attr:`Example.extra`.
 
@@ -136,10 +137,33 @@ def iter_examples(
         report = LoadReport(str(path))
     report.unit = "line" if kind in ("jsonl", "csv") else "row"
     if kind == "jsonl":
-        stream = examples_from_rows(_jsonl_rows(str(path)), str(path), rules, report, SeenIds())
+        rows, numbered = _numbered(_jsonl_rows(str(path)), rules.columns.id, str(path))
+        stream = examples_from_rows(rows, str(path), rules, report, SeenIds(), numbered=numbered)
     else:
         stream = stream_examples(Path(path), kind, rules, report)
     return (example for _, example in stream)
+
+
+def _numbered(rows: Iterator[tuple[int, dict[str, Any] | DataError]], id_field: str, path: str
+              ) -> tuple[Iterator[tuple[int, dict[str, Any] | DataError]], bool]:
+    """(the rows, whether they are numbered): a JSONL file whose first row has no ``id_field`` numbers its rows 1, 2,
+    ... as a CSV, Parquet or datasets file without the id column does; a later row that has one is then refused
+    (named and numbered rows would mix)."""
+    first = next(rows, None)
+    if first is None:
+        return iter(()), False
+    numbered = isinstance(first[1], dict) and id_field not in first[1]
+
+    def checked() -> Iterator[tuple[int, dict[str, Any] | DataError]]:
+        yield first
+        for line, fields in rows:
+            if numbered and isinstance(fields, dict) and id_field in fields:
+                fields = DataError(path, line, id_field, "present, but the file's first row has none, so its rows are "
+                                                         "numbered 1, 2, ...: give every row an id (data.id_field), "
+                                                         "or none")
+            yield line, fields
+
+    return checked(), numbered
 
 
 def _jsonl_rows(path: str) -> Iterator[tuple[int, dict[str, Any] | DataError]]:

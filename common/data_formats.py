@@ -8,9 +8,10 @@ reads it through ``datasets.load_dataset``, which converts it once into its memo
 
 Every row goes through :func:`rlt2t.common.example.example_from_row` with the column mapping, so the errors are
 JSONL's (``file:line: field 'document': empty``): CSV counts physical lines (the header is line 1), Parquet and
-datasets 1-based rows. A file without the id column numbers its rows 1, 2, ... (JSONL rows need an id each). A
-missing source column, a missing target column where targets are required, or an unmapped column with a reserved
-name (``source`` beside ``data.source_field=document``) fail the whole file at once, whatever ``data.on_error``.
+datasets 1-based rows. A file without the id column numbers its rows 1, 2, ... (as a JSONL file whose first row
+has no id does). A missing source column, a missing target column where targets are required, or an unmapped
+column with a reserved name (``source`` beside ``data.source_field=document``) fail the whole file at once,
+whatever ``data.on_error``.
 In a CSV cell, empty means no value (target, references) and ``references`` is a JSON list (``["a", "b"]``).
 
 What is streamed and what is materialised:

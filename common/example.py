@@ -192,6 +192,12 @@ class SeenIds:
             self.first[ex_id] = line
 
 
+def _names(row: dict[str, Any]) -> str:
+    """A row's field names for an error message (the first 12)."""
+    names = [repr(k) for k in list(row)[:12]]
+    return ", ".join(names) + (", ..." if len(row) > 12 else "") if names else "none"
+
+
 def example_from_row(row: dict[str, Any], path: str, line: int, rules: RowRules, seen: SeenIds | None,
                      row_id: str | None = None) -> Example:
     """The example of one row (its fields by the file's names; consumed), or a :class:`DataError` naming ``path``,
@@ -201,7 +207,9 @@ def example_from_row(row: dict[str, Any], path: str, line: int, rules: RowRules,
         ex_id = row_id
     else:
         if c.id not in row:
-            raise DataError(path, line, c.id, "missing")
+            raise DataError(path, line, c.id, f"missing (the file's first row has one: name every row by "
+                                              f"data.id_field, or none and rows are numbered 1, 2, ...; this row's "
+                                              f"fields: {_names(row)})")
         ex_id = row.pop(c.id)
         # bool is an int subclass, but `true` as an id is a data bug, not an id.
         if isinstance(ex_id, int) and not isinstance(ex_id, bool):
@@ -214,7 +222,8 @@ def example_from_row(row: dict[str, Any], path: str, line: int, rules: RowRules,
         seen.check(ex_id, path, line, c.id)
 
     if c.source not in row:
-        raise DataError(path, line, c.source, "missing")
+        raise DataError(path, line, c.source, f"missing (data.source_field names the field that holds the source; "
+                                              f"this row's other fields: {_names(row)})")
     source = row.pop(c.source)
     if not isinstance(source, str):
         raise DataError(path, line, c.source, _wrong_type("a string", source))
@@ -222,12 +231,15 @@ def example_from_row(row: dict[str, Any], path: str, line: int, rules: RowRules,
         raise DataError(path, line, c.source, "empty")
 
     references = _references(row.pop(c.references, None), path, line, c.references)
+    has_target_field = c.target in row
     target = row.pop(c.target, None)
     if target is None and references:
         target = references[0]
     if target is None:
         if rules.require_target:
-            raise DataError(path, line, c.target, "missing (a file without targets is unlabeled data: pass "
+            where = "" if has_target_field else (f"data.target_field or data.references_field name the fields "
+                                                 f"that hold targets; this row's other fields: {_names(row)}; ")
+            raise DataError(path, line, c.target, f"missing ({where}a file without targets is unlabeled data: pass "
                                                   "--unlabeled on the command line, require_target=False in Python)")
     elif not isinstance(target, str):
         raise DataError(path, line, c.target, _wrong_type("a string", target))

@@ -93,7 +93,7 @@ def load_policy(
     if path is not None:
         path = Path(path)
         family = family_of_dir(path)  # FileNotFoundError without config.json, UnsupportedModelError if unknown
-        tok_src = path if _has_tokenizer(path) else tokenizer_dir
+        tok_src = path if has_tokenizer(path) else tokenizer_dir
         if tok_src is None:
             raise ValueError(f"{path} holds no tokenizer; set tokenizer.path to a tokenizer directory")
         tokenizer = prepare_tokenizer(load_tokenizer(tok_src), family, src_lang=model_cfg.src_lang)
@@ -178,7 +178,8 @@ def check_lengths(policy: Policy, data_cfg: DataConfig) -> None:
             raise ValueError(f"data.{key}={value} exceeds the model's {positions} positions ({policy.origin})")
 
 
-def _has_tokenizer(path: Path) -> bool:
+def has_tokenizer(path: Path) -> bool:
+    """Whether a model directory holds its tokenizer's files."""
     return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -106,6 +107,19 @@ def _keywords(fn: RewardFn) -> set[str] | None:
     return {p.name for p in params[3:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
+def _raised_at(e: BaseException) -> str:
+    """`` at my_rewards.py:12 in brevity: `return 1 / n` `` for the line that raised: the error reaches the user as one
+    line from a Ray worker, where the traceback is not theirs to read."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)[1:]  # the first is this module's call
+    if not frames:
+        return ""
+    f = frames[-1]
+    code = f" `{f.line.strip()}`" if f.line else ""
+    return f" at {Path(f.filename).name}:{f.lineno} in {f.name}{code}"  # the file's name: a server's path stays its own
+
+
 def _short(text: str, limit: int = 120) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
@@ -137,8 +151,8 @@ class PythonReward:
                 except RewardError:
                     raise
                 except Exception as e:
-                    raise RewardError(f"reward term {self.name} raised {type(e).__name__}: {e} (candidate {i}: "
-                                      f"{_short(c)}, source {_short(s)})") from e
+                    raise RewardError(f"reward term {self.name} raised {type(e).__name__}: {e}{_raised_at(e)} "
+                                      f"(candidate {i}: {_short(c)}, source {_short(s)})") from e
             return out
         names = dict.fromkeys(k for row in rows for k in row)
         columns = {k: [row.get(k) for row in rows] for k in names}
@@ -147,7 +161,7 @@ class PythonReward:
         except RewardError:
             raise
         except Exception as e:
-            raise RewardError(f"reward term {self.name} raised {type(e).__name__}: {e} "
+            raise RewardError(f"reward term {self.name} raised {type(e).__name__}: {e}{_raised_at(e)} "
                               f"({self._first_failure(sources, candidates, references, rows)})") from e
 
     def _first_failure(self, sources, candidates, references, rows) -> str:

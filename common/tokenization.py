@@ -202,7 +202,9 @@ def text_checker(tok: PreTrainedTokenizerBase) -> Callable[[str], str | None]:
                 if kind != "ids":
                     continue
                 if not (piece.isascii() and piece.isdigit()):
-                    return f"token {piece!r} is not a non-negative integer"
+                    return (f"token {piece!r} is not a non-negative integer (this run's tokenizer is the `ids` "
+                            "kind, for texts of integer tokens; for words build a subword one: tokenizer.kind=subword "
+                            "then `rlt2t tokenizer build`)")
                 if str(int(piece)) != piece:
                     return f"token {piece!r} is not in the vocabulary (data tokens have no leading zeros)"
                 return f"token {piece!r} is outside the vocabulary (0..{n - 1})"

@@ -4,7 +4,10 @@
 
 The function gets a batch of sampled candidates with their sources and references (and each data row's extra
 fields as keyword lists) and returns one float per candidate. `rlt2t.train` takes it as the reward and ships it to
-the Ray reward workers with the config. Tiny settings: a few minutes on a laptop CPU.
+the Ray reward workers with the config. The demo's model and task without its pretraining, and RL on 256
+sources: about 2.5 minutes on a 2-core CPU, enough for SFT to learn the task in part (task score ~0.6 on the
+validation split; the demo's full schedule reaches ~1.0). RL then optimises this reward, not the task score:
+expect the candidates to grow longer, towards the reference's tokens.
 """
 
 import sys
@@ -24,8 +27,8 @@ def overlap_minus_length(sources, candidates, references, **row_fields):
 if __name__ == "__main__":  # the Ray workers unpickle the function, they do not run the script
     run = next((a for a in sys.argv[1:] if "=" not in a), "runs/custom_reward")
     overrides = [a for a in sys.argv[1:] if "=" in a]
-    cfg = rlt2t.load_config("tiny", overrides=[f"run.dir={run}", "rl.algorithm=grpo", "pretrain.enabled=false",
-                                               *overrides])
+    cfg = rlt2t.load_config(overrides=[f"run.dir={run}", "rl.algorithm=grpo", "pretrain.enabled=false",
+                                       "rl.train_subset=256", *overrides])
     if not cfg.path(cfg.data.train).is_file():
         rlt2t.synth_data(cfg)
     rlt2t.build_tokenizer(cfg)

@@ -116,12 +116,18 @@ def collapse_reference(examples: Sequence[Example]) -> float | None:
 def collapse_warning(what: str, distinct: float, examples: Sequence[Example], advice: str) -> str | None:
     """A warning when ``distinct`` (:func:`distinct_outputs` of a model's greedy outputs on ``examples``) is below
     ``COLLAPSE_RATIO`` of the references' own (each example's first reference), over at least
-    ``COLLAPSE_MIN_SOURCES`` distinct sources; None otherwise. A task whose targets are few (labels) keeps
-    few outputs and is not warned about."""
+    ``COLLAPSE_MIN_SOURCES`` distinct sources, or when one text answers every source while the references hold
+    20 texts or more; None otherwise. A task whose targets are few (labels) keeps few outputs and is not warned
+    about."""
     reference = collapse_reference(examples)
-    if reference is None or distinct >= COLLAPSE_RATIO * reference:
+    if reference is None:
         return None
     n = len({e.source for e in examples})
+    # One text for every source where the references hold a twentieth's worth (20 texts or more) is the collapse
+    # the ratio misses at its boundary (20 sources: 1/20 is not below 0.05 x 1.0).
+    one_text = round(distinct * n) <= 1 and round(reference * n) * COLLAPSE_RATIO >= 1
+    if distinct >= COLLAPSE_RATIO * reference and not one_text:
+        return None
     return (f"{what}: the greedy outputs on {n} validation sources hold {distinct * n:.0f} distinct texts "
             f"(distinct_outputs={distinct:.3f}; the references {reference:.3f}): the decoder writes nearly the same "
             f"text whatever the source; {advice}")

@@ -28,6 +28,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from rlt2t.common.checkpoint import (
     BestCheckpoint,
     CheckpointInfo,
+    best_or_latest,
     check_schedule_length,
     checkpoint_name,
     load_training_state,
@@ -80,6 +81,13 @@ class StageResult:
     checkpoint: Path
     steps: int
     last_metrics: dict[str, float]
+
+    @property
+    def best(self) -> Path:
+        """The checkpoint the stage's monitor picked as best (what eval, export and ``init`` load when given the
+        stage's checkpoint root), else the newest: ``checkpoint`` is the stage's last checkpoint."""
+        root = self.checkpoint.parent
+        return best_or_latest(root) if root.name == "checkpoints" else self.checkpoint
 
 
 def make_accelerator(run: RunConfig, *, sharded: bool = False) -> Accelerator:
@@ -257,6 +265,7 @@ def train_stage(
                disable=True if not (run.progress and ranks.main) else None, dynamic_ncols=True)
     last: dict[str, float] = {}
     last_path: Path | None = None
+    converging = False  # the monitor beat its best at the stage's last epoch: it stopped while still improving
     window_t, window_n = time.perf_counter(), 0
     trained.train()
     try:
@@ -307,6 +316,7 @@ def train_stage(
             if monitor and monitor in scores:
                 counts = patience_counts is None or patience_counts(scores)  # a collapsed epoch does not count
                 since_best = 0 if best.offer(scores[monitor], ckpt_root / name) else since_best + int(counts)
+                converging = since_best == 0 and epoch > 0 and epoch + 1 == cfg.epochs
             last_path = checkpoint(name, epoch + 1, 0, {**last, **scores})
             if patience and since_best >= patience and epoch + 1 < cfg.epochs and step < total_steps:
                 log.info("%s: early stop after %d of %d epochs: %s has not beaten %.4f (%s) for %d epoch%s "
@@ -321,4 +331,8 @@ def train_stage(
         logger.close()
     if best.path is not None:
         log.info("%s: best %s=%.4f at %s", stage, monitor, best.score, best.path)
+    if converging:
+        log.info("%s: %s still improved at the last of its %d epochs: the stage ended before it converged, and "
+                 "what starts from it starts from a model still learning; a larger %s.epochs trains it further",
+                 stage, monitor, cfg.epochs, stage)
     return StageResult(checkpoint=last_path, steps=step, last_metrics=last)

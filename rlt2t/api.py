@@ -16,6 +16,9 @@ Each function takes the whole config (``rlt2t.Config``) and writes under ``run.d
 of the same name does. ``import rlt2t`` is instant: torch, transformers and Ray load when a function that needs
 them runs. Besides these: ``register_metric``, ``register_reward``, ``PolicyClient``, ``RewardClient`` (and their
 async twins), ``Config`` and ``PythonTerm``, all importable from ``rlt2t``.
+
+Progress and warnings are logged as the commands print them, on stderr, unless your program has configured
+logging before the first call (any handler on the root logger): then they go where you sent them.
 """
 
 from __future__ import annotations
@@ -47,6 +50,16 @@ __all__ = ["load_config", "synth_data", "build_tokenizer", "pretrain", "sft", "t
 log = logging.getLogger("rlt2t.api")
 
 PathLike = str | Path
+
+
+def _show_progress() -> None:
+    """The job's progress lines on stderr, as the commands print them, unless the program has set up logging
+    itself (a handler on the root logger, e.g. ``logging.basicConfig``): otherwise a script that calls
+    ``rlt2t.sft(cfg)`` sees nothing, not even a warning, until it returns."""
+    if not logging.getLogger().handlers:
+        from rlt2t.common.tracking import setup_logging
+
+        setup_logging()
 
 
 def _override_strings(overrides: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -81,6 +94,7 @@ def synth_data(cfg: Config, *, fmt: Literal["jsonl", "csv"] = "jsonl") -> dict[s
 
         files = rlt2t.synth_data(cfg)       # {"train": Path(".../train.jsonl"), "valid": ..., "test": ...}
     """
+    _show_progress()
     from rlt2t.jobs import make_synthetic_data
 
     return make_synthetic_data(cfg, fmt=fmt)
@@ -92,6 +106,7 @@ def build_tokenizer(cfg: Config) -> Path:
 
         rlt2t.build_tokenizer(cfg)
     """
+    _show_progress()
     from rlt2t.jobs import build_tokenizer_job
 
     return build_tokenizer_job(cfg)
@@ -99,11 +114,14 @@ def build_tokenizer(cfg: Config) -> Path:
 
 def pretrain(cfg: Config, *, resume: bool = False, init: PathLike | None = None) -> StageResult:
     """Denoising pretraining (span corruption, ``pretrain.objective``) into ``{run}/pretrain`` (`rlt2t pretrain`);
-    ``init`` is a model directory or checkpoint root to start from, ``resume`` continues the stage's newest checkpoint.
+    ``init`` is a model directory or checkpoint root (its best, else its newest) to start from, ``resume`` continues
+    the stage's newest checkpoint. ``result.checkpoint`` is the stage's last checkpoint, ``result.best`` the one its
+    validation monitor picked.
 
         result = rlt2t.pretrain(cfg)
         print(result.checkpoint, result.steps)
     """
+    _show_progress()
     from rlt2t.jobs import pretrain_job
 
     return pretrain_job(cfg, resume=resume, init=init)
@@ -114,6 +132,7 @@ def sft(cfg: Config, *, resume: bool = False, init: PathLike | None = None) -> S
 
         result = rlt2t.sft(cfg, init="models/my-bart")   # a local pretrained model directory
     """
+    _show_progress()
     from rlt2t.jobs import sft_job
 
     return sft_job(cfg, resume=resume, init=init)
@@ -138,6 +157,7 @@ def train(cfg: Config, *, reward: RewardSpec | Sequence[RewardSpec] | None = Non
 
         result = rlt2t.train(cfg, reward=[shorter, rlt2t.PythonTerm(fn="mypkg.rewards:style", weight=0.1)])
     """
+    _show_progress()
     from rlt2t.common.rewards import UserRegistrations, check_reward
     from rlt2t.jobs import rl_job
 
@@ -196,6 +216,7 @@ def evaluate(cfg: Config, models: Sequence[str] | Mapping[str, PathLike] = (), *
         table = rlt2t.evaluate(cfg, ["sft", "rl"], metrics=["task_score", "rougeL"])
         print(table.to_markdown())
     """
+    _show_progress()
     from rlt2t.common.plugins import load_plugins
     from rlt2t.eval_table import eval_table, resolve_models
 
@@ -206,11 +227,13 @@ def evaluate(cfg: Config, models: Sequence[str] | Mapping[str, PathLike] = (), *
 
 def export(cfg: Config, checkpoint: PathLike, out: PathLike | None = None, *, quantization: str | None = None,
            force: bool = False) -> Path:
-    """Convert a model directory, checkpoint or checkpoint root (its newest) to CTranslate2 (``export.quantization``
-    by default) with the IDF table predict's reranker needs; returns the export directory (`rlt2t export`).
+    """Convert a model directory, checkpoint or checkpoint root (its best, else its newest) to CTranslate2
+    (``export.quantization`` by default) with the IDF table predict's reranker needs; returns the export directory
+    (`rlt2t export`).
 
         ct2_dir = rlt2t.export(cfg, "runs/mine/rl/checkpoints")
     """
+    _show_progress()
     from rlt2t.jobs import export_job
 
     return export_job(cfg, checkpoint, out, quantization=quantization, force=force)
@@ -226,6 +249,7 @@ def predict(cfg: Config, generators: Sequence[PathLike], scorers: Sequence[PathL
 
         result = rlt2t.predict(cfg, [ct2_dir], [ct2_dir], "data/test.jsonl", "pred.csv", rerank="reward")
     """
+    _show_progress()
     from rlt2t.ensemble import predict as run_predict
 
     return run_predict(cfg, list(generators), list(scorers), input, out, rerank=rerank)
@@ -239,6 +263,7 @@ def demo(cfg: Config, *, fresh: bool = False, predict: bool = True) -> DemoResul
         result = rlt2t.demo(rlt2t.load_config("tiny", overrides={"run.dir": "runs/tiny"}))
         print(result.scores)
     """
+    _show_progress()
     from rlt2t.demo_pipeline import run_demo
 
     return run_demo(cfg, fresh=fresh, with_predict=predict)

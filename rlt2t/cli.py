@@ -81,6 +81,16 @@ def _take_trailing_overrides(parser: argparse.ArgumentParser, args: argparse.Nam
     return moved
 
 
+def _import_from_the_current_directory() -> None:
+    """Modules in the directory `rlt2t` runs from import (a reward term's `my_rewards:fn`, `reward.plugins`), in
+    this process and in the Ray workers it starts (they inherit its path), as under `python -m rlt2t.cli`: the
+    installed console script's path starts at its own bin/ directory instead. Appended, so an installed package
+    of the same name still comes first."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come before or after options (`demo --fresh a=1 b=2`): argparse leaves the later ones over,
@@ -92,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hasattr(args, "overrides"):
         args.overrides = [*args.overrides, *_take_trailing_overrides(parser, args), *extra]
     setup_logging(logging.DEBUG if args.verbose else logging.INFO)
+    _import_from_the_current_directory()
     if os.environ.get("CI") or not sys.stderr.isatty():
         os.environ.setdefault("TQDM_MININTERVAL", "5")
     try:

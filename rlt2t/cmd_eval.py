@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     config_args(p)
     p.add_argument("--checkpoint", action="append", default=[], metavar="MODEL",
                    help="repeatable: a stage of the run (sft, rl; rank is rl's former name, pretrain), a model "
-                        "directory, a checkpoint, or a checkpoint root (its newest); LABEL=PATH names the row "
+                        "directory, a checkpoint, or a checkpoint root (its best, else its newest); LABEL=PATH names "
+                        "the row "
                         "(default: the run's sft and rl stages that have checkpoints)")
     p.add_argument("--metrics", default=None,
                    help="comma-separated columns, e.g. rouge1,rouge2,rougeL,rougeLsum,meteor,sacrebleu,perplexity,"

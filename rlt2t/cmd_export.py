@@ -51,7 +51,8 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     """Add this module's subcommands to the `rlt2t` parser; `config_args` adds --config and overrides."""
     p = sub.add_parser("export", help="convert a checkpoint to CTranslate2 (int8 by default) with its IDF table")
     config_args(p)
-    p.add_argument("--checkpoint", required=True, help="model directory, checkpoint, or checkpoint root (newest)")
+    p.add_argument("--checkpoint", required=True,
+                   help="model directory, checkpoint, or checkpoint root (its best, else its newest)")
     p.add_argument("--out", default=None,
                    help="export directory (default: {export.out}/<stage>-<checkpoint name>, e.g. sft-epoch-0003; "
                         "a model directory: its name)")
@@ -67,9 +68,9 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("--generators", required=True, help="comma-separated export dirs (or model dirs: exported on "
                                                        "the fly into {export.out}/cache)")
     p.add_argument("--scorers", required=True, help="comma-separated export dirs (or model dirs)")
-    p.add_argument("--input", required=True, help="a data file read as data.train is (JSONL, Parquet, a datasets "
-                                                  "directory: id, source[, target] by data.*_field) or a competition "
-                                                  "CSV")
+    p.add_argument("--input", required=True, help="a data file read as data.train is (JSONL, a CSV with a header, "
+                                                  "Parquet, a datasets directory: id, source[, target] by "
+                                                  "data.*_field) or a competition CSV (no header)")
     p.add_argument("--out", required=True, help="submission CSV (report_id,prediction); the candidates JSONL "
                                                 "goes beside it as <stem>.candidates.jsonl")
     p.add_argument("--rerank", default=None, choices=RERANK_CHOICES, help=RERANK_HELP)

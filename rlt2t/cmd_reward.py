@@ -98,7 +98,8 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.set_defaults(fn=cmd_reward_model_train)
 
     p = rm.add_parser("score", help="score (source, candidate) JSONL lines with a reward model")
-    p.add_argument("--model", required=True, help="reward model directory or checkpoint root (newest)")
+    p.add_argument("--model", required=True,
+                   help="reward model directory or checkpoint root (its best, else its newest)")
     p.add_argument("--input", required=True, help="JSONL with `source` and `candidate` per line")
     p.add_argument("--out", default=None, help="output JSONL (the input lines plus `reward`); default stdout")
     p.add_argument("--batch-size", type=int, default=64)

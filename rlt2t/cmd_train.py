@@ -62,7 +62,8 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
         p = sub.add_parser(name, help=what)
         config_args(p)
         p.add_argument("--resume", action="store_true", help="continue from the stage's newest complete checkpoint")
-        p.add_argument("--init", default=None, help="model directory or checkpoint root to start from")
+        p.add_argument("--init", default=None,
+                       help="model directory or checkpoint root (its best, else its newest) to start from")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("train", help="RL on Ray (rl.algorithm): rollout + reward actors, DDP learner")

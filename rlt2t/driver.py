@@ -45,6 +45,7 @@ from rlt2t.actors.rollout import RolloutWorker
 from rlt2t.common.checkpoint import (
     BestCheckpoint,
     CheckpointInfo,
+    best_or_latest,
     check_schedule_length,
     checkpoint_name,
     load_training_state,
@@ -95,6 +96,13 @@ class TrainResult:
     """Sources trained on (rank RL: pairs)."""
     out_of_order: int = 0
     """Chunks handed to the learner ahead of an earlier one (only when rl.deterministic is off)."""
+
+    @property
+    def best(self) -> Path:
+        """The checkpoint the stage's monitor picked as best (what eval, export and ``init`` load when given the
+        stage's checkpoint root), else the newest: ``checkpoint`` is the stage's last checkpoint."""
+        root = self.checkpoint.parent
+        return best_or_latest(root) if root.name == "checkpoints" else self.checkpoint
 
 
 def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *, init: Path,

@@ -92,15 +92,24 @@ class PredictResult:
 
 
 def read_inputs(path: str | Path, data: DataConfig) -> list[Example]:
-    """Inputs from the competition CSV (a ``.csv`` file, unless data.format=csv), else any data format as
-    ``data`` reads it (JSONL, Parquet, datasets: ``id``, ``source``, optional ``target`` by the data.*_field
-    mapping)."""
+    """Inputs from the competition CSV (a ``.csv`` file without a header naming ``data.source_field``, unless
+    data.format=csv), else any data format as ``data`` reads it (JSONL, a CSV with a header, Parquet, datasets:
+    ``id``, ``source``, optional ``target`` by the data.*_field mapping)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"--input {path}: no such file")
-    if path.suffix.lower() == ".csv" and data.format == "auto":
+    if path.suffix.lower() == ".csv" and data.format == "auto" and not _names_column(path, data.source_field):
         return list(import_competition_csv(path, on_error=data.on_error))
     return list(load_data(path, data, require_target=False))
+
+
+def _names_column(path: Path, name: str) -> bool:
+    """Whether a CSV's first row is a header with the column ``name`` (the competition's file has none)."""
+    import csv
+
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
+        first = next(csv.reader(f), [])
+    return name in (cell.strip() for cell in first)
 
 
 def resolve_export(cfg: Config, path: str | Path, role: str) -> Path:

@@ -193,5 +193,6 @@ def eval_table(cfg: Config, checkpoints: Mapping[str, str | Path], split: str | 
         path = resolve_model_dir(path)
         rows[label] = eval_job(cfg, checkpoint=path, label=_file_label(label))
         paths[label] = str(path)
-    return EvalTable(title=title or f"{cfg.eval.split} split, {decoding} decoding", split=cfg.eval.split,
+    limit = f", its first {cfg.eval.limit} examples (eval.limit)" if cfg.eval.limit else ""
+    return EvalTable(title=title or f"{cfg.eval.split} split{limit}, {decoding} decoding", split=cfg.eval.split,
                      columns=list(cfg.eval.metrics), rows=rows, checkpoints=paths)

@@ -23,7 +23,8 @@ from typing import Literal
 
 from rlt2t.common.checkpoint import (
     CheckpointInfo,
-    complete_checkpoint,
+    best_or_latest,
+    checkpoint_by_name,
     latest_complete_checkpoint,
     read_checkpoint,
     resolve_model_dir,
@@ -34,7 +35,7 @@ from rlt2t.common.config import Config, SFTConfig, TextStageConfig, config_to_ya
 from rlt2t.common.data import Example, load_data, reference_sets, targets_of, unique_references
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from rlt2t.common.lora import load_lora_policy
-from rlt2t.common.policy import Policy, check_lengths, is_adapter_checkpoint, load_policy
+from rlt2t.common.policy import Policy, check_lengths, has_tokenizer, is_adapter_checkpoint, load_policy
 from rlt2t.common.synth import META_FILE as SYNTH_META
 from rlt2t.common.synth import write_synthetic
 from rlt2t.common.tokenization import build_tokenizer, load_tokenizer, save_tokenizer, text_checker
@@ -96,7 +97,12 @@ def load_split(cfg: Config, split: str, require_target: bool = True) -> Sequence
     builds each example when it is read (``rlt2t.common.data_formats``)."""
     path = cfg.path(getattr(cfg.data, split))
     if not path.exists():
-        raise FileNotFoundError(f"data.{split}: {path} does not exist (run `rlt2t data synth` or import data)")
+        saved = sorted((cfg.run_dir / "config").glob("*.yaml"), key=lambda p: p.stat().st_mtime)
+        hint = (f"point data.{split} at your file, or pass the run's saved config, which holds the data paths of its "
+                f"earlier commands (--config {saved[-1]})" if saved else
+                "point data.train / data.valid / data.test at your files, `rlt2t data import` one, or `rlt2t data "
+                "synth` the demo's")
+        raise FileNotFoundError(f"data.{split}: {path} does not exist ({hint})")
     check = text_checker(load_tokenizer(cfg.tokenizer_dir)) if cfg.tokenizer_dir.is_dir() else None
     return load_data(path, cfg.data, require_target=require_target, check_text=check)
 
@@ -275,23 +281,6 @@ def warn_if_collapsed(cfg: Config, checkpoint: Path, valid: Sequence[Example]) -
         log.warning(message)
 
 
-def best_or_latest(ckpt_root: Path) -> Path:
-    """The checkpoint the monitor picked as best, else the newest complete one."""
-    latest = latest_complete_checkpoint(ckpt_root)
-    if latest is None:
-        raise FileNotFoundError(f"{ckpt_root}: no complete checkpoint")
-    best = (complete_checkpoint(latest).meta.get("best") or {}).get("path")
-    found = _by_name(ckpt_root, best) if best else None
-    return found or latest
-
-
-def _by_name(ckpt_root: Path, recorded: str) -> Path | None:
-    """The complete checkpoint of ``recorded``'s name under ``ckpt_root``, or None. Recorded paths are spelled
-    as the run.dir of the run that wrote them (relative, or a place the run has since moved from)."""
-    path = ckpt_root / Path(recorded).name
-    return path if read_checkpoint(path) is not None else None
-
-
 def checkpoint_label(path: Path) -> str:
     """A checkpoint ``<stage>/checkpoints/<name>`` reads ``<stage>-<name>`` (``sft-epoch-0003``: the stages' own
     checkpoints share names, as eval's tables label them), a model directory its name: export's default --out."""
@@ -434,7 +423,7 @@ def _recorded_start(cfg: Config, recorded: str) -> Path:
     its sft/checkpoints); FileNotFoundError naming --init when it is gone."""
     if Path(recorded).exists():
         return Path(recorded)
-    moved = _by_name(cfg.run_dir / "sft" / "checkpoints", recorded)
+    moved = checkpoint_by_name(cfg.run_dir / "sft" / "checkpoints", recorded)
     if moved is None:
         raise FileNotFoundError(f"rl: the run started from {recorded}, which no longer exists (nor a checkpoint of "
                                 f"that name under {cfg.run_dir / 'sft' / 'checkpoints'}); pass --init with the "
@@ -459,6 +448,7 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     else:
         start = best_or_latest(cfg.run_dir / "sft" / "checkpoints")
     ref = resolve_model_dir(reference) if reference else start
+    _tokenizer_from(cfg, start)
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest or start)
     check_lengths(policy, cfg.data)
     train_set = load_split(cfg, "train")
@@ -467,6 +457,16 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     if resumed is None and valid:
         warn_if_collapsed(cfg, start, valid)
     return train(cfg, train_set, valid, init=ref, start=start, resume_from=resumed, stop_after_steps=stop_after_steps)
+
+
+def _tokenizer_from(cfg: Config, start: Path) -> None:
+    """A run started elsewhere (``--init`` another run's checkpoint, run.dir a new directory) has no tokenizer of
+    its own, which the rollout workers build their model with, and eval, export and predict read later: the
+    tokenizer saved with its start checkpoint becomes the run's."""
+    if cfg.tokenizer.path or cfg.tokenizer_dir.is_dir() or not has_tokenizer(start):
+        return
+    save_tokenizer(load_tokenizer(start), cfg.tokenizer_dir)
+    log.info("rl: %s had no tokenizer: it is the one saved with %s", cfg.tokenizer_dir, start)
 
 
 def prepare_sft(cfg: Config) -> Path:

@@ -280,7 +280,9 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         if is_checkpoint_root(root) and latest_complete_checkpoint(root) is None:
             log.warning("no complete checkpoint under %s yet: answering 503 until one appears", root)
         else:
-            backend = load_backend(cfg, resolve_model_dir(root))
+            # A root: its newest checkpoint, as the watch below follows the training run from there on.
+            newest = latest_complete_checkpoint(root) if is_checkpoint_root(root) else None
+            backend = load_backend(cfg, newest or resolve_model_dir(root))
         watch_root = root
     if watch_root is not None and not is_checkpoint_root(watch_root):
         watch_root = None  # a single model directory: nothing newer can appear in it

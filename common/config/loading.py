@@ -70,18 +70,40 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def _format_validation_error(err: ValidationError, origin: str) -> str:
+def _validation_lines(err: ValidationError) -> list[str]:
+    """One line per problem pydantic found, each naming its key (an unknown key with the nearest known one)."""
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
+        msg = e["msg"].removeprefix("Value error, ").removeprefix(f"{key}: ")  # a check that names its key itself
         if e["type"] == "extra_forbidden":
-            lines.append(f"{key}: unknown key")
+            lines.append(f"{key}: unknown key{_nearest(e['loc'])}")
         elif not key:  # a cross-field check: its message already names the keys
             lines.append(msg)
         else:
             lines.append(f"{key}: {msg} (got {e.get('input')!r})")
-    return f"invalid config ({origin}):\n  " + "\n  ".join(lines)
+    return lines
+
+
+def _nearest(loc: Sequence[int | str]) -> str:
+    """`` (did you mean rl.epochs?)`` for an unknown key at ``loc`` whose spelling is near a known one's, else ''."""
+    import difflib
+
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        fields = dict(model.model_fields)
+        sub = fields[str(part)].annotation if str(part) in fields else None
+        if sub is None and model is RLConfig:
+            sub = algorithm_sections().get(str(part))
+        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+            return ""
+        model = sub
+    prefix = "".join(f"{p}." for p in loc[:-1])
+    if model is RLConfig and loc[-1] in names():
+        return f" (the {loc[-1]} algorithm has no {prefix}{loc[-1]} section of its own)"
+    known = list(model.model_fields) + (list(algorithm_sections()) if model is RLConfig else [])
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.8)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def shipped_configs() -> dict[str, Path]:
@@ -134,12 +156,14 @@ def load_config(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ())
         _set_dotted(tree, key.strip(), value)
     origin = ", ".join([str(p) for p in paths] + list(overrides)) or "defaults"
     problems = _retired_keys(tree) + _boolean_numbers(tree, Config)
-    if problems:
-        raise ConfigError(f"invalid config ({origin}):\n  " + "\n  ".join(problems))
     try:
         cfg = Config.model_validate(tree)
-    except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, origin)) from None
+    except ValidationError as e:  # every problem at once, each key named once
+        named = [line.split(":", 1)[0] for line in problems]
+        problems += [line for line in _validation_lines(e)
+                     if not any(n == (k := line.split(":", 1)[0]) or n.startswith(f"{k}.") for n in named)]
+    if problems:
+        raise ConfigError(f"invalid config ({origin}):\n  " + "\n  ".join(problems))
     for line in cfg.derived:
         if line not in _logged:  # once per process: workers and stages load the same config again
             _logged.add(line)

@@ -41,7 +41,7 @@ def test_every_example_is_short_and_listed_in_the_readme():
 
 def test_custom_reward(tmp_path):
     run = tmp_path / "run"
-    out = run_example("custom_reward.py", str(run), "synth.size=160", "sft.epochs=1", *TINY_RL)
+    out = run_example("custom_reward.py", str(run), "synth.size=160", "model.preset=tiny", "sft.epochs=1", *TINY_RL)
     assert "| sft |" in out.stdout and "| rl |" in out.stdout
     assert latest_complete_checkpoint(run / "rl" / "checkpoints") is not None
     # The run's reward was the script's function (recorded by its path in the run's config), nothing else.

@@ -79,8 +79,10 @@ def test_what_a_script_registers_reaches_the_ray_reward_workers_of_its_jobs(tmp_
     lines = [line for line in out.stdout.splitlines() if line.startswith(("without:", "with:", "error:"))]
     assert lines[0].startswith("without:") and "unknown metric 'exclaims'" in lines[0], lines
     assert lines[1] == "with: [2.0, 11.0]"  # exclaims + 10 x shout
-    assert lines[2] == ("error: reward term python:__main__:broken raised ZeroDivisionError: float division by zero "
-                        "(first failing source: 'second', candidate 1: '')")
+    assert lines[2].startswith("error: reward term python:__main__:broken raised ZeroDivisionError: float division "
+                               "by zero at user_script.py:"), lines  # the user's line, not Ray's
+    assert lines[2].endswith("`return [1.0 / len(c.split()) for c in candidates]` (first failing source: 'second', "
+                             "candidate 1: '')"), lines
 
 
 FAILING = '''
@@ -101,7 +103,8 @@ def test_a_failing_reward_function_fails_the_job_at_once_naming_the_term(copy_pr
     assert out.returncode == 2, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("rlt2t train: error: rl: reward term python:failing_rewards:fn raised RuntimeError: the "
-                           "reward service is down (first failing source: "), last
+                           "reward service is down at failing_rewards.py:3 in fn `raise RuntimeError("
+                           "\"the reward service is down\")` (first failing source: "), last
     assert "re-dispatching" not in out.stderr  # not retried: the same candidates would fail the same way
 
 

@@ -119,6 +119,24 @@ def test_train_takes_functions_terms_and_paths_as_the_reward(monkeypatch):
     assert len(seen) == 2
 
 
+def test_a_script_sees_the_jobs_progress_unless_it_configured_logging(monkeypatch, capsys):
+    import logging
+
+    import rlt2t.jobs
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # a plain script: nothing configured (pytest's handlers aside)
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    monkeypatch.setattr(rlt2t.jobs, "sft_job", lambda cfg, resume, init: logging.getLogger("rlt2t.sft").info(
+        "sft epoch 1: valid_loss 0.5"))
+    api.sft(load_config())
+    assert "INFO rlt2t.sft: sft epoch 1: valid_loss 0.5" in capsys.readouterr().err
+    mine = logging.StreamHandler()
+    monkeypatch.setattr(root, "handlers", [mine])  # the program's own set-up is left alone
+    api.sft(load_config())
+    assert root.handlers == [mine]
+
+
 def test_a_function_of_a_module_the_workers_cannot_import_travels_by_value(tmp_path):
     """A module found on a path of this process only (not installed, not __main__) is pickled by value, so an
     interpreter without that path (a Ray worker elsewhere) can call its functions."""

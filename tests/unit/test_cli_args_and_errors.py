@@ -108,3 +108,20 @@ def test_export_defaults_to_a_directory_per_stage_and_checkpoint(tmp_path, monke
     (model / "config.json").write_text("{}")
     export_job(cfg, model)
     assert written[-1] == tmp_path / "export" / "mine"
+
+
+def test_modules_beside_where_rlt2t_runs_import_as_under_python_m(tmp_path, cli, monkeypatch):
+    # The installed console script's path starts at its bin/ directory, not the current one: a reward term's
+    # `my_reward_here:fn` or `reward.plugins` beside the user's config must still import (docs/guides/rewards.md).
+    import importlib
+
+    (tmp_path / "my_reward_here.py").write_text("def brevity(sources, candidates, references):\n    return [0.0]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("my_reward_here")
+    code, _, err = cli("config", "--config", "tiny")
+    assert code == 0, err
+    assert sys.path[-1] == str(tmp_path)  # appended: an installed package of the same name still comes first
+    assert importlib.import_module("my_reward_here").brevity([], [], []) == [0.0]
+    sys.modules.pop("my_reward_here")

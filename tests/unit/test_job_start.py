@@ -66,3 +66,36 @@ def test_a_resume_with_another_schedule_length_is_refused_before_ray_starts(monk
     with pytest.raises(ValueError, match=r"rl: .*epoch-0001 belongs to a schedule of 2 steps, these settings give 4 "
                                          r"\(rl.epochs, rl.max_steps"):
         train.train(cfg, examples, [], init=tmp_path / "init", resume_from=finished)
+
+
+def test_a_run_started_from_another_runs_checkpoint_takes_its_tokenizer(tiny_policy, tmp_path):
+    # `rlt2t train --init other/sft/checkpoints run.dir=new`: the rollout workers build their model with the run's
+    # tokenizer, and eval / export read it later; the one saved with the start checkpoint becomes the run's.
+    from rlt2t.common.tokenization import load_tokenizer
+    from rlt2t.jobs import _tokenizer_from
+
+    start = tmp_path / "other" / "epoch-0003"
+    tiny_policy.model.save_pretrained(start)
+    tiny_policy.tokenizer.save_pretrained(start)
+    cfg = load_config(["tiny"], [f"run.dir={tmp_path / 'new'}"])
+    _tokenizer_from(cfg, start)
+    assert load_tokenizer(cfg.tokenizer_dir).get_vocab() == tiny_policy.tokenizer.get_vocab()
+    mine = load_config(["tiny"], [f"run.dir={tmp_path / 'mine'}", f"tokenizer.path={tmp_path / 'tok'}"])
+    _tokenizer_from(mine, start)  # a tokenizer the config names is the user's to make: left alone
+    assert not (tmp_path / "tok").exists()
+
+
+def test_a_missing_split_names_the_runs_saved_config_that_holds_the_data_paths(tmp_path):
+    import os
+
+    from rlt2t.jobs import load_split, save_run_config
+
+    cfg = load_config(["tiny"], [f"run.dir={tmp_path / 'run'}"])
+    with pytest.raises(FileNotFoundError, match=r"data.valid: .* does not exist \(point data.train / data.valid"):
+        load_split(cfg, "valid")
+    mine = load_config(["tiny"], [f"run.dir={tmp_path / 'run'}", f"data.valid={tmp_path / 'mine.jsonl'}"])
+    save_run_config(mine, "sft")
+    save_run_config(mine, "train")
+    os.utime(tmp_path / "run" / "config" / "sft.yaml", (2e9, 2e9))  # the newest
+    with pytest.raises(FileNotFoundError, match=rf"--config {tmp_path / 'run' / 'config' / 'sft.yaml'}\)"):
+        load_split(cfg, "valid")  # `rlt2t eval run.dir=...` without the config the run was trained with

@@ -398,3 +398,17 @@ def test_the_rerank_modes_are_one_list():
         assert PredictConfig(rerank=mode).rerank == mode and EvalConfig(rerank=mode).rerank == mode
     with pytest.raises(ValueError, match="rerank"):
         PredictConfig(rerank="mbrr")
+
+
+def test_predict_reads_a_csv_with_a_header_as_data_and_one_without_as_the_competition_file(tmp_path):
+    from rlt2t.common.config import DataConfig
+    from rlt2t.ensemble import read_inputs
+
+    headed = tmp_path / "test.csv"
+    headed.write_text("id,source,target\na,city: paris,sunny in paris\nb,city: rome,\n")
+    assert [(e.id, e.source, e.target) for e in read_inputs(headed, DataConfig())] == [
+        ("a", "city: paris", "sunny in paris"), ("b", "city: rome", None)]
+    competition = tmp_path / "comp.csv"
+    competition.write_text("7,12 7 5,40 41\n")  # report_id,description,diagnosis: no header
+    [row] = read_inputs(competition, DataConfig())
+    assert (row.id, row.source, row.target) == ("7", "12 7 5", "40 41")

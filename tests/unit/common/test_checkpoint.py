@@ -137,8 +137,24 @@ def test_the_best_checkpoint_survives_a_resume_that_spells_the_run_directory_oth
     assert (root / "epoch-0001").is_dir() and (root / "epoch-0003").is_dir()
 
 
+def test_a_checkpoint_root_resolves_to_the_monitor_s_best_and_results_name_both(tiny_policy, tmp_path):
+    """eval, export, predict and --init given a stage's checkpoint root load the checkpoint its monitor picked,
+    not a newer one that scored worse; a stage's result names its last checkpoint and that best one."""
+    from rlt2t.learner.trainer import StageResult
+
+    root = tmp_path / "sft" / "checkpoints"
+    _save(root, tiny_policy, "epoch-0001", 1)
+    _save(root, tiny_policy, "epoch-0002", 2, meta={"best": {"score": 0.9, "path": str(root / "epoch-0001")}})
+    assert resolve_model_dir(root) == root / "epoch-0001"
+    assert resolve_model_dir(root / "epoch-0002") == root / "epoch-0002"  # a checkpoint is itself
+    result = StageResult(checkpoint=root / "epoch-0002", steps=2, last_metrics={})
+    assert (result.checkpoint, result.best) == (root / "epoch-0002", root / "epoch-0001")
+    _save(root, tiny_policy, "epoch-0003", 3)  # no best recorded: the newest
+    assert resolve_model_dir(root) == root / "epoch-0003"
+
+
 def test_the_best_checkpoint_is_found_after_the_run_directory_moved(tiny_policy, tmp_path):
-    from rlt2t.jobs import best_or_latest
+    from rlt2t.common.checkpoint import best_or_latest
 
     old_root = tmp_path / "old" / "sft" / "checkpoints"
     _save(old_root, tiny_policy, "epoch-0001", 1)

@@ -52,6 +52,23 @@ def test_bad_values_name_the_key(override, needle):
     assert needle in str(err.value)
 
 
+def test_every_problem_is_named_once_with_the_nearest_known_key():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["sft.lr=true", "rl.epoch=2", "data.source_feild=doc", "sfft.lr=1", "rl.algorithm=gpro",
+                               "rl.grpo.beta=1", "sft.learning_rate=1", "rank.epochs=2"])
+    lines = str(err.value).splitlines()[1:]
+    assert {line.strip() for line in lines[:2]} == {"sft.lr: expected a number, got true",
+                                                    "rank.epochs: moved to rl.epochs"}
+    rest = "\n".join(lines[2:])
+    assert "rl.epoch: unknown key (did you mean rl.epochs?)" in rest
+    assert "data.source_feild: unknown key (did you mean data.source_field?)" in rest
+    assert "sfft: unknown key (did you mean sft?)" in rest
+    assert "rl.grpo: unknown key (the grpo algorithm has no rl.grpo section of its own)" in rest
+    assert "sft.learning_rate: unknown key\n" in rest + "\n"  # nothing near enough to suggest
+    assert "rl.algorithm: 'gpro' is neither" in rest and "rl.algorithm: rl.algorithm" not in rest
+    assert "rank: unknown key" not in rest  # named once, by its own message above
+
+
 def test_length_check_skipped_for_pretrained_path():
     # A pretrained directory's positions are only known when it is loaded (checked there).
     cfg = load_config(overrides=["model.path=/some/dir", "data.max_source_len=1000"])

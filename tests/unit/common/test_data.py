@@ -365,3 +365,23 @@ def test_a_csv_field_over_the_csv_modules_limit_is_named_with_its_line(tmp_path)
     path.write_text("1,2\n3," + "4 " * 80000 + "\n")
     with pytest.raises(DataError, match=r"big.csv:2: not readable as CSV \(field larger than field limit"):
         import_competition_csv(path)
+
+
+def test_a_jsonl_file_without_ids_numbers_its_rows_and_names_what_a_row_lacks(tmp_path):
+    # Most people's data is {"source": ..., "target": ...} a line: numbered as a CSV without an id column is.
+    path = _write(tmp_path / "plain.jsonl", ['{"source": "1 2", "target": "3"}', "",
+                                            '{"source": "4", "target": "5", "topic": "x"}'])
+    examples = load_examples(path)
+    assert [(e.id, e.source, e.extra) for e in examples] == [("1", "1 2", {}), ("2", "4", {"topic": "x"})]
+    mixed = _write(tmp_path / "mixed.jsonl", ['{"source": "1", "target": "3"}', '{"id": 9, "source": "4", '
+                                                                               '"target": "5"}'])
+    with pytest.raises(DataError, match=r"mixed\.jsonl:2: field 'id': present, but the file's first row has none"):
+        load_examples(mixed)
+    # A field the config does not name: the error lists the row's fields and the key that maps them.
+    renamed = _write(tmp_path / "renamed.jsonl", ['{"id": 1, "document": "1 2", "summary": "3"}'])
+    with pytest.raises(DataError, match=r"field 'source': missing \(data\.source_field names the field that holds "
+                                        r"the source; this row's other fields: 'document', 'summary'\)"):
+        load_examples(renamed)
+    with pytest.raises(DataError, match=r"field 'target': missing \(data\.target_field or data\.references_field.*"
+                                        r"other fields: 'sumary'"):
+        load_examples(_write(tmp_path / "typo.jsonl", ['{"id": 1, "source": "1 2", "sumary": "3"}']))

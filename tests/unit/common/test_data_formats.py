@@ -132,9 +132,12 @@ def test_a_file_without_the_id_column_numbers_its_rows(tmp_path, name):
     assert [e.id for e in loaded[1:]] == ["2", "3"]
 
 
-def test_jsonl_rows_still_need_an_id_each(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"document": "1", "summary": "2"}])
-    with pytest.raises(DataError, match=r"d\.jsonl:1: field 'doc_id': missing"):
+def test_jsonl_rows_are_numbered_without_the_id_field_and_all_named_with_it(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"document": "1", "summary": "2"}, {"document": "3", "summary": "4"}])
+    assert [e.id for e in load_examples(path, columns=MAPPED)] == ["1", "2"]
+    path = write_jsonl(tmp_path / "e.jsonl", [{"doc_id": "a", "document": "1", "summary": "2"},
+                                              {"document": "3", "summary": "4"}])
+    with pytest.raises(DataError, match=r"e\.jsonl:2: field 'doc_id': missing \(the file's first row has one"):
         load_examples(path, columns=MAPPED)
 
 

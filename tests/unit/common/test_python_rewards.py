@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,15 +97,18 @@ def test_an_exception_names_the_term_and_the_first_source_that_fails_alone():
     def fn(sources, candidates, references):
         return [1.0 / (len(c) - 2) for c in candidates]  # "13" divides by zero
 
-    with pytest.raises(RewardError, match=r"python:.*fn raised ZeroDivisionError: float division by zero \(first "
-                                          r"failing source: '4 5', candidate 1: '13'\)") as err:
+    with pytest.raises(RewardError, match=r"python:.*fn raised ZeroDivisionError: float division by zero at .* "
+                                          r"\(first failing source: '4 5', candidate 1: '13'\)") as err:
         reward_of(PythonTerm(fn=fn)).score(SOURCES, CANDS, REFS)
     assert isinstance(err.value.__cause__, ZeroDivisionError)
+    assert f"at {Path(__file__).name}:" in str(err.value)
+    assert "`return [1.0 / (len(c) - 2) for c in candidates]" in str(err.value)
 
     def per(source, candidate, references):
         raise KeyError(candidate)
 
-    with pytest.raises(RewardError, match=r"raised KeyError: '11 12' \(candidate 0: '11 12', source '1 2 3'\)"):
+    with pytest.raises(RewardError, match=r"raised KeyError: '11 12' at .* in per `raise KeyError\(candidate\)` "
+                                          r"\(candidate 0: '11 12', source '1 2 3'\)"):
         reward_of(PythonTerm(fn=per, per_sample=True)).score(SOURCES, CANDS, REFS)
 
 

@@ -52,6 +52,11 @@ def test_collapse_is_measured_against_the_references_variety():
     assert collapse_warning("sft", 1 / 40, labels, "") is None
     # Too few sources to tell.
     assert collapse_warning("sft", 1 / 19, _examples(19), "") is None
+    # One text for all of the 20 sources a small config monitors: 1/20 is not below a twentieth of the
+    # references' 1.0, yet it is the collapse itself (unless the references hold one text too).
+    assert "20 validation sources hold 1 distinct texts" in collapse_warning("rl", 1 / 20, _examples(20), "")
+    assert collapse_warning("rl", 2 / 20, _examples(20), "") is None
+    assert collapse_warning("sft", 1 / 20, _examples(20, ["yes", "no"] * 10), "") is None
 
 
 def _checkpoint(tmp_path, tiny_policy, metrics, stage="sft"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -238,13 +239,23 @@ def test_patience_does_not_count_epochs_its_hook_leaves_out(tmp_path, ids_tokeni
     assert read_checkpoint(result.checkpoint).meta["since_best"] == 1
 
 
-def test_patience_zero_or_without_a_monitor_runs_every_epoch(tmp_path, ids_tokenizer_dir):
+def test_patience_zero_or_without_a_monitor_runs_every_epoch(tmp_path, ids_tokenizer_dir, caplog):
     policy = load_policy(ModelConfig(preset="tiny", family="bart"), ids_tokenizer_dir, seed=0)
     src, tgt = _task(policy.tokenizer)
     evaluate, calls = _scripted([0.9, 0.1, 0.1, 0.1])
-    result = run_sft(policy, src, tgt, _sft_cfg(epochs=4, patience=0, save_every_steps=0), _run(tmp_path, "z"),
-                     tmp_path / "z", evaluate=evaluate)
+    with caplog.at_level(logging.INFO, logger="rlt2t"):
+        result = run_sft(policy, src, tgt, _sft_cfg(epochs=4, patience=0, save_every_steps=0), _run(tmp_path, "z"),
+                         tmp_path / "z", evaluate=evaluate)
     assert len(calls) == 4 and result.steps == 24
+    assert result.best.name == "epoch-0001" and result.checkpoint.name == "epoch-0004"
+    assert not [r for r in caplog.records if "still improved" in r.getMessage()]
+    # Still improving at its last epoch: the log says the stage ended before it converged.
+    evaluate, calls = _scripted([0.1, 0.2, 0.3])
+    with caplog.at_level(logging.INFO, logger="rlt2t"):
+        run_sft(policy, src, tgt, _sft_cfg(epochs=3, patience=0, save_every_steps=0), _run(tmp_path, "i"),
+                tmp_path / "i", evaluate=evaluate)
+    [note] = [r.getMessage() for r in caplog.records if "still improved" in r.getMessage()]
+    assert "at the last of its 3 epochs" in note and "sft.epochs" in note
     result = run_sft(policy, src, tgt, _sft_cfg(epochs=4, patience=1, save_every_steps=0), _run(tmp_path, "n"),
                      tmp_path / "n")
     assert result.steps == 24, "no validation: patience cannot apply, every epoch runs"
