@@ -215,6 +215,13 @@ def best_or_latest(ckpt_root: str | os.PathLike[str]) -> Path:
     return found or latest
 
 
+def best_beside(checkpoint: Path) -> Path:
+    """The best checkpoint of the stage ``checkpoint`` is one of (:func:`best_or_latest` of its root), or
+    ``checkpoint`` itself when it is not in a checkpoint root: a stage result's ``best``."""
+    root = checkpoint.parent
+    return best_or_latest(root) if root.name == "checkpoints" else checkpoint
+
+
 def checkpoint_by_name(ckpt_root: Path, recorded: str) -> Path | None:
     """The complete checkpoint of ``recorded``'s name under ``ckpt_root``, or None. Recorded paths are spelled
     as the run.dir of the run that wrote them (relative, or a place the run has since moved from)."""

@@ -45,7 +45,7 @@ from rlt2t.actors.rollout import RolloutWorker
 from rlt2t.common.checkpoint import (
     BestCheckpoint,
     CheckpointInfo,
-    best_or_latest,
+    best_beside,
     check_schedule_length,
     checkpoint_name,
     load_training_state,
@@ -101,8 +101,7 @@ class TrainResult:
     def best(self) -> Path:
         """The checkpoint the stage's monitor picked as best (what eval, export and ``init`` load when given the
         stage's checkpoint root), else the newest: ``checkpoint`` is the stage's last checkpoint."""
-        root = self.checkpoint.parent
-        return best_or_latest(root) if root.name == "checkpoints" else self.checkpoint
+        return best_beside(self.checkpoint)
 
 
 def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *, init: Path,

@@ -465,8 +465,9 @@ def _tokenizer_from(cfg: Config, start: Path) -> None:
     tokenizer saved with its start checkpoint becomes the run's."""
     if cfg.tokenizer.path or cfg.tokenizer_dir.is_dir() or not has_tokenizer(start):
         return
-    save_tokenizer(load_tokenizer(start), cfg.tokenizer_dir)
-    log.info("rl: %s had no tokenizer: it is the one saved with %s", cfg.tokenizer_dir, start)
+    with atomic_directory(cfg.tokenizer_dir) as tmp:  # a kill leaves none, not half of one
+        save_tokenizer(load_tokenizer(start), tmp)
+    log.info("rl: the run had no tokenizer: %s is the one saved with %s", cfg.tokenizer_dir, start)
 
 
 def prepare_sft(cfg: Config) -> Path:
