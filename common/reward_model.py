@@ -340,7 +340,7 @@ def init_reward_model(init: str | Path, *, max_source_len: int, max_candidate_le
 def load_reward_model(path: str | os.PathLike[str], *, dropout: float = 0.0,
                       device: str | torch.device = "cpu") -> RewardModel:
     """A saved reward model: a directory written by ``save_pretrained`` / a checkpoint, or a checkpoint root
-    (its newest complete checkpoint)."""
+    (the checkpoint of best held-out pair accuracy, else its newest)."""
     path = resolve_model_dir(path)
     spec_file = path / SPEC_FILE
     if not spec_file.is_file():

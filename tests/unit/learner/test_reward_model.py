@@ -123,11 +123,14 @@ def test_reward_model_learns_the_hidden_preference(backbone, data, seq2seq_init,
     assert (tmp_path / "logs" / "reward_model" / "curves.png").stat().st_size > 0
     assert read_checkpoint(result.checkpoint).meta["best"]["score"] >= after["pair_accuracy"] - 1e-9
     # A saved model scores exactly as the one in memory.
-    loaded = load_reward_model(tmp_path / "rm" / "checkpoints")
+    loaded = load_reward_model(result.checkpoint)
     assert loaded.version == result.steps
     sources = [g.source for g in valid for _ in g.candidates]
     candidates = [c for g in valid for c in g.candidates]
     assert loaded.score(sources, candidates) == pytest.approx(model.score(sources, candidates), abs=1e-6)
+    # Given the checkpoint root (a reward term's `path`), the checkpoint of best held-out accuracy is loaded.
+    best = read_checkpoint(result.checkpoint).meta["best"]["path"]
+    assert load_reward_model(tmp_path / "rm" / "checkpoints").version == read_checkpoint(best).step
 
 
 @pytest.mark.parametrize("backbone", ["seq2seq", "encoder"])
