@@ -108,7 +108,7 @@ def _keywords(fn: RewardFn) -> set[str] | None:
 
 
 def _raised_at(e: BaseException) -> str:
-    """`` at my_rewards.py:12 in brevity: `return 1 / n` `` for the line that raised: the error reaches the user as one
+    """`` at my_rewards.py:12 in brevity `return 1 / n` `` for the line that raised: the error reaches the user as one
     line from a Ray worker, where the traceback is not theirs to read."""
     import traceback
 
