@@ -238,9 +238,10 @@ def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
         return path  # a plain HF directory
     if read_checkpoint(path) is not None:
         return path
-    if latest_complete_checkpoint(path) is None:
-        raise FileNotFoundError(f"{path}: neither a model directory nor a directory of complete checkpoints")
-    return best_or_latest(path)
+    try:
+        return best_or_latest(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: neither a model directory nor a directory of complete checkpoints") from None
 
 
 def load_training_state(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:

@@ -104,12 +104,11 @@ def read_inputs(path: str | Path, data: DataConfig) -> list[Example]:
 
 
 def _names_column(path: Path, name: str) -> bool:
-    """Whether a CSV's first row is a header with the column ``name`` (the competition's file has none)."""
-    import csv
+    """Whether a CSV's first record is a header with the column ``name`` (the competition's file has none)."""
+    from rlt2t.common.data_formats import csv_records
 
-    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
-        first = next(csv.reader(f), [])
-    return name in (cell.strip() for cell in first)
+    first = next(csv_records(path), None)
+    return first is not None and isinstance(first[1], list) and name in (cell.strip() for cell in first[1])
 
 
 def resolve_export(cfg: Config, path: str | Path, role: str) -> Path:
