@@ -8,7 +8,8 @@ decode). A plain class that Ray wraps at launch.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from rlt2t.common.config import RewardConfig
 from rlt2t.common.metrics import DocumentFrequency
@@ -55,9 +56,11 @@ class RewardWorker:
         return score_pairs(self.scorer, items)  # type: ignore[arg-type]
 
     def score_texts(self, sources: Sequence[str], candidates: Sequence[str],
-                    references: Sequence[Sequence[str]] | None = None) -> list[float]:
-        """The reward of each candidate (one batched call): what policy-gradient rollouts need."""
-        return self.scorer.score(sources, candidates, references).tolist()
+                    references: Sequence[Sequence[str]] | None = None,
+                    fields: Sequence[Mapping[str, Any]] | None = None) -> list[float]:
+        """The reward of each candidate (one batched call; ``fields``: each one's row fields, for Python terms):
+        what the job's ``metric.monitor=reward`` scores validation outputs with."""
+        return self.scorer.score(sources, candidates, references, fields).tolist()
 
     def pid(self) -> int:
         """The worker's process id (tests kill it to exercise re-dispatch)."""

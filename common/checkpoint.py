@@ -80,15 +80,25 @@ def weights_checksum(model_dir: str | Path) -> str:
 @dataclass
 class BestCheckpoint:
     """The best checkpoint of a stage by its validation monitor, carried across resumes in checkpoint meta
-    (``meta["best"] = {"score", "path"}``) and protected from pruning."""
+    (``meta["best"] = {"score", "path", "by"}``) and protected from pruning. ``by`` names what the monitor
+    measures (``metric.monitor``, ``loss``): scores by another measure do not compare."""
 
     score: float | None = None
     path: Path | None = None
+    by: str | None = None
 
     @classmethod
-    def from_meta(cls, meta: dict[str, Any] | None) -> BestCheckpoint:
+    def from_meta(cls, meta: dict[str, Any] | None, by: str | None = None) -> BestCheckpoint:
+        """The best a resumed run had found; none (a warning) when it was chosen by another measure than ``by``
+        (the run resumed with another ``metric.monitor``): its score does not compare with this run's."""
         best = (meta or {}).get("best")
-        return cls(best["score"], Path(best["path"])) if best else cls()
+        if not best:
+            return cls(by=by)
+        if by is not None and best.get("by") not in (None, by):
+            log.warning("the best checkpoint so far (%s) was chosen by monitor %s, and this run's monitor is %s: the "
+                        "best starts afresh from the next validation", Path(best["path"]).name, best["by"], by)
+            return cls(by=by)
+        return cls(best["score"], Path(best["path"]), by if by is not None else best.get("by"))
 
     def offer(self, score: float, path: Path) -> bool:
         """Take ``path`` if its score beats the best so far; returns whether it did."""
@@ -98,7 +108,7 @@ class BestCheckpoint:
         return False
 
     def meta(self) -> dict[str, Any] | None:
-        return {"score": self.score, "path": str(self.path)} if self.path is not None else None
+        return {"score": self.score, "path": str(self.path), "by": self.by} if self.path is not None else None
 
     def protect(self) -> set[Path]:
         return {self.path} if self.path is not None else set()

@@ -32,7 +32,7 @@ import inspect
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -374,6 +374,16 @@ def build_reward(cfg: RewardConfig, *, document_frequency: DocumentFrequency | N
         built.append((term.weight, name, build_term(term, cfg, document_frequency=document_frequency, device=device,
                                                     where=f"{where}[{i}]")))
     return WeightedReward(built)
+
+
+def local_reward(cfg: RewardConfig, reference_sets: Sequence[Sequence[str]]) -> Callable[..., np.ndarray]:
+    """The score function of the reward ``cfg`` describes, built in this process (learned terms on
+    ``reward.device``; a term whose function does not import fails here), CIDEr-D's document frequencies counted
+    from ``reference_sets`` (the training references, as the RL job's) when a term needs them: how a stage without
+    reward workers (SFT, offline RL) scores ``metric.monitor=reward``."""
+    check_reward(cfg)
+    df = DocumentFrequency.from_references(reference_sets) if needs_document_frequency(cfg) else None
+    return build_reward(cfg, document_frequency=df, device=cfg.device).score
 
 
 def _all_terms(cfg: RewardConfig) -> Iterator[tuple[str, RewardTerm]]:

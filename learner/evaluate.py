@@ -6,19 +6,22 @@ the perplexity of the references (:func:`reference_perplexity`, teacher forcing)
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from rlt2t.common.collate import collate_seq2seq, encode_texts
-from rlt2t.common.config import EvalConfig, MetricConfig
+from rlt2t.common.config import ConfigError, EvalConfig, MetricConfig
 from rlt2t.common.data import Example, references_of
 from rlt2t.common.families import decoder_input_ids, generation_config, positions_or
-from rlt2t.common.metrics import available_metrics, get_metric, metric_params
+from rlt2t.common.metrics import available_metrics, get_metric, metric_params, missing_dependency
+from rlt2t.common.plugins import load_plugins
 from rlt2t.common.policy import Policy
 from rlt2t.common.scoring import token_scores
 
@@ -224,22 +227,74 @@ def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metri
     return EvalResult({n: values[n] for n in names}, hyps)
 
 
+Monitor = Callable[[Sequence[Example], Sequence[str]], float]
+"""The validation monitor's value of greedy outputs (one per example, in order): higher is better."""
+RewardScores = Callable[[Sequence[str], Sequence[str], Sequence[Sequence[str]], Sequence[Mapping[str, Any]]],
+                        "Sequence[float] | np.ndarray"]
+"""The job's reward of (sources, candidates, references, row fields): one score per candidate."""
+
+
+def monitor_name(metric: MetricConfig) -> str:
+    """What ``metric.monitor`` measures, as logs and checkpoint meta name it (the default's weight included: a
+    best chosen with another weight does not compare)."""
+    if metric.monitor == "default" and metric.monitor_bleu_weight:
+        return f"default (monitor_bleu_weight={metric.monitor_bleu_weight:g})"
+    return metric.monitor
+
+
+def build_monitor(metric: MetricConfig, reward: Callable[[], RewardScores] | None = None,
+                  plugins: Sequence[str] = ()) -> Monitor:
+    """``metric.monitor`` as a function of the validation examples and their greedy outputs: ``default``,
+    (1-w)·CIDEr-D + w·BLEU-4 with w = ``metric.monitor_bleu_weight``; a registered metric's corpus value with its
+    configured parameters (:func:`metric_params`); or ``reward``, the mean of the job's reward, which ``reward``
+    builds (called only for that one: it may load reward models). Built when a job starts, so that an unknown
+    name or a metric that cannot be built fails before training, as a ConfigError naming ``metric.monitor``.
+    ``plugins`` (``reward.plugins``) are imported first, with the installed plugin entry points."""
+    name = metric.monitor
+    if name == "reward":
+        if reward is None:
+            raise ConfigError("metric.monitor=reward: this job has no reward to score with; name a metric")
+        scores = reward()
+        return lambda examples, hyps: float(np.mean(scores([e.source for e in examples], hyps,
+                                                           [list(e.refs) for e in examples],
+                                                           [e.extra for e in examples])))
+    if name == "default":
+        scorer = get_metric("task_score", bleu_weight=metric.monitor_bleu_weight, sigma=metric.cider_sigma)
+    else:
+        load_plugins(plugins, "reward.plugins")
+        known = available_metrics()
+        if name not in known:
+            nearest = difflib.get_close_matches(name, [*known, "default", "reward"], n=1, cutoff=0.6)
+            hint = f" (did you mean {nearest[0]}?)" if nearest else ""
+            raise ConfigError(f"metric.monitor: unknown metric {name!r}{hint}; known: default, reward, "
+                              f"{', '.join(known)} (a metric of your own: register it in a module listed in "
+                              "reward.plugins)")
+        if missing := missing_dependency(name, **metric_params(name, metric)):
+            raise ConfigError(f"metric.monitor={name}: {missing}")
+        try:
+            scorer = get_metric(name, **metric_params(name, metric))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"metric.monitor={name}: the metric cannot be built from the config alone ({e}); "
+                              "name another metric") from e
+    return lambda examples, hyps: scorer.corpus(hyps, [list(e.refs) for e in examples])
+
+
 def monitor_score(policy: Policy, examples: Sequence[Example], metric: MetricConfig, *, max_source_len: int,
                   max_new_tokens: int, batch_size: int = 64, by: str = "metric",
-                  max_target_len: int | None = None) -> dict[str, float]:
-    """The validation monitor: greedy decoding scored with (1-w)·CIDEr-D + w·BLEU-4, w = monitor weight
-    (``metric``), with CIDEr-D alone and the outputs' variety (:func:`distinct_outputs`, which shows a decoder
+                  max_target_len: int | None = None, monitor: Monitor | None = None) -> dict[str, float]:
+    """The validation monitor: greedy decoding scored by ``monitor`` (default :func:`build_monitor` of
+    ``metric``), with CIDEr-D alone and the outputs' variety (:func:`distinct_outputs`, which shows a decoder
     that ignores its source). ``by="loss"``: the monitor is instead minus ``valid_loss``, the references' mean
     cross-entropy per token under teacher forcing (the log of :func:`reference_perplexity`; targets cut at
-    ``max_target_len`` as training cut them), so that a higher monitor is still better."""
+    ``max_target_len`` as training cut them), so that a higher monitor is still better; the metric's value is
+    logged as ``metric``."""
     if by not in ("metric", "loss"):
         raise ValueError(f"monitor must be 'metric' or 'loss', got {by!r}")
     refs = references_of(examples, "the validation monitor")
     sources = [e.source for e in examples]
     hyps = generate(policy, sources, max_new_tokens=max_new_tokens, batch_size=batch_size,
                     max_source_len=max_source_len)
-    score = get_metric("task_score", bleu_weight=metric.monitor_bleu_weight, sigma=metric.cider_sigma)
-    out = {"monitor": score.corpus(hyps, refs),
+    out = {"monitor": (monitor or build_monitor(metric))(examples, hyps),
            "cider_d": get_metric("cider_d", sigma=metric.cider_sigma).corpus(hyps, refs),
            "distinct_outputs": distinct_outputs(sources, hyps)}
     if by == "loss":

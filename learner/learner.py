@@ -487,8 +487,11 @@ class Learner:
 
     # --- evaluation -------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, examples: Sequence[Example], metric: MetricConfig, max_new_tokens: int) -> dict[str, float]:
-        """Greedy-decode this rank's shard of ``examples``; the metric is computed on all ranks' outputs."""
+    def evaluate(self, examples: Sequence[Example], metric: MetricConfig,
+                 max_new_tokens: int) -> tuple[dict[str, float], list[str]]:
+        """Greedy-decode this rank's shard of ``examples``; the metric table of all ranks' outputs, and the outputs
+        in the order of ``examples`` (the job scores its monitor on them: a reward or a metric of the user's is
+        known in the job's process)."""
         shard = list(range(self.rank, len(examples), self.world_size))
         whole = (sharding.gathered(self.module, self.cfg.fsdp.reshard_after_forward) if self.sharded
                  else contextlib.nullcontext())  # generate's passes differ between ranks: no collective inside
@@ -505,10 +508,8 @@ class Learner:
         all_hyps = [h for _, h in ordered]
         refs = [list(examples[i].refs) for i, _ in ordered]
         table = metric_table(all_hyps, refs, metric)
-        monitor_w = metric.monitor_bleu_weight
-        table["monitor"] = (1 - monitor_w) * table["cider_d"] + monitor_w * table["bleu4"]
         table["distinct_outputs"] = distinct_outputs([examples[i].source for i, _ in ordered], all_hyps)
-        return table
+        return table, all_hyps
 
     def shutdown(self) -> None:
         if (self.world_size > 1 or self.sharded) and dist.is_initialized():  # joined one (join)

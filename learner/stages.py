@@ -136,8 +136,9 @@ def with_lora(policy: Policy, lora: LoraConfig, seed: int) -> Policy:
 def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list[int]], cfg: SFTConfig,
             run: RunConfig, out_dir: Path, resume_from: CheckpointInfo | None = None, evaluate=None,
             lora: LoraConfig | None = None, max_source_len: int | None = None, stage: str = "sft",
-            patience_counts=None, fsdp: FSDPConfig | None = None) -> StageResult:
-    """Supervised fine-tuning: CE (+ R-drop, augmentation, FGM as configured), best checkpoint by the monitor.
+            patience_counts=None, fsdp: FSDPConfig | None = None, monitor_by: str | None = None) -> StageResult:
+    """Supervised fine-tuning: CE (+ R-drop, augmentation, FGM as configured), best checkpoint by the monitor
+    (the ``monitor`` score of ``evaluate``; ``monitor_by`` names what it measures).
 
     With ``lora.enabled`` only LoRA adapters train (``rlt2t.common.lora``) and checkpoints hold the adapters
     plus the training state; resume from one with ``load_lora_policy``. ``max_source_len``
@@ -156,6 +157,6 @@ def run_sft(policy: Policy, sources: Sequence[list[int]], targets: Sequence[list
     return train_stage(stage=stage, cfg=cfg, run=run, model=policy.model, tokenizer=tok, dataset=dataset,
                        collate=make_collate(tok.pad_token_id, policy.model.config),
                        step_fn=make_sft_step(cfg, policy.model), out_dir=out_dir, resume_from=resume_from,
-                       evaluate=evaluate, monitor="monitor" if evaluate is not None else None,
+                       evaluate=evaluate, monitor="monitor" if evaluate is not None else None, monitor_by=monitor_by,
                        patience=cfg.patience, patience_counts=patience_counts,
                        lengths=dataset.lengths() if cfg.group_by_length else None, strategy=cfg.strategy, fsdp=fsdp)

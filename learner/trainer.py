@@ -167,6 +167,7 @@ def train_stage(
     resume_from: CheckpointInfo | None = None,
     evaluate: Callable[[Model], dict[str, float]] | None = None,
     monitor: str | None = None,
+    monitor_by: str | None = None,
     patience: int = 0,
     patience_counts: Callable[[dict[str, float]], bool] | None = None,
     lengths: Sequence[Any] | None = None,
@@ -178,7 +179,8 @@ def train_stage(
     ``model`` is a policy's model, or a reward model or classifier. ``resume_from`` must be a checkpoint of
     this stage whose weights ``model`` already holds
     (``load_policy(checkpoint=...)``); optimizer, scheduler, RNG and data position come from it.
-    ``evaluate`` runs after each epoch; ``monitor`` names its metric to keep the best checkpoint of; with
+    ``evaluate`` runs after each epoch; ``monitor`` names its metric to keep the best checkpoint of (``monitor_by``
+    what that measures, for logs and checkpoint meta: ``metric.monitor``, ``loss``; default ``monitor``); with
     ``patience`` > 0 the stage stops once that many epochs in a row have not beaten the best (early stopping:
     the count is kept in checkpoint meta, so a resumed run stops where the uninterrupted one did).
     ``patience_counts(scores)`` False leaves an epoch out of that count (SFT: while its outputs have collapsed).
@@ -215,7 +217,8 @@ def train_stage(
         trained, optimizer = accelerator.prepare(trained, optimizer)
 
     step, start_epoch, skip_batches = 0, 0, 0
-    best = BestCheckpoint.from_meta(resume_from.meta if resume_from is not None else None)
+    monitor_by = monitor_by or monitor
+    best = BestCheckpoint.from_meta(resume_from.meta if resume_from is not None else None, monitor_by)
     # Epochs in a row whose monitor did not beat the best (early stopping with `patience`).
     since_best = int(resume_from.meta.get("since_best", 0)) if resume_from is not None else 0
     if resume_from is not None:
@@ -318,8 +321,8 @@ def train_stage(
                 converging = since_best == 0 and epoch > 0 and epoch + 1 == cfg.epochs
             last_path = checkpoint(name, epoch + 1, 0, {**last, **scores})
             if patience and since_best >= patience and epoch + 1 < cfg.epochs and step < total_steps:
-                log.info("%s: early stop after %d of %d epochs: %s has not beaten %.4f (%s) for %d epoch%s "
-                         "(%s.patience=%d)", stage, epoch + 1, cfg.epochs, monitor, best.score,
+                log.info("%s: early stop after %d of %d epochs: the monitor (%s) has not beaten %.4f (%s) for %d "
+                         "epoch%s (%s.patience=%d)", stage, epoch + 1, cfg.epochs, monitor_by, best.score,
                          best.path.name if best.path else "-", since_best, "" if since_best == 1 else "s", stage,
                          patience)
         if last_path is None:  # resumed at the very end: nothing left to do
@@ -329,9 +332,10 @@ def train_stage(
         bar.close()
         logger.close()
     if best.path is not None:
-        log.info("%s: best %s=%.4f at %s", stage, monitor, best.score, best.path)
+        log.info("%s: best by the monitor (%s): %.4f at %s", stage, monitor_by, best.score, best.path)
     if converging:
-        log.info("%s: %s still improved at the last of its %d epochs: the stage ended before it converged, and "
-                 "what starts from it starts from a model still learning; a larger %s.epochs trains it further",
-                 stage, monitor, cfg.epochs, stage)
+        log.info("%s: the monitor (%s) still improved at the last of its %d epochs: the stage ended before it "
+                 "converged, and what starts from it starts from a model still learning; a larger %s.epochs trains "
+                 "it further",
+                 stage, monitor_by, cfg.epochs, stage)
     return StageResult(checkpoint=last_path, steps=step, last_metrics=last)

@@ -28,7 +28,7 @@ import math
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,7 +75,7 @@ from rlt2t.groups import (
     load_start_weights,
     stored_items,
 )
-from rlt2t.learner.evaluate import collapse_warning
+from rlt2t.learner.evaluate import Monitor, build_monitor, collapse_warning, monitor_name
 from rlt2t.learner.trainer import epoch_order
 from rlt2t.scheduler import Chunk, ChunkFailed, EpochScheduler, mask_version, needed_version
 from rlt2t.services.http import load_token
@@ -130,6 +130,9 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
     spec = r.rollout_spec
     if cfg.reward.source != "http":
         check_reward(cfg.reward)  # a term whose function does not import fails here, before any actor starts
+    # metric.monitor, before any actor starts (an unknown name fails here); a reward monitor scores on the job's
+    # reward workers, as the rollouts are scored
+    monitor = build_monitor(cfg.metric, lambda: lambda *batch: job.reward_scores(*batch), cfg.reward.plugins)
     init_ray(cfg)
     check_cluster(cfg)
     # CIDEr-D document frequencies: once, from the training references, shipped to every reward worker.
@@ -140,7 +143,7 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
     try:
         with logging_redirect_tqdm():  # on a terminal, progress lines print above the progress bar
             return job.run(examples, valid, resume_from=resume_from, steps_per_epoch=steps_per_epoch,
-                           total_steps=total_steps, stop_after_steps=stop_after_steps)
+                           total_steps=total_steps, stop_after_steps=stop_after_steps, monitor=monitor)
     finally:
         job.release()
 
@@ -344,8 +347,22 @@ class _Job:
     def release(self) -> None:
         _release(self.learners, self.rollouts, self.rewards)
 
+    def reward_scores(self, sources: Sequence[str], candidates: Sequence[str], references: Sequence[Sequence[str]],
+                      fields: Sequence[Mapping[str, Any]]) -> list[float]:
+        """The job's reward of ``candidates``, scored by a reward worker as the rollouts are (on its device, with the
+        job's registrations), the next worker asked when one is dead: ``metric.monitor=reward``."""
+        for i, actor in enumerate(self.rewards.actors):
+            try:
+                return ray.get(actor.score_texts.remote(list(sources), list(candidates), [list(r) for r in references],
+                                                        [dict(f) for f in fields]))
+            except (RayActorError, ActorUnavailableError):
+                if i + 1 == len(self.rewards.actors):
+                    raise
+                log.warning("rl: reward worker %d is unavailable for the validation monitor; asking the next", i)
+        raise RuntimeError("rl: the job has no reward workers")  # rl.reward_workers >= 1 (config)
+
     def run(self, examples: list[Example], valid: Sequence[Example], *, resume_from: CheckpointInfo | None,
-            steps_per_epoch: int, total_steps: int, stop_after_steps: int) -> TrainResult:
+            steps_per_epoch: int, total_steps: int, stop_after_steps: int, monitor: Monitor) -> TrainResult:
         cfg, r = self.cfg, self.cfg.rl
         ckpt_root = self.cfg.run_dir / STAGE / "checkpoints"
         http_rollout = cfg.rollout.source == "http"
@@ -364,7 +381,7 @@ class _Job:
         trained: list[str] | None = None  # the ids the resumed epoch trained on (None: its order's prefix)
         publisher = _Publisher(self.learners, published_dir if http_rollout else None, first_weights,
                                resume_from.step if resume_from else 0)
-        best = BestCheckpoint.from_meta(resume_from.meta if resume_from else None)
+        best = BestCheckpoint.from_meta(resume_from.meta if resume_from else None, monitor_name(cfg.metric))
         if resume_from is not None:
             # Memory-mapped: the learners' states and the kept weights are read where they are needed (each rank
             # reads its own, a task each kept version), not here.
@@ -452,7 +469,7 @@ class _Job:
                 sched.check_complete()
                 scores = validate_epoch(self.learners, valid, cfg, logger, epoch, step,
                                         "the reward is probably being gamed by one output; raise the KL coefficient "
-                                        "(rl.kl.coef) or lower rl.lr, and keep an earlier checkpoint")
+                                        "(rl.kl.coef) or lower rl.lr, and keep an earlier checkpoint", monitor)
                 result.checkpoint = checkpoint(epoch + 1, 0, step, {**last, **scores})
                 result.history.append({"epoch": epoch, **scores})
             result.steps = step
@@ -614,11 +631,14 @@ def _retrieve_error(ref: ray.ObjectRef) -> None:
 
 
 def validate_epoch(learners: LearnerGroup, valid: Sequence[Example], cfg: Config, logger: RunLogger, epoch: int,
-                   step: int, collapse_advice: str) -> dict[str, float]:
-    """The epoch's validation scores (greedy, on the learner ranks), logged; a warning, with ``collapse_advice``,
-    when the outputs have collapsed. Empty without a validation split."""
-    scores = learners.evaluate(valid, cfg) if valid else {}
-    if scores:
+                   step: int, collapse_advice: str, monitor: Monitor) -> dict[str, float]:
+    """The epoch's validation scores (greedy, on the learner ranks) with ``monitor``'s value of the outputs
+    (``metric.monitor``: scored here, where the job's plugins and reward are), logged; a warning, with
+    ``collapse_advice``, when the outputs have collapsed. Empty without a validation split."""
+    scores: dict[str, float] = {}
+    if valid:
+        table, hyps = learners.evaluate(valid, cfg)
+        scores = {**table, "monitor": monitor(valid, hyps)}
         logger.log(step, {**scores, "epoch": epoch}, kind="valid")
         log.info("rl epoch %d: %s", epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
         if "distinct_outputs" in scores and (collapsed := collapse_warning(

@@ -361,7 +361,8 @@ class LearnerGroup:
         self._masks_held = [None] * len(self.ranks)
         self._loading = [r.load_training_state_from.remote(str(checkpoint)) for r in self.ranks]
 
-    def evaluate(self, examples: Sequence[Example], cfg: Config) -> dict[str, float]:
+    def evaluate(self, examples: Sequence[Example], cfg: Config) -> tuple[dict[str, float], list[str]]:
+        """The metric table of the ranks' greedy outputs on ``examples``, and the outputs (in order)."""
         self._settle()
         return self._get([r.evaluate.remote(list(examples), cfg.metric, cfg.eval.max_new_tokens)
                           for r in self.ranks])[0]

@@ -216,7 +216,8 @@ def continued_sft_job(cfg: Config, resume: bool = False, init: str | Path | None
 def _sft_stage(cfg: Config, stage: str, stage_cfg: SFTConfig, train: Sequence[Example], init: str | Path | None,
                resume: bool):
     """Supervised training on ``train`` with ``stage_cfg`` into ``{run}/<stage>``, monitored on validation."""
-    from rlt2t.learner.evaluate import monitor_score
+    from rlt2t.common.rewards import local_reward
+    from rlt2t.learner.evaluate import build_monitor, monitor_name, monitor_score
     from rlt2t.learner.stages import run_sft
 
     if _on_ranks(stage_cfg):  # each rank calls this job again, with the same (resolved) start
@@ -230,13 +231,16 @@ def _sft_stage(cfg: Config, stage: str, stage_cfg: SFTConfig, train: Sequence[Ex
     enc = encode_examples(policy.tokenizer, [e.source for e in train], targets_of(train, f"{stage} (data.train)"),
                           cfg.data.max_source_len, cfg.data.max_target_len, what="train")
     evaluate = None
+    monitor_by = "-valid_loss" if stage_cfg.monitor == "loss" else monitor_name(cfg.metric)
     if cfg.metric.monitor_size and cfg.path(cfg.data.valid).exists():
         valid = load_split(cfg, "valid")[: cfg.metric.monitor_size]
+        monitor = build_monitor(cfg.metric, lambda: local_reward(cfg.reward, reference_sets(train)),
+                                cfg.reward.plugins)
 
         def evaluate(model):
             return monitor_score(Policy(model, policy.tokenizer, policy.origin), valid, cfg.metric,
                                  max_source_len=cfg.data.max_source_len, max_new_tokens=cfg.eval.max_new_tokens,
-                                 by=stage_cfg.monitor, max_target_len=cfg.data.max_target_len)
+                                 by=stage_cfg.monitor, max_target_len=cfg.data.max_target_len, monitor=monitor)
 
     patience_counts = None
     if evaluate is not None:
@@ -251,7 +255,7 @@ def _sft_stage(cfg: Config, stage: str, stage_cfg: SFTConfig, train: Sequence[Ex
 
     result = run_sft(policy, enc.sources, enc.targets, stage_cfg, cfg.run, cfg.run_dir / stage, resume_from=info,
                      evaluate=evaluate, lora=cfg.model.lora, max_source_len=cfg.data.max_source_len, stage=stage,
-                     patience_counts=patience_counts, fsdp=cfg.rl.fsdp)
+                     patience_counts=patience_counts, fsdp=cfg.rl.fsdp, monitor_by=monitor_by)
     if evaluate is not None and _main_rank():
         warn_if_collapsed(cfg, best_or_latest(cfg.run_dir / stage / "checkpoints"), valid)
     return result

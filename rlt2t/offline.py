@@ -33,11 +33,12 @@ from rlt2t.common.checkpoint import (
 from rlt2t.common.config import Config
 from rlt2t.common.data import Example, reference_sets
 from rlt2t.common.metrics import DocumentFrequency
-from rlt2t.common.rewards import UserRegistrations, check_reward
+from rlt2t.common.rewards import UserRegistrations, check_reward, local_reward
 from rlt2t.common.tracking import RunLogger
 from rlt2t.common.types import PreferencePair, ScoredGroup
 from rlt2t.driver import STAGE, TrainResult, close_logs, progress_line, training_subset, validate_epoch
 from rlt2t.groups import LearnerGroup, check_cluster, init_ray
+from rlt2t.learner.evaluate import Monitor, build_monitor, monitor_name
 from rlt2t.learner.trainer import epoch_order
 from rlt2t.preference_data import best_worst_pairs, file_pairs, pairs_file, read_pairs_file, write_pairs_file
 
@@ -51,6 +52,9 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
     reference) or resume ``resume_from``; returns the last checkpoint."""
     r = cfg.rl
     start = Path(resume_from.path) if resume_from else (start or init)
+    monitor = build_monitor(cfg.metric, lambda: local_reward(cfg.reward,
+                                                             reference_sets(training_subset(cfg, train_set))),
+                            cfg.reward.plugins)
     pairs = _pairs(cfg, train_set, init, resumed=resume_from is not None)
     if len(pairs) < r.learners:
         raise ValueError(f"rl: {len(pairs)} preference pairs for {r.learners} learner ranks")
@@ -67,7 +71,7 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
     learners = LearnerGroup(cfg, start, total_steps, reference_checkpoint=init)
     try:
         with logging_redirect_tqdm():
-            return _run(cfg, learners, pairs, valid, init=init, start=start, resume_from=resume_from,
+            return _run(cfg, learners, pairs, valid, monitor, init=init, start=start, resume_from=resume_from,
                         steps_per_epoch=steps_per_epoch, total_steps=total_steps, stop_after_steps=stop_after_steps)
     finally:
         learners.shutdown()
@@ -141,13 +145,14 @@ def _sample_and_score(cfg: Config, start: str, examples: list[Example], k: int, 
     return best_worst_pairs(groups)
 
 
-def _run(cfg: Config, learners: LearnerGroup, pairs: list[PreferencePair], valid: Sequence[Example], *,
+def _run(cfg: Config, learners: LearnerGroup, pairs: list[PreferencePair], valid: Sequence[Example],
+         monitor: Monitor, *,
          init: Path, start: Path, resume_from: CheckpointInfo | None, steps_per_epoch: int, total_steps: int,
          stop_after_steps: int) -> TrainResult:
     r = cfg.rl
     ckpt_root = cfg.run_dir / STAGE / "checkpoints"
     step, epoch0 = 0, 0
-    best = BestCheckpoint.from_meta(resume_from.meta if resume_from else None)
+    best = BestCheckpoint.from_meta(resume_from.meta if resume_from else None, monitor_name(cfg.metric))
     if resume_from is not None:
         learners.load_training_states_from(Path(resume_from.path), r.learners)
         step, epoch0 = resume_from.step, resume_from.meta["epoch"]
@@ -207,7 +212,8 @@ def _run(cfg: Config, learners: LearnerGroup, pairs: list[PreferencePair], valid
                 if r.save_every_steps and step % r.save_every_steps == 0 and not finished:
                     checkpoint(epoch, step - epoch_start, step, last or metrics)
             scores = validate_epoch(learners, valid, cfg, logger, epoch, step,
-                                    "lower rl.lr or raise the preference loss's beta, and keep an earlier checkpoint")
+                                    "lower rl.lr or raise the preference loss's beta, and keep an earlier checkpoint",
+                                    monitor)
             result.checkpoint = checkpoint(epoch + 1, 0, step, {**last, **scores})
             result.history.append({"epoch": epoch, **scores})
         result.steps = step

@@ -44,8 +44,16 @@ class MetricConfig(_Section):
     bleu_weight: float = Field(1 / 3, ge=0.0, le=1.0)
     """w in the task score (1-w)·CIDEr-D + w·BLEU-4 of eval tables and, unless `reward.bleu_weight` is set, of
     the rewards (the competition's 1/3)."""
+    monitor: str = Field("default", min_length=1)
+    """What picks the best checkpoint of RL (and of an SFT stage with `sft.monitor=metric`), scored each epoch on
+    the greedy outputs of `monitor_size` validation examples, higher is better: `default`, (1-w)·CIDEr-D +
+    w·BLEU-4 with w = `monitor_bleu_weight` (CIDEr-D alone unless set, as the original); the name of a registered
+    metric (`task_score`, `rouge_l`, `sacrebleu`, `chrf`, `meteor`, ..., or one of your own registered in a
+    module listed in `reward.plugins`), with its settings here (`cider_sigma`, `bleu_weight`); or `reward`, the
+    mean reward of `reward.terms` (Python functions and reward models included, with each row's fields), scored
+    as training scores it. The job checks the name before it trains."""
     monitor_bleu_weight: float = Field(0.0, ge=0.0, le=1.0)
-    """w of the per-epoch validation monitor that picks the best checkpoint (0, as the original)."""
+    """w of the `default` validation monitor (0, as the original)."""
     monitor_size: int = Field(600, ge=0)
     """Validation examples decoded after each epoch for the monitor (0: none). On 200 rows the demo's greedy
     metric swung by a fifth from epoch to epoch."""

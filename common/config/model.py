@@ -212,7 +212,7 @@ class SFTConfig(TextStageConfig):
     monitor: Literal["loss", "metric"] = "loss"
     """What picks the best checkpoint and stops early: `loss`, the cross-entropy of the validation references
     (teacher forcing; lower is better; logged as `valid_loss`, the monitor is its negative), or `metric`, the
-    greedy outputs' (1-w)·CIDEr-D + w·BLEU-4 (`metric.monitor_bleu_weight`), which RL's monitor uses. `loss`
+    greedy outputs' score by `metric.monitor` (default (1-w)·CIDEr-D + w·BLEU-4), which RL's monitor uses. `loss`
     stops SFT where likelihood training has converged; the metric of greedy outputs can peak earlier, on a model
     that has not yet learnt its mapping (it hedges towards tokens the references share), and swings from epoch to
     epoch. Continued SFT, RL's baseline, keeps its best by `metric` as RL does."""

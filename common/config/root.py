@@ -139,6 +139,10 @@ class Config(_Section):
             raise ValueError("rollout.source=http needs rollout.urls (policy server base URLs)")
         if self.reward.source == "http" and not self.reward.url:
             raise ValueError("reward.source=http needs reward.url (the reward server's base URL)")
+        if self.reward.source == "http" and self.metric.monitor == "reward":
+            raise ValueError("metric.monitor=reward scores reward.terms in the job, and with reward.source=http the "
+                             "reward is the server's: name a metric instead (task_score is what a reward server "
+                             "scores)")
         if self.predict.num_hypotheses > self.predict.beam_size:
             raise ValueError(f"predict.num_hypotheses={self.predict.num_hypotheses} exceeds predict.beam_size="
                              f"{self.predict.beam_size}")

@@ -202,7 +202,8 @@ def test_sharded_learner_steps_on_one_gpu_in_bf16(init_dir):
     assert summary["step"] == 3 and {v.dtype for v in published.values() if v.is_floating_point()} == {torch.bfloat16}
     examples = [Example(id=str(i), source=" ".join(str(10 + i + j) for j in range(5)), target="11 12")
                 for i in range(3)]
-    assert "cider_d" in learner.evaluate(examples, MetricConfig(), max_new_tokens=8)
+    table, outputs = learner.evaluate(examples, MetricConfig(), max_new_tokens=8)
+    assert "cider_d" in table and len(outputs) == 3
     learner.shutdown()
 
 

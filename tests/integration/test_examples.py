@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlt2t.common.checkpoint import latest_complete_checkpoint
+from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint
 from rlt2t.common.io import atomic_write_jsonl
 from rlt2t.common.policy import is_adapter_checkpoint
 
@@ -48,6 +48,9 @@ def test_custom_reward(tmp_path):
     saved = yaml.safe_load((run / "config" / "rl.yaml").read_text())
     assert saved["reward"]["terms"] == [{"kind": "python", "fn": "__main__:overlap_minus_length", "params": {},
                                          "weight": 1.0, "per_sample": False}]
+    assert saved["metric"]["monitor"] == "reward"  # and it picked RL's best checkpoint
+    rl = latest_complete_checkpoint(run / "rl" / "checkpoints")
+    assert read_checkpoint(rl).meta["best"]["by"] == "reward"
 
 
 def test_lora_local_model(bart_family_dir, tmp_path):

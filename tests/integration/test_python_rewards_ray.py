@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rlt2t.common.checkpoint import read_checkpoint
 from rlt2t.common.data import load_examples
 from rlt2t.common.io import atomic_write_jsonl
 from rlt2t.services.client import RewardClient
@@ -154,10 +155,13 @@ def test_a_python_reward_shipped_with_ray_job_submit_scores_on_a_two_node_cluste
                                                                                   tmp_path):
     """The user's module lives outside the package, in a project directory that `ray job submit --working-dir`
     ships to the cluster; the rewards the job logs equal that function's outputs on the same samples, row fields
-    (an extra column of the data) included."""
+    (an extra column of the data) included. With `metric.monitor=reward` the same function, on the validation
+    rows' greedy outputs, picks the best checkpoint."""
     run = copy_prepared(tmp_path / "run")
     train = [e.to_dict() for e in load_examples(run / "data" / "train.jsonl")]
     atomic_write_jsonl(run / "data" / "train.jsonl", [{**row, "bonus": i % 3} for i, row in enumerate(train)])
+    valid = [e.to_dict() for e in load_examples(run / "data" / "valid.jsonl")]
+    atomic_write_jsonl(run / "data" / "valid.jsonl", [{**row, "bonus": 1} for row in valid])
     project, calls = tmp_path / "project", tmp_path / "calls.jsonl"
     project.mkdir()
     (project / "my_rewards.py").write_text(USER_REWARDS)
@@ -173,14 +177,20 @@ def test_a_python_reward_shipped_with_ray_job_submit_scores_on_a_two_node_cluste
     job = two_node_cluster.run(
         [ray_bin, "job", "submit", "--address", two_node_cluster.dashboard, "--working-dir", str(project), "--",
          sys.executable, "-m", "rlt2t.cli", "train", "--config", "tiny", "--config", "reward.yaml", f"run.dir={run}",
-         *ONE_STEP], timeout=420)
+         *ONE_STEP, "metric.monitor=reward"], timeout=420)
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-3000:]
     assert "succeeded" in (job.stdout + job.stderr).lower()
 
     logged = [json.loads(line) for line in (run / "logs" / "rl" / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in logged if r["kind"] == "train" and r["step"] == 1)
     rows = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert len(rows) == 16 * 4  # every sample of the step, scored once
+    rows, monitored = rows[: 16 * 4], rows[16 * 4 :]  # every sample of the step, scored once; then the monitor's
+    assert [r["source"] for r in monitored] == [row["source"] for row in valid[:4]]  # metric.monitor_size=4
+    assert all(r["bonus"] == 1 for r in monitored)
+    epoch = next(r for r in logged if r["kind"] == "valid")
+    assert epoch["monitor"] == pytest.approx(sum(r["score"] for r in monitored) / 4, rel=1e-9)
+    best = read_checkpoint(run / "rl" / "checkpoints" / "epoch-0001").meta["best"]
+    assert best["by"] == "reward" and best["path"].endswith("epoch-0001")
     bonuses: dict[str, set[int]] = {}
     for i, row in enumerate(train[:16]):  # rl.train_subset: the first 16 rows
         bonuses.setdefault(row["source"], set()).add(i % 3)

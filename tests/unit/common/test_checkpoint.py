@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -121,6 +122,27 @@ def test_best_checkpoint_keeps_the_highest_score_across_a_resume(tmp_path):
     assert (resumed.score, resumed.path) == (0.6, tmp_path / "epoch-0003")
     assert resumed.protect() == {tmp_path / "epoch-0003"}
     assert not resumed.offer(0.6, tmp_path / "epoch-0004")  # a tie keeps the earlier one
+
+
+def test_a_run_resumed_with_another_monitor_starts_its_best_afresh(tmp_path, caplog):
+    """Scores by different measures do not compare: a CIDEr-D best (scale 0-10) would outrank every ROUGE-L
+    score after the resume and stay the run's "best" for good."""
+    from rlt2t.common.checkpoint import BestCheckpoint
+
+    best = BestCheckpoint(by="default")
+    best.offer(2.5, tmp_path / "epoch-0001")
+    meta = {"best": best.meta()}
+    assert meta["best"]["by"] == "default"
+    same = BestCheckpoint.from_meta(meta, "default")
+    assert (same.score, same.by) == (2.5, "default") and caplog.records == []
+    with caplog.at_level(logging.WARNING, logger="rlt2t.checkpoint"):
+        other = BestCheckpoint.from_meta(meta, "rouge_l")
+    assert (other.score, other.path, other.by) == (None, None, "rouge_l")
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "epoch-0001" in warning and "chosen by monitor default" in warning and "is rouge_l" in warning
+    assert other.offer(0.4, tmp_path / "epoch-0002") and other.meta()["by"] == "rouge_l"
+    older = BestCheckpoint.from_meta({"best": {"score": 2.5, "path": str(tmp_path / "epoch-0001")}}, "rouge_l")
+    assert older.score == 2.5  # written before checkpoints named their monitor: kept, as before
 
 
 def test_the_best_checkpoint_survives_a_resume_that_spells_the_run_directory_otherwise(tiny_policy, tmp_path,

@@ -44,6 +44,10 @@ def test_yaml_then_overrides_later_wins(tmp_path):
         ("run.dir=..", "the current directory or a parent of it"),
         ("run.dir=runs/..", "the current directory: the run needs a directory of its own"),
         ("rl.kl.coef=0 rl.kl.target=6", "rl.kl.target: the adaptive controller scales β and cannot move it off"),
+        ("metric.monitor=reward reward.source=http reward.url=http://127.0.0.1:1",
+         "metric.monitor=reward scores reward.terms in the job, and with reward.source=http the reward is the "
+         "server's: name a metric instead"),
+        ("metric.monitor=", "metric.monitor"),
     ],
 )
 def test_bad_values_name_the_key(override, needle):

@@ -130,3 +130,79 @@ def test_evaluate_columns_follow_eval_metrics(tiny_policy):
         evaluate(tiny_policy, examples, EvalConfig(metrics=["bleu5"]), MetricConfig(), 32)
     with pytest.raises(ValueError, match="eval.classifier_path"):
         evaluate(tiny_policy, examples, EvalConfig(metrics=["classifier_accuracy"]), MetricConfig(), 32)
+
+
+HYPS_REFS = (["a b c d", "a b", "x y z"], [["a b c d e"], ["a b c"], ["x y w", "x y z"]])
+
+
+def _examples(refs, extra=None):
+    return [Example(id=str(i), source=f"s{i}", target=r[0], references=tuple(r), extra=dict(extra or {}))
+            for i, r in enumerate(refs)]
+
+
+def test_the_monitor_is_the_metric_metric_monitor_names_with_its_settings():
+    from rlt2t.learner.evaluate import build_monitor, monitor_name
+
+    hyps, refs = HYPS_REFS
+    examples = _examples(refs)
+    cider, bleu = get_metric("cider_d").corpus(hyps, refs), get_metric("bleu4").corpus(hyps, refs)
+    assert build_monitor(MetricConfig())(examples, hyps) == pytest.approx(cider)  # default, w = 0: CIDEr-D alone
+    weighted = MetricConfig(monitor_bleu_weight=0.5)
+    assert build_monitor(weighted)(examples, hyps) == pytest.approx(0.5 * cider + 0.5 * bleu)
+    assert build_monitor(MetricConfig(monitor="rouge_l"))(examples, hyps) == get_metric("rouge_l").corpus(hyps, refs)
+    # A named metric takes its configured settings: CIDEr-D's sigma, the task score's weight.
+    wide = MetricConfig(monitor="cider_d", cider_sigma=0.5)
+    assert build_monitor(wide)(examples, hyps) == get_metric("cider_d", sigma=0.5).corpus(hyps, refs) != cider
+    task = MetricConfig(monitor="task_score", bleu_weight=0.25)
+    assert build_monitor(task)(examples, hyps) == pytest.approx(0.75 * cider + 0.25 * bleu)
+    assert [monitor_name(m) for m in (MetricConfig(), weighted, wide)] == [
+        "default", "default (monitor_bleu_weight=0.5)", "cider_d"]
+
+
+def test_a_reward_monitor_is_the_mean_reward_with_each_rows_fields():
+    from rlt2t.learner.evaluate import build_monitor
+
+    hyps, refs = HYPS_REFS
+    calls = []
+
+    def reward(sources, candidates, references, fields):
+        calls.append((sources, candidates, references, fields))
+        return [len(c.split()) + f["bonus"] for c, f in zip(candidates, fields, strict=True)]
+
+    monitor = build_monitor(MetricConfig(monitor="reward"), lambda: reward)
+    assert monitor(_examples(refs, {"bonus": 1}), hyps) == pytest.approx((5 + 3 + 4) / 3)
+    assert calls == [(["s0", "s1", "s2"], hyps, [list(r) for r in refs], [{"bonus": 1}] * 3)]
+    built = []
+    build_monitor(MetricConfig(), lambda: built.append(1))  # the reward is built for a reward monitor only
+    assert built == []
+
+
+def test_a_monitor_that_cannot_be_scored_fails_when_the_job_starts_naming_metric_monitor():
+    from rlt2t.common.config import ConfigError
+    from rlt2t.learner.evaluate import build_monitor
+
+    with pytest.raises(ConfigError, match=r"metric.monitor: unknown metric 'rouge_m' \(did you mean rouge_l\?\); "
+                                          r"known: default, reward, .*register it in a module listed in reward"):
+        build_monitor(MetricConfig(monitor="rouge_m"))
+    with pytest.raises(ConfigError, match="metric.monitor=classifier_accuracy: the metric cannot be built from the "
+                                          "config alone"):
+        build_monitor(MetricConfig(monitor="classifier_accuracy"))
+    with pytest.raises(ConfigError, match="metric.monitor=reward: this job has no reward"):
+        build_monitor(MetricConfig(monitor="reward"))
+    with pytest.raises(ConfigError, match=r"reward.plugins\[0\]: cannot import module 'no_such_metrics_module'"):
+        build_monitor(MetricConfig(monitor="mine"), plugins=["no_such_metrics_module"])
+
+
+def test_the_sft_monitor_scores_greedy_outputs_with_the_monitor_it_is_given(tiny_policy):
+    from rlt2t.learner.evaluate import monitor_score
+
+    examples = [Example(id=str(i), source=f"{i} {i + 1} 3", target=f"{i} {i}") for i in range(6)]
+    seen = []
+
+    def count(examples, hyps):
+        seen.append(list(hyps))
+        return 7.0
+
+    out = monitor_score(tiny_policy, examples, MetricConfig(), max_source_len=32, max_new_tokens=8, monitor=count)
+    assert out["monitor"] == 7.0
+    assert seen == [generate(tiny_policy, [e.source for e in examples], max_new_tokens=8, max_source_len=32)]

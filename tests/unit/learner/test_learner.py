@@ -49,13 +49,14 @@ def test_training_state_round_trip_continues_identically(tmp_path, tiny_policy):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)  # dropout RNG, Adam moments and schedule restored
 
 
-def test_evaluate_returns_the_metric_table_and_monitor(tmp_path, tiny_policy):
+def test_evaluate_returns_the_metric_table_and_the_outputs_in_order(tmp_path, tiny_policy):
     learner = _learner(tmp_path, tiny_policy)
     examples = [Example(id=str(i), source=f"{i} 3", target=f"{i}") for i in range(5)]
-    table = learner.evaluate(examples, MetricConfig(), max_new_tokens=4)
-    assert {"cider_d", "bleu4", "task_score", "monitor"} <= set(table)
-    assert table["monitor"] == table["cider_d"]  # monitor_bleu_weight = 0
+    table, outputs = learner.evaluate(examples, MetricConfig(), max_new_tokens=4)
+    assert {"cider_d", "bleu4", "task_score"} <= set(table)
+    assert "monitor" not in table  # the job scores metric.monitor on the outputs, where its plugins are
     said = generate(tiny_policy, [e.source for e in examples], max_new_tokens=4)
+    assert outputs == said
     assert table["distinct_outputs"] == distinct_outputs([e.source for e in examples], said)
 
 

@@ -220,11 +220,11 @@ def test_patience_stops_after_epochs_without_a_better_monitor(tmp_path, ids_toke
     src, tgt = _task(policy.tokenizer)
     evaluate, calls = _scripted([0.5, 0.9, 0.9, 0.7, 2.0, 3.0, 4.0, 5.0])
     result = run_sft(policy, src, tgt, _sft_cfg(epochs=8, patience=2, save_every_steps=0), _run(tmp_path, "p"),
-                     tmp_path / "p", evaluate=evaluate)
+                     tmp_path / "p", evaluate=evaluate, monitor_by="rouge_l")
     assert len(calls) == 4 and result.steps == 4 * 6
     meta = read_checkpoint(result.checkpoint).meta
     assert result.checkpoint.name == "epoch-0004" and meta["since_best"] == 2
-    assert meta["best"] == {"score": 0.9, "path": str(tmp_path / "p" / "checkpoints" / "epoch-0002")}
+    assert meta["best"] == {"score": 0.9, "path": str(tmp_path / "p" / "checkpoints" / "epoch-0002"), "by": "rouge_l"}
 
 
 def test_patience_does_not_count_epochs_its_hook_leaves_out(tmp_path, ids_tokenizer_dir):
