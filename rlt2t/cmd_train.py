@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 from rlt2t import api
 from rlt2t.cmd_common import load_cfg
+
+
+def best_note(checkpoint: Path) -> str:
+    """`; best by the monitor (reward): epoch-0002 (0.4812)` from a stage's last checkpoint: the one its checkpoint
+    root means to eval, export and predict. Empty when it has none (no validation split)."""
+    from rlt2t.common.checkpoint import read_checkpoint
+
+    info = read_checkpoint(checkpoint)
+    best = (info.meta if info is not None else {}).get("best")
+    if not best:
+        return ""
+    by = f" ({best['by']})" if best.get("by") else ""
+    return f"; best by the monitor{by}: {Path(best['path']).name} ({best['score']:.4f})"
 
 
 def cmd_pretrain(args) -> None:
@@ -16,13 +30,13 @@ def cmd_pretrain(args) -> None:
 
 def cmd_sft(args) -> None:
     result = api.sft(load_cfg(args), resume=args.resume, init=args.init)
-    print(f"sft: {result.steps} steps → {result.checkpoint}")
+    print(f"sft: {result.steps} steps → {result.checkpoint}{best_note(result.checkpoint)}")
 
 
 def cmd_train(args) -> None:
     result = api.train(load_cfg(args), resume=args.resume, init=args.init)
     print(f"rl: {result.steps} steps, {result.items_used} sources, {result.redispatched} chunks re-dispatched "
-          f"→ {result.checkpoint}")
+          f"→ {result.checkpoint}{best_note(result.checkpoint)}")
 
 
 def cmd_convert_model(args) -> None:

@@ -355,6 +355,9 @@ class _Job:
             try:
                 return ray.get(actor.score_texts.remote(list(sources), list(candidates), [list(r) for r in references],
                                                         [dict(f) for f in fields]))
+            except RewardError as e:  # the user's reward function on a validation output: said as in training
+                raise RewardError(f"rl: the validation monitor (metric.monitor=reward): "
+                                  f"{e.cause if isinstance(e, RayTaskError) else e}") from None
             except (RayActorError, ActorUnavailableError):
                 if i + 1 == len(self.rewards.actors):
                     raise
@@ -445,8 +448,8 @@ class _Job:
                 truncated = count_truncated(tokenizer, [e for c in chunks for e in c.examples],
                                             cfg.data.max_source_len)
                 if truncated:
-                    log.info("rl epoch %d: %d sources longer than data.max_source_len=%d tokens are cut to it", epoch,
-                             truncated, cfg.data.max_source_len)
+                    log.info("rl epoch %d/%d: %d sources longer than data.max_source_len=%d tokens are cut to it",
+                             epoch + 1, r.epochs, truncated, cfg.data.max_source_len)
                 sched = EpochScheduler(chunks, step=step, batch_size=r.batch_size, learners=r.learners,
                                        max_inflight_chunks=r.max_inflight_chunks, ordered=self._ordered(),
                                        rollouts=self.rollouts.state, rewards=self.rewards.state,
@@ -640,9 +643,10 @@ def validate_epoch(learners: LearnerGroup, valid: Sequence[Example], cfg: Config
         table, hyps = learners.evaluate(valid, cfg)
         scores = {**table, "monitor": monitor(valid, hyps)}
         logger.log(step, {**scores, "epoch": epoch}, kind="valid")
-        log.info("rl epoch %d: %s", epoch, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+        label = f"rl epoch {epoch + 1}/{cfg.rl.epochs}"  # counted as checkpoints are named (the logs' field: from 0)
+        log.info("%s: %s", label, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
         if "distinct_outputs" in scores and (collapsed := collapse_warning(
-                f"rl epoch {epoch}", scores["distinct_outputs"], valid, collapse_advice)):
+                label, scores["distinct_outputs"], valid, collapse_advice)):
             log.warning(collapsed)
     return scores
 

@@ -229,6 +229,8 @@ def test_subword_natural_language_end_to_end(tmp_path, cli):
     assert json.loads((run / "tokenizer" / "rlt2t_tokenizer.json").read_text())["kind"] == "subword"
     code, out, err = cli("sft", *common, "sft.epochs=1", "sft.batch_size=8")
     assert code == 0 and "sft: 15 steps" in out, err
+    best = read_checkpoint(run / "sft" / "checkpoints" / "epoch-0001").meta["best"]  # the command names its best
+    assert f"; best by the monitor (-valid_loss): epoch-0001 ({best['score']:.4f})" in out, out
     code, out, err = cli("eval", *common)
     assert code == 0 and "cider_d" in out, err
     preds = (run / "eval").glob("*.predictions.jsonl")

@@ -152,8 +152,8 @@ def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, copy_p
     valid = load_split(cfg, "valid")[: cfg.metric.monitor_size]
     [epoch] = result.history
     assert 0 < epoch["distinct_outputs"] <= 1
-    collapsed = collapse_warning("rl epoch 0", epoch["distinct_outputs"], valid, "")
-    warned = [r for r in caplog.records if r.getMessage().startswith("rl epoch 0: the greedy outputs")]
+    collapsed = collapse_warning("rl epoch 1/1", epoch["distinct_outputs"], valid, "")
+    warned = [r for r in caplog.records if r.getMessage().startswith("rl epoch 1/1: the greedy outputs")]
     assert len(warned) == (collapsed is not None)
 
 
