@@ -96,7 +96,8 @@ class BestCheckpoint:
             return cls(by=by)
         if by is not None and best.get("by") not in (None, by):
             log.warning("the best checkpoint so far (%s) was chosen by monitor %s, and this run's monitor is %s: the "
-                        "best starts afresh from the next validation", Path(best["path"]).name, best["by"], by)
+                        "best starts afresh from the next validation, and %s is no longer kept from pruning (copy it "
+                        "if you want it)", Path(best["path"]).name, best["by"], by, best["path"])
             return cls(by=by)
         return cls(best["score"], Path(best["path"]), by if by is not None else best.get("by"))
 

@@ -17,16 +17,19 @@ import torch
 from tqdm.auto import tqdm
 
 from rlt2t.common.collate import collate_seq2seq, encode_texts
-from rlt2t.common.config import ConfigError, EvalConfig, MetricConfig
+from rlt2t.common.config import MONITOR_OVER_HTTP, Config, ConfigError, EvalConfig, MetricConfig
 from rlt2t.common.data import Example, references_of
 from rlt2t.common.families import decoder_input_ids, generation_config, positions_or
 from rlt2t.common.metrics import available_metrics, get_metric, metric_params, missing_dependency
 from rlt2t.common.plugins import load_plugins
 from rlt2t.common.policy import Policy
+from rlt2t.common.python_rewards import RewardError
 from rlt2t.common.scoring import token_scores
 
 TABLE_METRICS = ("cider_d", "bleu4", "task_score", "rouge_l", "mean_length")
 MODEL_METRICS = ("perplexity",)
+LENGTHS = ("mean_length", "max_length")
+"""Metrics that measure length, not quality: refused as the validation monitor."""
 """Eval-table columns computed from the model rather than from the decoded text."""
 
 
@@ -235,11 +238,17 @@ RewardScores = Callable[[Sequence[str], Sequence[str], Sequence[Sequence[str]], 
 
 
 def monitor_name(metric: MetricConfig) -> str:
-    """What ``metric.monitor`` measures, as logs and checkpoint meta name it (the default's weight included: a
-    best chosen with another weight does not compare)."""
-    if metric.monitor == "default" and metric.monitor_bleu_weight:
-        return f"default (monitor_bleu_weight={metric.monitor_bleu_weight:g})"
-    return metric.monitor
+    """What ``metric.monitor`` measures, as logs and checkpoint meta name it: the name, and the settings it is
+    scored with where they differ from their defaults (``default, monitor_bleu_weight=0.5``; ``cider_d,
+    cider_sigma=15``): a best chosen with other settings does not compare. A reward's terms are not named."""
+    if metric.monitor == "default":
+        settings = {"monitor_bleu_weight": metric.monitor_bleu_weight, "cider_sigma": metric.cider_sigma}
+    else:
+        keys = {"sigma": "cider_sigma", "bleu_weight": "bleu_weight"}
+        settings = {keys[k]: getattr(metric, keys[k]) for k in metric_params(metric.monitor, metric) if k in keys}
+    defaults = MetricConfig()
+    changed = [f"{k}={v:g}" for k, v in settings.items() if v != getattr(defaults, k)]
+    return ", ".join([metric.monitor, *changed])
 
 
 def build_monitor(metric: MetricConfig, reward: Callable[[], RewardScores] | None = None,
@@ -255,9 +264,18 @@ def build_monitor(metric: MetricConfig, reward: Callable[[], RewardScores] | Non
         if reward is None:
             raise ConfigError("metric.monitor=reward: this job has no reward to score with; name a metric")
         scores = reward()
-        return lambda examples, hyps: float(np.mean(scores([e.source for e in examples], hyps,
-                                                           [list(e.refs) for e in examples],
-                                                           [e.extra for e in examples])))
+
+        def mean_reward(examples: Sequence[Example], hyps: Sequence[str]) -> float:
+            try:
+                return float(np.mean(scores([e.source for e in examples], hyps, [list(e.refs) for e in examples],
+                                            [e.extra for e in examples])))
+            except RewardError as e:  # the user's function, on a validation output: said as in training
+                raise RewardError(f"the validation monitor (metric.monitor=reward): {e}") from None
+
+        return mean_reward
+    if name in LENGTHS:
+        raise ConfigError(f"metric.monitor={name}: a length, not a score (the longest outputs would be kept); "
+                          "name a metric")
     if name == "default":
         scorer = get_metric("task_score", bleu_weight=metric.monitor_bleu_weight, sigma=metric.cider_sigma)
     else:
@@ -277,6 +295,15 @@ def build_monitor(metric: MetricConfig, reward: Callable[[], RewardScores] | Non
             raise ConfigError(f"metric.monitor={name}: the metric cannot be built from the config alone ({e}); "
                               "name another metric") from e
     return lambda examples, hyps: scorer.corpus(hyps, [list(e.refs) for e in examples])
+
+
+def job_monitor(cfg: Config, reward: Callable[[], RewardScores] | None = None) -> Monitor:
+    """A job's :func:`build_monitor` (``reward.plugins`` imported; ``reward`` builds the job's reward for
+    ``metric.monitor=reward``), refusing a reward monitor beside a reward server even when the config was changed
+    after it loaded (assigning ``cfg.metric.monitor`` skips the config's cross-section check)."""
+    if cfg.metric.monitor == "reward" and cfg.reward.source == "http":
+        raise ConfigError(MONITOR_OVER_HTTP)
+    return build_monitor(cfg.metric, reward, cfg.reward.plugins)
 
 
 def monitor_score(policy: Policy, examples: Sequence[Example], metric: MetricConfig, *, max_source_len: int,

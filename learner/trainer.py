@@ -217,8 +217,8 @@ def train_stage(
         trained, optimizer = accelerator.prepare(trained, optimizer)
 
     step, start_epoch, skip_batches = 0, 0, 0
-    monitor_by = monitor_by or monitor
     best = BestCheckpoint.from_meta(resume_from.meta if resume_from is not None else None, monitor_by)
+    monitor_by = monitor_by or monitor  # in logs
     # Epochs in a row whose monitor did not beat the best (early stopping with `patience`).
     since_best = int(resume_from.meta.get("since_best", 0)) if resume_from is not None else 0
     if resume_from is not None:
@@ -232,8 +232,8 @@ def train_stage(
         set_rng_state(own["rng"])
         step = resume_from.step
         start_epoch, skip_batches = resume_from.meta["epoch"], resume_from.meta["batch_in_epoch"]
-        log.info("%s: resuming from %s (step %d, epoch %d, batch %d)", stage, resume_from.path, step,
-                 start_epoch, skip_batches)
+        log.info("%s: resuming from %s (step %d: %d epoch%s done, then %d batches)", stage, resume_from.path, step,
+                 start_epoch, "" if start_epoch == 1 else "s", skip_batches)
     else:
         # Each rank its own dropout masks (reproducible: every rank's RNG is in the checkpoint).
         torch.manual_seed(run.seed if not ranks.distributed else run.seed * 7919 + ranks.rank)
@@ -292,7 +292,7 @@ def train_stage(
                 step += 1
                 window_n += len(batch_ids)
                 bar.update(1)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", epoch=epoch)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", epoch=epoch + 1)
                 if step % run.log_every == 0 or step == total_steps:
                     elapsed = time.perf_counter() - window_t
                     last = {**metrics, "lr": float(scheduler.get_last_lr()[0]), "grad_norm": float(grad_norm),

@@ -75,7 +75,7 @@ from rlt2t.groups import (
     load_start_weights,
     stored_items,
 )
-from rlt2t.learner.evaluate import Monitor, build_monitor, collapse_warning, monitor_name
+from rlt2t.learner.evaluate import Monitor, collapse_warning, job_monitor, monitor_name
 from rlt2t.learner.trainer import epoch_order
 from rlt2t.scheduler import Chunk, ChunkFailed, EpochScheduler, mask_version, needed_version
 from rlt2t.services.http import load_token
@@ -132,7 +132,7 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
         check_reward(cfg.reward)  # a term whose function does not import fails here, before any actor starts
     # metric.monitor, before any actor starts (an unknown name fails here); a reward monitor scores on the job's
     # reward workers, as the rollouts are scored
-    monitor = build_monitor(cfg.metric, lambda: lambda *batch: job.reward_scores(*batch), cfg.reward.plugins)
+    monitor = job_monitor(cfg, lambda: lambda *batch: job.reward_scores(*batch))
     init_ray(cfg)
     check_cluster(cfg)
     # CIDEr-D document frequencies: once, from the training references, shipped to every reward worker.
@@ -355,9 +355,8 @@ class _Job:
             try:
                 return ray.get(actor.score_texts.remote(list(sources), list(candidates), [list(r) for r in references],
                                                         [dict(f) for f in fields]))
-            except RewardError as e:  # the user's reward function on a validation output: said as in training
-                raise RewardError(f"rl: the validation monitor (metric.monitor=reward): "
-                                  f"{e.cause if isinstance(e, RayTaskError) else e}") from None
+            except RewardError as e:  # the user's function: its own message, not Ray's traceback around it
+                raise RewardError(str(e.cause if isinstance(e, RayTaskError) else e)) from None
             except (RayActorError, ActorUnavailableError):
                 if i + 1 == len(self.rewards.actors):
                     raise
@@ -397,7 +396,8 @@ class _Job:
                 ray.get(loaded)
                 publisher.publish(int(v), weights)
             step, epoch0 = resume_from.step, resume_from.meta["epoch"]
-            log.info("rl: resuming from %s (step %d, epoch %d)", resume_from.path, step, epoch0)
+            log.info("rl: resuming from %s (step %d, %d epoch%s done)", resume_from.path, step, epoch0,
+                     "" if epoch0 == 1 else "s")
         learner_ranks = f"{r.learners} learner rank{'s' if r.learners > 1 else ''}"
         if r.strategy == "fsdp":
             learner_ranks += (f" sharded (rl.strategy=fsdp: each holds 1/{r.learners} of the weights, gradients and "
@@ -677,7 +677,7 @@ def progress_line(step: int, total_steps: int, metrics: dict[str, float]) -> str
         value = metrics.get(key)
         if label not in shown and isinstance(value, int | float) and math.isfinite(value):
             shown[label] = f"{label} {value:{fmt}}"
-    epoch = f" (epoch {metrics['epoch']})" if "epoch" in metrics else ""
+    epoch = f" (epoch {int(metrics['epoch']) + 1})" if "epoch" in metrics else ""  # as checkpoints are named
     return f"rl step {step}/{total_steps}{epoch}: " + ", ".join(shown.values())
 
 

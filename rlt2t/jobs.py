@@ -16,6 +16,7 @@ writes under ``run.dir``:
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -216,13 +217,21 @@ def continued_sft_job(cfg: Config, resume: bool = False, init: str | Path | None
 def _sft_stage(cfg: Config, stage: str, stage_cfg: SFTConfig, train: Sequence[Example], init: str | Path | None,
                resume: bool):
     """Supervised training on ``train`` with ``stage_cfg`` into ``{run}/<stage>``, monitored on validation."""
-    from rlt2t.common.rewards import local_reward
-    from rlt2t.learner.evaluate import build_monitor, monitor_name, monitor_score
+    from rlt2t.common.rewards import check_reward, local_reward
+    from rlt2t.learner.evaluate import job_monitor, monitor_name, monitor_score
     from rlt2t.learner.stages import run_sft
 
+    # What scores the greedy outputs: metric.monitor, except that a stage monitored by its loss logs the default
+    # metric beside it rather than building a reward (its reward model may not exist yet) to log
+    scored = cfg if stage_cfg.monitor == "metric" or cfg.metric.monitor != "reward" else cfg.model_copy(
+        update={"metric": cfg.metric.model_copy(update={"monitor": "default"})})
     if _on_ranks(stage_cfg):  # each rank calls this job again, with the same (resolved) start
         from rlt2t.stage_group import run_on_ranks
 
+        if scored.metric.monitor == "reward":
+            check_reward(cfg.reward)  # a function that does not import fails here, not on the ranks
+        else:
+            job_monitor(scored)  # an unknown metric likewise
         return run_on_ranks(cfg, stage, resume, init)
     if _main_rank():
         save_run_config(cfg, stage)
@@ -231,14 +240,15 @@ def _sft_stage(cfg: Config, stage: str, stage_cfg: SFTConfig, train: Sequence[Ex
     enc = encode_examples(policy.tokenizer, [e.source for e in train], targets_of(train, f"{stage} (data.train)"),
                           cfg.data.max_source_len, cfg.data.max_target_len, what="train")
     evaluate = None
-    monitor_by = "-valid_loss" if stage_cfg.monitor == "loss" else monitor_name(cfg.metric)
+    monitor_by = "-valid_loss" if stage_cfg.monitor == "loss" else monitor_name(scored.metric)
     if cfg.metric.monitor_size and cfg.path(cfg.data.valid).exists():
         valid = load_split(cfg, "valid")[: cfg.metric.monitor_size]
-        monitor = build_monitor(cfg.metric, lambda: local_reward(cfg.reward, reference_sets(train)),
-                                cfg.reward.plugins)
+        # Every rank decodes (under FSDP the weights are gathered for it); rank 0's score is every rank's.
+        monitor = (job_monitor(scored, lambda: local_reward(cfg.reward, reference_sets(train))) if _main_rank()
+                   else lambda examples, hyps: math.nan)
 
         def evaluate(model):
-            return monitor_score(Policy(model, policy.tokenizer, policy.origin), valid, cfg.metric,
+            return monitor_score(Policy(model, policy.tokenizer, policy.origin), valid, scored.metric,
                                  max_source_len=cfg.data.max_source_len, max_new_tokens=cfg.eval.max_new_tokens,
                                  by=stage_cfg.monitor, max_target_len=cfg.data.max_target_len, monitor=monitor)
 

@@ -38,7 +38,7 @@ from rlt2t.common.tracking import RunLogger
 from rlt2t.common.types import PreferencePair, ScoredGroup
 from rlt2t.driver import STAGE, TrainResult, close_logs, progress_line, training_subset, validate_epoch
 from rlt2t.groups import LearnerGroup, check_cluster, init_ray
-from rlt2t.learner.evaluate import Monitor, build_monitor, monitor_name
+from rlt2t.learner.evaluate import Monitor, job_monitor, monitor_name
 from rlt2t.learner.trainer import epoch_order
 from rlt2t.preference_data import best_worst_pairs, file_pairs, pairs_file, read_pairs_file, write_pairs_file
 
@@ -52,9 +52,7 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
     reference) or resume ``resume_from``; returns the last checkpoint."""
     r = cfg.rl
     start = Path(resume_from.path) if resume_from else (start or init)
-    monitor = build_monitor(cfg.metric, lambda: local_reward(cfg.reward,
-                                                             reference_sets(training_subset(cfg, train_set))),
-                            cfg.reward.plugins)
+    monitor = job_monitor(cfg, lambda: local_reward(cfg.reward, reference_sets(training_subset(cfg, train_set))))
     pairs = _pairs(cfg, train_set, init, resumed=resume_from is not None)
     if len(pairs) < r.learners:
         raise ValueError(f"rl: {len(pairs)} preference pairs for {r.learners} learner ranks")
@@ -156,7 +154,8 @@ def _run(cfg: Config, learners: LearnerGroup, pairs: list[PreferencePair], valid
     if resume_from is not None:
         learners.load_training_states_from(Path(resume_from.path), r.learners)
         step, epoch0 = resume_from.step, resume_from.meta["epoch"]
-        log.info("rl: resuming from %s (step %d, epoch %d)", resume_from.path, step, epoch0)
+        log.info("rl: resuming from %s (step %d, %d epoch%s done)", resume_from.path, step, epoch0,
+                 "" if epoch0 == 1 else "s")
     log.info("rl: %s on %d preference pairs, %d steps/epoch, %d steps, batch %d", r.algorithm, len(pairs),
              steps_per_epoch, total_steps, r.batch_size)
     logger = RunLogger(cfg.run_dir / "logs" / STAGE, STAGE)

@@ -70,6 +70,7 @@ from rlt2t.common.config.rl import (  # noqa: F401
 )
 from rlt2t.common.config.root import (  # noqa: F401
     DERIVED_VALUES,
+    MONITOR_OVER_HTTP,
     Config,
 )
 from rlt2t.common.config.services import (  # noqa: F401

@@ -51,7 +51,7 @@ class MetricConfig(_Section):
     metric (`task_score`, `rouge_l`, `sacrebleu`, `chrf`, `meteor`, ..., or one of your own registered in a
     module listed in `reward.plugins`), with its settings here (`cider_sigma`, `bleu_weight`); or `reward`, the
     mean reward of `reward.terms` (Python functions and reward models included, with each row's fields), scored
-    as training scores it. The job checks the name before it trains."""
+    as training scores it. Not `mean_length` / `max_length`. The job checks the name before it trains."""
     monitor_bleu_weight: float = Field(0.0, ge=0.0, le=1.0)
     """w of the `default` validation monitor (0, as the original)."""
     monitor_size: int = Field(600, ge=0)

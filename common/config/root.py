@@ -39,6 +39,12 @@ DERIVED_VALUES: tuple[tuple[str, str], ...] = (
 )
 
 
+MONITOR_OVER_HTTP = ("metric.monitor=reward scores reward.terms in the job, and with reward.source=http the reward is "
+                     "the server's: name a metric instead (task_score is what a reward server scores)")
+"""Why a reward monitor and a reward server do not go together (said by the config, and by a job whose config
+was changed after it loaded: assigning a section's field does not run this cross-section check)."""
+
+
 class Config(_Section):
     _derived: list[str] = PrivateAttr(default_factory=list)
 
@@ -140,9 +146,7 @@ class Config(_Section):
         if self.reward.source == "http" and not self.reward.url:
             raise ValueError("reward.source=http needs reward.url (the reward server's base URL)")
         if self.reward.source == "http" and self.metric.monitor == "reward":
-            raise ValueError("metric.monitor=reward scores reward.terms in the job, and with reward.source=http the "
-                             "reward is the server's: name a metric instead (task_score is what a reward server "
-                             "scores)")
+            raise ValueError(MONITOR_OVER_HTTP)
         if self.predict.num_hypotheses > self.predict.beam_size:
             raise ValueError(f"predict.num_hypotheses={self.predict.num_hypotheses} exceeds predict.beam_size="
                              f"{self.predict.beam_size}")

@@ -89,3 +89,16 @@ def test_an_sft_stage_keeps_its_best_by_a_metric_a_plugin_registers(prepared, tm
                                "reward.plugins=[monitor_metrics]")
     assert meta["best"]["by"] == "monitor_test_chars"
     assert meta["metrics"]["monitor"] == pytest.approx(sum(len(o) for o in outputs) / len(outputs))
+
+
+def test_a_stage_monitored_by_its_loss_builds_no_reward_to_log(prepared, tmp_path, monkeypatch):
+    """sft.monitor=loss beside metric.monitor=reward (one config for SFT and RL): the reward (here a function that
+    does not import, as a reward model SFT has not trained yet would not load) is not built; the greedy outputs'
+    default metric is logged as `metric`."""
+    from rlt2t.common.metrics import get_metric
+
+    result, meta, valid, outputs = _sft(prepared, tmp_path, monkeypatch, "sft.monitor=loss", "metric.monitor=reward",
+                                        "reward.terms=[{kind: python, fn: 'no_such_module:fn'}]")
+    assert meta["best"]["by"] == "-valid_loss" and meta["metrics"]["monitor"] == -meta["metrics"]["valid_loss"]
+    refs = [list(e.refs) for e in valid]
+    assert meta["metrics"]["metric"] == pytest.approx(get_metric("cider_d").corpus(outputs, refs))

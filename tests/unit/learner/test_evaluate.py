@@ -155,8 +155,9 @@ def test_the_monitor_is_the_metric_metric_monitor_names_with_its_settings():
     assert build_monitor(wide)(examples, hyps) == get_metric("cider_d", sigma=0.5).corpus(hyps, refs) != cider
     task = MetricConfig(monitor="task_score", bleu_weight=0.25)
     assert build_monitor(task)(examples, hyps) == pytest.approx(0.75 * cider + 0.25 * bleu)
-    assert [monitor_name(m) for m in (MetricConfig(), weighted, wide)] == [
-        "default", "default (monitor_bleu_weight=0.5)", "cider_d"]
+    assert [monitor_name(m) for m in (MetricConfig(), weighted, wide, task, MetricConfig(monitor="rouge_l"))] == [
+        "default", "default, monitor_bleu_weight=0.5", "cider_d, cider_sigma=0.5", "task_score, bleu_weight=0.25",
+        "rouge_l"]
 
 
 def test_a_reward_monitor_is_the_mean_reward_with_each_rows_fields():
@@ -189,6 +190,8 @@ def test_a_monitor_that_cannot_be_scored_fails_when_the_job_starts_naming_metric
         build_monitor(MetricConfig(monitor="classifier_accuracy"))
     with pytest.raises(ConfigError, match="metric.monitor=reward: this job has no reward"):
         build_monitor(MetricConfig(monitor="reward"))
+    with pytest.raises(ConfigError, match="metric.monitor=mean_length: a length, not a score"):
+        build_monitor(MetricConfig(monitor="mean_length"))
     with pytest.raises(ConfigError, match=r"reward.plugins\[0\]: cannot import module 'no_such_metrics_module'"):
         build_monitor(MetricConfig(monitor="mine"), plugins=["no_such_metrics_module"])
 
@@ -206,3 +209,26 @@ def test_the_sft_monitor_scores_greedy_outputs_with_the_monitor_it_is_given(tiny
     out = monitor_score(tiny_policy, examples, MetricConfig(), max_source_len=32, max_new_tokens=8, monitor=count)
     assert out["monitor"] == 7.0
     assert seen == [generate(tiny_policy, [e.source for e in examples], max_new_tokens=8, max_source_len=32)]
+
+
+def test_a_job_refuses_a_reward_monitor_beside_a_reward_server_set_after_the_config_loaded():
+    """Assigning a section's field skips the config's cross-section check (the Python API's way to set it)."""
+    from rlt2t.common.config import ConfigError, load_config
+    from rlt2t.learner.evaluate import job_monitor
+
+    cfg = load_config(overrides=["reward.source=http", "reward.url=http://127.0.0.1:1"])
+    cfg.metric.monitor = "reward"
+    with pytest.raises(ConfigError, match="with reward.source=http the reward is the server's"):
+        job_monitor(cfg, lambda: pytest.fail("no reward is built"))
+
+
+def test_a_reward_that_fails_on_a_validation_output_names_the_monitor():
+    from rlt2t.common.python_rewards import RewardError
+    from rlt2t.learner.evaluate import build_monitor
+
+    def failing(*batch):
+        raise RewardError("reward term python:m:f raised ZeroDivisionError")
+
+    monitor = build_monitor(MetricConfig(monitor="reward"), lambda: failing)
+    with pytest.raises(RewardError, match=r"^the validation monitor \(metric.monitor=reward\): reward term python:m:f"):
+        monitor(_examples(HYPS_REFS[1]), HYPS_REFS[0])
