@@ -232,8 +232,8 @@ def train_stage(
         set_rng_state(own["rng"])
         step = resume_from.step
         start_epoch, skip_batches = resume_from.meta["epoch"], resume_from.meta["batch_in_epoch"]
-        log.info("%s: resuming from %s (step %d: %d epoch%s done, then %d batches)", stage, resume_from.path, step,
-                 start_epoch, "" if start_epoch == 1 else "s", skip_batches)
+        log.info("%s: resuming from %s (step %d: %d epoch%s done%s)", stage, resume_from.path, step, start_epoch,
+                 "" if start_epoch == 1 else "s", f", then {skip_batches} batches" if skip_batches else "")
     else:
         # Each rank its own dropout masks (reproducible: every rank's RNG is in the checkpoint).
         torch.manual_seed(run.seed if not ranks.distributed else run.seed * 7919 + ranks.rank)
@@ -337,6 +337,5 @@ def train_stage(
     if converging:
         log.info("%s: the monitor (%s) still improved at the last of its %d epochs: the stage ended before it "
                  "converged, and what starts from it starts from a model still learning; a larger %s.epochs trains "
-                 "it further",
-                 stage, monitor_by, cfg.epochs, stage)
+                 "it further", stage, monitor_by, cfg.epochs, stage)
     return StageResult(checkpoint=last_path, steps=step, last_metrics=last)
