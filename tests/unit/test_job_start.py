@@ -99,3 +99,36 @@ def test_a_missing_split_names_the_runs_saved_config_that_holds_the_data_paths(t
     os.utime(tmp_path / "run" / "config" / "sft.yaml", (2e9, 2e9))  # the newest
     with pytest.raises(FileNotFoundError, match=rf"--config {tmp_path / 'run' / 'config' / 'sft.yaml'}\)"):
         load_split(cfg, "valid")  # `rlt2t eval run.dir=...` without the config the run was trained with
+
+
+def test_the_reward_monitor_asks_the_next_reward_worker_when_one_is_dead(monkeypatch, caplog):
+    """`metric.monitor=reward` in the RL job: a reward worker scores the validation outputs (with their rows'
+    fields); a dead one is passed over with a warning; the user's reward error comes out as its own message."""
+    from ray.exceptions import RayActorError
+
+    from rlt2t.common.python_rewards import RewardError
+
+    calls = []
+
+    class Worker:
+        def __init__(self, outcome):
+            self.score_texts = SimpleNamespace(remote=lambda *batch: (calls.append(batch), outcome)[1])
+
+    def get(outcome):
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(train.ray, "get", get)
+    job = SimpleNamespace(rewards=SimpleNamespace(actors=[Worker(RayActorError()), Worker([0.5, 1.5])]))
+    batch = (["s1", "s2"], ["a", "b"], [("r",), ("q",)], [{"bonus": 1}, {"bonus": 2}])
+    with caplog.at_level("WARNING", logger="rlt2t.train"):
+        assert train._Job.reward_scores(job, *batch) == [0.5, 1.5]
+    assert calls == [(["s1", "s2"], ["a", "b"], [["r"], ["q"]], [{"bonus": 1}, {"bonus": 2}])] * 2
+    assert "reward worker 0 is unavailable for the validation monitor" in caplog.text
+    job.rewards.actors = [Worker(RayActorError())]
+    with pytest.raises(RayActorError):  # none left: the job fails as after any dead worker
+        train._Job.reward_scores(job, *batch)
+    job.rewards.actors = [Worker(RewardError("reward term python:m:f raised ValueError")), Worker([1.0, 1.0])]
+    with pytest.raises(RewardError, match="^reward term python:m:f raised ValueError$"):  # not retried elsewhere
+        train._Job.reward_scores(job, *batch)
