@@ -6,7 +6,6 @@ the perplexity of the references (:func:`reference_perplexity`, teacher forcing)
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,7 +16,14 @@ import torch
 from tqdm.auto import tqdm
 
 from rlt2t.common.collate import collate_seq2seq, encode_texts
-from rlt2t.common.config import MONITOR_OVER_HTTP, Config, ConfigError, EvalConfig, MetricConfig
+from rlt2t.common.config import (
+    MONITOR_OVER_HTTP,
+    Config,
+    ConfigError,
+    EvalConfig,
+    MetricConfig,
+    did_you_mean,
+)
 from rlt2t.common.data import Example, references_of
 from rlt2t.common.families import decoder_input_ids, generation_config, positions_or
 from rlt2t.common.metrics import available_metrics, get_metric, metric_params, missing_dependency
@@ -282,15 +288,15 @@ def build_monitor(metric: MetricConfig, reward: Callable[[], RewardScores] | Non
         load_plugins(plugins, "reward.plugins")
         known = available_metrics()
         if name not in known:
-            nearest = difflib.get_close_matches(name, [*known, "default", "reward"], n=1, cutoff=0.6)
-            hint = f" (did you mean {nearest[0]}?)" if nearest else ""
+            hint = did_you_mean(name, [*known, "default", "reward"], cutoff=0.6)
             raise ConfigError(f"metric.monitor: unknown metric {name!r}{hint}; known: default, reward, "
                               f"{', '.join(known)} (a metric of your own: register it in a module listed in "
                               "reward.plugins)")
-        if missing := missing_dependency(name, **metric_params(name, metric)):
+        params = metric_params(name, metric)
+        if missing := missing_dependency(name, **params):
             raise ConfigError(f"metric.monitor={name}: {missing}")
         try:
-            scorer = get_metric(name, **metric_params(name, metric))
+            scorer = get_metric(name, **params)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"metric.monitor={name}: the metric cannot be built from the config alone ({e}); "
                               "name another metric") from e

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from rlt2t.common.config.base import (  # noqa: F401
     ConfigError,
+    did_you_mean,
     shared_directory,
 )
 from rlt2t.common.config.evaluation import (  # noqa: F401
@@ -86,6 +87,7 @@ __all__ = [
     "ClassifierTerm",
     "Config",
     "ConfigError",
+    "did_you_mean",
     "DERIVED_VALUES",
     "DataConfig",
     "EvalConfig",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import types
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Union, get_args, get_origin
 
@@ -71,3 +73,9 @@ def shared_directory(path: str | os.PathLike) -> str | None:
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the offending key."""
+
+
+def did_you_mean(word: str, known: Sequence[str], *, cutoff: float = 0.8, prefix: str = "") -> str:
+    """`` (did you mean rl.epochs?)`` when ``word`` is spelt near one of ``known`` (``prefix`` before it), else ''."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=cutoff)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""

@@ -16,7 +16,7 @@ from pydantic import (
 )
 
 from rlt2t.common.algorithms import algorithm_sections, names
-from rlt2t.common.config.base import ConfigError, _boolean_numbers
+from rlt2t.common.config.base import ConfigError, _boolean_numbers, did_you_mean
 from rlt2t.common.config.rl import RLConfig, _retired_keys
 from rlt2t.common.config.root import DERIVED_VALUES, Config
 
@@ -87,8 +87,6 @@ def _validation_lines(err: ValidationError) -> list[str]:
 
 def _nearest(loc: Sequence[int | str]) -> str:
     """`` (did you mean rl.epochs?)`` for an unknown key at ``loc`` whose spelling is near a known one's, else ''."""
-    import difflib
-
     model: type[BaseModel] = Config
     for part in loc[:-1]:
         fields = dict(model.model_fields)
@@ -102,8 +100,7 @@ def _nearest(loc: Sequence[int | str]) -> str:
     if model is RLConfig and loc[-1] in names():
         return f" (the {loc[-1]} algorithm has no {prefix}{loc[-1]} section of its own)"
     known = list(model.model_fields) + (list(algorithm_sections()) if model is RLConfig else [])
-    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.8)
-    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+    return did_you_mean(str(loc[-1]), known, prefix=prefix)
 
 
 def shipped_configs() -> dict[str, Path]:
