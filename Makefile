@@ -161,11 +161,24 @@ ray-up: $(STAMP)
 ray-down: $(STAMP)
 	$(BIN)/python -m rlt2t.local_ray stop $(RAY_TMP)
 
+# `make train-submit` without RUN_DIR trains a new run, runs/submit, from the best SFT checkpoint of `make demo`'s
+# run and on its data (SUBMIT_FROM), so the demo's own RL stage stays as it is; again, it needs
+# TRAIN_ARGS=--resume (or `rm -r runs/submit`). RUN_DIR=/abs/run trains that run as it is (its SFT done), or from
+# another run's SFT and data with SUBMIT_FROM=/abs/other.
+SUBMIT_FROM ?= $(if $(filter file,$(origin RUN_DIR)),$(abspath runs/demo))
+SUBMIT_DIR = $(if $(filter file,$(origin RUN_DIR)),$(abspath runs/submit),$(RUN_DIR))
+SUBMIT_START = $(if $(SUBMIT_FROM),--init $(SUBMIT_FROM)/sft/checkpoints \
+	$(foreach s,train valid test,data.$(s)=$(SUBMIT_FROM)/data/$(s).jsonl))
+
 # Submit `rlt2t train` to the head at RAY_ADDRESS (default: the local one from `make ray-up`).
 train-submit: $(STAMP)
+	@if [ -n "$(SUBMIT_FROM)" ] && [ ! -d "$(SUBMIT_FROM)/sft/checkpoints" ]; then \
+		echo "train-submit: $(SUBMIT_FROM) has no SFT checkpoint to start from: run \`make demo\` first, or give" \
+			"RUN_DIR=/abs/run (a run whose SFT is done)" >&2; exit 2; fi
 	RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/ray job submit --address $${RAY_ADDRESS:-$(RAY_ADDRESS_LOCAL)} --working-dir . \
 		--runtime-env-json '{"excludes": [".venv", "runs", ".git", ".typecheck"]}' \
-		-- $(JOB_PYTHON) -m rlt2t.cli train $(if $(TRAIN_CONFIG),--config $(abspath $(TRAIN_CONFIG))) run.dir=$(RUN_DIR) $(TRAIN_ARGS)
+		-- $(JOB_PYTHON) -m rlt2t.cli train $(if $(TRAIN_CONFIG),--config $(abspath $(TRAIN_CONFIG))) \
+		run.dir=$(SUBMIT_DIR) $(SUBMIT_START) $(TRAIN_ARGS)
 
 # `make deploy`: the training job and the policy server on a Ray cluster (deploy/README.md).
 # Against RAY_ADDRESS (the dashboard, default the local head of `make ray-up`), or with
@@ -222,7 +235,7 @@ gpu-smoke: $(STAMP)
 
 # Only what `make demo`, `make feedback-loop`, the tiny config and the benchmarks write under runs/: the
 # experiments of other run directories (runs/exp1, ...) stay.
-CLEAN_RUNS := runs/demo runs/tiny runs/feedback runs/bench-*
+CLEAN_RUNS := runs/demo runs/submit runs/tiny runs/feedback runs/bench-*
 
 clean:
 	rm -rf $(CLEAN_RUNS) .pytest_cache .typecheck

@@ -210,7 +210,8 @@ def resume_point(root: str | Path, resume: bool, *, elsewhere: str = "use anothe
     if resume:
         return latest_complete_checkpoint(root)
     if root.exists() and any(root.iterdir()):
-        raise FileExistsError(f"{root} already holds checkpoints; pass --resume to continue or {elsewhere}")
+        raise FileExistsError(f"{root} already holds checkpoints; pass --resume (resume=True in Python) to continue "
+                              f"or {elsewhere}")
     return None
 
 

@@ -222,6 +222,11 @@ def load_data(path: str | os.PathLike, data: DataConfig, *, require_target: bool
                          on_error=data.on_error, check_text=check_text)
 
 
+def existing_splits(out: Path, splits: Sequence[str] = ("train", "valid", "test"), fmt: str = "jsonl") -> list[str]:
+    """The split files among ``splits`` already in ``out`` (``{split}.{fmt}``)."""
+    return [str(out / f"{s}.{fmt}") for s in splits if (out / f"{s}.{fmt}").exists()]
+
+
 def write_examples(path: str | os.PathLike, examples: Iterable[Example]) -> int:
     """Write examples as JSONL atomically (nothing appears at ``path`` on error); returns the row count.
 

@@ -41,21 +41,23 @@ if TYPE_CHECKING:
         synth_data,
         train,
     )
-    from rlt2t.common.config import Config, PythonTerm
+    from rlt2t.common.config import ClassifierTerm, Config, HttpTerm, MetricTerm, PythonTerm, RewardModelTerm
     from rlt2t.common.metrics import register_metric
     from rlt2t.common.python_rewards import register_reward
     from rlt2t.services.client import AsyncPolicyClient, AsyncRewardClient, PolicyClient, RewardClient
 
 __all__ = ["load_config", "synth_data", "build_tokenizer", "pretrain", "sft", "train", "evaluate", "export", "predict",
-           "demo", "Config", "PythonTerm", "register_metric", "register_reward", "PolicyClient", "RewardClient",
-           "AsyncPolicyClient", "AsyncRewardClient"]
+           "demo", "Config", "PythonTerm", "MetricTerm", "RewardModelTerm", "ClassifierTerm", "HttpTerm",
+           "register_metric", "register_reward", "PolicyClient", "RewardClient", "AsyncPolicyClient",
+           "AsyncRewardClient"]
 
 # Where each name lives: imported when first asked for.
 _HOMES = {
     **dict.fromkeys(("build_tokenizer", "demo", "evaluate", "export", "load_config", "predict", "pretrain", "sft",
                      "synth_data", "train"), "rlt2t.api"),
     "Config": "rlt2t.common.config",
-    "PythonTerm": "rlt2t.common.config",
+    **dict.fromkeys(("PythonTerm", "MetricTerm", "RewardModelTerm", "ClassifierTerm", "HttpTerm"),
+                    "rlt2t.common.config"),
     "register_metric": "rlt2t.common.metrics",
     "register_reward": "rlt2t.common.python_rewards",
     **dict.fromkeys(("PolicyClient", "RewardClient", "AsyncPolicyClient", "AsyncRewardClient"),

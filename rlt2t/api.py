@@ -15,7 +15,8 @@
 Each function takes the whole config (``rlt2t.Config``) and writes under ``run.dir``, as the command
 of the same name does. ``import rlt2t`` is instant: torch, transformers and Ray load when a function that needs
 them runs. Besides these: ``register_metric``, ``register_reward``, ``PolicyClient``, ``RewardClient`` (and their
-async twins), ``Config`` and ``PythonTerm``, all importable from ``rlt2t``.
+async twins), ``Config`` and the reward terms (``PythonTerm``, ``MetricTerm``, ``RewardModelTerm``,
+``ClassifierTerm``, ``HttpTerm``), all importable from ``rlt2t``.
 
 Progress and warnings are logged as the commands print them, on stderr, unless your program has configured
 logging before the first call (any handler on the root logger): then they go where you sent them.
@@ -88,15 +89,16 @@ def load_config(*files: PathLike, overrides: Sequence[str] | Mapping[str, Any] =
     return _config.load_config(list(files), strings)
 
 
-def synth_data(cfg: Config, *, fmt: Literal["jsonl", "csv"] = "jsonl") -> dict[str, Path]:
+def synth_data(cfg: Config, *, fmt: Literal["jsonl", "csv"] = "jsonl", force: bool = False) -> dict[str, Path]:
     """Write the synthetic report task (``synth.*``) into data.train's directory; returns split → file
-    (`rlt2t data synth`).
+    (`rlt2t data synth`). Split files already there raise FileExistsError unless ``force`` replaces them.
 
         files = rlt2t.synth_data(cfg)       # {"train": Path(".../train.jsonl"), "valid": ..., "test": ...}
     """
     _show_progress()
-    from rlt2t.jobs import make_synthetic_data
+    from rlt2t.jobs import check_task_out, make_synthetic_data
 
+    check_task_out(cfg, fmt, force)
     return make_synthetic_data(cfg, fmt=fmt)
 
 
@@ -247,7 +249,7 @@ def predict(cfg: Config, generators: Sequence[PathLike], scorers: Sequence[PathL
     input of ``input`` (JSONL or competition CSV) from the pool (``predict.pool``: beams, samples or both). Writes the
     submission CSV ``out`` and the candidates JSONL beside it.
 
-        result = rlt2t.predict(cfg, [ct2_dir], [ct2_dir], "data/test.jsonl", "pred.csv", rerank="reward")
+        result = rlt2t.predict(cfg, [ct2_dir], [ct2_dir], "data/test.jsonl", "pred.csv", rerank="mbr")
     """
     _show_progress()
     from rlt2t.ensemble import predict as run_predict

@@ -26,48 +26,36 @@ def cmd_config(args) -> None:
 
 
 def cmd_data_synth(args) -> None:
-    cfg = load_cfg(args)
-    _check_task_out(cfg, args.format, args.force)
-    files = api.synth_data(cfg, fmt=args.format)
+    files = api.synth_data(load_cfg(args), fmt=args.format, force=args.force)
     for split, path in files.items():
         print(f"{split}: {path}")
 
 
 def cmd_data_wordnet(args) -> None:
     cfg = load_cfg(args)
-    from rlt2t.jobs import make_wordnet_data
+    from rlt2t.jobs import check_task_out, make_wordnet_data
 
-    _check_task_out(cfg, "jsonl", args.force)
+    check_task_out(cfg, "jsonl", args.force)
     for split, path in make_wordnet_data(cfg, size=args.size, seed=args.seed, wordnet_dir=args.wordnet_dir).items():
         print(f"{split}: {path}")
 
 
 def cmd_data_docstrings(args) -> None:
     cfg = load_cfg(args)
-    from rlt2t.jobs import make_docstring_data
+    from rlt2t.jobs import check_task_out, make_docstring_data
 
-    _check_task_out(cfg, "jsonl", args.force)
+    check_task_out(cfg, "jsonl", args.force)
     for split, path in make_docstring_data(cfg, size=args.size, seed=args.seed).items():
         print(f"{split}: {path}")
 
 
 def cmd_data_docstring_names(args) -> None:
     cfg = load_cfg(args)
-    from rlt2t.jobs import make_docstring_names_data
+    from rlt2t.jobs import check_task_out, make_docstring_names_data
 
-    _check_task_out(cfg, "jsonl", args.force)
+    check_task_out(cfg, "jsonl", args.force)
     for split, path in make_docstring_names_data(cfg, seed=args.seed, max_references=args.max_references).items():
         print(f"{split}: {path}")
-
-
-def _check_task_out(cfg, fmt: str, force: bool) -> None:
-    """Refuse to write a generated task over split files already in data.train's directory unless --force (the
-    demo, which regenerates its own synthetic task, does not come through here)."""
-    out = cfg.path(cfg.data.train).parent
-    existing = _existing_splits(out, ("train", "valid", "test"), fmt)
-    if existing and not force:
-        raise FileExistsError(f"{out} already holds {', '.join(existing)} (pass --force to replace them, or give "
-                              "the task another run.dir)")
 
 
 def cmd_data_import_csv(args) -> None:
@@ -136,16 +124,13 @@ def _unlabeled_file(path: Path) -> bool:
     return bool(examples) and all(e.target is None for e in examples)
 
 
-def _existing_splits(out: Path, splits: tuple[str, ...], fmt: str = "jsonl") -> list[str]:
-    """The split files among ``splits`` already in ``out``."""
-    return [str(out / f"{s}.{fmt}") for s in splits if (out / f"{s}.{fmt}").exists()]
-
-
 def _check_import_out(out: Path, splits: tuple[str, ...], force: bool) -> None:
     """Refuse an --out that is a file, or that holds split files of an earlier import unless --force."""
+    from rlt2t.common.data import existing_splits
+
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file, not a directory")
-    existing = _existing_splits(out, splits)
+    existing = existing_splits(out, splits)
     if existing and not force:
         raise FileExistsError(f"--out {out} already holds {', '.join(existing)} (pass --force to replace them; "
                               "split files this import does not write are then removed, except the test.jsonl "
@@ -229,8 +214,11 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
         config_args(p)
         p.add_argument("--input", required=True, help=source)
         p.add_argument("--out", required=True, help="output directory for train/valid/test JSONL")
-        p.add_argument("--valid-fraction", type=float, default=0.05)
-        p.add_argument("--test-fraction", type=float, default=0.0)
+        p.add_argument("--valid-fraction", type=float, default=0.05,
+                       help="share of the rows written to valid.jsonl (default 0.05)")
+        p.add_argument("--test-fraction", type=float, default=0.0,
+                       help="share of the rows written to test.jsonl (default 0: no test split, as for a task whose "
+                            "test set comes without targets, imported with --unlabeled)")
         p.add_argument("--unlabeled", action="store_true",
                        help="the file is a test set without targets (writes test.jsonl only, inputs without targets; "
                             "import it after the labeled file, whose import owns train/valid/test, and whose rows all "

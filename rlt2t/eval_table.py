@@ -40,6 +40,9 @@ from rlt2t.learner.evaluate import MODEL_METRICS, check_metric_names
 
 STAGES = ("sft", "rl", "rank", "pretrain", "continued_sft")
 """Names that stand for a run's stage in ``--checkpoint``; ``rank`` is the RL stage's former name."""
+STAGE_COMMANDS = {"sft": "rlt2t sft", "rl": "rlt2t train", "rank": "rlt2t train", "pretrain": "rlt2t pretrain",
+                  "continued_sft": "rlt2t demo"}
+"""The command that writes each stage's checkpoints (named when a stage has none)."""
 
 
 @dataclass
@@ -90,12 +93,13 @@ def print_eval_table(table: EvalTable, file: TextIO | None = None) -> None:
 
 
 def stage_root(cfg: Config, stage: str) -> Path:
-    """The checkpoint root of a run's stage; ``rl`` (alias ``rank``) is ``{run}/rl`` if present, else ``{run}/rank``."""
+    """The checkpoint root of a run's stage; ``rl`` (alias ``rank``) is ``{run}/rl``, or ``{run}/rank`` where only
+    that one is (a run of an older version)."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
     if stage in ("rl", "rank"):
-        rl = cfg.run_dir / "rl" / "checkpoints"
-        return rl if rl.is_dir() else cfg.run_dir / "rank" / "checkpoints"
+        rl, rank = cfg.run_dir / "rl" / "checkpoints", cfg.run_dir / "rank" / "checkpoints"
+        return rank if rank.is_dir() and not rl.is_dir() else rl
     return cfg.run_dir / stage / "checkpoints"
 
 
@@ -122,7 +126,9 @@ def resolve_models(cfg: Config, specs: Sequence[str]) -> dict[str, Path]:
             try:
                 path = best_or_latest(root)
             except FileNotFoundError:
-                raise FileNotFoundError(f"--checkpoint {target}: {root} holds no complete checkpoint") from None
+                made_by = STAGE_COMMANDS.get(target, "")
+                raise FileNotFoundError(f"--checkpoint {target}: {root} holds no complete checkpoint"
+                                        + (f" (`{made_by}` writes them)" if made_by else "")) from None
             label = label or ("rl" if target == "rank" else target)
         else:
             if not Path(target).exists():

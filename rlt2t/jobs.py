@@ -33,7 +33,7 @@ from rlt2t.common.checkpoint import (
 )
 from rlt2t.common.collate import encode_examples
 from rlt2t.common.config import Config, SFTConfig, TextStageConfig, config_to_yaml, shared_directory
-from rlt2t.common.data import Example, load_data, reference_sets, targets_of, unique_references
+from rlt2t.common.data import Example, existing_splits, load_data, reference_sets, targets_of, unique_references
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from rlt2t.common.lora import load_lora_policy
 from rlt2t.common.policy import Policy, check_lengths, has_tokenizer, is_adapter_checkpoint, load_policy
@@ -44,8 +44,29 @@ from rlt2t.common.tokenization import build_tokenizer, load_tokenizer, save_toke
 log = logging.getLogger("rlt2t.jobs")
 
 
+def sft_start(cfg: Config) -> Path:
+    """The run's SFT checkpoint later stages start from (its best, else its newest); FileNotFoundError saying
+    how to make one when there is none."""
+    try:
+        return best_or_latest(cfg.run_dir / "sft" / "checkpoints")
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e} (run `rlt2t sft` first, or pass --init, init= in Python, with the model to "
+                                "start from)") from None
+
+
 def save_run_config(cfg: Config, command: str) -> None:
     atomic_write_text(cfg.run_dir / "config" / f"{command}.yaml", config_to_yaml(cfg))
+
+
+def check_task_out(cfg: Config, fmt: str = "jsonl", force: bool = False) -> None:
+    """Refuse to write a generated task over split files already in data.train's directory unless ``force``
+    (`rlt2t data synth|wordnet|docstrings|docstring-names` and ``rlt2t.synth_data``; the demo, which regenerates
+    its own synthetic task, does not come through here)."""
+    out = cfg.path(cfg.data.train).parent
+    existing = existing_splits(out, fmt=fmt)
+    if existing and not force:
+        raise FileExistsError(f"{out} already holds {', '.join(existing)} (pass --force on the command line, "
+                              "force=True in Python, to replace them, or give the task another run.dir)")
 
 
 def make_synthetic_data(cfg: Config, fmt: Literal["jsonl", "csv"] = "jsonl") -> dict[str, Path]:
@@ -98,14 +119,31 @@ def load_split(cfg: Config, split: str, require_target: bool = True) -> Sequence
     builds each example when it is read (``rlt2t.common.data_formats``)."""
     path = cfg.path(getattr(cfg.data, split))
     if not path.exists():
-        saved = sorted((cfg.run_dir / "config").glob("*.yaml"), key=lambda p: p.stat().st_mtime)
+        saved = _saved_config_with(cfg, split)
         hint = (f"point data.{split} at your file, or pass the run's saved config, which holds the data paths of its "
-                f"earlier commands (--config {saved[-1]})" if saved else
+                f"earlier commands (--config {saved})" if saved else
                 "point data.train / data.valid / data.test at your files, `rlt2t data import` one, or `rlt2t data "
                 "synth` the demo's")
+        if split == "test":
+            hint += "; `rlt2t data import` writes a test split only with --test-fraction"
         raise FileNotFoundError(f"data.{split}: {path} does not exist ({hint})")
     check = text_checker(load_tokenizer(cfg.tokenizer_dir)) if cfg.tokenizer_dir.is_dir() else None
     return load_data(path, cfg.data, require_target=require_target, check_text=check)
+
+
+def _saved_config_with(cfg: Config, split: str) -> Path | None:
+    """The newest config an earlier command of the run saved whose ``data.<split>`` is a file that exists (not
+    the one this command just saved with the same missing path)."""
+    from rlt2t.common.config import load_config
+
+    for saved in sorted((cfg.run_dir / "config").glob("*.yaml"), key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            earlier = load_config([saved], [])
+        except (ValueError, OSError):  # a config of another version, or unreadable: not a hint
+            continue
+        if earlier.path(getattr(earlier.data, split)).exists():
+            return saved
+    return None
 
 
 def build_tokenizer_job(cfg: Config) -> Path:
@@ -210,7 +248,7 @@ def continued_sft_job(cfg: Config, resume: bool = False, init: str | Path | None
     rows = load_split(cfg, "train")
     if r.train_subset:
         rows = rows[: r.train_subset]
-    start = init if init is not None else best_or_latest(cfg.run_dir / "sft" / "checkpoints")
+    start = init if init is not None else sft_start(cfg)
     return _sft_stage(cfg, CONTINUED_SFT, stage_cfg, rows, start, resume)
 
 
@@ -327,7 +365,7 @@ def export_job(cfg: Config, checkpoint: str | Path, out: str | Path | None = Non
 def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | None = None) -> dict[str, float]:
     from rlt2t.learner.evaluate import evaluate
 
-    ckpt = resolve_model_dir(checkpoint) if checkpoint else best_or_latest(cfg.run_dir / "sft" / "checkpoints")
+    ckpt = resolve_model_dir(checkpoint) if checkpoint else sft_start(cfg)
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt)  # an adapter checkpoint loads merged
     examples = load_split(cfg, cfg.eval.split)
     if cfg.eval.limit:
@@ -440,8 +478,8 @@ def _recorded_start(cfg: Config, recorded: str) -> Path:
     moved = checkpoint_by_name(cfg.run_dir / "sft" / "checkpoints", recorded)
     if moved is None:
         raise FileNotFoundError(f"rl: the run started from {recorded}, which no longer exists (nor a checkpoint of "
-                                f"that name under {cfg.run_dir / 'sft' / 'checkpoints'}); pass --init with the "
-                                "model it started from: it is the KL's reference policy")
+                                f"that name under {cfg.run_dir / 'sft' / 'checkpoints'}); pass --init (init= in "
+                                "Python) with the model it started from: it is the KL's reference policy")
     return moved
 
 
@@ -460,7 +498,7 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     elif resumed is not None and resumed.meta.get("init"):
         start = _recorded_start(cfg, resumed.meta["init"])  # the reference policy of the KL stays the run's start
     else:
-        start = best_or_latest(cfg.run_dir / "sft" / "checkpoints")
+        start = sft_start(cfg)
     ref = resolve_model_dir(reference) if reference else start
     _tokenizer_from(cfg, start)
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest or start)
@@ -496,4 +534,4 @@ def prepare_sft(cfg: Config) -> Path:
     if cfg.pretrain.enabled:
         pretrain_job(cfg, resume=True)
     sft_job(cfg, resume=True)
-    return best_or_latest(cfg.run_dir / "sft" / "checkpoints")
+    return sft_start(cfg)

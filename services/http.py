@@ -386,7 +386,8 @@ class _ObserveRequests:
 def add_common_routes(app: FastAPI, metrics: ServiceMetrics, ready, protected: list[Any],
                       retry_after_s: int = 1) -> None:
     """``/healthz`` (GET and HEAD, no auth), ``/readyz`` and ``/metrics``; ``ready()`` says whether the app
-    can serve, and a 503 from ``/readyz`` says to retry after ``retry_after_s`` seconds."""
+    can serve: True, or False or the reason it cannot (a string), which a 503 from ``/readyz`` gives with
+    the seconds to retry after (``retry_after_s``)."""
 
     async def healthz() -> Health:
         """Liveness: the process answers."""
@@ -400,8 +401,10 @@ def add_common_routes(app: FastAPI, metrics: ServiceMetrics, ready, protected: l
              responses={**NOT_READY, **(UNAUTHORIZED if protected else {})})
     async def readyz():
         """Readiness: a model (or the metric registry) is loaded and requests are accepted."""
-        if not ready():
-            return JSONResponse({"detail": "not ready"}, status_code=503, headers={"Retry-After": str(retry_after_s)})
+        state = ready()
+        if state is not True:
+            return JSONResponse({"detail": state or "not ready"}, status_code=503,
+                                headers={"Retry-After": str(retry_after_s)})
         return Health(status="ready")
 
     @app.get("/metrics", response_class=PlainTextResponse, dependencies=protected, tags=["ops"],
@@ -444,6 +447,17 @@ class ErrorJSONResponse(JSONResponse):
         return super().render(_printable(content))
 
 
+def _readable(error: dict) -> dict:
+    """A validation error as a client reads it: the union branch of a field named by what it is (``text``,
+    ``list[text]``, not pydantic's ``constrained-str``), and a source of whitespace alone said in words (not as
+    the regular expression it fails)."""
+    loc = [part.replace("constrained-str", "text") if isinstance(part, str) else part for part in error["loc"]]
+    msg = error["msg"]
+    if error.get("type") == "string_pattern_mismatch" and error.get("ctx", {}).get("pattern") == r"\S":
+        msg = "holds no text: whitespace alone (a source needs at least one token)"
+    return {**error, "loc": loc, "msg": msg}
+
+
 def install_error_handlers(app: FastAPI, metrics: ServiceMetrics | None = None) -> None:
     """422s in FastAPI's shape but safe to serialise; 503 + Retry-After for :class:`Overloaded`; nothing for
     a client that is gone; unexpected exceptions become a logged 500 with a JSON body (they are bugs: no
@@ -453,7 +467,8 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics | None = None) 
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI's default handler echoes each bad input verbatim: a NaN or a lone surrogate there cannot be
         # serialised (a 500 for a bad request), and a 100k-character source would come straight back.
-        errors = [{**e, "input": _echo_safe(jsonable_encoder(e.get("input"), custom_encoder={float: _echo_safe})),
+        errors = [{**_readable(e),
+                   "input": _echo_safe(jsonable_encoder(e.get("input"), custom_encoder={float: _echo_safe})),
                    **({"ctx": _echo_safe(jsonable_encoder(e["ctx"], custom_encoder={float: _echo_safe}))}
                       if "ctx" in e else {})} for e in exc.errors()]
         return ErrorJSONResponse({"detail": errors}, status_code=422)

@@ -335,8 +335,13 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     install_error_handlers(app, metrics)
     install_middleware(app, metrics, serve, token)
     not_loaded_retry_s = max(1, math.ceil(serve.reload_interval_s))  # until the first checkpoint loads
-    add_common_routes(app, metrics, lambda: batcher.backend is not None and not batcher.stopping, protected,
-                      retry_after_s=not_loaded_retry_s)
+
+    def ready() -> bool | str:
+        if batcher.stopping:
+            return "shutting down"
+        return f"no complete checkpoint under {watch_root} yet" if batcher.backend is None else True
+
+    add_common_routes(app, metrics, ready, protected, retry_after_s=not_loaded_retry_s)
     checks = CheckThread()
 
     # -- validation shared by the routes -------------------------------------------------------------
@@ -391,9 +396,10 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
                                     gone=disconnected(request), describe=describe, reduce=reduce,
                                     deadline=request.state.arrived + serve.request_timeout_s)
 
-    def check_count(field: str, value: int, limit: int, what: str) -> None:
+    def check_count(field: str, value: int, limit: int, what: str, by: str) -> None:
+        """A count over its limit is a 422 naming the field and what sets the limit (``by``: a config key)."""
         if value > limit:
-            raise field_error(("body", field), f"{value} {what}; at most {limit}", value)
+            raise field_error(("body", field), f"{value} {what}; at most {limit} ({by})", value)
 
     def check_top_p(value: float) -> None:
         backend = loaded()
@@ -486,11 +492,14 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
               responses={**auth_responses, **OVERLOADED, **BODY_REFUSED})
     async def candidates(req: CandidatesRequest, request: Request) -> CandidatesResponse:
         """Sample or beam-search candidates for each source."""
-        check_count("sources", len(req.sources), serve.max_sources_per_call, "sources")
-        check_count("num_candidates", req.num_candidates, serve.max_candidates_per_source, "candidates per source")
+        check_count("sources", len(req.sources), serve.max_sources_per_call, "sources", "serve.max_sources_per_call")
+        check_count("num_candidates", req.num_candidates, serve.max_candidates_per_source, "candidates per source",
+                    "serve.max_candidates_per_source")
         if req.mode == "beam":
-            check_count("beam_size", req.beam_size, serve.max_candidates_per_source, "beams")
-            check_count("num_candidates", req.num_candidates, req.beam_size, "hypotheses (beam_size)")
+            check_count("beam_size", req.beam_size, serve.max_candidates_per_source, "beams",
+                        "serve.max_candidates_per_source")
+            check_count("num_candidates", req.num_candidates, req.beam_size, "hypotheses asked of a beam search",
+                        "a beam search returns at most beam_size")
         check_new_tokens(req.max_new_tokens)
         counts = await checks.run(check_texts, "sources", req.sources)
         rows, what = (req.beam_size, "beams") if req.mode == "beam" else (req.num_candidates, "candidates")
@@ -551,13 +560,14 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         """Scored (better, worse) pairs for rank training, one per source."""
         r = cfg.rollout
         n = len(req.sources)
-        check_count("sources", n, serve.max_sources_per_call, "sources")
+        check_count("sources", n, serve.max_sources_per_call, "sources", "serve.max_sources_per_call")
         if len(req.references) != n:
             raise field_error(("body", "references"), f"{len(req.references)} references for {n} sources")
         if req.example_ids is not None and len(req.example_ids) != n:
             raise field_error(("body", "example_ids"), f"{len(req.example_ids)} example ids for {n} sources")
         num_samples = req.num_samples if req.num_samples is not None else r.num_samples
-        check_count("num_samples", num_samples, serve.max_candidates_per_source, "samples per source")
+        check_count("num_samples", num_samples, serve.max_candidates_per_source, "samples per source",
+                    "serve.max_candidates_per_source")
         max_new = req.max_new_tokens if req.max_new_tokens is not None else r.max_new_tokens
         check_new_tokens(max_new)
         counts = await checks.run(check_texts, "sources", req.sources)
@@ -596,7 +606,9 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
               responses={**auth_responses, **OVERLOADED, **BODY_REFUSED})
     async def score(req: ScoreRequest, request: Request) -> ScoreResponse:
         """Teacher-forced log-probs of each target given the source."""
-        check_count("targets", len(req.targets), serve.max_candidates_per_source, "targets")
+        check_count("targets", len(req.targets), serve.max_candidates_per_source, "targets",
+                    "serve.max_candidates_per_source")
+
         def check_source_and_targets() -> tuple[int, list[int]]:  # one trip to the check thread
             return check_texts("source", [req.source], False)[0], check_texts("targets", req.targets)
 
@@ -630,15 +642,18 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     async def reload() -> ModelInfo:
         """Serve the newest complete checkpoint of the watched directory, even one older than the checkpoint
         being served (hot reload never goes back on its own): an operator's action after the served one
-        was deleted."""
+        was deleted. 200 with what is served (also when that is already the newest); 409 when there is nothing
+        to load (the watched directory holds no complete checkpoint, or only the deleted one was served)."""
         if watcher is None:
             raise HTTPException(409, "serving a single model directory: there is nothing to reload")
         try:
             installed = await run_in_threadpool(watcher.load_newest)
         except Exception as e:
             raise HTTPException(409, f"could not load the newest checkpoint: {type(e).__name__}: {e}") from e
-        if not installed and batcher.backend is None:
-            raise HTTPException(409, f"no complete checkpoint under {watch_root}")
+        if not installed and (batcher.backend is None or not watcher.on_disk):
+            kept = "" if batcher.backend is None else (f"; still serving {loaded().checkpoint} from memory, "
+                                                       "deleted from disk")
+            raise HTTPException(409, f"no complete checkpoint under {watch_root}{kept}")
         return await model_info()
 
     return app

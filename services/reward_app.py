@@ -73,7 +73,7 @@ from rlt2t.services.http import (
     load_token,
 )
 from rlt2t.services.learned_rewards import NamedRewards, Snapshot
-from rlt2t.services.schemas import RewardMetrics, RewardRequest, RewardResponse, reference_lists
+from rlt2t.services.schemas import ErrorResponse, RewardMetrics, RewardRequest, RewardResponse, reference_lists
 
 log = logging.getLogger("rlt2t.services.reward")
 
@@ -228,7 +228,7 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
         # A Python reward term of reward.named raised or returned what is not a score: say which and where.
         log.error("%s", exc)
         return ErrorJSONResponse({"detail": str(exc)}, status_code=500)
-    add_common_routes(app, metrics, lambda: not batcher.stopping, protected)
+    add_common_routes(app, metrics, lambda: "shutting down" if batcher.stopping else True, protected)
 
     checks = CheckThread()
 
@@ -253,7 +253,10 @@ def create_app(cfg: Config, *, document_frequency: str | Path | None = None) -> 
                     check_text(("body", "references", i, j), text)
 
     @app.post("/v1/reward", response_model=RewardResponse, dependencies=protected, tags=["reward"],
-              responses={**(UNAUTHORIZED if token else {}), **OVERLOADED, **BODY_REFUSED})
+              responses={**(UNAUTHORIZED if token else {}), **OVERLOADED, **BODY_REFUSED,
+                         500: {"model": ErrorResponse, "description": "A Python reward of reward.named raised, or "
+                               "returned what is not one finite number per candidate: the detail names the term, "
+                               "the error and the candidate's source"}})
     async def reward(req: RewardRequest, request: Request) -> RewardResponse:
         """Per-sample scores of each candidate for each requested metric."""
         n = len(req.candidates)

@@ -119,7 +119,8 @@ class Config(_Section):
                                  ", so that no chunk straddles two learner steps (a run resumed between them would "
                                  "sample part of it with another policy version)")
             chunk = max(d for d in range(1, self.rl.chunk_size + 1) if self.rl.batch_size % d == 0)
-            if "batch_size" in self.rl.model_fields_set:  # the defaults' pair is not news: no note for it
+            if self.rl.batch_size != type(self.rl).model_fields["batch_size"].default:  # the defaults' pair (the
+                # default batch, set or not: configs/tiny.yaml writes it out) is not news: no note for it
                 self._note("rl.chunk_size", self.rl.chunk_size, chunk,
                            f"the largest divisor of rl.batch_size={self.rl.batch_size} up to it")
             self.rl.chunk_size = chunk

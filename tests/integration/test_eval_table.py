@@ -51,8 +51,13 @@ def test_stages_resolve_rl_to_the_new_directory_else_the_old(run, tmp_path):
     assert other == {"mine": run / "sft/checkpoints/epoch-0001"}
     with pytest.raises(ValueError, match="two models labelled 'sft'"):
         resolve_models(cfg, ["sft", "sft"])
-    with pytest.raises(FileNotFoundError, match="pretrain/checkpoints holds no complete checkpoint"):
+    with pytest.raises(FileNotFoundError, match=r"pretrain/checkpoints holds no complete checkpoint \(`rlt2t "
+                                                r"pretrain` writes them\)"):
         resolve_models(cfg, ["pretrain"])
+    # A run without RL under either name: the error names the directory RL writes, and the command
+    with pytest.raises(FileNotFoundError, match=r"--checkpoint rl: .*/rl/checkpoints holds no complete checkpoint "
+                                                r"\(`rlt2t train` writes them\)"):
+        resolve_models(_cfg(tmp_path), ["rl"])
     with pytest.raises(FileNotFoundError, match="no such directory"):
         resolve_models(cfg, [str(tmp_path / "missing")])
     # Once the RL stage writes under rl/, that directory wins.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlt2t.common.checkpoint import latest_complete_checkpoint
+from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint
 from rlt2t.local_ray import cluster_processes
 
 pytestmark = pytest.mark.integration
@@ -57,12 +57,17 @@ def test_submit_tiny_training_job_to_local_head(copy_prepared, tmp_path):
         assert job.returncode != 0 and "cannot hold this job" in out, out[-3000:]
         assert "rl.learner_cpus=512" in out and "in all" in out and "more than any node offers" in out, out[-3000:]
         assert latest_complete_checkpoint(run / "rl" / "checkpoints") is None
-        job = make("train-submit", "TRAIN_CONFIG=configs/tiny.yaml", f"RUN_DIR={run}",
+        # As after `make demo`: a new run that starts from another run's SFT checkpoint and reads its data
+        # (SUBMIT_FROM; without RUN_DIR that is runs/demo into runs/submit), leaving that run's own stages alone.
+        new = tmp_path / "submitted"
+        job = make("train-submit", "TRAIN_CONFIG=configs/tiny.yaml", f"RUN_DIR={new}", f"SUBMIT_FROM={run}",
                    "TRAIN_ARGS=rl.epochs=1 rl.train_subset=32 run.progress=false")
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
         assert "succeeded" in (job.stdout + job.stderr).lower()
-        ckpt = latest_complete_checkpoint(run / "rl" / "checkpoints")
+        ckpt = latest_complete_checkpoint(new / "rl" / "checkpoints")
         assert ckpt is not None and ckpt.name == "epoch-0001"
+        assert read_checkpoint(ckpt).meta["init"].startswith(str(run / "sft" / "checkpoints"))
+        assert not (run / "rl").exists() and not (new / "data").exists()
     finally:
         down = make("ray-down", f"RAY_TMP={ray_tmp}")
         left = cluster_processes(ray_tmp)

@@ -93,6 +93,17 @@ def test_load_config_takes_files_override_strings_and_dicts(tmp_path):
         api.load_config(overrides="sft.lr=1")  # type: ignore[arg-type]
 
 
+def test_synth_data_refuses_to_replace_existing_splits_unless_forced(tmp_path):
+    cfg = api.load_config("tiny", overrides={"run.dir": str(tmp_path), "synth.size": 60})
+    files = api.synth_data(cfg)
+    before = files["train"].read_bytes()
+    again = api.load_config("tiny", overrides={"run.dir": str(tmp_path), "synth.size": 40})
+    with pytest.raises(FileExistsError, match=r"train.jsonl.*force=True in Python, to replace them"):
+        api.synth_data(again)  # as `rlt2t data synth` refuses without --force: a trained run's data stays
+    assert files["train"].read_bytes() == before
+    assert api.synth_data(again, force=True)["train"].read_bytes() != before
+
+
 def test_train_takes_functions_terms_and_paths_as_the_reward(monkeypatch):
     import rlt2t.jobs
 

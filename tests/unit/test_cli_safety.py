@@ -416,6 +416,34 @@ def test_make_clean_keeps_the_users_run_directories():
     assert "runs/demo" in recipe
 
 
+def test_make_train_submit_after_the_demo_trains_a_new_run_from_the_demos_sft(tmp_path):
+    """`make train-submit` (README, Scaling out) right after `make demo`, whose run already has its RL stage: a new
+    run (runs/submit) from the demo's best SFT checkpoint on the demo's data; RUN_DIR=… a run of one's own as is.
+    The job itself is submitted to a real head in tests/integration/test_job_submit.py."""
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    repo = Path(__file__).resolve().parents[2]
+
+    def job(*args: str) -> list[str]:
+        dry = subprocess.run(["make", "-s", "-n", "-C", str(repo), "train-submit", "STAMP=Makefile", *args],
+                             capture_output=True, text=True, check=True).stdout
+        return dry[dry.index("rlt2t.cli train"):].replace("\\\n", " ").split()
+
+    demo = repo / "runs" / "demo"
+    assert job() == ["rlt2t.cli", "train", f"run.dir={repo / 'runs' / 'submit'}", "--init",
+                     f"{demo}/sft/checkpoints", f"data.train={demo}/data/train.jsonl",
+                     f"data.valid={demo}/data/valid.jsonl", f"data.test={demo}/data/test.jsonl"]
+    assert job(f"RUN_DIR={tmp_path}", "TRAIN_ARGS=--resume") == ["rlt2t.cli", "train", f"run.dir={tmp_path}",
+                                                                 "--resume"]
+    # without the demo's SFT checkpoint it says what to run, before anything reaches Ray
+    missing = subprocess.run(["make", "-s", "-C", str(repo), "train-submit", "STAMP=Makefile",
+                              f"SUBMIT_FROM={tmp_path / 'nodemo'}"], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no SFT checkpoint to start from: run `make demo` first" in missing.stderr
+
+
 def test_annotate_export_says_what_it_left_out_and_merged(tmp_path, monkeypatch, capsys):
     from types import SimpleNamespace
 

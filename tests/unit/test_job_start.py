@@ -93,12 +93,31 @@ def test_a_missing_split_names_the_runs_saved_config_that_holds_the_data_paths(t
     cfg = load_config(["tiny"], [f"run.dir={tmp_path / 'run'}"])
     with pytest.raises(FileNotFoundError, match=r"data.valid: .* does not exist \(point data.train / data.valid"):
         load_split(cfg, "valid")
+    (tmp_path / "mine.jsonl").write_text("")
     mine = load_config(["tiny"], [f"run.dir={tmp_path / 'run'}", f"data.valid={tmp_path / 'mine.jsonl'}"])
     save_run_config(mine, "sft")
     save_run_config(mine, "train")
-    os.utime(tmp_path / "run" / "config" / "sft.yaml", (2e9, 2e9))  # the newest
+    save_run_config(cfg, "eval")  # this command's own config, saved before it failed: the same missing path
+    os.utime(tmp_path / "run" / "config" / "sft.yaml", (2e9, 2e9))
+    os.utime(tmp_path / "run" / "config" / "eval.yaml", (3e9, 3e9))  # the newest, but no hint
     with pytest.raises(FileNotFoundError, match=rf"--config {tmp_path / 'run' / 'config' / 'sft.yaml'}\)"):
         load_split(cfg, "valid")  # `rlt2t eval run.dir=...` without the config the run was trained with
+    with pytest.raises(FileNotFoundError, match=r"data.test: .*; `rlt2t data import` writes a test split only "
+                                                r"with --test-fraction\)"):
+        load_split(cfg, "test")  # the README's own-data route imported one file without a test split
+
+
+def test_rl_and_continued_sft_without_an_sft_checkpoint_say_what_to_run(tmp_path):
+    from rlt2t.jobs import continued_sft_job, rl_job
+
+    cfg = load_config(["tiny"], [f"run.dir={tmp_path / 'run'}"])
+    for job in (rl_job,):
+        with pytest.raises(FileNotFoundError, match=r"sft/checkpoints: no complete checkpoint \(run `rlt2t sft` "
+                                                    r"first, or pass --init, init= in Python"):
+            job(cfg)
+    # continued SFT reads its data first: the config rl_job saved has the same missing path, so it is no hint
+    with pytest.raises(FileNotFoundError, match=r"data.train: .* does not exist \(point data.train / data.valid"):
+        continued_sft_job(cfg)
 
 
 def test_the_reward_monitor_asks_the_next_reward_worker_when_one_is_dead(monkeypatch, caplog):

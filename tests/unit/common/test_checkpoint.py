@@ -82,8 +82,8 @@ def test_resume_point_continues_with_resume_and_refuses_to_start_over_checkpoint
     assert resume_point(root, resume=False) is None  # empty: a new run may start here
     saved = _save(root, tiny_policy, checkpoint_name(epoch=1), 1)
     assert resume_point(root, resume=True) == saved
-    with pytest.raises(FileExistsError, match=r"already holds checkpoints; pass --resume to continue or use another "
-                                              r"run\.dir"):
+    with pytest.raises(FileExistsError, match=r"already holds checkpoints; pass --resume \(resume=True in "
+                                              r"Python\) to continue or use another run\.dir"):
         resume_point(root, resume=False)
     with pytest.raises(FileExistsError, match="or use another output directory"):
         resume_point(root, resume=False, elsewhere="use another output directory")

@@ -184,6 +184,7 @@ def test_the_defaults_need_no_derived_note():
     cfg = load_config()
     assert cfg.rl.chunk_size == 16 and cfg.rl.batch_size == 16
     assert cfg.derived == []
+    assert load_config(["tiny"]).derived == [] and load_config(overrides=["rl.batch_size=16"]).derived == []
     assert load_config(overrides=["rl.batch_size=48"]).derived == [
         "rl.chunk_size: 24, not its default 32 (the largest divisor of rl.batch_size=48 up to it)"]
 

@@ -77,6 +77,26 @@ def test_a_lone_surrogate_is_a_422_that_encodes(policy, reward, app, path, body)
     assert "\\ud" in json.dumps(detail, ensure_ascii=False) or "\\ud" in r.text
 
 
+def test_refusals_say_what_is_wrong_and_which_setting_sets_a_limit(policy, reward, serve_cfg):
+    limit = serve_cfg.serve.max_candidates_per_source
+    r = policy.post("/v1/candidates", json={"sources": ["1"], "num_candidates": limit + 1})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "num_candidates"]
+    assert r.json()["detail"][0]["msg"] == f"{limit + 1} candidates per source; at most {limit} " \
+                                          "(serve.max_candidates_per_source)"
+    r = policy.post("/v1/candidates", json={"sources": ["1"] * (serve_cfg.serve.max_sources_per_call + 1)})
+    assert "(serve.max_sources_per_call)" in r.json()["detail"][0]["msg"]
+    r = policy.post("/v1/candidates", json={"sources": ["1"], "mode": "beam", "beam_size": 2, "num_candidates": 4})
+    assert r.json()["detail"][0]["msg"] == "4 hypotheses asked of a beam search; at most 2 (a beam search returns " \
+                                          "at most beam_size)"
+    r = policy.post("/v1/candidates", json={"sources": [" \t "]})  # whitespace alone, said in words
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "sources", 0]
+    assert r.json()["detail"][0]["msg"].startswith("holds no text: whitespace alone")
+    r = reward.post("/v1/reward", json={"candidates": ["1"], "references": [[]]})  # a union's branches, named
+    assert r.status_code == 422
+    assert [e["loc"] for e in r.json()["detail"]] == [["body", "references", 0, "text"],
+                                                      ["body", "references", 0, "list[text]"]]
+
+
 # Arbitrary unicode (surrogates, controls, unassigned) mixed with texts close to valid ones, so that the
 # model runs on some of them too.
 ANY_TEXT = st.one_of(

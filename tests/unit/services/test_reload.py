@@ -109,6 +109,17 @@ def test_hot_reload_never_goes_back_on_its_own(serve_cfg, checkpoint_root, tiny_
                         step=3, meta={"policy_version": 2})
         assert app.state.watcher.check_once()  # forward is still automatic
         assert c.get("/v1/model").json()["version"] == 2
+        assert c.post("/v1/reload").status_code == 200  # already the newest: nothing to change, not an error
+
+        # every checkpoint deleted: nothing to load, and the answer says what is still served
+        for ckpt in checkpoint_root.iterdir():
+            shutil.rmtree(ckpt)
+        app.state.watcher.check_once()
+        r = c.post("/v1/reload")
+        assert r.status_code == 409, r.text
+        assert f"no complete checkpoint under {checkpoint_root}" in r.json()["detail"]
+        assert "still serving" in r.json()["detail"] and "epoch-0003" in r.json()["detail"]
+        assert c.post("/v1/candidates", json=body).json()["policy_version"] == 2
 
 
 def test_reload_route_without_a_checkpoint_root_is_a_409(serve_cfg, checkpoint_root):
