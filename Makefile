@@ -161,20 +161,21 @@ ray-up: $(STAMP)
 ray-down: $(STAMP)
 	$(BIN)/python -m rlt2t.local_ray stop $(RAY_TMP)
 
-# `make train-submit` without RUN_DIR trains a new run, runs/submit, from the best SFT checkpoint of `make demo`'s
-# run and on its data (SUBMIT_FROM), so the demo's own RL stage stays as it is; again, it needs
+# `make train-submit` without RUN_DIR (and TRAIN_CONFIG) trains a new run, runs/submit, from the best SFT checkpoint
+# of `make demo`'s run and on its data (SUBMIT_FROM), so the demo's own RL stage stays as it is; again, it needs
 # TRAIN_ARGS=--resume (or `rm -r runs/submit`). RUN_DIR=/abs/run trains that run as it is (its SFT done), or from
-# another run's SFT and data with SUBMIT_FROM=/abs/other.
-SUBMIT_FROM ?= $(if $(filter file,$(origin RUN_DIR)),$(abspath runs/demo))
+# another run's SFT checkpoint and data/ with SUBMIT_FROM=other/run.
+SUBMIT_FROM ?= $(if $(filter file,$(origin RUN_DIR)),$(if $(TRAIN_CONFIG),,runs/demo))
 SUBMIT_DIR = $(if $(filter file,$(origin RUN_DIR)),$(abspath runs/submit),$(RUN_DIR))
-SUBMIT_START = $(if $(SUBMIT_FROM),--init $(SUBMIT_FROM)/sft/checkpoints \
-	$(foreach s,train valid test,data.$(s)=$(SUBMIT_FROM)/data/$(s).jsonl))
+SUBMIT_START = $(if $(SUBMIT_FROM),--init $(abspath $(SUBMIT_FROM))/sft/checkpoints \
+	$(foreach s,train valid test,data.$(s)=$(abspath $(SUBMIT_FROM))/data/$(s).jsonl))
 
 # Submit `rlt2t train` to the head at RAY_ADDRESS (default: the local one from `make ray-up`).
 train-submit: $(STAMP)
-	@if [ -n "$(SUBMIT_FROM)" ] && [ ! -d "$(SUBMIT_FROM)/sft/checkpoints" ]; then \
-		echo "train-submit: $(SUBMIT_FROM) has no SFT checkpoint to start from: run \`make demo\` first, or give" \
-			"RUN_DIR=/abs/run (a run whose SFT is done)" >&2; exit 2; fi
+	@for need in $(if $(SUBMIT_FROM),sft/checkpoints data/train.jsonl data/valid.jsonl); do \
+		[ -e "$(abspath $(SUBMIT_FROM))/$$need" ] || { echo "train-submit: $(abspath $(SUBMIT_FROM))/$$need is" \
+			"missing: SUBMIT_FROM must be a run whose SFT is done, with its data in data/ (without RUN_DIR and" \
+			"TRAIN_CONFIG it is \`make demo\`'s run: run \`make demo\` first)" >&2; exit 2; }; done
 	RAY_AUTH_MODE=$(RAY_AUTH_MODE) $(BIN)/ray job submit --address $${RAY_ADDRESS:-$(RAY_ADDRESS_LOCAL)} --working-dir . \
 		--runtime-env-json '{"excludes": [".venv", "runs", ".git", ".typecheck"]}' \
 		-- $(JOB_PYTHON) -m rlt2t.cli train $(if $(TRAIN_CONFIG),--config $(abspath $(TRAIN_CONFIG))) \

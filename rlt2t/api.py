@@ -91,13 +91,19 @@ def load_config(*files: PathLike, overrides: Sequence[str] | Mapping[str, Any] =
 
 def synth_data(cfg: Config, *, fmt: Literal["jsonl", "csv"] = "jsonl", force: bool = False) -> dict[str, Path]:
     """Write the synthetic report task (``synth.*``) into data.train's directory; returns split → file
-    (`rlt2t data synth`). Split files already there raise FileExistsError unless ``force`` replaces them.
+    (`rlt2t data synth`). The same task already there (same ``synth.*`` settings) is kept as it is; other split
+    files there raise FileExistsError unless ``force`` replaces them.
 
         files = rlt2t.synth_data(cfg)       # {"train": Path(".../train.jsonl"), "valid": ..., "test": ...}
     """
     _show_progress()
-    from rlt2t.jobs import check_task_out, make_synthetic_data
+    from rlt2t.jobs import check_task_out, make_synthetic_data, synthetic_data_in_place
 
+    kept = None if force else synthetic_data_in_place(cfg, fmt)
+    if kept is not None:
+        log.info("synthetic data (%d rows, seed %d) already in %s: kept", cfg.synth.size, cfg.synth.seed,
+                 kept["train"].parent)
+        return kept
     check_task_out(cfg, fmt, force)
     return make_synthetic_data(cfg, fmt=fmt)
 

@@ -15,6 +15,7 @@ writes under ``run.dir``:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -37,21 +38,24 @@ from rlt2t.common.data import Example, existing_splits, load_data, reference_set
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from rlt2t.common.lora import load_lora_policy
 from rlt2t.common.policy import Policy, check_lengths, has_tokenizer, is_adapter_checkpoint, load_policy
+from rlt2t.common.synth import GENERATOR_VERSION, write_synthetic
 from rlt2t.common.synth import META_FILE as SYNTH_META
-from rlt2t.common.synth import write_synthetic
 from rlt2t.common.tokenization import build_tokenizer, load_tokenizer, save_tokenizer, text_checker
 
 log = logging.getLogger("rlt2t.jobs")
 
 
-def sft_start(cfg: Config) -> Path:
+INIT_HINT = "pass --init, init= in Python, with the model to start from"
+"""How a stage that starts from the run's SFT checkpoint can start from another model instead."""
+
+
+def sft_start(cfg: Config, instead: str = INIT_HINT) -> Path:
     """The run's SFT checkpoint later stages start from (its best, else its newest); FileNotFoundError saying
-    how to make one when there is none."""
+    how to make one, or (``instead``) how to do without, when there is none."""
     try:
         return best_or_latest(cfg.run_dir / "sft" / "checkpoints")
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"{e} (run `rlt2t sft` first, or pass --init, init= in Python, with the model to "
-                                "start from)") from None
+        raise FileNotFoundError(f"{e} (run `rlt2t sft` first, or {instead})") from None
 
 
 def save_run_config(cfg: Config, command: str) -> None:
@@ -67,6 +71,25 @@ def check_task_out(cfg: Config, fmt: str = "jsonl", force: bool = False) -> None
     if existing and not force:
         raise FileExistsError(f"{out} already holds {', '.join(existing)} (pass --force on the command line, "
                               "force=True in Python, to replace them, or give the task another run.dir)")
+
+
+def synthetic_data_in_place(cfg: Config, fmt: str = "jsonl") -> dict[str, Path] | None:
+    """The split files of data.train's directory when the synthetic task there is the one ``cfg`` would write
+    (its ``synth_meta.json`` has the same generator version, size, seed, fractions, format and token count, and
+    every file is there); else None."""
+    out = cfg.path(cfg.data.train).parent
+    try:
+        meta = json.loads((out / SYNTH_META).read_text())
+    except (OSError, ValueError):
+        return None
+    s = cfg.synth
+    wanted = {"version": GENERATOR_VERSION, "size": s.size, "seed": s.seed, "fmt": fmt,
+              "valid_fraction": s.valid_fraction, "test_fraction": s.test_fraction,
+              "num_data_tokens": cfg.tokenizer.num_data_tokens}
+    paths = {name: out / f"{name}.{fmt}" for name in ("train", "valid", "test")}
+    if any(meta.get(k) != v for k, v in wanted.items()) or not all(p.is_file() for p in paths.values()):
+        return None
+    return {**paths, "meta": out / SYNTH_META}
 
 
 def make_synthetic_data(cfg: Config, fmt: Literal["jsonl", "csv"] = "jsonl") -> dict[str, Path]:
@@ -365,7 +388,7 @@ def export_job(cfg: Config, checkpoint: str | Path, out: str | Path | None = Non
 def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | None = None) -> dict[str, float]:
     from rlt2t.learner.evaluate import evaluate
 
-    ckpt = resolve_model_dir(checkpoint) if checkpoint else sft_start(cfg)
+    ckpt = resolve_model_dir(checkpoint) if checkpoint else sft_start(cfg, "name the model to evaluate")
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt)  # an adapter checkpoint loads merged
     examples = load_split(cfg, cfg.eval.split)
     if cfg.eval.limit:

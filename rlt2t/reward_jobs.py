@@ -18,7 +18,7 @@ from rlt2t.common.config import Config
 from rlt2t.common.preferences import check_preference_texts, load_preferences, split_by_source
 from rlt2t.common.reward_model import init_reward_model, load_reward_model
 from rlt2t.common.tokenization import load_tokenizer, text_checker
-from rlt2t.jobs import best_or_latest, save_run_config
+from rlt2t.jobs import save_run_config, sft_start
 from rlt2t.learner.classifier import check_labels, init_classifier, read_labelled, train_classifier
 from rlt2t.learner.reward_model import train_reward_model
 from rlt2t.learner.trainer import StageResult
@@ -49,7 +49,7 @@ def reward_model_job(cfg: Config, resume: bool = False) -> StageResult:
         model = load_reward_model(latest, dropout=rm.dropout)
         info = read_checkpoint(latest)
     else:
-        init = cfg.path(rm.init) if rm.init else best_or_latest(cfg.run_dir / "sft" / "checkpoints")
+        init = cfg.path(rm.init) if rm.init else sft_start(cfg, "pass --init (reward_model.init) with the backbone")
         log.info("reward model: backbone from %s", init)
         model = init_reward_model(init, max_source_len=rm.max_source_len, max_candidate_len=rm.max_candidate_len,
                                   dropout=rm.dropout, seed=cfg.run.seed)

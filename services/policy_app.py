@@ -397,7 +397,8 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
                                     deadline=request.state.arrived + serve.request_timeout_s)
 
     def check_count(field: str, value: int, limit: int, what: str, by: str) -> None:
-        """A count over its limit is a 422 naming the field and what sets the limit (``by``: a config key)."""
+        """A count over its limit is a 422 naming the field and what sets the limit (``by``: the config key, or
+        the rule)."""
         if value > limit:
             raise field_error(("body", field), f"{value} {what}; at most {limit} ({by})", value)
 

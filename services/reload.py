@@ -89,13 +89,7 @@ class CheckpointWatcher(Generic[Served]):
             infos = complete_checkpoints(self.root)
             newest = infos[-1] if infos else None
             current = self._current
-            if current is not None:
-                on_disk = checkpoint_key(current.path) == _key(current)
-                if on_disk != self.on_disk:
-                    self.on_disk = on_disk
-                    if not on_disk:
-                        log.warning("the served checkpoint %s is gone from disk; still serving its weights "
-                                    "(loaded in memory)", current.path)
+            self._check_on_disk()
             if newest is None:
                 self.note = None if self.on_disk else "the served checkpoint was deleted; no other on disk"
                 return False
@@ -115,11 +109,24 @@ class CheckpointWatcher(Generic[Served]):
         none, or the newest is the one being served. Raises what the loader raises."""
         with self._lock:
             infos = complete_checkpoints(self.root)
+            self._check_on_disk()  # as of now, not of the last poll
             if not infos or (self._current is not None and _key(infos[-1]) == _key(self._current)
                              and self.on_disk):
                 return False
             self._failed = None
             return self._load(infos[-1], raise_errors=True)
+
+    def _check_on_disk(self) -> None:
+        """Update ``on_disk`` for the served checkpoint (under the lock), warning once when it has gone."""
+        current = self._current
+        if current is None:
+            return
+        on_disk = checkpoint_key(current.path) == _key(current)
+        if on_disk != self.on_disk:
+            self.on_disk = on_disk
+            if not on_disk:
+                log.warning("the served checkpoint %s is gone from disk; still serving its weights (loaded in "
+                            "memory)", current.path)
 
     def _load(self, info: CheckpointInfo, raise_errors: bool = False) -> bool:
         key = _key(info)

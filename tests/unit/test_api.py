@@ -93,10 +93,12 @@ def test_load_config_takes_files_override_strings_and_dicts(tmp_path):
         api.load_config(overrides="sft.lr=1")  # type: ignore[arg-type]
 
 
-def test_synth_data_refuses_to_replace_existing_splits_unless_forced(tmp_path):
+def test_synth_data_keeps_the_same_task_and_refuses_to_replace_another_unless_forced(tmp_path):
     cfg = api.load_config("tiny", overrides={"run.dir": str(tmp_path), "synth.size": 60})
     files = api.synth_data(cfg)
     before = files["train"].read_bytes()
+    mtime = files["train"].stat().st_mtime_ns
+    assert api.synth_data(cfg) == files and files["train"].stat().st_mtime_ns == mtime  # the same task: kept
     again = api.load_config("tiny", overrides={"run.dir": str(tmp_path), "synth.size": 40})
     with pytest.raises(FileExistsError, match=r"train.jsonl.*force=True in Python, to replace them"):
         api.synth_data(again)  # as `rlt2t data synth` refuses without --force: a trained run's data stays

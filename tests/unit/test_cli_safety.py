@@ -418,19 +418,26 @@ def test_make_clean_keeps_the_users_run_directories():
 
 def test_make_train_submit_after_the_demo_trains_a_new_run_from_the_demos_sft(tmp_path):
     """`make train-submit` (README, Scaling out) right after `make demo`, whose run already has its RL stage: a new
-    run (runs/submit) from the demo's best SFT checkpoint on the demo's data; RUN_DIR=… a run of one's own as is.
-    The job itself is submitted to a real head in tests/integration/test_job_submit.py."""
+    run (runs/submit) from the demo's best SFT checkpoint on the demo's data; RUN_DIR=… (or a TRAIN_CONFIG of one's
+    own) trains as told. The job itself is submitted to a real head in tests/integration/test_job_submit.py."""
+    import os
     import shutil
     import subprocess
 
     if shutil.which("make") is None:
         pytest.skip("no make")
     repo = Path(__file__).resolve().parents[2]
+    # nothing from this environment, and a Ray address nothing answers at, should a check fail to stop it
+    env = {k: v for k, v in os.environ.items() if k not in ("RUN_DIR", "TRAIN_ARGS", "TRAIN_CONFIG", "SUBMIT_FROM",
+                                                             "MAKEFLAGS")} | {"RAY_ADDRESS": "http://127.0.0.1:9"}
+
+    def make(*args: str, dry: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(["make", "-s", *(["-n"] if dry else []), "-C", str(repo), "train-submit",
+                               "STAMP=Makefile", *args], capture_output=True, text=True, env=env, timeout=60)
 
     def job(*args: str) -> list[str]:
-        dry = subprocess.run(["make", "-s", "-n", "-C", str(repo), "train-submit", "STAMP=Makefile", *args],
-                             capture_output=True, text=True, check=True).stdout
-        return dry[dry.index("rlt2t.cli train"):].replace("\\\n", " ").split()
+        out = make(*args).stdout
+        return out[out.index("rlt2t.cli train"):].replace("\\\n", " ").split()
 
     demo = repo / "runs" / "demo"
     assert job() == ["rlt2t.cli", "train", f"run.dir={repo / 'runs' / 'submit'}", "--init",
@@ -438,10 +445,13 @@ def test_make_train_submit_after_the_demo_trains_a_new_run_from_the_demos_sft(tm
                      f"data.valid={demo}/data/valid.jsonl", f"data.test={demo}/data/test.jsonl"]
     assert job(f"RUN_DIR={tmp_path}", "TRAIN_ARGS=--resume") == ["rlt2t.cli", "train", f"run.dir={tmp_path}",
                                                                  "--resume"]
-    # without the demo's SFT checkpoint it says what to run, before anything reaches Ray
-    missing = subprocess.run(["make", "-s", "-C", str(repo), "train-submit", "STAMP=Makefile",
-                              f"SUBMIT_FROM={tmp_path / 'nodemo'}"], capture_output=True, text=True)
-    assert missing.returncode == 2 and "no SFT checkpoint to start from: run `make demo` first" in missing.stderr
+    assert job("TRAIN_CONFIG=configs/tiny.yaml")[2:] == ["--config", str(repo / "configs" / "tiny.yaml"),
+                                                         f"run.dir={repo / 'runs' / 'submit'}"]  # its own data
+    # a start that is not there is named, with what to run, before anything reaches Ray
+    missing = make(f"SUBMIT_FROM={tmp_path / 'nodemo'}", dry=False)
+    assert missing.returncode == 2, missing.stdout + missing.stderr
+    assert f"{tmp_path / 'nodemo'}/sft/checkpoints is missing" in missing.stderr
+    assert "run `make demo` first" in missing.stderr
 
 
 def test_annotate_export_says_what_it_left_out_and_merged(tmp_path, monkeypatch, capsys):

@@ -108,15 +108,17 @@ def test_a_missing_split_names_the_runs_saved_config_that_holds_the_data_paths(t
 
 
 def test_rl_and_continued_sft_without_an_sft_checkpoint_say_what_to_run(tmp_path):
-    from rlt2t.jobs import continued_sft_job, rl_job
+    from rlt2t.jobs import continued_sft_job, make_synthetic_data, rl_job
 
-    cfg = load_config(["tiny"], [f"run.dir={tmp_path / 'run'}"])
-    for job in (rl_job,):
-        with pytest.raises(FileNotFoundError, match=r"sft/checkpoints: no complete checkpoint \(run `rlt2t sft` "
-                                                    r"first, or pass --init, init= in Python"):
-            job(cfg)
+    cfg = load_config(["tiny"], [f"run.dir={tmp_path / 'run'}", "synth.size=40"])
+    missing = r"sft/checkpoints: no complete checkpoint \(run `rlt2t sft` first, or pass --init, init= in Python"
+    with pytest.raises(FileNotFoundError, match=missing):
+        rl_job(cfg)
     # continued SFT reads its data first: the config rl_job saved has the same missing path, so it is no hint
     with pytest.raises(FileNotFoundError, match=r"data.train: .* does not exist \(point data.train / data.valid"):
+        continued_sft_job(cfg)
+    make_synthetic_data(cfg)
+    with pytest.raises(FileNotFoundError, match=missing):
         continued_sft_job(cfg)
 
 

@@ -114,8 +114,7 @@ def test_hot_reload_never_goes_back_on_its_own(serve_cfg, checkpoint_root, tiny_
         # every checkpoint deleted: nothing to load, and the answer says what is still served
         for ckpt in checkpoint_root.iterdir():
             shutil.rmtree(ckpt)
-        app.state.watcher.check_once()
-        r = c.post("/v1/reload")
+        r = c.post("/v1/reload")  # at once, before the watcher's next poll has seen it
         assert r.status_code == 409, r.text
         assert f"no complete checkpoint under {checkpoint_root}" in r.json()["detail"]
         assert "still serving" in r.json()["detail"] and "epoch-0003" in r.json()["detail"]
