@@ -104,10 +104,9 @@ class RolloutWorker:
         positions = positions_or(self.policy.model.config)  # T5: relative positions, no limit
         if not 2 <= max_source_len <= positions:
             raise ValueError(f"max_source_len={max_source_len} must be in [2, {positions}] ({self.policy.origin})")
-        if rollout.max_new_tokens + 1 > positions:  # the decoder start token takes a position too
-            raise ValueError(
-                f"rollout.max_new_tokens={rollout.max_new_tokens} exceeds the model's {positions} positions"
-            )
+        if rollout.max_new_tokens > positions:  # the start token takes the first; the last decoded is not fed back
+            raise ValueError(f"rollout.max_new_tokens={rollout.max_new_tokens} exceeds the model's {positions} "
+                             f"positions: set rollout.max_new_tokens={positions} or lower")
         self.rollout = rollout
         self.seed = seed
         self.max_source_len = max_source_len

@@ -211,7 +211,8 @@ def resume_point(root: str | Path, resume: bool, *, elsewhere: str = "use anothe
         return latest_complete_checkpoint(root)
     if root.exists() and any(root.iterdir()):
         raise FileExistsError(f"{root} already holds checkpoints; pass --resume (resume=True in Python) to continue "
-                              f"or {elsewhere}")
+                              f"(with the settings it was written with), {elsewhere}, or remove {root.parent} to "
+                              "start it over")
     return None
 
 

@@ -80,7 +80,9 @@ def family_of_dir(path: str | Path) -> Family:
     path = Path(path)
     config_path = path / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{path}: not a model directory (no config.json)")
+        hint = "" if path.exists() else (" (a local directory: a hub name such as google/flan-t5-small must be "
+                                         "downloaded first, e.g. huggingface-cli download NAME --local-dir DIR)")
+        raise FileNotFoundError(f"{path}: not a model directory (no config.json){hint}")
     return family_of(json.loads(config_path.read_text()), str(path))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
@@ -167,15 +168,18 @@ def _load_adapters(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, pat
     return Policy(model=model, tokenizer=base.tokenizer, origin=str(path))
 
 
-def check_lengths(policy: Policy, data_cfg: DataConfig) -> None:
-    """Reject source/target lengths the model has no positions for (naming the key); T5 has no limit."""
+def check_lengths(policy: Policy, data_cfg: DataConfig, new_tokens: Mapping[str, int] | None = None) -> None:
+    """Reject source/target lengths the model has no positions for, naming the key and the most it may be; T5
+    has no limit. ``new_tokens``: decoding lengths by key (``{"rollout.max_new_tokens": 64}``), which may use
+    every position (the decoder start token takes the first, the last token decoded is never fed back)."""
     positions = max_positions(policy.model.config)
     if positions is None:
         return
-    for key in ("max_source_len", "max_target_len"):
-        value = getattr(data_cfg, key)
+    lengths = {f"data.{key}": getattr(data_cfg, key) for key in ("max_source_len", "max_target_len")}
+    for key, value in {**lengths, **(new_tokens or {})}.items():
         if value > positions:
-            raise ValueError(f"data.{key}={value} exceeds the model's {positions} positions ({policy.origin})")
+            raise ValueError(f"{key}={value} exceeds the model's {positions} positions ({policy.origin}): set "
+                             f"{key}={positions} or lower")
 
 
 def has_tokenizer(path: Path) -> bool:

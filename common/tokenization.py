@@ -74,7 +74,8 @@ def train_subword_tokenizer(
     """Train a byte-level BPE on natural text (a user's real-language JSONL)."""
     specials = SPECIALS + [sentinel_token(i) for i in range(num_sentinels)]
     if vocab_size <= len(specials) + 256:
-        raise ValueError(f"vocab_size={vocab_size} leaves no room beyond {len(specials)} specials and 256 bytes")
+        raise ValueError(f"vocab_size={vocab_size} leaves no room beyond {len(specials)} specials and 256 bytes "
+                         f"(tokenizer.vocab_size: at least {len(specials) + 257})")
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tok.decoder = decoders.ByteLevel()
@@ -188,13 +189,14 @@ def text_checker(tok: PreTrainedTokenizerBase) -> Callable[[str], str | None]:
     sep_id = tok.convert_tokens_to_ids(SEP) if SEP in tok.get_vocab() else None
     control = set(tok.all_special_ids) - {sep_id}
     backend = getattr(tok, "backend_tokenizer", None)
+    only = f" (only {SEP!r} is)" if sep_id is not None else ""  # a pretrained vocabulary has no `<sep>` to offer
 
     def check(text: str) -> str | None:
         if (bad := LONE_SURROGATE.search(text)) is not None:
             return f"lone surrogate U+{ord(bad.group()):04X} at character {bad.start()}: not Unicode text"
         if backend is None:  # a slow pretrained tokenizer: special tokens by their text
             found = [t for t in tok.all_special_tokens if t != SEP and t in text]
-            return f"special token {found[0]!r} is not allowed in a text (only {SEP!r} is)" if found else None
+            return f"special token {found[0]!r} is not allowed in a text{only}" if found else None
         encoding = backend.encode(text, add_special_tokens=False)
         for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
             piece = text[start:end]
@@ -209,7 +211,7 @@ def text_checker(tok: PreTrainedTokenizerBase) -> Callable[[str], str | None]:
                     return f"token {piece!r} is not in the vocabulary (data tokens have no leading zeros)"
                 return f"token {piece!r} is outside the vocabulary (0..{n - 1})"
             if token_id in control:
-                return f"special token {piece!r} is not allowed in a text (only {SEP!r} is)"
+                return f"special token {piece!r} is not allowed in a text{only}"
         return None
 
     return check

@@ -140,12 +140,17 @@ def _check_import_out(out: Path, splits: tuple[str, ...], force: bool) -> None:
 def cmd_data_validate(args) -> None:
     from rlt2t.common.data import Columns, LoadReport, iter_examples, length_report, token_lengths
     from rlt2t.common.tokenization import load_tokenizer, text_checker
+    from rlt2t.jobs import text_tokenizer_dir
 
     cfg = load_cfg(args)
-    tokenizer = load_tokenizer(cfg.tokenizer_dir) if cfg.tokenizer_dir.is_dir() else None
+    where = text_tokenizer_dir(cfg)
+    tokenizer = load_tokenizer(where) if where is not None else None
     check = text_checker(tokenizer) if tokenizer is not None else None
     if tokenizer is None:
-        print(f"(no tokenizer at {cfg.tokenizer_dir}: token checks and lengths skipped; `rlt2t tokenizer build` first)")
+        print(f"(no tokenizer at {cfg.tokenizer_dir}, and no model.path holding one: token checks and lengths "
+              "skipped; `rlt2t tokenizer build` first, or give model.path)")
+    else:
+        print(f"(tokens of the tokenizer at {where})")
     for path in args.files:
         report = LoadReport(path)
         examples = iter_examples(path, fmt=cfg.data.format, columns=Columns.of(cfg.data),

@@ -150,8 +150,17 @@ def load_split(cfg: Config, split: str, require_target: bool = True) -> Sequence
         if split == "test":
             hint += "; `rlt2t data import` writes a test split only with --test-fraction"
         raise FileNotFoundError(f"data.{split}: {path} does not exist ({hint})")
-    check = text_checker(load_tokenizer(cfg.tokenizer_dir)) if cfg.tokenizer_dir.is_dir() else None
+    tokenizer = text_tokenizer_dir(cfg)
+    check = text_checker(load_tokenizer(tokenizer)) if tokenizer is not None else None
     return load_data(path, cfg.data, require_target=require_target, check_text=check)
+
+
+def text_tokenizer_dir(cfg: Config) -> Path | None:
+    """The tokenizer the run's texts are checked and measured with, as ``load_policy`` picks it: the one in
+    model.path (a pretrained directory's own), else the run's tokenizer directory; None when there is neither."""
+    if cfg.model.path and has_tokenizer(Path(cfg.model.path)):
+        return Path(cfg.model.path)
+    return cfg.tokenizer_dir if cfg.tokenizer_dir.is_dir() else None
 
 
 def _saved_config_with(cfg: Config, split: str) -> Path | None:
@@ -525,7 +534,7 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     ref = resolve_model_dir(reference) if reference else start
     _tokenizer_from(cfg, start)
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest or start)
-    check_lengths(policy, cfg.data)
+    check_lengths(policy, cfg.data, {"rollout.max_new_tokens": cfg.rollout.max_new_tokens})
     train_set = load_split(cfg, "train")
     valid = load_split(cfg, "valid")[: cfg.metric.monitor_size] if cfg.path(cfg.data.valid).exists() else []
     log.info("rl: starting from %s (KL reference %s)", latest or start, ref)

@@ -482,9 +482,10 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         return chosen, scores
 
     def check_new_tokens(value: int) -> None:
-        limit = loaded().max_positions - 1  # the decoder start token takes a position
+        # The decoder start token takes the first position; the last token decoded is never fed back.
+        limit = loaded().max_positions
         if value > limit:
-            raise field_error(("body", "max_new_tokens"), f"at most {limit} for this model", value)
+            raise field_error(("body", "max_new_tokens"), f"at most {limit} for this model (its positions)", value)
 
     # -- routes --------------------------------------------------------------------------------------
 

@@ -22,8 +22,9 @@ def test_overrides_after_data_validate_files_are_overrides(tmp_path, capsys, cli
     data.write_text(json.dumps({"id": "1", "source": "5 6", "target": "7"}) + "\n")
     code, out, err = cli("data", "validate", "--files", str(data), "run.dir=X", "data.on_error=skip")
     assert code == 0, err
-    assert out.splitlines() == ["(no tokenizer at X/tokenizer: token checks and lengths skipped; `rlt2t tokenizer "
-                                "build` first)", f"{data}: 1 examples"]
+    assert out.splitlines() == ["(no tokenizer at X/tokenizer, and no model.path holding one: token checks and "
+                                "lengths skipped; `rlt2t tokenizer build` first, or give model.path)",
+                                f"{data}: 1 examples"]
     # a file whose name looks like an override stays a file
     (tmp_path / "a.b=c").write_text(data.read_text())
     code, out, err = cli("data", "validate", "--files", str(data), "a.b=c", "run.dir=X")
@@ -32,6 +33,25 @@ def test_overrides_after_data_validate_files_are_overrides(tmp_path, capsys, cli
     with pytest.raises(SystemExit) as exit_:
         main(["data", "validate", "--files", "run.dir=X"])
     assert exit_.value.code == 2 and "--files: expected at least one value" in capsys.readouterr().err
+
+
+def test_a_pretrained_directorys_own_tokenizer_checks_the_data_before_sft_as_before_rl(tmp_path, cli, family_dirs):
+    """model.path with its own tokenizer and no `rlt2t tokenizer build`: `data validate` and every stage's data
+    loading check the texts with that tokenizer (SFT used to skip the checks RL then failed on)."""
+    from rlt2t.jobs import load_split
+
+    data = tmp_path / "train.jsonl"
+    rows = [{"id": "1", "source": "hello world", "target": "a cat"},
+            {"id": "2", "source": "hello there", "target": "a cat </s> sat"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t5 = family_dirs["t5"]  # a sentencepiece tokenizer of its own, as a downloaded Flan-T5's
+    over = [f"run.dir={tmp_path / 'run'}", f"model.path={t5}"]
+    code, out, err = cli("data", "validate", "--files", str(data), *over)
+    assert out.splitlines()[0] == f"(tokens of the tokenizer at {t5})"
+    assert code != 0 and f"{data}:2: field 'target': special token '</s>' is not allowed" in err, out + err
+    with pytest.raises(ValueError, match=r"train.jsonl:2: field 'target': special token '</s>' is not allowed in "
+                                         r"a text$"):  # no `<sep>` to offer: the pretrained vocabulary has none
+        load_split(load_config([], [*over, f"data.train={data}"]), "train")  # what `rlt2t sft` loads
 
 
 def test_overrides_after_reward_model_rank_lists_are_overrides(tmp_path, cli, monkeypatch):

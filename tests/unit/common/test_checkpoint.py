@@ -83,9 +83,10 @@ def test_resume_point_continues_with_resume_and_refuses_to_start_over_checkpoint
     saved = _save(root, tiny_policy, checkpoint_name(epoch=1), 1)
     assert resume_point(root, resume=True) == saved
     with pytest.raises(FileExistsError, match=r"already holds checkpoints; pass --resume \(resume=True in "
-                                              r"Python\) to continue or use another run\.dir"):
+                                              r"Python\) to continue \(with the settings it was written with\), "
+                                              r"use another run\.dir, or remove .* to start it over"):
         resume_point(root, resume=False)
-    with pytest.raises(FileExistsError, match="or use another output directory"):
+    with pytest.raises(FileExistsError, match="use another output directory, or remove"):
         resume_point(root, resume=False, elsewhere="use another output directory")
 
 

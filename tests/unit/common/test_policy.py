@@ -46,12 +46,33 @@ def test_model_dir_without_tokenizer_uses_tokenizer_dir(tiny_policy, ids_tokeniz
 
 
 def test_clear_errors(ids_tokenizer_dir, tmp_path, tiny_policy):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config.json\)$"):
         load_policy(ModelConfig(path=str(tmp_path)))
+    with pytest.raises(FileNotFoundError, match=r"no config.json\) \(a local directory: a hub name such as .* must be "
+                                                r"downloaded first"):
+        load_policy(ModelConfig(path="google/flan-t5-small"))  # not on disk: a hub name, as from_pretrained takes
     with pytest.raises(ValueError, match="tokenizer"):
         load_policy(ModelConfig(preset="tiny", family="bart"))
-    with pytest.raises(ValueError, match="data.max_source_len=300 exceeds the model's 256 positions"):
+    with pytest.raises(ValueError, match=r"data.max_source_len=300 exceeds the model's 256 positions \(.*\): set "
+                                         r"data.max_source_len=256 or lower"):
         check_lengths(tiny_policy, DataConfig(max_source_len=300))
+
+
+def test_decoding_may_use_every_position_of_the_model(tiny_policy):
+    """rollout.max_new_tokens up to the model's positions: the start token takes the first and the last token
+    decoded is never fed back, so generate() and the learner's teacher-forced pass on the samples both fit."""
+    model, positions = tiny_policy.model.eval(), 256
+    check_lengths(tiny_policy, DataConfig(), {"rollout.max_new_tokens": positions})
+    with pytest.raises(ValueError, match=r"rollout.max_new_tokens=257 exceeds the model's 256 positions .*: set "
+                                         r"rollout.max_new_tokens=256 or lower"):
+        check_lengths(tiny_policy, DataConfig(), {"rollout.max_new_tokens": positions + 1})
+    source = tiny_policy.tokenizer(["11 12 13"], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**source, max_new_tokens=positions, min_new_tokens=positions, do_sample=False)
+        assert out.shape[1] == positions + 1  # the start token and every position decoded
+        model(**source, decoder_input_ids=out[:, :-1])  # the learner's shifted samples: every position, no more
+        with pytest.raises(IndexError):
+            model(**source, decoder_input_ids=out)
 
 
 def test_vocabulary_mismatch_is_rejected(tiny_policy, tmp_path):

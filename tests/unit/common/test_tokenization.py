@@ -101,8 +101,9 @@ def test_errors(tmp_path):
         load_tokenizer(tmp_path / "nope")
     with pytest.raises(ValueError, match="tokenizer.path"):
         build_tokenizer("pretrained", num_data_tokens=1, num_sentinels=1, vocab_size=1)
-    with pytest.raises(ValueError, match="vocab_size"):
+    with pytest.raises(ValueError, match=r"vocab_size=100 leaves no room .* \(tokenizer.vocab_size: at least 363\)"):
         train_subword_tokenizer(["a b"], vocab_size=100)
+    train_subword_tokenizer(["a b"], vocab_size=363)  # the least it names is enough
 
 
 def test_the_data_loader_applies_the_same_rule(tmp_path):
@@ -110,7 +111,8 @@ def test_the_data_loader_applies_the_same_rule(tmp_path):
 
     path = tmp_path / "d.jsonl"
     path.write_text('{"id": 1, "source": "1 <sep> 2", "target": "3"}\n{"id": 2, "source": "4", "target": "</s>"}\n')
-    with pytest.raises(DataError, match=r"d.jsonl:2: field 'target': special token '</s>' is not allowed"):
+    with pytest.raises(DataError, match=r"d.jsonl:2: field 'target': special token '</s>' is not allowed in a "
+                                        r"text \(only '<sep>' is\)"):
         load_examples(path, check_text=text_checker(build_ids_tokenizer(10, 2)))
     path.write_text('{"id": 1, "source": "１２ ７", "target": "3"}\n')
     with pytest.raises(DataError, match=r"d.jsonl:1: field 'source': token '１２' is not a non-negative integer"):

@@ -210,7 +210,7 @@ def test_texts_obey_the_data_loaders_token_rule(client, route, body, loc, token)
     ({"sources": ["1"], "num_candidates": 7}, ["body", "num_candidates"]),  # serve.max_candidates_per_source=6
     ({"sources": ["1"] * 9}, ["body", "sources"]),  # serve.max_sources_per_call=8
     ({"sources": ["1", " ".join(["5"] * 41)]}, ["body", "sources", 1]),  # serve.max_tokens_per_source=40
-    ({"sources": ["1"], "max_new_tokens": 256}, ["body", "max_new_tokens"]),  # tiny model: 256 positions
+    ({"sources": ["1"], "max_new_tokens": 257}, ["body", "max_new_tokens"]),  # tiny model: 256 positions
     ({"sources": ["1"], "mode": "greedy"}, ["body", "mode"]),
     ({"sources": "1"}, ["body", "sources"]),
 ])
