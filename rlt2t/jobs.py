@@ -33,7 +33,7 @@ from rlt2t.common.checkpoint import (
     resume_point,
 )
 from rlt2t.common.collate import encode_examples
-from rlt2t.common.config import Config, SFTConfig, TextStageConfig, config_to_yaml, shared_directory
+from rlt2t.common.config import Config, MetricTerm, SFTConfig, TextStageConfig, config_to_yaml, shared_directory
 from rlt2t.common.data import Example, existing_splits, load_data, reference_sets, targets_of, unique_references
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from rlt2t.common.lora import load_lora_policy
@@ -538,9 +538,35 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     train_set = load_split(cfg, "train")
     valid = load_split(cfg, "valid")[: cfg.metric.monitor_size] if cfg.path(cfg.data.valid).exists() else []
     log.info("rl: starting from %s (KL reference %s)", latest or start, ref)
+    if resumed is None:
+        warn_if_bleu_cannot_score(cfg, train_set[: cfg.rl.train_subset or None])
     if resumed is None and valid:
         warn_if_collapsed(cfg, start, valid)
     return train(cfg, train_set, valid, init=ref, start=start, resume_from=resumed, stop_after_steps=stop_after_steps)
+
+
+BLEU_ORDER = 4
+"""BLEU-4's longest n-gram: plain BLEU-4 (no smoothing, the task score's) is 0 for a text with fewer tokens."""
+BLEU_SHORT_SHARE = 0.9
+"""Share of references under BLEU_ORDER words from which the reward's BLEU-4 part is said to be dead weight."""
+
+
+def warn_if_bleu_cannot_score(cfg: Config, rows: Sequence[Example]) -> None:
+    """Warn when the reward holds BLEU-4 (a ``bleu4`` term, or the task score with a BLEU weight) while nearly all
+    references (``BLEU_SHORT_SHARE``) are shorter than 4 words: there plain BLEU-4 is 0 whatever the candidate,
+    and its share of the reward a constant that only shrinks the rest. (Half of the demo's are: still a signal.)"""
+    weighted = [t for t in cfg.reward.terms if isinstance(t, MetricTerm) and (t.name == "bleu4" or (
+        t.name == "task_score" and t.params.get("bleu_weight", cfg.reward.bleu_weight) > 0))]
+    refs = [e.refs[0] for e in rows[:10_000] if e.refs]  # a sample is enough (a large Parquet file reads lazily)
+    if not weighted or not refs:
+        return
+    short = sum(len(r.split()) < BLEU_ORDER for r in refs) / len(refs)
+    if short >= BLEU_SHORT_SHARE:
+        log.warning("rl: %.0f%% of the training references have fewer than %d words, where BLEU-4 is 0 whatever "
+                    "the candidate: the BLEU-4 part of the reward (%s) gives almost nothing to learn from; with the "
+                    "task score, set reward.bleu_weight=0 to score by CIDEr-D alone (metric.bleu_weight=0 for the "
+                    "tables too); a bleu4 term, drop it", 100 * short, BLEU_ORDER,
+                    ", ".join(f"{t.name} × {t.weight:g}" for t in weighted))
 
 
 def _tokenizer_from(cfg: Config, start: Path) -> None:

@@ -153,3 +153,27 @@ def test_the_reward_monitor_asks_the_next_reward_worker_when_one_is_dead(monkeyp
     job.rewards.actors = [Worker(RewardError("reward term python:m:f raised ValueError")), Worker([1.0, 1.0])]
     with pytest.raises(RewardError, match="^reward term python:m:f raised ValueError$"):  # not retried elsewhere
         train._Job.reward_scores(job, *batch)
+
+
+def test_a_reward_whose_bleu_part_cannot_score_short_references_says_so(caplog):
+    from rlt2t.common.data import Example
+    from rlt2t.jobs import warn_if_bleu_cannot_score
+
+    two_words = [Example(id=str(i), source="1 2", target=f"{i} {i + 1}") for i in range(20)]
+    half = two_words[:10] + [Example(id=f"l{i}", source="1", target="1 2 3 4 5") for i in range(10)]
+
+    def warned(cfg, rows) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="rlt2t.jobs"):
+            warn_if_bleu_cannot_score(cfg, rows)
+        return [r.getMessage() for r in caplog.records]
+
+    (message,) = warned(load_config(), two_words)  # the default reward: the task score, BLEU weight 1/3
+    assert "100% of the training references have fewer than 4 words" in message
+    assert "(task_score × 1)" in message and "reward.bleu_weight=0" in message
+    assert warned(load_config(), half) == []  # the demo's data is like this: BLEU-4 still scores half
+    assert warned(load_config(overrides=["reward.bleu_weight=0"]), two_words) == []
+    terms = ["reward.terms=[{kind: metric, name: bleu4, weight: 0.5}, {kind: metric, name: cider_d}]"]
+    (message,) = warned(load_config(overrides=terms), two_words)
+    assert "(bleu4 × 0.5)" in message
+
