@@ -57,6 +57,7 @@ import pyarrow.parquet as pq
 
 from rlt2t.common.example import (
     RESERVED_FIELDS,
+    UNLABELED_HINT,
     DataError,
     Example,
     LoadedExamples,
@@ -123,8 +124,7 @@ def check_columns(names: Sequence[str], rules: RowRules, path: str) -> None:
         raise ValueError(f"{path}: no column {c.source!r} (data.source_field) among its columns: {have}")
     if rules.require_target and c.target not in names and c.references not in names:
         raise ValueError(f"{path}: no column {c.target!r} (data.target_field) or {c.references!r} "
-                         f"(data.references_field) among its columns: {have} (a file without targets is unlabeled "
-                         "data: pass --unlabeled on the command line, require_target=False in Python)")
+                         f"(data.references_field) among its columns: {have} ({UNLABELED_HINT})")
     mapped = {c.id, c.source, c.target, c.references}
     for name in RESERVED_FIELDS:
         if name in names and name not in mapped:

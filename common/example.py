@@ -31,6 +31,11 @@ RESERVED_FIELDS = ("id", "source", "target", "references")
 MAX_REASONS = 5
 
 
+UNLABELED_HINT = ("a file without targets is unlabeled data, which the commands that take it read with --unlabeled "
+                  "(data import, data validate; require_target=False in Python); training and evaluation need a "
+                  "target on every row")
+"""What a labelled read of a file without targets says."""
+
 class DataError(ValueError):
     """A problem with input data, located by file, 1-based line (or row) and (when known) field."""
 
@@ -239,8 +244,7 @@ def example_from_row(row: dict[str, Any], path: str, line: int, rules: RowRules,
         if rules.require_target:
             where = "" if has_target_field else (f"data.target_field or data.references_field name the fields "
                                                  f"that hold targets; this row's other fields: {_names(row)}; ")
-            raise DataError(path, line, c.target, f"missing ({where}a file without targets is unlabeled data: pass "
-                                                  "--unlabeled on the command line, require_target=False in Python)")
+            raise DataError(path, line, c.target, f"missing ({where}{UNLABELED_HINT})")
     elif not isinstance(target, str):
         raise DataError(path, line, c.target, _wrong_type("a string", target))
     elif not target.strip():

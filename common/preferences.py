@@ -192,9 +192,10 @@ def load_preferences(rank_lists: Sequence[str | os.PathLike] = (), pairs: Sequen
     for i, (first, a) in enumerate(per_file):
         for second, b in per_file[i + 1:]:
             if shared := len(a & b):
-                log.warning("%s and %s share %d preferences (of %d and %d): each shared one is learned twice; the "
-                            "annotation export writes the same rankings in each of its formats, so pass one of "
-                            "them", first, second, shared, len(a), len(b))
+                log.warning("%s and %s share %d preferences (of %d and %d): each shared one is learned twice (the "
+                            "annotation export writes each ranking to both ranks.tsv and pairs.jsonl: pass one of "
+                            "those two; ratings.jsonl holds the ratings, and shares a preference only where one was "
+                            "both ranked and rated)", first, second, shared, len(a), len(b))
     return groups
 
 

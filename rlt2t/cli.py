@@ -126,7 +126,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; completed checkpoints are kept (resume with --resume)", file=sys.stderr)
         return 130
+    except Exception as e:
+        if args.verbose or not _is_service_error(e):
+            raise
+        print(f"rlt2t {args.command}: error: {e}", file=sys.stderr)  # a server that is down, refusing, ...
+        return 1
     return int(code or 0)
+
+
+def _is_service_error(e: Exception) -> bool:
+    """An error of the HTTP clients (a policy or reward server that is down, slow or refusing): a line, not a
+    traceback. Only a command that loaded the clients can raise one."""
+    client = sys.modules.get("rlt2t.services.client")
+    return client is not None and isinstance(e, client.ServiceError)
 
 
 def _message(e: Exception) -> str:

@@ -41,6 +41,12 @@ def _load_items(cfg, store, *, candidates: str | None = None, sources: str | Non
         from rlt2t.services.http import load_token
 
         examples = list(load_examples(sources, require_target=False, on_error=cfg.data.on_error))[:limit]
+        # Sampling again would make new items of the same sources (new candidates): a second load of the same
+        # file adds nothing, as for a candidates file. More candidates for a source: `load --candidates`.
+        queued = store.queued_sources([e.source for e in examples])
+        if queued:
+            examples = [e for e in examples if e.source not in queued]
+            print(f"annotate: {len(queued)} sources of {sources} already have items: not sampled again", flush=True)
         url = policy_url or a.policy_url
         with PolicyClient(url, token=load_token(cfg.serve)) as client:
             new = sample_items(client, examples, num_candidates=a.num_candidates, top_k=a.top_k,
@@ -48,9 +54,36 @@ def _load_items(cfg, store, *, candidates: str | None = None, sources: str | Non
         origin = f"{sources} sampled on {url}"
     else:
         raise ValueError("annotate: give --candidates FILE or --sources FILE")
+    new = _rankable(cfg, new)
     added, known = store.add_items(new)
     print(f"annotate: {added} items added from {origin} ({known} already present); {store.count_items()} in all",
           flush=True)
+
+
+def _rankable(cfg, new: list) -> list:
+    """The items people can rank and a reward model can train on: blank candidates dropped, then at least two
+    left, and every text one the run's tokenizer reads (when the run has one: else `reward-model train` would
+    stop on the export's line). What is left out is counted, with the first reason."""
+    from dataclasses import replace
+
+    from rlt2t.common.tokenization import load_tokenizer, text_checker
+    from rlt2t.jobs import text_tokenizer_dir
+
+    where = text_tokenizer_dir(cfg)
+    check = text_checker(load_tokenizer(where)) if where is not None else None
+    kept, skipped, first = [], 0, None
+    for item in new:
+        item = replace(item, candidates=tuple(c for c in item.candidates if c.strip()))
+        problem = "fewer than 2 distinct non-blank candidates" if len(item.candidates) < 2 else next(
+            (f"{text!r}: {why}" for text in (item.source, *item.candidates) if check and (why := check(text))), None)
+        if problem is None:
+            kept.append(item)
+        else:
+            skipped, first = skipped + 1, first or f"{item.ext_id or item.source[:40]!r}: {problem}"
+    if skipped:
+        print(f"annotate: {skipped} items left out, which cannot be ranked or trained on (first: {first})",
+              flush=True)
+    return kept
 
 
 def _check_source_args(args) -> None:

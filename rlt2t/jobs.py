@@ -538,6 +538,9 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     train_set = load_split(cfg, "train")
     valid = load_split(cfg, "valid")[: cfg.metric.monitor_size] if cfg.path(cfg.data.valid).exists() else []
     log.info("rl: starting from %s (KL reference %s)", latest or start, ref)
+    for name in cfg.rl.unused_sections:
+        log.warning("rl: rl.%s is set, but rl.algorithm=%s: its settings are not used in this run (rl.algorithm=%s "
+                    "uses them)", name, cfg.rl.algorithm, name)
     if resumed is None:
         warn_if_bleu_cannot_score(cfg, train_set[: cfg.rl.train_subset or None])
     if resumed is None and valid:

@@ -78,7 +78,7 @@ class NamedRewards:
                     self.watchers.append(CheckpointWatcher(term.root, loader=term.load,
                                                            install=functools.partial(self._install, name, index),
                                                            interval_s=cfg.serve.reload_interval_s,
-                                                           current=term.model.path))
+                                                           current=term.model.path, follow_best=True))
                     log.info("reward %r (%s): serving %s, watching %s", name, term_name, term.model.path, term.root)
 
     def names(self) -> list[str]:

@@ -276,7 +276,10 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
     if backend is None:
         root = watch_root or cfg.path(serve.checkpoint_dir)
         if not root.exists() and not root.parent.is_dir():
-            raise FileNotFoundError(f"serve.checkpoint_dir: neither {root} nor its parent exists")
+            sft = cfg.run_dir / "sft" / "checkpoints"
+            hint = (f" (no RL run there yet: to serve the SFT model, --checkpoint-dir {sft})"
+                    if checkpoint_dir is None and sft.is_dir() else "")
+            raise FileNotFoundError(f"serve.checkpoint_dir: neither {root} nor its parent exists{hint}")
         if is_checkpoint_root(root) and latest_complete_checkpoint(root) is None:
             log.warning("no complete checkpoint under %s yet: answering 503 until one appears", root)
         else:

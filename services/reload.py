@@ -65,8 +65,12 @@ class CheckpointWatcher(Generic[Served]):
     """
 
     def __init__(self, root: str | Path, *, loader: Callable[[Path], Served], install: Callable[[Served], None],
-                 interval_s: float, current: str | Path | None = None) -> None:
+                 interval_s: float, current: str | Path | None = None, follow_best: bool = False) -> None:
         self.root = Path(root)
+        self.follow_best = follow_best
+        """Serve the checkpoint the root's newest one records as its best (else the newest), as the RL job
+        loads a reward model: a reward model in training is served at its best held-out accuracy, and the
+        served one may go back to an older checkpoint when that is the best."""
         self.loader = loader
         self.install = install
         self.interval_s = interval_s
@@ -90,6 +94,9 @@ class CheckpointWatcher(Generic[Served]):
             newest = infos[-1] if infos else None
             current = self._current
             self._check_on_disk()
+            if self.follow_best and newest is not None:
+                best = self._best(infos)
+                return False if current is not None and _key(best) == _key(current) else self._load(best)
             if newest is None:
                 self.note = None if self.on_disk else "the served checkpoint was deleted; no other on disk"
                 return False
@@ -115,6 +122,14 @@ class CheckpointWatcher(Generic[Served]):
                 return False
             self._failed = None
             return self._load(infos[-1], raise_errors=True)
+
+    @staticmethod
+    def _best(infos: list[CheckpointInfo]) -> CheckpointInfo:
+        """Of a root's complete checkpoints (oldest first), the one its newest records as best, else the newest
+        (``best_or_latest``'s choice)."""
+        best = (infos[-1].meta.get("best") or {}).get("path")
+        name = Path(best).name if best else None
+        return next((info for info in infos if info.path.name == name), infos[-1])
 
     def _check_on_disk(self) -> None:
         """Update ``on_disk`` for the served checkpoint (under the lock), warning once when it has gone."""

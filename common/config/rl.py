@@ -225,6 +225,12 @@ class RLConfig(StageConfig):
             out[key] = section.model_dump(mode="json")
         return out
 
+    @property
+    def unused_sections(self) -> list[str]:
+        """The settings sections given (``rl.<name>``) of algorithms other than ``rl.algorithm``: they do nothing
+        in this run (``rl.dpo``'s preference files with ``rl.algorithm=grpo``, say)."""
+        return sorted(k for k in self._sections if k != self.unit.name)
+
     def section(self, name: str | None = None) -> Any:
         """The settings section ``rl.<name>`` of an algorithm (the chosen one's by default): as given, or its
         defaults. None for an algorithm without one."""

@@ -155,7 +155,12 @@ def jsonl_lines(rows: Iterable[dict]) -> Iterator[str]:
 
 def export_all(store: Store, out_dir: str | Path, *, include_flagged: bool = False,
                annotator: str | None = None) -> ExportCounts:
-    """Write ranks.tsv, pairs.jsonl and ratings.jsonl under ``out_dir`` (each atomically); returns the counts."""
+    """Write ranks.tsv, pairs.jsonl and ratings.jsonl under ``out_dir`` (each atomically); returns the counts.
+    An ``annotator`` the store does not know is a ValueError, before any file is written (it would export
+    nothing over an earlier export)."""
+    if annotator is not None and store.annotator_by_name(annotator) is None:
+        known = ", ".join(store.annotator_names()) or "none yet"
+        raise ValueError(f"--annotator {annotator}: no such annotator (known: {known})")
     out_dir = Path(out_dir)
     counts = ExportCounts()
     lists = list(rank_lists(store, include_flagged=include_flagged, annotator=annotator, counts=counts))

@@ -390,7 +390,8 @@ class Store:
                 conn.execute(insert(annotators).values(name=name, role=role, token_sha256=token_digest(token),
                                                        created_at=time.time()))
         except IntegrityError:
-            raise StoreError(f"annotator {name!r} exists already") from None
+            raise StoreError(f"annotator {name!r} exists already (a new token for them: `rlt2t annotate add-user "
+                             f"{name} --reset`)") from None
         return token
 
     def reset_token(self, name: str) -> str:
@@ -409,6 +410,11 @@ class Store:
             row = conn.execute(select(annotators.c.id, annotators.c.name, annotators.c.role)
                                .where(annotators.c.token_sha256 == token_digest(token))).first()
         return Annotator(row.id, row.name, row.role) if row else None
+
+    def annotator_names(self) -> list[str]:
+        """Every annotator's name, sorted."""
+        with self.read() as conn:
+            return sorted(row.name for row in conn.execute(select(annotators.c.name)))
 
     def annotator_by_name(self, name: str) -> Annotator | None:
         with self.read() as conn:
@@ -461,6 +467,16 @@ class Store:
                                                   for i, t in enumerate(item.candidates)])
                 added += 1
         return added, len(new) - added
+
+    def queued_sources(self, sources: Sequence[str]) -> set[str]:
+        """Those of ``sources`` that some item already holds."""
+        found: set[str] = set()
+        unique = list(dict.fromkeys(sources))
+        with self.read() as conn:
+            for start in range(0, len(unique), 500):
+                found.update(conn.execute(select(items.c.source).where(
+                    items.c.source.in_(unique[start:start + 500]))).scalars())
+        return found
 
     def count_items(self) -> int:
         with self.read() as conn:

@@ -203,9 +203,15 @@ def test_items_sampled_on_a_live_policy_server(run, tiny_policy, live_server):
                                                for i in range(5)))
     cfg = load_config([], [f"run.dir={run}", "model.preset=tiny"])
     with live_server(policy_app.create_app(cfg, checkpoint_dir=root)) as policy:
-        out = rlt2t("load", "--sources", str(run / "sources.jsonl"), "--policy-url", policy.url, "--limit", "4",
-                    f"run.dir={run}", "annotate.num_candidates=3", "annotate.max_new_tokens=6").stdout
-    assert "4 items added" in out
+        def load(limit: int) -> str:
+            return rlt2t("load", "--sources", str(run / "sources.jsonl"), "--policy-url", policy.url, "--limit",
+                         str(limit), f"run.dir={run}", "annotate.num_candidates=3", "annotate.max_new_tokens=6").stdout
+
+        out = load(4)
+        assert "4 items added" in out
+        again = load(5)  # the same file again: only the source not queued yet is sampled
+    assert "4 sources of" in again and "already have items: not sampled again" in again
+    assert "1 items added" in again and "5 in all" in again
     store = Store.open(f"sqlite:///{run}/annotate/annotations.db")
     try:
         items = [store.item(i) for i in range(1, 5)]

@@ -81,6 +81,22 @@ def test_an_os_error_is_one_line_naming_the_file(tmp_path, cli):
     assert code == 2 and err == f"rlt2t data: error: {missing}: No such file or directory\n"
 
 
+def test_a_server_that_is_down_is_one_line_not_a_traceback(cli, monkeypatch, tmp_path):
+    from rlt2t import api
+    from rlt2t.services.client import Unavailable
+
+    def down(cfg, **kwargs):
+        raise Unavailable("POST http://127.0.0.1:8999/v1/candidates: Connection refused (after 3 retries)")
+
+    monkeypatch.setattr(api, "sft", down)  # as `annotate load` meets a policy server that is not running
+    code, _, err = cli("sft", f"run.dir={tmp_path}")
+    assert code == 1 and err == ("rlt2t sft: error: POST http://127.0.0.1:8999/v1/candidates: Connection refused "
+                                 "(after 3 retries)\n")
+    monkeypatch.setattr(api, "sft", lambda cfg, **kw: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # a bug is still a traceback
+        cli("sft", f"run.dir={tmp_path}")
+
+
 def test_a_closed_pipe_ends_quietly(capsys, monkeypatch):
     # `rlt2t config --explain | head -5`
     class Closed(io.StringIO):

@@ -257,3 +257,10 @@ def test_a_value_a_cross_section_rule_derives_is_said_in_the_log_the_dump_and_ex
 def test_the_learner_preflight_runs_for_gpu_ranks_unless_set(overrides, runs):
     assert load_config(overrides=overrides).rl.runs_preflight is runs
 
+
+
+def test_a_section_of_another_algorithm_is_reported_as_unused():
+    """`rl.dpo.rank_lists` with `rl.algorithm=grpo` trains on the default reward: the RL job warns, naming it."""
+    cfg = load_config(overrides=["rl.algorithm=grpo", "rl.dpo.rank_lists=[ranks.tsv]", "rl.pg.clip_eps=0.1"])
+    assert cfg.rl.unused_sections == ["dpo"]  # rl.pg is shared by the policy gradients, not one algorithm's
+    assert load_config(overrides=["rl.algorithm=dpo", "rl.dpo.rank_lists=[ranks.tsv]"]).rl.unused_sections == []

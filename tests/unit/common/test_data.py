@@ -270,8 +270,9 @@ def test_a_labelled_import_needs_a_diagnosis_on_every_row(tmp_path):
 
 def test_a_missing_target_names_the_command_lines_flag(tmp_path):
     path = _write(tmp_path / "test.jsonl", ['{"id": "1", "source": "5 6"}'])
-    with pytest.raises(DataError, match=r"test\.jsonl:1: field 'target': missing .*pass --unlabeled on the command "
-                                        r"line, require_target=False in Python"):
+    with pytest.raises(DataError, match=r"test\.jsonl:1: field 'target': missing .*read with --unlabeled \(data "
+                                        r"import, data validate; require_target=False in Python\); training and "
+                                        r"evaluation need a target on every row"):
         load_examples(path)
 
 

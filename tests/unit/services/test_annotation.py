@@ -129,7 +129,8 @@ def scripted(answers: list[str | BaseException]):
 
 def test_items_and_annotators_are_added_once(store):
     assert store.add_items([NewItem("prompt one", ("r1", "r2"), "elsewhere"), NewItem("new", ("n",), "t")]) == (1, 1)
-    with pytest.raises(StoreError, match="annotator 'tom' exists already"):
+    with pytest.raises(StoreError, match=r"annotator 'tom' exists already \(a new token for them: `rlt2t annotate "
+                                         r"add-user tom --reset`\)"):
         store.add_annotator("tom")
     with pytest.raises(StoreError, match="no spaces"):
         store.add_annotator("two words")

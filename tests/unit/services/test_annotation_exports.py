@@ -57,6 +57,13 @@ def test_ratings_of_several_annotators_merge_into_their_mean(store, tmp_path):
     groups = read_ratings(tmp_path / "out" / "ratings.jsonl")  # the trainer's reader accepts it
     assert [(g.source, g.candidates) for g in groups] == [("p1", ("x", "y", "z"))]  # p2: one rating, no pair
 
+    # one annotator's work alone; an annotator the store does not know is refused before the export is replaced
+    assert export.export_all(store, tmp_path / "bob", annotator="bob").ratings == 3
+    before = (tmp_path / "out" / "ratings.jsonl").read_text()
+    with pytest.raises(ValueError, match=r"--annotator nobody: no such annotator \(known: ann, bob\)"):
+        export.export_all(store, tmp_path / "out", annotator="nobody")
+    assert (tmp_path / "out" / "ratings.jsonl").read_text() == before
+
 
 # --- rank lists: no blank or repeated candidate ---------------------------------------------------------------
 

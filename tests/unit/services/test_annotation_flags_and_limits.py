@@ -167,3 +167,20 @@ def test_sampled_items_leave_out_candidates_no_database_stores_and_refuse_such_s
         sample_items(server, [Example(id="9", source="p\x00q", target=None)], num_candidates=3, top_k=0,
                      temperature=1.0, max_new_tokens=4, progress=False)
     assert server.calls == 1  # the bad source was refused before sampling
+
+
+def test_loaded_items_that_cannot_be_ranked_or_trained_on_are_left_out_and_counted(tmp_path, ids_tokenizer_dir,
+                                                                                   capsys):
+    """`annotate load`: blank candidates dropped; an item left with fewer than two, or holding a text the run's
+    tokenizer cannot read, is not queued (its export would stop `reward-model train` at its line)."""
+    from rlt2t.cmd_annotate import _rankable
+
+    items = [NewItem("1 2", ("3", "4 5", " "), "f", "good"), NewItem("1 3", ("3", ""), "f", "one-left"),
+             NewItem("1 4", ("hello", "4"), "f", "words")]
+    cfg = load_config([], [f"run.dir={tmp_path}", f"tokenizer.path={ids_tokenizer_dir}"])  # integer-id texts
+    kept = _rankable(cfg, items)
+    assert [(i.ext_id, i.candidates) for i in kept] == [("good", ("3", "4 5"))]
+    out = capsys.readouterr().out
+    assert "2 items left out, which cannot be ranked or trained on (first: 'one-left': fewer than 2 distinct" in out
+    no_tokenizer = load_config([], [f"run.dir={tmp_path / 'other'}"])  # nothing to check the texts with
+    assert [i.ext_id for i in _rankable(no_tokenizer, items)] == ["good", "words"]

@@ -497,3 +497,15 @@ def test_serve_mbr_utility_is_checked_when_the_app_is_created(serve_cfg, checkpo
     with pytest.raises(ValueError, match=rf"serve.mbr_utility='{name}': the policy server computes only the "
                                          r"vectorised MBR utilities \(bleu4, cider_d, sacrebleu, task_score\)"):
         create_app(cfg, checkpoint_dir=checkpoint_root)
+
+
+def test_serving_a_run_before_its_rl_points_at_its_sft_checkpoints(serve_cfg, tmp_path):
+    run = tmp_path / "fresh"
+    (run / "sft" / "checkpoints").mkdir(parents=True)
+    cfg = serve_cfg.model_copy(update={"run": serve_cfg.run.model_copy(update={"dir": str(run)}),
+                                       "serve": serve_cfg.serve.model_copy(update={"checkpoint_dir":
+                                                                                   "{run}/rl/checkpoints"})})
+    with pytest.raises(FileNotFoundError, match=r"serve.checkpoint_dir: neither .*/rl/checkpoints nor its parent "
+                                                r"exists \(no RL run there yet: to serve the SFT model, "
+                                                r"--checkpoint-dir .*/fresh/sft/checkpoints\)"):
+        create_app(cfg)

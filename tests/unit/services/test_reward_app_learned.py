@@ -18,10 +18,11 @@ SOURCES = ["1 2 3", "1 2 3", "4 5"]
 CANDS = ["11 12 13 14", "11 12 7", "20 21"]
 
 
-def save_reward_model(root, name: str, init, step: int, seed: int):
+def save_reward_model(root, name: str, init, step: int, seed: int, best: str | None = None):
     model = init_reward_model(init, max_source_len=16, max_candidate_len=16, seed=seed)
     torch.nn.init.normal_(model.head.weight)
-    save_checkpoint(root, name, model=model, tokenizer=model.tokenizer, step=step)
+    meta = {"best": {"path": str(root / best), "score": 0.8}} if best else None
+    save_checkpoint(root, name, model=model, tokenizer=model.tokenizer, step=step, meta=meta)
     return model.eval()
 
 
@@ -73,6 +74,16 @@ def test_a_retrained_reward_model_is_hot_reloaded(served):
         assert prefs() != pytest.approx(before, abs=1e-3)
         (_, _, term), = app.state.named_rewards.rewards["prefs"].terms
         assert term.version == 20
+
+        # As the RL job loads it: the checkpoint of best held-out accuracy, which the newest one records; a
+        # newer but worse epoch is not served, and the best may be an older one.
+        save_reward_model(root, "epoch-0003", init, step=30, seed=2, best="epoch-0002")
+        assert not watcher.check_once()
+        save_reward_model(root, "epoch-0004", init, step=40, seed=3, best="epoch-0001")
+        assert watcher.check_once()
+        assert prefs() == pytest.approx(first.score(SOURCES, CANDS).tolist(), abs=1e-5)
+        (_, _, term), = app.state.named_rewards.rewards["prefs"].terms
+        assert term.version == 10
 
 
 def test_a_reload_between_the_parts_of_a_request_leaves_it_on_one_model(served, monkeypatch):
