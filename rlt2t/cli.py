@@ -129,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         if args.verbose or not _is_service_error(e):
             raise
-        print(f"rlt2t {args.command}: error: {e}", file=sys.stderr)  # a server that is down, refusing, ...
+        resume = "\nthe newest complete checkpoint is kept: rerun with --resume" if hasattr(args, "resume") else ""
+        print(f"rlt2t {args.command}: error: {e}{resume}", file=sys.stderr)  # a server that is down, refusing, ...
         return 1
     return int(code or 0)
 

@@ -40,16 +40,19 @@ def _load_items(cfg, store, *, candidates: str | None = None, sources: str | Non
         from rlt2t.services.client import PolicyClient
         from rlt2t.services.http import load_token
 
-        examples = list(load_examples(sources, require_target=False, on_error=cfg.data.on_error))[:limit]
-        # Sampling again would make new items of the same sources (new candidates): a second load of the same
-        # file adds nothing, as for a candidates file. More candidates for a source: `load --candidates`.
-        queued = store.queued_sources([e.source for e in examples])
-        if queued:
-            examples = [e for e in examples if e.source not in queued]
-            print(f"annotate: {len(queued)} sources of {sources} already have items: not sampled again", flush=True)
+        examples = list(load_examples(sources, require_target=False, on_error=cfg.data.on_error))
         url = policy_url or a.policy_url
         with PolicyClient(url, token=load_token(cfg.serve)) as client:
-            new = sample_items(client, examples, num_candidates=a.num_candidates, top_k=a.top_k,
+            # Sampling a source again on the same policy would only queue it twice: a second load of the same file
+            # adds nothing, as for a candidates file, and --limit counts the sources not queued yet. A new policy
+            # version (the next round of the loop) samples them all again.
+            version = client.model().version
+            queued = store.queued_sources([e.source for e in examples], policy_version=version)
+            if queued:
+                examples = [e for e in examples if e.source not in queued]
+                print(f"annotate: {len(queued)} sources of {sources} already have items of policy version {version}: "
+                      "not sampled again", flush=True)
+            new = sample_items(client, examples[:limit], num_candidates=a.num_candidates, top_k=a.top_k,
                                temperature=a.temperature, max_new_tokens=a.max_new_tokens, progress=cfg.run.progress)
         origin = f"{sources} sampled on {url}"
     else:
@@ -61,19 +64,22 @@ def _load_items(cfg, store, *, candidates: str | None = None, sources: str | Non
 
 
 def _rankable(cfg, new: list) -> list:
-    """The items people can rank and a reward model can train on: blank candidates dropped, then at least two
-    left, and every text one the run's tokenizer reads (when the run has one: else `reward-model train` would
-    stop on the export's line). What is left out is counted, with the first reason."""
+    """The items people can rank and a reward model can train on: the candidates a ranking of them exports
+    (``usable_ranking``: blank ones and those equal to another once cleaned for ranks.tsv dropped), at least two
+    of them, and every text one the run's tokenizer reads when the run has one (the default reward model starts
+    from the run's SFT checkpoint; `reward-model train` would stop on the export's line). What is left out is
+    counted, with the first reason."""
     from dataclasses import replace
 
     from rlt2t.common.tokenization import load_tokenizer, text_checker
     from rlt2t.jobs import text_tokenizer_dir
+    from rlt2t.services.annotation.export import usable_ranking
 
     where = text_tokenizer_dir(cfg)
     check = text_checker(load_tokenizer(where)) if where is not None else None
     kept, skipped, first = [], 0, None
     for item in new:
-        item = replace(item, candidates=tuple(c for c in item.candidates if c.strip()))
+        item = replace(item, candidates=tuple(usable_ranking(item.candidates)[0]))
         problem = "fewer than 2 distinct non-blank candidates" if len(item.candidates) < 2 else next(
             (f"{text!r}: {why}" for text in (item.source, *item.candidates) if check and (why := check(text))), None)
         if problem is None:

@@ -37,7 +37,14 @@ from rlt2t.common.config import Config, MetricTerm, SFTConfig, TextStageConfig, 
 from rlt2t.common.data import Example, existing_splits, load_data, reference_sets, targets_of, unique_references
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from rlt2t.common.lora import load_lora_policy
-from rlt2t.common.policy import Policy, check_lengths, has_tokenizer, is_adapter_checkpoint, load_policy
+from rlt2t.common.policy import (
+    Policy,
+    adapter_base,
+    check_lengths,
+    has_tokenizer,
+    is_adapter_checkpoint,
+    load_policy,
+)
 from rlt2t.common.synth import GENERATOR_VERSION, write_synthetic
 from rlt2t.common.synth import META_FILE as SYNTH_META
 from rlt2t.common.tokenization import build_tokenizer, load_tokenizer, save_tokenizer, text_checker
@@ -158,8 +165,11 @@ def load_split(cfg: Config, split: str, require_target: bool = True) -> Sequence
 def text_tokenizer_dir(cfg: Config) -> Path | None:
     """The tokenizer the run's texts are checked and measured with, as ``load_policy`` picks it: the one in
     model.path (a pretrained directory's own), else the run's tokenizer directory; None when there is neither."""
-    if cfg.model.path and has_tokenizer(Path(cfg.model.path)):
-        return Path(cfg.model.path)
+    path = Path(cfg.model.path) if cfg.model.path else None
+    if path is not None and is_adapter_checkpoint(path):
+        path = adapter_base(path)  # LoRA adapters load on their base, with its tokenizer
+    if path is not None and has_tokenizer(path):
+        return path
     return cfg.tokenizer_dir if cfg.tokenizer_dir.is_dir() else None
 
 
@@ -551,24 +561,32 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
 BLEU_ORDER = 4
 """BLEU-4's longest n-gram: plain BLEU-4 (no smoothing, the task score's) is 0 for a text with fewer tokens."""
 BLEU_SHORT_SHARE = 0.9
-"""Share of references under BLEU_ORDER words from which the reward's BLEU-4 part is said to be dead weight."""
+"""Share of rows without a reference of BLEU_ORDER tokens from which the reward's BLEU-4 part is dead weight."""
 
 
 def warn_if_bleu_cannot_score(cfg: Config, rows: Sequence[Example]) -> None:
-    """Warn when the reward holds BLEU-4 (a ``bleu4`` term, or the task score with a BLEU weight) while nearly all
-    references (``BLEU_SHORT_SHARE``) are shorter than 4 words: there plain BLEU-4 is 0 whatever the candidate,
-    and its share of the reward a constant that only shrinks the rest. (Half of the demo's are: still a signal.)"""
+    """Warn when the reward holds BLEU-4 (a ``bleu4`` term, or the task score with a BLEU weight) while for nearly
+    every row (``BLEU_SHORT_SHARE``) BLEU-4 is 0 whatever the candidate: no reference has 4 tokens (plain BLEU-4,
+    the task score's, counts 4-grams; a reference scored against its own row, by the term's own tokenizer and
+    smoothing, tells). Its share of the reward is then a constant that only shrinks the rest. (About half of the
+    demo's rows are so: still a signal.) Not for an algorithm trained from preference files alone."""
+    from rlt2t.common.metrics import get_metric
+
+    if cfg.rl.unit.data == "preferences":
+        return
     weighted = [t for t in cfg.reward.terms if isinstance(t, MetricTerm) and (t.name == "bleu4" or (
         t.name == "task_score" and t.params.get("bleu_weight", cfg.reward.bleu_weight) > 0))]
-    refs = [e.refs[0] for e in rows[:10_000] if e.refs]  # a sample is enough (a large Parquet file reads lazily)
-    if not weighted or not refs:
+    sample = [e.refs for e in rows[:10_000] if e.refs]  # a sample is enough (a large Parquet file reads lazily)
+    if not weighted or not sample:
         return
-    short = sum(len(r.split()) < BLEU_ORDER for r in refs) / len(refs)
-    if short >= BLEU_SHORT_SHARE:
-        log.warning("rl: %.0f%% of the training references have fewer than %d words, where BLEU-4 is 0 whatever "
-                    "the candidate: the BLEU-4 part of the reward (%s) gives almost nothing to learn from; with the "
-                    "task score, set reward.bleu_weight=0 to score by CIDEr-D alone (metric.bleu_weight=0 for the "
-                    "tables too); a bleu4 term, drop it", 100 * short, BLEU_ORDER,
+    bleu = get_metric("bleu4", **(weighted[0].params if weighted[0].name == "bleu4" else {}))
+    longest = [max(refs, key=len) for refs in sample]
+    dead = float((bleu.per_sample(longest, sample) == 0).mean())
+    if dead >= BLEU_SHORT_SHARE:
+        log.warning("rl: for %.0f%% of the training rows BLEU-4 is 0 whatever the candidate (no reference has %d "
+                    "tokens): the BLEU-4 part of the reward (%s) gives almost nothing to learn from; with the task "
+                    "score, set reward.bleu_weight=0 to score by CIDEr-D alone (metric.bleu_weight=0 for the "
+                    "tables too); a bleu4 term, drop it or give it effective_order", 100 * dead, BLEU_ORDER,
                     ", ".join(f"{t.name} × {t.weight:g}" for t in weighted))
 
 

@@ -333,7 +333,7 @@ class Ct2Backend:
         self.checkpoint = checkpoint or str(ct2.export_dir)
         self.checksum = checksum
         self.loaded_at = time.time()
-        self.max_positions = int(ct2.max_source_len)
+        self.max_positions = int(ct2.max_target_len)  # the model's positions (a source may be cut shorter)
         self._workdir = workdir  # a TemporaryDirectory holding the export; removed with the backend
 
     @classmethod

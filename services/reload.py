@@ -13,6 +13,10 @@ serving the weights it has loaded, logs it once, and says so in ``/v1/model`` (`
 note naming the newest one left): serving an older checkpoint is an operator's decision, made with
 :meth:`CheckpointWatcher.load_newest` (``POST /v1/reload``) or a restart. A plain model directory (no
 checkpoint marker) is served as is and not watched.
+
+A reward model's watcher (``follow_best``) serves instead the checkpoint the root's newest records as its best
+(else the newest), as the RL job loads a reward model from a root: it follows the best as training records
+another, back to an older checkpoint when that is the best.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ def is_checkpoint_root(path: Path) -> bool:
 
 
 class CheckpointWatcher(Generic[Served]):
-    """Polls ``root`` every ``interval_s`` seconds; calls ``install(loader(newest))`` on a newer one.
+    """Polls ``root`` every ``interval_s`` seconds; calls ``install(loader(newest))`` on a newer one (with
+    ``follow_best``, ``install(loader(best))`` when the recorded best changes).
 
     ``current`` is the path of the checkpoint being served (so a restart does not reload it).
     """

@@ -468,14 +468,16 @@ class Store:
                 added += 1
         return added, len(new) - added
 
-    def queued_sources(self, sources: Sequence[str]) -> set[str]:
-        """Those of ``sources`` that some item already holds."""
+    def queued_sources(self, sources: Sequence[str], policy_version: int | None = None) -> set[str]:
+        """Those of ``sources`` that some item already holds (one sampled by ``policy_version``, when given)."""
         found: set[str] = set()
         unique = list(dict.fromkeys(sources))
         with self.read() as conn:
             for start in range(0, len(unique), 500):
-                found.update(conn.execute(select(items.c.source).where(
-                    items.c.source.in_(unique[start:start + 500]))).scalars())
+                query = select(items.c.source).where(items.c.source.in_(unique[start:start + 500]))
+                if policy_version is not None:
+                    query = query.where(items.c.policy_version == policy_version)
+                found.update(conn.execute(query).scalars())
         return found
 
     def count_items(self) -> int:

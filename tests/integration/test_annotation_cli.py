@@ -209,8 +209,8 @@ def test_items_sampled_on_a_live_policy_server(run, tiny_policy, live_server):
 
         out = load(4)
         assert "4 items added" in out
-        again = load(5)  # the same file again: only the source not queued yet is sampled
-    assert "4 sources of" in again and "already have items: not sampled again" in again
+        again = load(4)  # the same file again: --limit counts the sources not queued yet (one is left)
+    assert "4 sources of" in again and "already have items of policy version 0: not sampled again" in again
     assert "1 items added" in again and "5 in all" in again
     store = Store.open(f"sqlite:///{run}/annotate/annotations.db")
     try:

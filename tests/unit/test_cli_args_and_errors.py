@@ -91,7 +91,7 @@ def test_a_server_that_is_down_is_one_line_not_a_traceback(cli, monkeypatch, tmp
     monkeypatch.setattr(api, "sft", down)  # as `annotate load` meets a policy server that is not running
     code, _, err = cli("sft", f"run.dir={tmp_path}")
     assert code == 1 and err == ("rlt2t sft: error: POST http://127.0.0.1:8999/v1/candidates: Connection refused "
-                                 "(after 3 retries)\n")
+                                 "(after 3 retries)\nthe newest complete checkpoint is kept: rerun with --resume\n")
     monkeypatch.setattr(api, "sft", lambda cfg, **kw: 1 / 0)
     with pytest.raises(ZeroDivisionError):  # a bug is still a traceback
         cli("sft", f"run.dir={tmp_path}")

@@ -169,11 +169,18 @@ def test_a_reward_whose_bleu_part_cannot_score_short_references_says_so(caplog):
         return [r.getMessage() for r in caplog.records]
 
     (message,) = warned(load_config(), two_words)  # the default reward: the task score, BLEU weight 1/3
-    assert "100% of the training references have fewer than 4 words" in message
+    assert "for 100% of the training rows BLEU-4 is 0 whatever the candidate (no reference has 4 tokens)" in message
     assert "(task_score × 1)" in message and "reward.bleu_weight=0" in message
     assert warned(load_config(), half) == []  # the demo's data is like this: BLEU-4 still scores half
     assert warned(load_config(overrides=["reward.bleu_weight=0"]), two_words) == []
     terms = ["reward.terms=[{kind: metric, name: bleu4, weight: 0.5}, {kind: metric, name: cider_d}]"]
     (message,) = warned(load_config(overrides=terms), two_words)
     assert "(bleu4 × 0.5)" in message
+    effective = ["reward.terms=[{kind: metric, name: bleu4, params: {smooth_method: exp, effective_order: true}}]"]
+    assert warned(load_config(overrides=effective), two_words) == []  # BLEU of the orders a short text has
+    # 13a tokenization: "a red cat." is 4 tokens; a longer second reference gives 4-grams too
+    punctuated = [Example(id=str(i), source="1", target=f"a red cat{i}.") for i in range(20)]
+    several = [Example(id=str(i), source="1", target="a b", references=("a b", "a b c d e")) for i in range(20)]
+    assert warned(load_config(), punctuated) == [] and warned(load_config(), several) == []
+    assert warned(load_config(overrides=["rl.algorithm=dpo"]), two_words) == []  # trained from preference files
 

@@ -175,7 +175,7 @@ def test_loaded_items_that_cannot_be_ranked_or_trained_on_are_left_out_and_count
     tokenizer cannot read, is not queued (its export would stop `reward-model train` at its line)."""
     from rlt2t.cmd_annotate import _rankable
 
-    items = [NewItem("1 2", ("3", "4 5", " "), "f", "good"), NewItem("1 3", ("3", ""), "f", "one-left"),
+    items = [NewItem("1 2", ("3", "4 5", " ", "4\t5"), "f", "good"), NewItem("1 3", ("3", ""), "f", "one-left"),
              NewItem("1 4", ("hello", "4"), "f", "words")]
     cfg = load_config([], [f"run.dir={tmp_path}", f"tokenizer.path={ids_tokenizer_dir}"])  # integer-id texts
     kept = _rankable(cfg, items)
@@ -184,3 +184,11 @@ def test_loaded_items_that_cannot_be_ranked_or_trained_on_are_left_out_and_count
     assert "2 items left out, which cannot be ranked or trained on (first: 'one-left': fewer than 2 distinct" in out
     no_tokenizer = load_config([], [f"run.dir={tmp_path / 'other'}"])  # nothing to check the texts with
     assert [i.ext_id for i in _rankable(no_tokenizer, items)] == ["good", "words"]
+
+
+def test_queued_sources_are_those_with_items_of_the_policy_version_asked(store):
+    store.add_items([NewItem("s1", ("a", "c"), "u", policy_version=0), NewItem("s2", ("a", "b"), "u", policy_version=1),
+                     NewItem("s3", ("a", "b"), "file")])
+    assert store.queued_sources(["s1", "s2", "s3", "s4"]) == {"s1", "s2", "s3"}
+    assert store.queued_sources(["s1", "s2", "s3", "s4"], policy_version=1) == {"s2"}  # the next round: s1 again
+

@@ -84,6 +84,11 @@ def test_a_retrained_reward_model_is_hot_reloaded(served):
         assert prefs() == pytest.approx(first.score(SOURCES, CANDS).tolist(), abs=1e-5)
         (_, _, term), = app.state.named_rewards.rewards["prefs"].terms
         assert term.version == 10
+        # a best that is no longer there (pruned): the newest, as best_or_latest picks it
+        save_reward_model(root, "epoch-0005", init, step=50, seed=4, best="epoch-0009")
+        assert watcher.check_once()
+        (_, _, term), = app.state.named_rewards.rewards["prefs"].terms
+        assert term.version == 50
 
 
 def test_a_reload_between_the_parts_of_a_request_leaves_it_on_one_model(served, monkeypatch):
