@@ -177,14 +177,17 @@ def read_ratings(path: str | os.PathLike) -> list[PreferenceGroup]:
 
 
 def load_preferences(rank_lists: Sequence[str | os.PathLike] = (), pairs: Sequence[str | os.PathLike] = (),
-                     ratings: Sequence[str | os.PathLike] = ()) -> list[PreferenceGroup]:
+                     ratings: Sequence[str | os.PathLike] = (), *, key: str = "") -> list[PreferenceGroup]:
     """All groups of the given files, in file order. Preferences that two files share are warned about: the
-    annotation export writes the same rankings as rank lists, pairs and ratings, so passing two of its files
-    would weight each preference twice."""
+    annotation export writes each ranking to both ranks.tsv and pairs.jsonl, so passing both would weight each
+    ranking twice. ``key``: the config section that names the files (``rl.dpo``), named with a missing one."""
     groups: list[PreferenceGroup] = []
     per_file: list[tuple[str, set[int]]] = []  # each file's (source, better, worse) preferences, hashed
-    for paths, read in ((rank_lists, read_rank_lists), (pairs, read_pairs), (ratings, read_ratings)):
+    for kind, paths, read in (("rank_lists", rank_lists, read_rank_lists), ("pairs", pairs, read_pairs),
+                              ("ratings", ratings, read_ratings)):
         for p in paths:
+            if key and not Path(p).is_file():
+                raise FileNotFoundError(f"{key}.{kind}: file not found: {p}")
             read_now = read(p)
             groups += read_now
             per_file.append((str(p), {hash((g.source, g.candidates[b], g.candidates[w])) for g in read_now

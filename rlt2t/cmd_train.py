@@ -34,8 +34,10 @@ def cmd_sft(args) -> None:
 
 
 def cmd_train(args) -> None:
-    result = api.train(load_cfg(args), resume=args.resume, init=args.init)
-    print(f"rl: {result.steps} steps, {result.items_used} sources, {result.redispatched} chunks re-dispatched "
+    cfg = load_cfg(args)
+    result = api.train(cfg, resume=args.resume, init=args.init)
+    used = "preference pairs" if cfg.rl.unit.data == "preferences" else "sources"
+    print(f"rl: {result.steps} steps, {result.items_used} {used}, {result.redispatched} chunks re-dispatched "
           f"→ {result.checkpoint}{best_note(result.checkpoint)}")
 
 

@@ -93,7 +93,8 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
     redispatched: int = 0
     items_used: int = 0
-    """Sources trained on (rank RL: pairs)."""
+    """Sources trained on (rank RL: pairs, one per source; an offline algorithm: preference pairs) by this call
+    (a resumed run: since the resume)."""
     out_of_order: int = 0
     """Chunks handed to the learner ahead of an earlier one (only when rl.deterministic is off)."""
 

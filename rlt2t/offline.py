@@ -83,7 +83,7 @@ def _pairs(cfg: Config, train_set: Sequence[Example], init: Path, *, resumed: bo
         log.info("rl: %d preference pairs from %s (the run's own)", len(pairs), path)
         return pairs
     settings = cfg.rl.section()
-    pairs = file_pairs(settings)
+    pairs = file_pairs(settings, f"rl.{cfg.rl.unit.name}")
     if pairs:
         log.info("rl: %d preference pairs from %d files", len(pairs),
                  len(settings.rank_lists) + len(settings.pairs) + len(settings.ratings))
@@ -193,6 +193,7 @@ def _run(cfg: Config, learners: LearnerGroup, pairs: list[PreferencePair], valid
                                            for i, rank in enumerate(learners.ranks)])
                 step += 1
                 window_items += len(batch)
+                result.items_used += len(batch)
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
                 finished = step == total_steps or step == epoch_start + steps_per_epoch

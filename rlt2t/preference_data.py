@@ -22,9 +22,10 @@ from rlt2t.common.preferences import json_objects, load_preferences
 from rlt2t.common.types import PreferencePair, ScoredGroup
 
 
-def file_pairs(settings: PreferenceSettings) -> list[PreferencePair]:
-    """Every ordered pair of the settings' preference files, in file order (empty when it names none)."""
-    groups = load_preferences(settings.rank_lists, settings.pairs, settings.ratings)
+def file_pairs(settings: PreferenceSettings, key: str = "") -> list[PreferencePair]:
+    """Every ordered pair of the settings' preference files, in file order (empty when it names none); ``key``:
+    the settings' section (``rl.dpo``), named with a missing file."""
+    groups = load_preferences(settings.rank_lists, settings.pairs, settings.ratings, key=key)
     out = []
     for g in groups:
         weight = 1.0 / len(g.pairs)

@@ -32,7 +32,7 @@ def reward_model_job(cfg: Config, resume: bool = False) -> StageResult:
     rm = cfg.reward_model
     save_run_config(cfg, "reward_model")
     groups = load_preferences([cfg.path(p) for p in rm.rank_lists], [cfg.path(p) for p in rm.pairs],
-                              [cfg.path(p) for p in rm.ratings])
+                              [cfg.path(p) for p in rm.ratings], key="reward_model")
     if not groups:
         raise ValueError("reward_model: no preferences; give reward_model.rank_lists, .pairs or .ratings "
                          "(--rank-lists / --pairs / --ratings)")

@@ -37,7 +37,7 @@ def reference(ray_session, copy_prepared, tmp_path_factory):
     pairs = read_pairs_file(pairs_file(run))
     assert 0 < len(pairs) <= 48 and all(p.chosen != p.rejected for p in pairs)
     steps = 2 * -(-len(pairs) // 8)
-    assert result.steps == steps
+    assert result.steps == steps and result.items_used == 2 * len(pairs)  # two passes over the pairs
     rows = [json.loads(x) for x in (run / "logs" / "rl" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r.get("kind", "train") == "train"]
     assert len(train) == steps and all("reward_margin" in r and "reward_accuracy" in r for r in train)
@@ -73,4 +73,9 @@ def test_pairs_from_an_annotation_export_and_the_python_api(ray_session, copy_pr
                                                "rl.dpo": {"rank_lists": [str(ranks)], "loss": "ipo"}})
     result = rlt2t.train(cfg)
     assert len(read_pairs_file(pairs_file(run))) == lists
-    assert result.steps == -(-lists // 4)
+    assert result.steps == -(-lists // 4) and result.items_used == lists
+    other = copy_prepared(tmp_path / "missing")  # a file that is not there: named with its key, before any actor
+    missing = rlt2t.load_config(TINY, overrides={"run.dir": str(other), "rl.algorithm": "dpo",
+                                                 "rl.dpo": {"rank_lists": [str(tmp_path / "x.tsv")]}})
+    with pytest.raises(FileNotFoundError, match=r"^rl.dpo.rank_lists: file not found: .*x.tsv$"):
+        rlt2t.train(missing)

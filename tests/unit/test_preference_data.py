@@ -23,6 +23,8 @@ def test_file_pairs_weigh_each_list_as_one_pair(tmp_path):
     assert [p.weight for p in got] == pytest.approx([1 / 3, 1 / 3, 1 / 3, 1.0])
     assert got[0].example_id == f"{ranks}:1#0"
     assert file_pairs(PreferenceSettings()) == []
+    with pytest.raises(FileNotFoundError, match=r"^rl.dpo.ratings: file not found: .*nope.jsonl$"):
+        file_pairs(PreferenceSettings(rank_lists=[str(ranks)], ratings=[str(tmp_path / "nope.jsonl")]), "rl.dpo")
 
 
 def _scored(example_id, candidates, rewards):
