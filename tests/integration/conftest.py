@@ -24,16 +24,30 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 
 
+_LAST_RAY_MODULE: list[str] = []  # the last module whose tests use ray_session (pytest_collection_modifyitems)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    users = [item.module.__name__ for item in items
+             if "ray_session" in getattr(item, "fixturenames", ()) and getattr(item, "module", None) is not None]
+    _LAST_RAY_MODULE[:] = users[-1:]
+
+
 @pytest.fixture(scope="module")
-def ray_session():
-    """One per module (seconds each time): the jobs of the module's tests run on it, each releasing its actors
-    and placement groups as a job does; none stays up while other modules run (a session-wide one was suspected
-    of CI's hung gloo test, which turned out to be torch's DDP teardown: tests/unit/learner/test_pg_rank_share.py)."""
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-                                       "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+def ray_session(request):
+    """One embedded Ray for the modules whose tests run jobs in this process, started by the first and stopped
+    after the last (3.5 s of start and stop saved per module): each job releases its actors and placement
+    groups, so a module finds the cluster as the one before it left it. None stays up while the unit tests run
+    (a session-wide one was once suspected of CI's hung gloo test, which turned out to be torch's DDP teardown:
+    tests/unit/learner/test_pg_rank_share.py)."""
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                                           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     yield
-    ray.shutdown()
+    leftover = [pg for pg in ray.util.placement_group_table().values() if pg.get("state") == "CREATED"]
+    if not _LAST_RAY_MODULE or _LAST_RAY_MODULE[0] == request.module.__name__ or leftover:
+        ray.shutdown()  # the last user, or a module that left reserved resources behind: the next starts afresh
 
 
 @pytest.fixture(scope="session")
