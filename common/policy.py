@@ -94,7 +94,7 @@ def load_policy(
     if path is not None:
         path = Path(path)
         family = family_of_dir(path)  # FileNotFoundError without config.json, UnsupportedModelError if unknown
-        tok_src = path if has_tokenizer(path) else tokenizer_dir
+        tok_src = tokenizer_source(path, tokenizer_dir)
         if tok_src is None:
             raise ValueError(f"{path} holds no tokenizer; set tokenizer.path to a tokenizer directory")
         tokenizer = prepare_tokenizer(load_tokenizer(tok_src), family, src_lang=model_cfg.src_lang)
@@ -185,6 +185,16 @@ def check_lengths(policy: Policy, data_cfg: DataConfig, new_tokens: Mapping[str,
 def has_tokenizer(path: Path) -> bool:
     """Whether a model directory holds its tokenizer's files."""
     return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+
+
+def tokenizer_source(path: str | Path | None, tokenizer_dir: str | Path | None) -> Path | None:
+    """The tokenizer :func:`load_policy` gives the model at ``path``: the directory's own (a LoRA adapter's
+    base's, on which it loads), else ``tokenizer_dir``; None when there is neither."""
+    if path is not None:
+        path = adapter_base(path) if is_adapter_checkpoint(path) else Path(path)
+        if has_tokenizer(path):
+            return path
+    return Path(tokenizer_dir) if tokenizer_dir is not None else None
 
 
 def _check_vocabulary(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, origin: str) -> None:

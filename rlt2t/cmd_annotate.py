@@ -64,28 +64,15 @@ def _load_items(cfg, store, *, candidates: str | None = None, sources: str | Non
 
 
 def _rankable(cfg, new: list) -> list:
-    """The items people can rank and a reward model can train on: the candidates a ranking of them exports
-    (``usable_ranking``: blank ones and those equal to another once cleaned for ranks.tsv dropped), at least two
-    of them, and every text one the run's tokenizer reads when the run has one (the default reward model starts
-    from the run's SFT checkpoint; `reward-model train` would stop on the export's line). What is left out is
-    counted, with the first reason."""
-    from dataclasses import replace
-
+    """``new`` without the items that cannot be ranked or trained on (``items.rankable``), their texts checked
+    with the run's tokenizer when it has one (the default reward model starts from the run's SFT checkpoint);
+    what is left out is counted, with the first reason."""
     from rlt2t.common.tokenization import load_tokenizer, text_checker
     from rlt2t.jobs import text_tokenizer_dir
-    from rlt2t.services.annotation.export import usable_ranking
+    from rlt2t.services.annotation.items import rankable
 
     where = text_tokenizer_dir(cfg)
-    check = text_checker(load_tokenizer(where)) if where is not None else None
-    kept, skipped, first = [], 0, None
-    for item in new:
-        item = replace(item, candidates=tuple(usable_ranking(item.candidates)[0]))
-        problem = "fewer than 2 distinct non-blank candidates" if len(item.candidates) < 2 else next(
-            (f"{text!r}: {why}" for text in (item.source, *item.candidates) if check and (why := check(text))), None)
-        if problem is None:
-            kept.append(item)
-        else:
-            skipped, first = skipped + 1, first or f"{item.ext_id or item.source[:40]!r}: {problem}"
+    kept, skipped, first = rankable(new, text_checker(load_tokenizer(where)) if where is not None else None)
     if skipped:
         print(f"annotate: {skipped} items left out, which cannot be ranked or trained on (first: {first})",
               flush=True)

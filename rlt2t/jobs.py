@@ -39,11 +39,11 @@ from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_js
 from rlt2t.common.lora import load_lora_policy
 from rlt2t.common.policy import (
     Policy,
-    adapter_base,
     check_lengths,
     has_tokenizer,
     is_adapter_checkpoint,
     load_policy,
+    tokenizer_source,
 )
 from rlt2t.common.synth import GENERATOR_VERSION, write_synthetic
 from rlt2t.common.synth import META_FILE as SYNTH_META
@@ -165,12 +165,7 @@ def load_split(cfg: Config, split: str, require_target: bool = True) -> Sequence
 def text_tokenizer_dir(cfg: Config) -> Path | None:
     """The tokenizer the run's texts are checked and measured with, as ``load_policy`` picks it: the one in
     model.path (a pretrained directory's own), else the run's tokenizer directory; None when there is neither."""
-    path = Path(cfg.model.path) if cfg.model.path else None
-    if path is not None and is_adapter_checkpoint(path):
-        path = adapter_base(path)  # LoRA adapters load on their base, with its tokenizer
-    if path is not None and has_tokenizer(path):
-        return path
-    return cfg.tokenizer_dir if cfg.tokenizer_dir.is_dir() else None
+    return tokenizer_source(cfg.model.path or None, cfg.tokenizer_dir if cfg.tokenizer_dir.is_dir() else None)
 
 
 def _saved_config_with(cfg: Config, split: str) -> Path | None:

@@ -15,11 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 
 from tqdm import tqdm
 
 from rlt2t.common.data import DataError, Example
+from rlt2t.services.annotation.export import usable_ranking
 from rlt2t.services.annotation.store import NewItem, unstorable
 from rlt2t.services.client import PolicyClient
 
@@ -29,6 +31,25 @@ log = logging.getLogger("rlt2t.services.annotation")
 def distinct(texts: Sequence[str]) -> tuple[str, ...]:
     """``texts`` without repeats, first occurrences in order."""
     return tuple(dict.fromkeys(texts))
+
+
+def rankable(items: Iterable[NewItem], check: Callable[[str], str | None] | None = None
+             ) -> tuple[list[NewItem], int, str | None]:
+    """The items people can rank and a reward model can train on, the number left out and the first reason.
+    An item keeps the candidates a ranking of it exports (``usable_ranking``: blank ones and those equal to
+    another once cleaned for ranks.tsv dropped) and needs at least two; with ``check`` (the run's
+    ``text_checker``: what it says is wrong with a text, or None) its source and every candidate must pass,
+    else its export would stop ``reward-model train`` at that line."""
+    kept, skipped, first = [], 0, None
+    for item in items:
+        item = replace(item, candidates=tuple(usable_ranking(item.candidates)[0]))
+        problem = "fewer than 2 distinct non-blank candidates" if len(item.candidates) < 2 else next(
+            (f"{text!r}: {why}" for text in (item.source, *item.candidates) if check and (why := check(text))), None)
+        if problem is None:
+            kept.append(item)
+        else:
+            skipped, first = skipped + 1, first or f"{item.ext_id or item.source[:40]!r}: {problem}"
+    return kept, skipped, first
 
 
 def _storable(text: str, path: str, lineno: int, field: str, what: str = "") -> None:
