@@ -136,6 +136,13 @@ class Algorithm:
         (``rlt2t.learner.learner.Objective``). Runs in the learner process (it may import torch)."""
         raise NotImplementedError(f"algorithm {self.name!r} defines no objective")
 
+    def check_unit(self) -> None:
+        """Checked as a config names the unit, before any job starts: a ValueError saying what the class lacks.
+        The default: it defines the objective its learner ranks optimise."""
+        if type(self).objective is Algorithm.objective:
+            raise ValueError("defines no `objective`: subclass rlt2t.learner.algorithms.base.PolicyGradient and "
+                             "define `advantages`, or define `objective` (docs/guides/algorithms.md)")
+
     def __repr__(self) -> str:
         return f"<algorithm {self.name}>"
 
@@ -145,6 +152,10 @@ def _load(path: str, where: str) -> Algorithm:
     if not sep or not module or not attr:
         raise ValueError(f"{where}: {path!r} is neither a registered algorithm ({', '.join(names())}) nor a "
                          "`package.module:Class` path")
+    if module == "__main__":
+        raise ValueError(f"{where}: {path!r}: the learner ranks (Ray actors) import the unit by its path, and a "
+                         "script's __main__ is not theirs; put the class in a module of its own (my_algorithms.py "
+                         f"beside the script) and name it `my_algorithms:{attr}`")
     try:
         cls = getattr(importlib.import_module(module), attr)
     except ImportError as e:
@@ -152,22 +163,36 @@ def _load(path: str, where: str) -> Algorithm:
                          "job runs: on the Python path, or shipped with the job's working_dir / py_modules)") from e
     except AttributeError:
         raise ValueError(f"{where}: module {module!r} has no {attr!r}") from None
+    except Exception as e:  # the user's module fails as it imports (a SyntaxError, an error at its top level)
+        raise ValueError(f"{where}: importing {module!r} for {path!r} raised {type(e).__name__}: {e}") from e
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise ValueError(f"{where}: {path!r} is not a subclass of rlt2t.common.algorithms.Algorithm")
-    unit = cls()
-    if not getattr(unit, "name", None):
-        raise ValueError(f"{where}: {path!r} sets no `name`")
+    try:
+        unit = cls()
+    except Exception as e:
+        raise ValueError(f"{where}: {path!r}() raised {type(e).__name__}: {e} (a unit is built without "
+                         "arguments: its settings come from its `settings` section, rl.<name>)") from e
+    name = getattr(unit, "name", None)
+    if not name or not isinstance(name, str):
+        raise ValueError(f"{where}: {path!r} sets no `name` (a string: its settings section is rl.<name>)")
+    if name in BUILTIN and BUILTIN[name] != path:
+        raise ValueError(f"{where}: {path!r} is named {name!r}, a registered algorithm's name (its section "
+                         f"rl.{name} would be taken); choose another `name`")
+    try:
+        unit.check_unit()
+    except ValueError as e:
+        raise ValueError(f"{where}: {path!r} {e}") from None
     return unit
 
 
-def algorithm_sections(chosen: str | None = None) -> dict[str, type[BaseModel]]:
+def algorithm_sections(chosen: object = None) -> dict[str, type[BaseModel]]:
     """The settings sections an `rl` section may hold: each registered algorithm's that has one (``rl.<name>``),
-    and the chosen algorithm's when it is a unit of one's own (a path that does not import is left to the
-    ``rl.algorithm`` check)."""
-    units = [algorithm(n) for n in names()]
-    if chosen and chosen not in BUILTIN:
+    and those of the units of one's own this process has loaded, ``chosen`` first (a path that does not import
+    is left to the ``rl.algorithm`` check, as is a ``chosen`` that is no string)."""
+    if isinstance(chosen, str) and chosen not in BUILTIN:
         with contextlib.suppress(ValueError):
-            units.append(algorithm(chosen))
+            algorithm(chosen)
+    units = [algorithm(n) for n in names()] + [u for key, u in _loaded.items() if key not in BUILTIN]
     return {u.name: u.settings for u in units if u.settings is not None}
 
 
@@ -184,6 +209,11 @@ def algorithm(name: str, where: str = "rl.algorithm") -> Algorithm:
         unit = _load(BUILTIN.get(name, name), where)
         _loaded[name] = unit
     return unit
+
+
+def nan_loss_advice(name: str) -> str:
+    """What to change when a learner step's loss is not finite under algorithm ``name``."""
+    return "lower rl.lr" if name in BUILTIN else f"lower rl.lr, or check what {name} (a unit of your own) computes"
 
 
 def rollout_spec_for(name: str, *, kl: bool, mask_top_p: float = 1.0) -> RolloutSpec:

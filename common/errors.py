@@ -6,3 +6,9 @@ from __future__ import annotations
 class ResumableFailure(RuntimeError):
     """A job failed in a way the newest complete checkpoint recovers from (e.g. a learner rank died): the
     command line says to rerun with ``--resume`` instead of printing a traceback."""
+
+    checkpoint: str | None = None
+    """The newest complete checkpoint the failed job left, when the job that raised it knows (None: none yet, or
+    not known)."""
+    checked: bool = False
+    """Whether ``checkpoint`` was looked for (so that None means none was written)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 PANELS = (
     ("losses", ("loss", "ce", "rank_loss"), "train"),
-    ("rewards of the pair", ("reward_a", "reward_b"), "train"),
+    ("rewards", ("reward_mean", "reward_a", "reward_b", "reward_margin"), "train"),
     ("validation", ("monitor", "cider_d", "task_score"), "valid"),
 )
 
@@ -29,8 +29,9 @@ def read_rows(metrics_jsonl: str | Path) -> list[dict]:
 
 def plot_curves(metrics_jsonl: str | Path, out_png: str | Path, title: str = "",
                 panels: tuple[Panel, ...] = PANELS) -> Path | None:
-    """Plot a stage's curves from its metrics.jsonl, one panel each (default: rank RL's loss, reward and
-    validation panels); None when there is nothing to plot."""
+    """Plot a stage's curves from its metrics.jsonl, one panel each (default: RL's losses; its rewards, the
+    batch mean of a policy gradient's samples, rank RL's pair or DPO's implicit reward margin; and validation);
+    None when there is nothing to plot."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -481,6 +481,7 @@ class PolicyGradientObjective:
             else:  # sequence advantages, the unit's own [N, K]
                 per_source = self.unit.advantages(rewards, seq_kl=seq_kl.view(k, size).t(), beta=beta,
                                                   greedy_rewards=batch.greedy_rewards, pg=pg, all_sum=run.all_sum)
+                _check_advantages(self.unit, per_source, rewards)
                 advantages = per_source.t().reshape(-1, 1).expand_as(old_logp).contiguous()
                 returns = None
         # 3. the optimisation (the unit's objective may take it over: Experience holds what it needs)
@@ -669,3 +670,15 @@ def build_objective(rl: RLConfig, rollout: RolloutConfig, policy: Policy, *, see
                     reference: nn.Module | None = None) -> Any:
     """The objective of ``rl.algorithm`` for ``policy`` (its unit's, rlt2t.common.algorithms)."""
     return rl.unit.objective(rl, rollout, policy, seed=seed, reference=reference)
+
+
+def _check_advantages(unit: Any, advantages: Any, rewards: Tensor) -> None:
+    """A unit's sequence advantages are a tensor of its rewards' shape [N, K], finite where the rewards are: a
+    flat [N*K] would pair each sample with another's advantage without an error."""
+    where = f"{type(unit).__module__}:{type(unit).__qualname__}.advantages"
+    if not isinstance(advantages, torch.Tensor) or advantages.shape != rewards.shape:
+        got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        raise ValueError(f"{where} returned {got}; it must return a tensor of the rewards' shape [N sources, K "
+                         f"samples] = {tuple(rewards.shape)}")
+    if not bool(torch.isfinite(advantages).all()) and bool(torch.isfinite(rewards).all()):
+        raise FloatingPointError(f"{where} returned non-finite advantages from finite rewards")

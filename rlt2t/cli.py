@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError, ValueError, AttributeError):  # no more writes to the closed pipe, at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a command the pipe ended
-    except (ConfigError, ValueError, OSError) as e:
+    except (ConfigError, ValueError, OSError, FloatingPointError) as e:
         if args.verbose:
             raise
         print(f"rlt2t {args.command}: error: {_message(e)}", file=sys.stderr)
@@ -120,8 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ResumableFailure as e:
         if args.verbose:
             raise
-        print(f"rlt2t {args.command}: {e}\nthe newest complete checkpoint is kept: rerun with --resume",
-              file=sys.stderr)
+        where = ("no checkpoint was complete yet: rerun once the cause is fixed" if e.checked and not e.checkpoint
+                 else f"the newest complete checkpoint ({e.checkpoint}) is kept: rerun with --resume" if e.checkpoint
+                 else "the newest complete checkpoint is kept: rerun with --resume")
+        print(f"rlt2t {args.command}: {_plain(str(e))}\n{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted; completed checkpoints are kept (resume with --resume)", file=sys.stderr)
@@ -140,6 +142,11 @@ def _is_service_error(e: Exception) -> bool:
     traceback. Only a command that loaded the clients can raise one."""
     client = sys.modules.get("rlt2t.services.client")
     return client is not None and isinstance(e, client.ServiceError)
+
+
+def _plain(text: str) -> str:
+    """``text`` without terminal colour codes (Ray colours the actor names in the errors it wraps)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 def _message(e: Exception) -> str:

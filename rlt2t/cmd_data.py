@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 def cmd_config(args) -> None:
     if args.explain:
+        if args.config or args.overrides:
+            load_cfg(args)  # a unit of one's own that it names is loaded: its section rl.<name> is listed too
         print("\n".join([*explain(), "", *explain_derived()]))
     else:
         print(config_to_yaml(load_cfg(args)), end="")

@@ -42,6 +42,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlt2t.actors.reward import RewardWorker
 from rlt2t.actors.rollout import RolloutWorker
+from rlt2t.common.algorithms import nan_loss_advice
 from rlt2t.common.checkpoint import (
     BestCheckpoint,
     CheckpointInfo,
@@ -590,7 +591,8 @@ class _Job:
                     log.info(progress_line(at, total_steps, last))
                     window_t, window_items = now, 0
                 if not math.isfinite(metrics["loss"]):
-                    raise FloatingPointError(f"rl: loss is {metrics['loss']} at step {at}; lower rl.lr")
+                    raise FloatingPointError(f"rl: loss is {metrics['loss']} at step {at}; "
+                                             f"{nan_loss_advice(r.algorithm)}")
                 if r.save_every_steps and at % r.save_every_steps == 0 and not sched.finished:
                     # Out of order, the epoch's trained sources are not a prefix of its order: the checkpoint
                     # names them, so a resumed run neither skips nor repeats any.

@@ -35,6 +35,7 @@ from rlt2t.common.checkpoint import (
 from rlt2t.common.collate import encode_examples
 from rlt2t.common.config import Config, MetricTerm, SFTConfig, TextStageConfig, config_to_yaml, shared_directory
 from rlt2t.common.data import Example, existing_splits, load_data, reference_sets, targets_of, unique_references
+from rlt2t.common.errors import ResumableFailure
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from rlt2t.common.lora import load_lora_policy
 from rlt2t.common.policy import (
@@ -530,6 +531,11 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     save_run_config(cfg, STAGE)
     latest = resume_point(cfg.run_dir / STAGE / "checkpoints", resume)
     resumed = read_checkpoint(latest) if latest else None
+    recorded = resumed.meta.get("algorithm") if resumed is not None else None
+    if recorded and recorded != cfg.rl.algorithm:
+        raise ValueError(f"rl.algorithm={cfg.rl.algorithm}, but {latest} was trained with rl.algorithm={recorded}: "
+                         f"resume with rl.algorithm={recorded}, or start a new run.dir from it (--init {latest}, "
+                         "init= in Python) to go on with another algorithm")
     if init:
         start = resolve_model_dir(init)
     elif resumed is not None and resumed.meta.get("init"):
@@ -550,7 +556,13 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
         warn_if_bleu_cannot_score(cfg, train_set[: cfg.rl.train_subset or None])
     if resumed is None and valid:
         warn_if_collapsed(cfg, start, valid)
-    return train(cfg, train_set, valid, init=ref, start=start, resume_from=resumed, stop_after_steps=stop_after_steps)
+    try:
+        return train(cfg, train_set, valid, init=ref, start=start, resume_from=resumed,
+                     stop_after_steps=stop_after_steps)
+    except ResumableFailure as e:  # the command line says whether there is a checkpoint to resume from
+        newest = latest_complete_checkpoint(cfg.run_dir / STAGE / "checkpoints")
+        e.checkpoint, e.checked = (str(newest) if newest else None), True
+        raise
 
 
 BLEU_ORDER = 4

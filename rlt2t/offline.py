@@ -23,6 +23,7 @@ import ray
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from rlt2t.common.algorithms import nan_loss_advice
 from rlt2t.common.checkpoint import (
     BestCheckpoint,
     CheckpointInfo,
@@ -205,7 +206,8 @@ def _run(cfg: Config, learners: LearnerGroup, pairs: list[PreferencePair], valid
                     log.info(progress_line(step, total_steps, last))
                     window_t, window_items = now, 0
                 if not math.isfinite(metrics["loss"]):
-                    raise FloatingPointError(f"rl: loss is {metrics['loss']} at step {step}; lower rl.lr")
+                    raise FloatingPointError(f"rl: loss is {metrics['loss']} at step {step}; "
+                                             f"{nan_loss_advice(r.algorithm)}")
                 if stop_after_steps and step >= stop_after_steps:  # (tests: a run cut short, as by a kill)
                     result.steps = step
                     return result

@@ -206,9 +206,15 @@ class RLConfig(StageConfig):
             data = dict(data)
             known = algorithm_sections(data.get("algorithm", cls.model_fields["algorithm"].default))
             for key in [k for k in data if k not in cls.model_fields and k in known]:
-                raw = data.pop(key)
+                raw, model = data.pop(key), known[key]
+                # a unit of one's own may leave its model's extra keys allowed: a typo must not pass silently
+                unknown = ([k for k in raw if k not in model.model_fields] if isinstance(raw, dict)
+                           and model.model_config.get("extra") != "forbid" else [])
                 try:
-                    sections[key] = raw if isinstance(raw, known[key]) else known[key].model_validate(raw)
+                    if unknown:
+                        raise ValidationError.from_exception_data(model.__name__, [
+                            {"type": "extra_forbidden", "loc": (k,), "input": raw[k]} for k in unknown])
+                    sections[key] = raw if isinstance(raw, model) else model.model_validate(raw)
                 except ValidationError as e:
                     raise ValidationError.from_exception_data(cls.__name__, [
                         {"type": err["type"], "loc": (key, *err["loc"]), "input": err["input"],

@@ -7,6 +7,7 @@ time: a config names a unit and validates without it.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from rlt2t.common.algorithms import Algorithm
@@ -37,10 +38,30 @@ class PolicyGradient(Algorithm):
         decodes' rewards when the rollouts made them, ``all_sum`` a sum over the learner ranks."""
         raise NotImplementedError(f"{self.name} defines no sequence advantages")
 
+    def check_unit(self) -> None:
+        """A sequence-advantage unit defines ``advantages`` with the signature the objective calls it with."""
+        super().check_unit()
+        if self.value_head:
+            return  # token-level advantages from the value head (GAE): no sequence advantages to define
+        if type(self).advantages is PolicyGradient.advantages:
+            raise ValueError("defines no `advantages(rewards, *, seq_kl, beta, greedy_rewards, pg, all_sum)`: the "
+                             "sequence advantages [N, K] of its rewards [N, K]")
+        try:
+            inspect.signature(self.advantages).bind(None, seq_kl=None, beta=0.0, greedy_rewards=None, pg=None,
+                                                    all_sum=None)
+        except TypeError as e:
+            raise ValueError(f"has `advantages{inspect.signature(self.advantages)}`, which the objective cannot call "
+                             f"as advantages(rewards, *, seq_kl, beta, greedy_rewards, pg, all_sum): {e}") from None
+
+    rl: RLConfig
+    """The job's `rl` section, set when a learner rank builds the objective: ``self.rl.section()`` is the unit's
+    own settings (``rl.<name>``) for its ``advantages`` to read."""
+
     def objective(self, rl: RLConfig, rollout: RolloutConfig, policy: Any, *, seed: int,
                   reference: Any = None) -> Any:
         from rlt2t.learner.objectives import PolicyGradientObjective
 
+        self.rl = rl
         return PolicyGradientObjective(rl, rollout, policy, seed=seed, reference=reference, unit=self)
 
 

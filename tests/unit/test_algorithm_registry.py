@@ -122,10 +122,10 @@ def test_an_unknown_name_lists_the_registered_ones():
 
 def test_a_unit_of_ones_own_plugs_in_by_its_import_path(tmp_path, monkeypatch):
     (tmp_path / "my_algos.py").write_text(textwrap.dedent('''
-        from rlt2t.common.algorithms import Algorithm
+        from rlt2t.learner.algorithms.grpo import GRPO
 
-        class Greedy(Algorithm):
-            """GRPO's rollouts with a stricter rule: at least 4 samples per source (a test unit)."""
+        class Greedy(GRPO):
+            """GRPO with a stricter rule: at least 4 samples per source (a test unit)."""
             name = "greedy-test"
             min_samples = 4
             default_refresh_steps = 3
@@ -165,3 +165,96 @@ def test_explain_lists_the_registered_algorithms_and_their_sections():
     assert f"Registered: {', '.join(names())}." in " ".join(text.split())
     for name, settings in algorithms.algorithm_sections().items():
         assert all(f"rl.{name}.{key} = " in text for key in settings.model_fields)
+
+
+UNITS = textwrap.dedent('''
+    from pydantic import BaseModel
+
+    from rlt2t.common.algorithms import Algorithm
+    from rlt2t.learner.algorithms.base import PolicyGradient
+
+    class Bare(Algorithm):
+        name = "bare"
+
+    class NoAdvantages(PolicyGradient):
+        name = "no-advantages"
+
+    class WrongSignature(PolicyGradient):
+        name = "wrong-signature"
+
+        def advantages(self, rewards):
+            return rewards
+
+    class AnyKeywords(PolicyGradient):
+        name = "any-keywords"
+
+        def advantages(self, rewards, **kw):
+            return rewards - rewards.mean(dim=1, keepdim=True)
+
+    class NeedsArguments(PolicyGradient):
+        name = "needs-arguments"
+
+        def __init__(self, scale):
+            self.scale = scale
+
+    class TakesTRPOsName(AnyKeywords):
+        name = "trpo"
+
+    class Loose(BaseModel):  # extra keys allowed, as pydantic's default
+        scale: float = 1.0
+
+    class Scaled(AnyKeywords):
+        name = "scaled"
+        settings = Loose
+''')
+
+
+@pytest.fixture
+def user_units(tmp_path, monkeypatch):
+    (tmp_path / "user_units.py").write_text(UNITS)
+    (tmp_path / "broken_units.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(algorithms, "_loaded", {})
+    yield
+    for module in ("user_units", "broken_units"):
+        sys.modules.pop(module, None)
+
+
+@pytest.mark.parametrize(("path", "message"), [
+    ("user_units:Bare", r"user_units:Bare' defines no `objective`: subclass rlt2t.learner.algorithms.base"),
+    ("user_units:NoAdvantages", r"defines no `advantages\(rewards, \*, seq_kl, beta, greedy_rewards, pg, all_sum\)`"),
+    ("user_units:WrongSignature", r"has `advantages\(rewards\)`, which the objective cannot call as "
+                                  r"advantages\(rewards, \*, seq_kl,.*unexpected keyword argument 'seq_kl'"),
+    ("user_units:NeedsArguments", r"NeedsArguments'\(\) raised TypeError: .*scale.*a unit is built without arguments"),
+    ("user_units:TakesTRPOsName", r"is named 'trpo', a registered algorithm's name"),
+    ("broken_units:Unit", r"importing 'broken_units' for 'broken_units:Unit' raised RuntimeError: no GPU here"),
+    ("__main__:Mine", r"'__main__:Mine': the learner ranks \(Ray actors\) import the unit by its path.*"
+                      r"name it `my_algorithms:Mine`"),
+])
+def test_a_unit_that_cannot_train_is_refused_as_the_config_names_it(user_units, path, message):
+    """What the learner would only find after Ray started (a missing method, a signature it cannot call, a class
+    in a script's __main__) fails the config, naming rl.algorithm and the unit."""
+    with pytest.raises(ConfigError, match=r"rl.algorithm: .*" + message):
+        load_config(overrides=[f"rl.algorithm={path}"])
+
+
+def test_a_unit_whose_advantages_take_any_keywords_loads(user_units):
+    assert load_config(overrides=["rl.algorithm=user_units:AnyKeywords"]).rl.unit.name == "any-keywords"
+
+
+@pytest.mark.parametrize("value", ["user_units:", "[grpo]", "123"])
+def test_an_algorithm_that_is_no_string_is_a_config_error(user_units, value):
+    """`rl.algorithm=mod:` reads as a mapping in YAML, `[grpo]` as a list: the key's own error, no traceback."""
+    with pytest.raises(ConfigError, match=r"rl.algorithm: Input should be a valid string"):
+        load_config(overrides=[f"rl.algorithm={value}"])
+
+
+def test_a_units_own_section_refuses_unknown_keys_and_is_explained(user_units):
+    """A settings model that allows extra keys (pydantic's default) would take a typo silently."""
+    from rlt2t.common.config import explain
+
+    cfg = load_config(overrides=["rl.algorithm=user_units:Scaled", "rl.scaled.scale=2"])
+    assert cfg.rl.section().scale == 2.0
+    with pytest.raises(ConfigError, match=r"rl.scaled.scal: unknown key \(did you mean rl.scaled.scale\?\)"):
+        load_config(overrides=["rl.algorithm=user_units:Scaled", "rl.scaled.scal=2"])
+    assert "rl.scaled.scale = 1.0" in explain()  # once a config has named it (`rlt2t config --explain rl.algorithm=…`)

@@ -184,3 +184,42 @@ def test_a_reward_whose_bleu_part_cannot_score_short_references_says_so(caplog):
     assert warned(load_config(), punctuated) == [] and warned(load_config(), several) == []
     assert warned(load_config(overrides=["rl.algorithm=dpo"]), two_words) == []  # trained from preference files
 
+
+
+def test_a_resume_with_another_algorithm_is_refused_naming_the_one_it_was_trained_with(tmp_path):
+    """Forgetting `rl.algorithm=mypkg:Mine` on `--resume` would go on with the default GRPO from its weights."""
+    import json
+
+    from rlt2t.common.checkpoint import MARKER
+    from rlt2t.jobs import rl_job
+
+    ckpt = tmp_path / "run" / "rl" / "checkpoints" / "step-000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / MARKER).write_text(json.dumps({"name": ckpt.name, "step": 4, "files": {}, "algorithm": "rloo"}))
+    cfg = load_config(["tiny"], [f"run.dir={tmp_path / 'run'}"])
+    with pytest.raises(ValueError, match=rf"rl.algorithm=rank, but {ckpt} was trained with rl.algorithm=rloo: resume "
+                                         r"with rl.algorithm=rloo, or start a new run.dir from it \(--init"):
+        rl_job(cfg, resume=True)
+
+
+def test_a_failed_rank_says_whether_a_checkpoint_is_there_to_resume_from(monkeypatch, capsys):
+    """`rerun with --resume` only when a checkpoint was written; Ray's colour codes left out of the line."""
+    from rlt2t import cli
+    from rlt2t.common.errors import ResumableFailure
+
+    def fails(checkpoint, checked):
+        def job(args):
+            e = ResumableFailure("a learner rank failed: \x1b[36mray::Learner.train_step()\x1b[39m ValueError: x")
+            e.checkpoint, e.checked = checkpoint, checked
+            raise e
+        return job
+
+    for checkpoint, checked, said in [(None, True, "no checkpoint was complete yet: rerun once the cause is fixed"),
+                                      ("run/rl/checkpoints/step-000004", True,
+                                       "the newest complete checkpoint (run/rl/checkpoints/step-000004) is kept: "
+                                       "rerun with --resume"),
+                                      (None, False, "the newest complete checkpoint is kept: rerun with --resume")]:
+        monkeypatch.setattr("rlt2t.cmd_data.cmd_config", fails(checkpoint, checked))
+        assert cli.main(["config"]) == 1
+        err = capsys.readouterr().err
+        assert "ray::Learner.train_step() ValueError: x" in err and "\x1b" not in err and said in err, err

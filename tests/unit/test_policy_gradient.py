@@ -461,3 +461,86 @@ def test_a_resume_follows_the_configured_kl_target(init_dir, caplog):
     caplog.clear()
     same.objective.load_state_dict(state)
     assert same.objective.kl.coef == coef and same.objective.kl.target == 1.0 and not caplog.text
+
+
+USER_UNITS = '''
+import torch
+
+from rlt2t.learner.algorithms.base import PolicyGradient
+
+class Centred(PolicyGradient):
+    """REINFORCE with each source's mean reward as the baseline, no KL (a user's unit)."""
+    name = "centred"
+    uses_reference = False
+
+    def advantages(self, rewards, **kw):
+        return rewards - rewards.mean(dim=1, keepdim=True)
+
+class Flat(Centred):
+    name = "flat"
+
+    def advantages(self, rewards, **kw):
+        return super().advantages(rewards).reshape(-1)  # [N*K]: each sample would get another's advantage
+
+class NotFinite(Centred):
+    name = "not-finite"
+
+    def advantages(self, rewards, **kw):
+        return rewards * float("nan")
+'''
+
+
+@pytest.mark.parametrize(("unit", "error", "message"), [
+    ("Centred", None, None),
+    ("Flat", ValueError, r"user_pg:Flat.advantages returned \(32,\); it must return a tensor of the rewards' shape "
+                         r"\[N sources, K samples\] = \(8, 4\)"),
+    ("NotFinite", FloatingPointError, r"user_pg:NotFinite.advantages returned non-finite advantages from finite"),
+])
+def test_a_units_own_advantages_train_and_a_wrong_shape_or_nan_names_it(init_dir, tmp_path, monkeypatch, unit, error,
+                                                                        message):
+    import sys
+
+    from rlt2t.common import algorithms
+
+    (tmp_path / "user_pg.py").write_text(USER_UNITS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(algorithms, "_loaded", {})
+    monkeypatch.delitem(sys.modules, "user_pg", raising=False)
+    rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
+    rl = RLConfig(algorithm=f"user_pg:{unit}", batch_size=8, lr=3e-3)
+    learner = _learner(init_dir, rl, rollout)
+    groups = _scored(_rollout(init_dir, rollout, rl.rollout_spec))
+    if error is None:
+        before = learner.weights()
+        metrics = learner.train_step(groups)
+        assert metrics["kl_k1"] == 0.0 and metrics["advantage_std"] > 0  # no KL: uses_reference = False
+        assert any(not torch.equal(before[k], v) for k, v in learner.weights().items())
+    else:
+        with pytest.raises(error, match=message):
+            learner.train_step(groups)
+
+
+def test_the_algorithms_guides_own_unit_loads_reads_its_settings_and_trains(init_dir, tmp_path, monkeypatch):
+    """docs/guides/algorithms.md, "An algorithm of your own": its code, as a user copies it."""
+    import re
+    import sys
+
+    from rlt2t.common import algorithms
+    from rlt2t.common.config import load_config
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "algorithms.md").read_text()
+    section = guide.split("## An algorithm of your own", 1)[1]
+    (tmp_path / "my_algorithms.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(algorithms, "_loaded", {})
+    monkeypatch.delitem(sys.modules, "my_algorithms", raising=False)
+    rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
+    spreads = {}
+    for scale in (1.0, 0.5):
+        cfg = load_config(overrides=["rl.algorithm=my_algorithms:ScaledReinforce", f"rl.scaled_reinforce.scale={scale}",
+                                     "rl.batch_size=8", "rl.lr=0.003"])
+        groups = _scored(_rollout(init_dir, rollout, cfg.rl.rollout_spec))
+        metrics = _learner(init_dir, cfg.rl, rollout).train_step(groups)
+        assert metrics["kl_k1"] == 0.0  # uses_reference = False
+        spreads[scale] = metrics["advantage_std"]
+    assert spreads[0.5] == pytest.approx(spreads[1.0] / 2, rel=1e-5) and spreads[1.0] > 0
