@@ -65,6 +65,7 @@ from transformers import PreTrainedTokenizerBase
 from rlt2t.common.checkpoint import MARKER, STATE_FILE, weights_checksum
 from rlt2t.common.collate import encode_texts
 from rlt2t.common.config import ModelConfig
+from rlt2t.common.config.base import QUANTIZATIONS
 from rlt2t.common.convert import check_out_dir
 from rlt2t.common.families import (
     NO_POSITION_LIMIT,
@@ -83,7 +84,6 @@ from rlt2t.common.tokenization import decode_ids, ids_to_tokens, load_tokenizer,
 log = logging.getLogger("rlt2t.ct2")
 
 EXPORT_INFO = "rlt2t_export.json"
-QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
 COMPUTE_TYPES = ("default", "auto", *QUANTIZATIONS)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 # Files of an rlt2t checkpoint the converter must not see (training state is large and irrelevant).

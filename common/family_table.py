@@ -83,6 +83,11 @@ def family_of_dir(path: str | Path) -> Family:
         hint = "" if path.exists() else (" (a local directory: a hub name such as google/flan-t5-small must be "
                                          "downloaded first, e.g. huggingface-cli download NAME --local-dir DIR)")
         raise FileNotFoundError(f"{path}: not a model directory (no config.json){hint}")
+    if (path / "rlt2t_export.json").is_file():  # common.ct2.EXPORT_INFO: CTranslate2's config.json has no model_type
+        raise UnsupportedModelError(
+            f"{path}: a CTranslate2 export, which torch cannot load: predict or score with it (rlt2t predict "
+            f"--generators {path} --scorers {path} --input FILE --out FILE prints its table when FILE has targets), "
+            "or pass the checkpoint it was exported from (`source` in its rlt2t_export.json)")
     return family_of(json.loads(config_path.read_text()), str(path))
 
 

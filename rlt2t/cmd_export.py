@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rlt2t import api
 from rlt2t.cmd_common import load_cfg, print_table
+from rlt2t.common.config.base import QUANTIZATIONS
 from rlt2t.common.rerank import PREDICT_RERANK_MODES
 
 RERANK_HELP = (
@@ -57,8 +58,7 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
                    help="export directory (default: {export.out}/<stage>-<checkpoint name>, e.g. sft-epoch-0003; "
                         "a model directory: its name)")
     p.add_argument("--quantization", default=None,
-                   choices=["int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",
-                            "bfloat16", "float32"],
+                   choices=QUANTIZATIONS,
                    help="weight type (default: export.quantization)")
     p.add_argument("--force", action="store_true", help="replace an existing export directory")
     p.set_defaults(fn=cmd_export)

@@ -43,9 +43,16 @@ from transformers import PreTrainedTokenizerBase
 
 from rlt2t.common.checkpoint import resolve_model_dir
 from rlt2t.common.collate import encode_texts
-from rlt2t.common.config import Config, DataConfig, PredictConfig
+from rlt2t.common.config import Config, DataConfig, PredictConfig, did_you_mean
 from rlt2t.common.ct2 import Ct2Policy, Hypothesis, export_ct2, is_export_dir, source_checksum, source_family
-from rlt2t.common.data import Example, export_competition_csv, import_competition_csv, load_data, reference_sets
+from rlt2t.common.data import (
+    DataError,
+    Example,
+    export_competition_csv,
+    import_competition_csv,
+    load_data,
+    reference_sets,
+)
 from rlt2t.common.io import atomic_write_jsonl
 from rlt2t.common.mbr import (
     PairUtility,
@@ -99,7 +106,14 @@ def read_inputs(path: str | Path, data: DataConfig) -> list[Example]:
     if not path.exists():
         raise FileNotFoundError(f"--input {path}: no such file")
     if path.suffix.lower() == ".csv" and data.format == "auto" and not _names_column(path, data.source_field):
-        return list(import_competition_csv(path, on_error=data.on_error))
+        try:
+            return list(import_competition_csv(path, on_error=data.on_error))
+        except DataError as e:
+            if e.line != 1:
+                raise
+            raise DataError(e.path, e.line, e.field, f"{e.reason} (read as the competition's header-less CSV: its "
+                            f"first row names no {data.source_field!r} column, data.source_field; a CSV with a "
+                            "header: name its source column with data.source_field=…)") from None
     return list(load_data(path, data, require_target=False))
 
 
@@ -267,8 +281,9 @@ def mbr_utility(cfg: Config, *, df: bool = True) -> PairUtility:
         except ValueError as e:
             raise ValueError(f"predict.mbr_utility=reward: {e}") from None
     if name not in available_metrics():
-        raise ValueError(f"predict.mbr_utility={name!r}: not a registered metric (known: "
-                         f"{', '.join(available_metrics())}) nor 'reward'")
+        raise ValueError(f"predict.mbr_utility={name!r}: not a registered metric nor 'reward'"
+                         f"{did_you_mean(name, [*available_metrics(), 'reward'], cutoff=0.6)} (metrics: "
+                         f"{', '.join(available_metrics())}; a utility must read references)")
     params = metric_params(name, cfg.metric)
     if df and name in ("task_score", "cider_d"):
         params["df"] = _training_df(cfg, "rerank=mbr")

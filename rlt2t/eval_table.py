@@ -126,13 +126,17 @@ def resolve_models(cfg: Config, specs: Sequence[str]) -> dict[str, Path]:
             try:
                 path = best_or_latest(root)
             except FileNotFoundError:
+                if not cfg.run_dir.is_dir():  # a saved config's relative run.dir, read from another directory
+                    raise FileNotFoundError(f"--checkpoint {target}: run.dir={cfg.run_dir} does not exist (set "
+                                            "run.dir to the run's directory)") from None
                 made_by = STAGE_COMMANDS.get(target, "")
                 raise FileNotFoundError(f"--checkpoint {target}: {root} holds no complete checkpoint"
                                         + (f" (`{made_by}` writes them)" if made_by else "")) from None
             label = label or ("rl" if target == "rank" else target)
         else:
             if not Path(target).exists():
-                raise FileNotFoundError(f"--checkpoint {target}: no such directory")
+                raise FileNotFoundError(f"--checkpoint {target}: no such directory (nor a stage name: "
+                                        f"{', '.join(STAGES)})")
             path = resolve_model_dir(target)
             label = label or _default_label(path)
         if label in models:

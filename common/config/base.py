@@ -8,12 +8,19 @@ import os
 import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
     ConfigDict,
 )
+
+Quantization = Literal["int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16",
+                       "float32"]
+"""CTranslate2's weight types (an export's `--quantization`, export.quantization)."""
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+ComputeType = Literal["default", "auto", Quantization]
+"""What CTranslate2 computes in: a weight type, or `default` / `auto`."""
 
 
 def _numeric(annotation: Any) -> bool:

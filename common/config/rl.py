@@ -15,7 +15,7 @@ from pydantic import (
 )
 
 from rlt2t.common.algorithms import Algorithm, algorithm, algorithm_sections
-from rlt2t.common.config.base import _Section
+from rlt2t.common.config.base import ComputeType, _Section
 from rlt2t.common.config.model import StageConfig
 from rlt2t.common.types import RolloutSpec
 
@@ -338,6 +338,5 @@ class RolloutConfig(_Section):
     """Per-request timeout when sampling over HTTP."""
     backend: Literal["torch", "ct2"] = "torch"
     """Sampler of the rollout actors: torch, or CTranslate2 (weights converted at each published version)."""
-    ct2_compute_type: Literal["default", "auto", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
-                              "float16", "bfloat16", "float32"] = "int8"
+    ct2_compute_type: ComputeType = "int8"
     """CTranslate2 compute type of the `ct2` backend (int8, int8_float32, float32, ...)."""

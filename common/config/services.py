@@ -9,7 +9,7 @@ from pydantic import (
     model_validator,
 )
 
-from rlt2t.common.config.base import _Section
+from rlt2t.common.config.base import Quantization, _Section
 
 PredictRerank = Literal["mean_logprob", "idf", "consensus", "reward", "mbr"]
 """The rerank modes (rlt2t.common.rerank.PREDICT_RERANK_MODES, the list the CLI offers; a test checks they agree)."""
@@ -81,8 +81,7 @@ class ServeConfig(_Section):
 
 
 class ExportConfig(_Section):
-    quantization: Literal["int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16",
-                          "float32"] = "int8"
+    quantization: Quantization = "int8"
     """CTranslate2 weight quantization."""
     out: str = "{run}/export"
     """Where `rlt2t export` writes (one subdirectory per exported model)."""

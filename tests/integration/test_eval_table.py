@@ -58,8 +58,10 @@ def test_stages_resolve_rl_to_the_new_directory_else_the_old(run, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"--checkpoint rl: .*/rl/checkpoints holds no complete checkpoint "
                                                 r"\(`rlt2t train` writes them\)"):
         resolve_models(_cfg(tmp_path), ["rl"])
-    with pytest.raises(FileNotFoundError, match="no such directory"):
+    with pytest.raises(FileNotFoundError, match=r"no such directory \(nor a stage name: sft, rl, rank, pretrain"):
         resolve_models(cfg, [str(tmp_path / "missing")])
+    with pytest.raises(FileNotFoundError, match=r"--checkpoint rl: run.dir=.*/elsewhere does not exist \(set run.dir"):
+        resolve_models(_cfg(tmp_path / "elsewhere"), ["rl"])  # a saved config's relative run.dir, from another cwd
     # Once the RL stage writes under rl/, that directory wins.
     newer = _cfg(tmp_path)
     policy = load_policy(newer.model, cfg.tokenizer_dir, seed=2)

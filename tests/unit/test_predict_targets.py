@@ -306,6 +306,8 @@ def test_mbr_pool_over_the_cap_is_refused_before_decoding(bart_export, tmp_path,
 
 @pytest.mark.parametrize(("name", "msg"), [
     ("bleu5", r"predict.mbr_utility='bleu5': not a registered metric"),
+    ("rouge_m", r"predict.mbr_utility='rouge_m': not a registered metric nor 'reward' \(did you mean rouge_l\?\) "
+                r"\(metrics: .*; a utility must read references\)"),
     ("mean_length", r"predict.mbr_utility='mean_length': this metric reads no references"),
     ("distinct_2", r"predict.mbr_utility='distinct_2': this metric reads no references"),
     ("classifier_accuracy", r"predict.mbr_utility='classifier_accuracy': the metric cannot be built .*TypeError"),
@@ -412,3 +414,8 @@ def test_predict_reads_a_csv_with_a_header_as_data_and_one_without_as_the_compet
     competition.write_text("7,12 7 5,40 41\n")  # report_id,description,diagnosis: no header
     [row] = read_inputs(competition, DataConfig())
     assert (row.id, row.source, row.target) == ("7", "12 7 5", "40 41")
+    misnamed = tmp_path / "misnamed.csv"
+    misnamed.write_text("id,src\na,city: paris\n")  # a header, but not data.source_field's column
+    with pytest.raises(ValueError, match=r"misnamed.csv:1: field 'description': .* \(read as the competition's "
+                                         r"header-less CSV: its first row names no 'source' column"):
+        read_inputs(misnamed, DataConfig())

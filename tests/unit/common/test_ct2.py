@@ -314,3 +314,12 @@ def test_the_export_copy_goes_straight_to_host_memory(policy, monkeypatch):
     assert all(live[k].data_ptr() != new[k].data_ptr() for k in live)
     assert copied.get_input_embeddings().weight is copied.get_output_embeddings().weight
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+
+
+def test_an_export_given_where_a_model_is_read_says_it_is_one_and_how_to_use_it(export_f32):
+    """`rlt2t eval --checkpoint <export>` read CTranslate2's config.json as a model's: `model_type None is not…`."""
+    from rlt2t.common.family_table import family_of_dir
+
+    with pytest.raises(ValueError, match=rf"{export_f32}: a CTranslate2 export, which torch cannot load: predict or "
+                                         rf"score with it \(rlt2t predict --generators {export_f32} "):
+        family_of_dir(export_f32)

@@ -119,6 +119,7 @@ def test_a_reward_the_server_cannot_rerank_with_is_a_422_on_reward(client, rewar
     ({"reward": "digits"}, "reward"),  # read only with rerank: reward
     ({"rerank": "mbr", "reward": "digits"}, "reward"),
     ({"rerank": "reward", "reward": "digits", "utility": "bleu4"}, "utility"),  # read only with rerank: mbr
+    ({"mbr_weights": "probability"}, "mbr_weights"),  # read only with rerank: mbr
 ])
 def test_a_bad_rerank_field_is_a_422_naming_it(client, extra, field):
     r = client.post("/v1/candidates", json={"sources": SOURCES[:1], "num_candidates": 2, "max_new_tokens": 4, **extra})
