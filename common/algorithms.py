@@ -125,8 +125,8 @@ class Algorithm:
     def check(self, cfg: Config) -> None:
         """Rules across sections (a ValueError naming the keys). The default: K samples enough for it."""
         if cfg.rollout.num_samples < self.min_samples:
-            raise ValueError(f"rl.algorithm={self.name} needs rollout.num_samples >= {self.min_samples} (K samples "
-                             "per source form the baseline)")
+            raise ValueError(f"rl.algorithm={cfg.rl.algorithm} needs rollout.num_samples >= {self.min_samples} (K "
+                             "samples per source form the baseline)")
 
     # -- the learner's side ------------------------------------------------------------------------------------
 
@@ -150,21 +150,23 @@ class Algorithm:
 def _load(path: str, where: str) -> Algorithm:
     module, sep, attr = path.partition(":")
     if not sep or not module or not attr:
-        raise ValueError(f"{where}: {path!r} is neither a registered algorithm ({', '.join(names())}) nor a "
+        hint = f" (did you mean {path.lower()}?)" if path.lower() in BUILTIN else ""
+        raise ValueError(f"{where}: {path!r} is neither a registered algorithm ({', '.join(names())}){hint} nor a "
                          "`package.module:Class` path")
     if module == "__main__":
         raise ValueError(f"{where}: {path!r}: the learner ranks (Ray actors) import the unit by its path, and a "
                          "script's __main__ is not theirs; put the class in a module of its own (my_algorithms.py "
                          f"beside the script) and name it `my_algorithms:{attr}`")
     try:
-        cls = getattr(importlib.import_module(module), attr)
+        imported = importlib.import_module(module)
     except ImportError as e:
         raise ValueError(f"{where}: cannot import {module!r} for {path!r}: {e} (it must be importable where the "
                          "job runs: on the Python path, or shipped with the job's working_dir / py_modules)") from e
-    except AttributeError:
-        raise ValueError(f"{where}: module {module!r} has no {attr!r}") from None
     except Exception as e:  # the user's module fails as it imports (a SyntaxError, an error at its top level)
         raise ValueError(f"{where}: importing {module!r} for {path!r} raised {type(e).__name__}: {e}") from e
+    cls = getattr(imported, attr, None)
+    if cls is None:
+        raise ValueError(f"{where}: module {module!r} has no {attr!r}")
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise ValueError(f"{where}: {path!r} is not a subclass of rlt2t.common.algorithms.Algorithm")
     try:
@@ -185,14 +187,18 @@ def _load(path: str, where: str) -> Algorithm:
     return unit
 
 
-def algorithm_sections(chosen: object = None) -> dict[str, type[BaseModel]]:
+def algorithm_sections(chosen: object = None, *, loaded: bool = False) -> dict[str, type[BaseModel]]:
     """The settings sections an `rl` section may hold: each registered algorithm's that has one (``rl.<name>``),
-    and those of the units of one's own this process has loaded, ``chosen`` first (a path that does not import
-    is left to the ``rl.algorithm`` check, as is a ``chosen`` that is no string)."""
+    and the chosen algorithm's when it is a unit of one's own (a path that does not import is left to the
+    ``rl.algorithm`` check, as is a ``chosen`` that is no string). ``loaded``: also those of the units of one's
+    own this process has loaded (`rlt2t config --explain` lists them; a config is validated without them, so that
+    what it accepts does not depend on what was loaded before)."""
+    units = [algorithm(n) for n in names()]
+    if loaded:
+        units += [u for key, u in _loaded.items() if key not in BUILTIN]
     if isinstance(chosen, str) and chosen not in BUILTIN:
         with contextlib.suppress(ValueError):
-            algorithm(chosen)
-    units = [algorithm(n) for n in names()] + [u for key, u in _loaded.items() if key not in BUILTIN]
+            units.append(algorithm(chosen))  # last: its section wins over a loaded unit's of the same name
     return {u.name: u.settings for u in units if u.settings is not None}
 
 
@@ -211,9 +217,15 @@ def algorithm(name: str, where: str = "rl.algorithm") -> Algorithm:
     return unit
 
 
+def same_algorithm(a: str, b: str) -> bool:
+    """Whether two ``rl.algorithm`` values name the same unit (a registered name and its unit's path do)."""
+    return BUILTIN.get(a, a) == BUILTIN.get(b, b)
+
+
 def nan_loss_advice(name: str) -> str:
     """What to change when a learner step's loss is not finite under algorithm ``name``."""
-    return "lower rl.lr" if name in BUILTIN else f"lower rl.lr, or check what {name} (a unit of your own) computes"
+    builtin = name in BUILTIN or name in BUILTIN.values()
+    return "lower rl.lr" if builtin else f"lower rl.lr, or check what {name} (a unit of your own) computes"
 
 
 def rollout_spec_for(name: str, *, kl: bool, mask_top_p: float = 1.0) -> RolloutSpec:

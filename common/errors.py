@@ -12,3 +12,9 @@ class ResumableFailure(RuntimeError):
     not known)."""
     checked: bool = False
     """Whether ``checkpoint`` was looked for (so that None means none was written)."""
+
+
+class UnitError(ValueError):
+    """A unit of one's own (an RL algorithm) gave the learner what it cannot use (advantages of another shape, or
+    not finite): code to fix, which a resume would repeat. Raised in a learner rank, it reaches the command line
+    as itself (one line), not as a failed rank to resume."""

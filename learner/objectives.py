@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from rlt2t.common.collate import IGNORE_INDEX
 from rlt2t.common.config import RLConfig, RolloutConfig
+from rlt2t.common.errors import UnitError
 from rlt2t.common.families import decoder_hidden_size
 from rlt2t.common.lora import is_lora, load_weights, reference_policy
 from rlt2t.common.policy import Policy
@@ -275,7 +276,10 @@ class PolicyGradientObjective:
     def __init__(self, rl: RLConfig, rollout: RolloutConfig, policy: Policy, *, seed: int,
                  reference: nn.Module | None = None, unit: PolicyGradient | None = None) -> None:
         self.rl, self.policy, self.seed = rl, policy, seed
-        self.unit: PolicyGradient = unit if unit is not None else rl.unit  # type: ignore[assignment]
+        # this objective's own copy of the unit (one instance per process is shared by every config naming it),
+        # holding this job's rl section for its advantages to read (self.rl.section())
+        self.unit: PolicyGradient = copy.copy(unit if unit is not None else rl.unit)  # type: ignore[assignment]
+        self.unit.rl = rl
         self.k = rollout.num_samples
         head = ValueHead(decoder_hidden_size(policy.model.config)) if self.unit.value_head else None
         self.module: GroupPolicy = GroupPolicy(policy.model, head)
@@ -673,12 +677,13 @@ def build_objective(rl: RLConfig, rollout: RolloutConfig, policy: Policy, *, see
 
 
 def _check_advantages(unit: Any, advantages: Any, rewards: Tensor) -> None:
-    """A unit's sequence advantages are a tensor of its rewards' shape [N, K], finite where the rewards are: a
-    flat [N*K] would pair each sample with another's advantage without an error."""
+    """A unit's sequence advantages are a finite tensor of its rewards' shape [N, K] (the rewards are finite: the
+    reward workers refuse others); a flat [N*K] would pair each sample with another's advantage without an
+    error. UnitError naming the unit's method otherwise."""
     where = f"{type(unit).__module__}:{type(unit).__qualname__}.advantages"
     if not isinstance(advantages, torch.Tensor) or advantages.shape != rewards.shape:
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
-        raise ValueError(f"{where} returned {got}; it must return a tensor of the rewards' shape [N sources, K "
-                         f"samples] = {tuple(rewards.shape)}")
-    if not bool(torch.isfinite(advantages).all()) and bool(torch.isfinite(rewards).all()):
-        raise FloatingPointError(f"{where} returned non-finite advantages from finite rewards")
+        raise UnitError(f"{where} returned {got}; it must return a tensor of the rewards' shape [N sources, K "
+                        f"samples] = {tuple(rewards.shape)}")
+    if not bool(torch.isfinite(advantages).all()):
+        raise UnitError(f"{where} returned non-finite advantages from finite rewards")

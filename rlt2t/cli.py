@@ -120,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ResumableFailure as e:
         if args.verbose:
             raise
-        where = ("no checkpoint was complete yet: rerun once the cause is fixed" if e.checked and not e.checkpoint
+        where = ("no checkpoint was complete yet: rerun with --resume once the cause is fixed (it starts over)"
+                 if e.checked and not e.checkpoint
                  else f"the newest complete checkpoint ({e.checkpoint}) is kept: rerun with --resume" if e.checkpoint
                  else "the newest complete checkpoint is kept: rerun with --resume")
         print(f"rlt2t {args.command}: {_plain(str(e))}\n{where}", file=sys.stderr)
@@ -154,7 +155,7 @@ def _message(e: Exception) -> str:
     if isinstance(e, OSError) and e.strerror and e.filename is not None:
         files = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else f"{e.filename}"
         return f"{files}: {e.strerror}"
-    return str(e)
+    return _plain(str(e))
 
 
 if __name__ == "__main__":

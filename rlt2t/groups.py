@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlt2t.common.checkpoint import load_training_state
 from rlt2t.common.config import Config, ModelConfig
 from rlt2t.common.data import Example
-from rlt2t.common.errors import ResumableFailure
+from rlt2t.common.errors import ResumableFailure, UnitError
 from rlt2t.common.lora import apply_lora, is_lora, policy_weights
 from rlt2t.common.policy import load_policy
 from rlt2t.common.types import CandidateSet, SampledGroup, ScoredGroup, ScoredPair
@@ -214,6 +214,9 @@ class LearnerGroup:
                 ray.get(done)  # raises this rank's error now
             return ray.get(refs)
         except (RayActorError, RayTaskError) as e:
+            cause = getattr(e, "cause", None)  # the rank's own exception, inside Ray's RayTaskError
+            if isinstance(cause, UnitError):
+                raise UnitError(str(cause)) from None  # the user's unit to fix: resuming would fail the same way
             raise LearnerDied(f"a learner rank failed: {e}") from e
 
     def check_preflight(self) -> None:

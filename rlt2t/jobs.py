@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
+from rlt2t.common.algorithms import same_algorithm
 from rlt2t.common.checkpoint import (
     CheckpointInfo,
     best_or_latest,
@@ -528,14 +529,14 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     resumed run recorded it)."""
     from rlt2t.driver import STAGE, train
 
-    save_run_config(cfg, STAGE)
     latest = resume_point(cfg.run_dir / STAGE / "checkpoints", resume)
     resumed = read_checkpoint(latest) if latest else None
     recorded = resumed.meta.get("algorithm") if resumed is not None else None
-    if recorded and recorded != cfg.rl.algorithm:
+    if recorded and not same_algorithm(recorded, cfg.rl.algorithm):  # refused before the run's config is saved
         raise ValueError(f"rl.algorithm={cfg.rl.algorithm}, but {latest} was trained with rl.algorithm={recorded}: "
                          f"resume with rl.algorithm={recorded}, or start a new run.dir from it (--init {latest}, "
                          "init= in Python) to go on with another algorithm")
+    save_run_config(cfg, STAGE)
     if init:
         start = resolve_model_dir(init)
     elif resumed is not None and resumed.meta.get("init"):

@@ -92,14 +92,16 @@ def _nearest(loc: Sequence[int | str]) -> str:
         fields = dict(model.model_fields)
         sub = fields[str(part)].annotation if str(part) in fields else None
         if sub is None and model is RLConfig:
-            sub = algorithm_sections().get(str(part))
+            sub = algorithm_sections(loaded=True).get(str(part))
         if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
             return ""
         model = sub
     prefix = "".join(f"{p}." for p in loc[:-1])
     if model is RLConfig and loc[-1] in names():
         return f" (the {loc[-1]} algorithm has no {prefix}{loc[-1]} section of its own)"
-    known = list(model.model_fields) + (list(algorithm_sections()) if model is RLConfig else [])
+    if model is RLConfig and loc[-1] in algorithm_sections(loaded=True):
+        return " (the settings section of a unit of your own: read only when rl.algorithm names that unit)"
+    known = list(model.model_fields) + (list(algorithm_sections(loaded=True)) if model is RLConfig else [])
     return did_you_mean(str(loc[-1]), known, prefix=prefix)
 
 
@@ -209,6 +211,6 @@ def explain(model: type[BaseModel] = Config, prefix: str = "", width: int = 100)
         lines.append(f"{prefix}{name} = {default!r}")
         lines.extend(textwrap.wrap(text, width=width, initial_indent="    ", subsequent_indent="    "))
     if model is RLConfig:  # each algorithm's own section, rl.<name>
-        for name, settings in algorithm_sections().items():
+        for name, settings in algorithm_sections(loaded=True).items():
             lines.extend(explain(settings, f"{prefix}{name}.", width))
     return lines

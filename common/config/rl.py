@@ -14,7 +14,7 @@ from pydantic import (
     model_validator,
 )
 
-from rlt2t.common.algorithms import Algorithm, algorithm, algorithm_sections
+from rlt2t.common.algorithms import BUILTIN, Algorithm, algorithm, algorithm_sections
 from rlt2t.common.config.base import ComputeType, _Section
 from rlt2t.common.config.model import StageConfig
 from rlt2t.common.types import RolloutSpec
@@ -200,7 +200,8 @@ class RLConfig(StageConfig):
     @classmethod
     def _algorithm_sections(cls, data: Any, handler: Any) -> RLConfig:
         """``rl.<name>``: the settings section of algorithm ``name``, validated by its unit's model (any
-        registered algorithm's, and the chosen one's when it is a unit of one's own)."""
+        registered algorithm's, and the chosen one's when it is a unit of one's own). A unit's model that leaves
+        `extra` unset still refuses unknown keys (a typo would pass silently); `extra="allow"` keeps them."""
         sections: dict[str, BaseModel] = {}
         if isinstance(data, dict):
             data = dict(data)
@@ -208,8 +209,10 @@ class RLConfig(StageConfig):
             for key in [k for k in data if k not in cls.model_fields and k in known]:
                 raw, model = data.pop(key), known[key]
                 # a unit of one's own may leave its model's extra keys allowed: a typo must not pass silently
-                unknown = ([k for k in raw if k not in model.model_fields] if isinstance(raw, dict)
-                           and model.model_config.get("extra") != "forbid" else [])
+                names = {n for name, f in model.model_fields.items()
+                         for n in (name, f.alias, f.validation_alias) if isinstance(n, str)}
+                unknown = ([k for k in raw if k not in names] if isinstance(raw, dict)
+                           and model.model_config.get("extra") is None else [])
                 try:
                     if unknown:
                         raise ValidationError.from_exception_data(model.__name__, [
@@ -248,7 +251,10 @@ class RLConfig(StageConfig):
     @field_validator("algorithm")
     @classmethod
     def _registered(cls, value: str) -> str:
-        algorithm(value)  # a ValueError naming the registered ones when it is none of them
+        unit = algorithm(value)  # a ValueError naming the registered ones when it is none of them
+        if value not in BUILTIN and unit.name in cls.model_fields:  # (rank RL's section is the field rl.rank)
+            raise ValueError(f"rl.algorithm: {value!r} is named {unit.name!r}, a key of the rl section (its settings "
+                             f"section rl.{unit.name} could not be set); choose another `name`")
         return value
 
     @model_validator(mode="after")

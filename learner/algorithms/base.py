@@ -54,14 +54,13 @@ class PolicyGradient(Algorithm):
                              f"as advantages(rewards, *, seq_kl, beta, greedy_rewards, pg, all_sum): {e}") from None
 
     rl: RLConfig
-    """The job's `rl` section, set when a learner rank builds the objective: ``self.rl.section()`` is the unit's
-    own settings (``rl.<name>``) for its ``advantages`` to read."""
+    """The job's `rl` section, on the objective's own copy of the unit (``PolicyGradientObjective``):
+    ``self.rl.section()`` is the unit's settings (``rl.<name>``) for its ``advantages`` to read."""
 
     def objective(self, rl: RLConfig, rollout: RolloutConfig, policy: Any, *, seed: int,
                   reference: Any = None) -> Any:
         from rlt2t.learner.objectives import PolicyGradientObjective
 
-        self.rl = rl
         return PolicyGradientObjective(rl, rollout, policy, seed=seed, reference=reference, unit=self)
 
 

@@ -168,7 +168,7 @@ def test_explain_lists_the_registered_algorithms_and_their_sections():
 
 
 UNITS = textwrap.dedent('''
-    from pydantic import BaseModel
+    from pydantic import BaseModel, ConfigDict, Field
 
     from rlt2t.common.algorithms import Algorithm
     from rlt2t.learner.algorithms.base import PolicyGradient
@@ -206,6 +206,32 @@ UNITS = textwrap.dedent('''
     class Scaled(AnyKeywords):
         name = "scaled"
         settings = Loose
+
+    class Strict(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        alpha: int = 0
+
+    class AlsoScaled(AnyKeywords):  # another unit of the same name, loaded in the same process
+        name = "scaled"
+        settings = Strict
+
+    class Aliased(BaseModel):
+        model_config = ConfigDict(populate_by_name=True)
+        lr_scale: float = Field(1.0, alias="lrScale")
+
+    class WithAlias(AnyKeywords):
+        name = "aliased"
+        settings = Aliased
+
+    class Free(BaseModel):
+        model_config = ConfigDict(extra="allow")
+
+    class FreeForm(AnyKeywords):
+        name = "free"
+        settings = Free
+
+    class NamedKl(AnyKeywords):
+        name = "kl"
 ''')
 
 
@@ -227,6 +253,7 @@ def user_units(tmp_path, monkeypatch):
                                   r"advantages\(rewards, \*, seq_kl,.*unexpected keyword argument 'seq_kl'"),
     ("user_units:NeedsArguments", r"NeedsArguments'\(\) raised TypeError: .*scale.*a unit is built without arguments"),
     ("user_units:TakesTRPOsName", r"is named 'trpo', a registered algorithm's name"),
+    ("user_units:NamedKl", r"is named 'kl', a key of the rl section \(its settings section rl.kl could not be set\)"),
     ("broken_units:Unit", r"importing 'broken_units' for 'broken_units:Unit' raised RuntimeError: no GPU here"),
     ("__main__:Mine", r"'__main__:Mine': the learner ranks \(Ray actors\) import the unit by its path.*"
                       r"name it `my_algorithms:Mine`"),
@@ -258,3 +285,20 @@ def test_a_units_own_section_refuses_unknown_keys_and_is_explained(user_units):
     with pytest.raises(ConfigError, match=r"rl.scaled.scal: unknown key \(did you mean rl.scaled.scale\?\)"):
         load_config(overrides=["rl.algorithm=user_units:Scaled", "rl.scaled.scal=2"])
     assert "rl.scaled.scale = 1.0" in explain()  # once a config has named it (`rlt2t config --explain rl.algorithm=…`)
+
+
+def test_what_a_config_accepts_does_not_depend_on_the_units_loaded_before(user_units):
+    """Only the chosen unit's section is read: another unit loaded earlier (even of the same name) neither adds a
+    section to a config that does not choose it nor replaces the chosen one's model."""
+    load_config(overrides=["rl.algorithm=user_units:AlsoScaled", "rl.scaled.alpha=3"])
+    assert load_config(overrides=["rl.algorithm=user_units:Scaled", "rl.scaled.scale=2"]).rl.section().scale == 2.0
+    with pytest.raises(ConfigError, match=r"rl.scaled: unknown key \(the settings section of a unit of your own: "
+                                          r"read only when rl.algorithm names that unit\)"):
+        load_config(overrides=["rl.algorithm=grpo", "rl.scaled.scale=2"])
+
+
+def test_a_units_section_takes_its_aliases_and_an_explicit_extra_allow(user_units):
+    cfg = load_config(overrides=["rl.algorithm=user_units:WithAlias", "rl.aliased.lrScale=2"])
+    assert cfg.rl.section().lr_scale == 2.0
+    cfg = load_config(overrides=["rl.algorithm=user_units:FreeForm", "rl.free.anything=1"])
+    assert cfg.rl.section().model_extra == {"anything": 1}

@@ -200,6 +200,13 @@ def test_a_resume_with_another_algorithm_is_refused_naming_the_one_it_was_traine
     with pytest.raises(ValueError, match=rf"rl.algorithm=rank, but {ckpt} was trained with rl.algorithm=rloo: resume "
                                          r"with rl.algorithm=rloo, or start a new run.dir from it \(--init"):
         rl_job(cfg, resume=True)
+    assert not (tmp_path / "run" / "config").exists()  # refused before the run's saved config was replaced
+    # the same unit, however it is spelt, and a checkpoint that records none, pass on (to the missing SFT start)
+    for algorithm, recorded in [("rloo", "rloo"), ("rlt2t.learner.algorithms.rloo:RLOO", "rloo"), ("rank", None)]:
+        (ckpt / MARKER).write_text(json.dumps({"name": ckpt.name, "step": 4, "files": {}, "algorithm": recorded}))
+        same = load_config(["tiny"], [f"run.dir={tmp_path / 'run'}", f"rl.algorithm={algorithm}"])
+        with pytest.raises(FileNotFoundError, match=r"sft/checkpoints: no complete checkpoint"):
+            rl_job(same, resume=True)
 
 
 def test_a_failed_rank_says_whether_a_checkpoint_is_there_to_resume_from(monkeypatch, capsys):
@@ -214,7 +221,8 @@ def test_a_failed_rank_says_whether_a_checkpoint_is_there_to_resume_from(monkeyp
             raise e
         return job
 
-    for checkpoint, checked, said in [(None, True, "no checkpoint was complete yet: rerun once the cause is fixed"),
+    for checkpoint, checked, said in [(None, True, "no checkpoint was complete yet: rerun with --resume once the cause "
+                                                    "is fixed (it starts over)"),
                                       ("run/rl/checkpoints/step-000004", True,
                                        "the newest complete checkpoint (run/rl/checkpoints/step-000004) is kept: "
                                        "rerun with --resume"),
@@ -223,3 +231,23 @@ def test_a_failed_rank_says_whether_a_checkpoint_is_there_to_resume_from(monkeyp
         assert cli.main(["config"]) == 1
         err = capsys.readouterr().err
         assert "ray::Learner.train_step() ValueError: x" in err and "\x1b" not in err and said in err, err
+
+
+def test_a_units_error_in_a_learner_rank_reaches_the_user_as_itself_not_as_a_rank_to_resume(monkeypatch):
+    """A wrong advantages shape fails the same way on a resume: a one-line error, not "rerun with --resume"."""
+    from ray.exceptions import RayTaskError
+
+    from rlt2t import groups
+    from rlt2t.common.errors import UnitError
+
+    def failing(cause):
+        def get(refs):
+            raise RayTaskError("Learner.train_step", "Traceback ...", cause)
+        return get
+
+    monkeypatch.setattr(groups.ray, "get", failing(UnitError("mine:Flat.advantages returned (32,)")))
+    with pytest.raises(UnitError, match=r"^mine:Flat.advantages returned \(32,\)$"):
+        groups.LearnerGroup._get(None, "ref")
+    monkeypatch.setattr(groups.ray, "get", failing(RuntimeError("gloo: connection reset")))
+    with pytest.raises(groups.LearnerDied, match="a learner rank failed"):  # e.g. a peer rank died: resumable
+        groups.LearnerGroup._get(None, "ref")

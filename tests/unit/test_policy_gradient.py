@@ -494,7 +494,7 @@ class NotFinite(Centred):
     ("Centred", None, None),
     ("Flat", ValueError, r"user_pg:Flat.advantages returned \(32,\); it must return a tensor of the rewards' shape "
                          r"\[N sources, K samples\] = \(8, 4\)"),
-    ("NotFinite", FloatingPointError, r"user_pg:NotFinite.advantages returned non-finite advantages from finite"),
+    ("NotFinite", ValueError, r"user_pg:NotFinite.advantages returned non-finite advantages from finite"),
 ])
 def test_a_units_own_advantages_train_and_a_wrong_shape_or_nan_names_it(init_dir, tmp_path, monkeypatch, unit, error,
                                                                         message):
