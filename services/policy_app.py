@@ -524,7 +524,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         if req.utility is not None and req.rerank != "mbr":
             raise field_error(("body", "utility"), f"utility is read only with rerank: mbr (rerank: {req.rerank})",
                               req.utility)
-        if "mbr_weights" in req.model_fields_set and req.rerank != "mbr":
+        if req.mbr_weights != "uniform" and req.rerank != "mbr":  # (the default, which clients send, says nothing)
             raise field_error(("body", "mbr_weights"), f"mbr_weights is read only with rerank: mbr (rerank: "
                               f"{req.rerank})", req.mbr_weights)
         if req.reward is not None and req.rerank != "reward":

@@ -132,3 +132,10 @@ def test_a_reward_is_checked_before_decoding(client, monkeypatch):
     monkeypatch.setattr(policy_app, "_run_candidates", lambda *a: pytest.fail("decoded before the refusal"))
     r = client.post("/v1/candidates", json={"sources": SOURCES[:1], "rerank": "reward", "reward": "with_bleu"})
     assert r.status_code == 422
+
+
+def test_the_default_mbr_weights_sent_without_a_rerank_is_accepted(client):
+    """The typed client sends every field, `mbr_weights: uniform` included: only another value is refused."""
+    r = client.post("/v1/candidates", json={"sources": SOURCES[:1], "num_candidates": 2, "max_new_tokens": 4,
+                                            "mbr_weights": "uniform"})
+    assert r.status_code == 200, r.text
