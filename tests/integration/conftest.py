@@ -25,9 +25,19 @@ TINY = REPO / "configs" / "tiny.yaml"
 
 
 _LAST_RAY_MODULE: list[str] = []  # the last module whose tests use ray_session (pytest_collection_modifyitems)
+_LAST_TWO_NODE: list[str] = []  # the last test on the two-node cluster, which stops it
+_TWO_NODE: dict[str, tuple[LoopbackCluster, str]] = {}  # the running two-node cluster and its temp dir
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
+    # The tests on the two-node loopback cluster run one after another, at the first one's place, so that one
+    # cluster serves them all (a start and a stop cost about 15 s).
+    two_node = [item for item in items if "two_node_cluster" in getattr(item, "fixturenames", ())]
+    if two_node:
+        at = items.index(two_node[0])
+        others = [item for item in items if item not in two_node]
+        items[:] = others[:at] + two_node + others[at:]
+    _LAST_TWO_NODE[:] = [item.nodeid for item in two_node[-1:]]
     users = [item.module.__name__ for item in items
              if "ray_session" in getattr(item, "fixturenames", ()) and getattr(item, "module", None) is not None]
     _LAST_RAY_MODULE[:] = users[-1:]
@@ -126,10 +136,22 @@ class LoopbackCluster:
 
 
 @pytest.fixture
-def two_node_cluster() -> Iterator[LoopbackCluster]:
+def two_node_cluster(request) -> Iterator[LoopbackCluster]:
     """A head offering 2 CPUs and a second node (another `ray start --address`) offering 2 CPUs and `fake_gpu: 2`
-    (standing in for GPUs), token authentication on. Only this cluster is stopped afterwards, found by its own temp
-    dir, never by name (other engineers run Ray on this machine); a process of it left running fails the test."""
+    (standing in for GPUs), token authentication on. One cluster serves the tests that use it (run one after
+    another: pytest_collection_modifyitems), stopped after the last of them (at the session's end at the latest).
+    Only this cluster is stopped, found by its own temp dir, never by name (other engineers run Ray on this
+    machine); a process of it left running fails the test that stops it."""
+    if "cluster" not in _TWO_NODE:
+        _TWO_NODE["cluster"] = _start_two_node()
+        request.config.add_cleanup(_stop_two_node)  # a selection whose last user did not run
+    yield _TWO_NODE["cluster"][0]
+    if request.node.nodeid in _LAST_TWO_NODE:
+        left = _stop_two_node()
+        assert left == [], [p.cmdline() for p in left]
+
+
+def _start_two_node() -> tuple[LoopbackCluster, str]:
     ray_tmp = f"/tmp/rlt2t-2n-{os.getpid()}"
     gcs, dash, client, agent1, agent2 = free_ports(5)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
@@ -149,9 +171,19 @@ def two_node_cluster() -> Iterator[LoopbackCluster]:
                             "--num-cpus=2", '--resources={"fake_gpu": 2}', f"--dashboard-agent-listen-port={agent2}",
                             f"--temp-dir={ray_tmp}", "--disable-usage-stats"])
         assert node.returncode == 0, node.stdout + node.stderr
-        yield cluster
-    finally:
+    except BaseException:
         stop_cluster(ray_tmp)
-        left = cluster_processes(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert left == [], [p.cmdline() for p in left]
+        raise
+    return cluster, ray_tmp
+
+
+def _stop_two_node() -> list:
+    """Stop the shared two-node cluster (if running); the processes of it still alive afterwards."""
+    if "cluster" not in _TWO_NODE:
+        return []
+    _, ray_tmp = _TWO_NODE.pop("cluster")
+    stop_cluster(ray_tmp)
+    left = cluster_processes(ray_tmp)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    return left
