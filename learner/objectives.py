@@ -483,8 +483,11 @@ class PolicyGradientObjective:
                 if pg.whiten_advantages:
                     advantages = self._whiten(run, advantages, mask)
             else:  # sequence advantages, the unit's own [N, K]
-                per_source = self.unit.advantages(rewards, seq_kl=seq_kl.view(k, size).t(), beta=beta,
-                                                  greedy_rewards=batch.greedy_rewards, pg=pg, all_sum=run.all_sum)
+                try:
+                    per_source = self.unit.advantages(rewards, seq_kl=seq_kl.view(k, size).t(), beta=beta,
+                                                      greedy_rewards=batch.greedy_rewards, pg=pg, all_sum=run.all_sum)
+                except Exception as e:  # the unit's code (a user's): to fix, not a failed rank to resume
+                    raise UnitError(f"{_method(self.unit)} raised {type(e).__name__}: {e}") from e
                 _check_advantages(self.unit, per_source, rewards)
                 advantages = per_source.t().reshape(-1, 1).expand_as(old_logp).contiguous()
                 returns = None
@@ -680,10 +683,15 @@ def _check_advantages(unit: Any, advantages: Any, rewards: Tensor) -> None:
     """A unit's sequence advantages are a finite tensor of its rewards' shape [N, K] (the rewards are finite: the
     reward workers refuse others); a flat [N*K] would pair each sample with another's advantage without an
     error. UnitError naming the unit's method otherwise."""
-    where = f"{type(unit).__module__}:{type(unit).__qualname__}.advantages"
+    where = _method(unit)
     if not isinstance(advantages, torch.Tensor) or advantages.shape != rewards.shape:
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
         raise UnitError(f"{where} returned {got}; it must return a tensor of the rewards' shape [N sources, K "
                         f"samples] = {tuple(rewards.shape)}")
     if not bool(torch.isfinite(advantages).all()):
         raise UnitError(f"{where} returned non-finite advantages from finite rewards")
+
+
+def _method(unit: Any) -> str:
+    """``package.module:Class.advantages`` of a unit, as messages name it."""
+    return f"{type(unit).__module__}:{type(unit).__qualname__}.advantages"

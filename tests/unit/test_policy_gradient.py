@@ -482,6 +482,12 @@ class Flat(Centred):
     def advantages(self, rewards, **kw):
         return super().advantages(rewards).reshape(-1)  # [N*K]: each sample would get another's advantage
 
+class Raises(Centred):
+    name = "raises"
+
+    def advantages(self, rewards, **kw):
+        return rewards.centre()  # a typo: no such tensor method
+
 class NotFinite(Centred):
     name = "not-finite"
 
@@ -495,6 +501,7 @@ class NotFinite(Centred):
     ("Flat", ValueError, r"user_pg:Flat.advantages returned \(32,\); it must return a tensor of the rewards' shape "
                          r"\[N sources, K samples\] = \(8, 4\)"),
     ("NotFinite", ValueError, r"user_pg:NotFinite.advantages returned non-finite advantages from finite"),
+    ("Raises", ValueError, r"user_pg:Raises.advantages raised AttributeError: 'Tensor' object has no attribute"),
 ])
 def test_a_units_own_advantages_train_and_a_wrong_shape_or_nan_names_it(init_dir, tmp_path, monkeypatch, unit, error,
                                                                         message):
