@@ -52,7 +52,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import ctranslate2
 import ctranslate2.converters.transformers as ct2_transformers
@@ -65,7 +65,7 @@ from transformers import PreTrainedTokenizerBase
 from rlt2t.common.checkpoint import MARKER, STATE_FILE, weights_checksum
 from rlt2t.common.collate import encode_texts
 from rlt2t.common.config import ModelConfig
-from rlt2t.common.config.base import QUANTIZATIONS
+from rlt2t.common.config.base import QUANTIZATIONS, ComputeType
 from rlt2t.common.convert import check_out_dir
 from rlt2t.common.families import (
     NO_POSITION_LIMIT,
@@ -76,6 +76,7 @@ from rlt2t.common.families import (
     max_positions,
     vocab_size,
 )
+from rlt2t.common.family_table import EXPORT_INFO
 from rlt2t.common.io import atomic_directory, atomic_write_json
 from rlt2t.common.policy import Policy, adapter_base, has_tokenizer, is_adapter_checkpoint, load_policy
 from rlt2t.common.sampling import SampledSequence, check_sampling, warp_logits
@@ -83,8 +84,7 @@ from rlt2t.common.tokenization import decode_ids, ids_to_tokens, load_tokenizer,
 
 log = logging.getLogger("rlt2t.ct2")
 
-EXPORT_INFO = "rlt2t_export.json"
-COMPUTE_TYPES = ("default", "auto", *QUANTIZATIONS)
+COMPUTE_TYPES: tuple[str, ...] = get_args(ComputeType)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 # Files of an rlt2t checkpoint the converter must not see (training state is large and irrelevant).
 _SKIP_FILES = {STATE_FILE, MARKER}

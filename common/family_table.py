@@ -55,6 +55,8 @@ FAMILIES: dict[str, Family] = {
                preset=False),
     )
 }
+EXPORT_INFO = "rlt2t_export.json"
+"""What `rlt2t export` writes beside a CTranslate2 model (its source, quantization, checksum): an export's mark."""
 PRESET_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.preset)
 _BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
 
@@ -83,7 +85,7 @@ def family_of_dir(path: str | Path) -> Family:
         hint = "" if path.exists() else (" (a local directory: a hub name such as google/flan-t5-small must be "
                                          "downloaded first, e.g. huggingface-cli download NAME --local-dir DIR)")
         raise FileNotFoundError(f"{path}: not a model directory (no config.json){hint}")
-    if (path / "rlt2t_export.json").is_file():  # common.ct2.EXPORT_INFO: CTranslate2's config.json has no model_type
+    if (path / EXPORT_INFO).is_file():  # a CTranslate2 export's config.json has no model_type
         raise UnsupportedModelError(
             f"{path}: a CTranslate2 export, which torch cannot load: predict or score with it (rlt2t predict "
             f"--generators {path} --scorers {path} --input FILE --out FILE prints its table when FILE has targets), "

@@ -483,11 +483,15 @@ class PolicyGradientObjective:
                 if pg.whiten_advantages:
                     advantages = self._whiten(run, advantages, mask)
             else:  # sequence advantages, the unit's own [N, K]
+                collective = _Collective(run.all_sum)
                 try:
                     per_source = self.unit.advantages(rewards, seq_kl=seq_kl.view(k, size).t(), beta=beta,
-                                                      greedy_rewards=batch.greedy_rewards, pg=pg, all_sum=run.all_sum)
-                except Exception as e:  # the unit's code (a user's): to fix, not a failed rank to resume
-                    raise UnitError(f"{_method(self.unit)} raised {type(e).__name__}: {e}") from e
+                                                      greedy_rewards=batch.greedy_rewards, pg=pg, all_sum=collective)
+                except Exception as e:
+                    if collective.failed or isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+                        raise  # a peer rank gone, or memory: a failed rank, which a resume recovers from
+                    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                    raise UnitError(f"{_method(self.unit)} raised {type(e).__name__}: {first}") from e
                 _check_advantages(self.unit, per_source, rewards)
                 advantages = per_source.t().reshape(-1, 1).expand_as(old_logp).contiguous()
                 returns = None
@@ -690,6 +694,21 @@ def _check_advantages(unit: Any, advantages: Any, rewards: Tensor) -> None:
                         f"samples] = {tuple(rewards.shape)}")
     if not bool(torch.isfinite(advantages).all()):
         raise UnitError(f"{where} returned non-finite advantages from finite rewards")
+
+
+class _Collective:
+    """``all_sum`` as a unit's ``advantages`` gets it, remembering whether the collective itself failed (a peer
+    rank gone): that error is the rank's, not the unit's code."""
+
+    def __init__(self, all_sum: Any) -> None:
+        self.all_sum, self.failed = all_sum, False
+
+    def __call__(self, tensor: Tensor) -> Tensor:
+        try:
+            return self.all_sum(tensor)
+        except BaseException:
+            self.failed = True
+            raise
 
 
 def _method(unit: Any) -> str:

@@ -111,9 +111,9 @@ def read_inputs(path: str | Path, data: DataConfig) -> list[Example]:
         except DataError as e:
             if e.line != 1:
                 raise
-            raise DataError(e.path, e.line, e.field, f"{e.reason} (read as the competition's header-less CSV: its "
-                            f"first row names no {data.source_field!r} column, data.source_field; a CSV with a "
-                            "header: name its source column with data.source_field=…)") from None
+            raise DataError(e.path, e.line, e.field, f"{e.reason} (read as the competition's header-less CSV, as its "
+                            f"first row names no {data.source_field!r} column: if that row is a header, name the "
+                            "source column with data.source_field=…)") from None
     return list(load_data(path, data, require_target=False))
 
 

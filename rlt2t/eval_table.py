@@ -112,6 +112,9 @@ def resolve_models(cfg: Config, specs: Sequence[str]) -> dict[str, Path]:
     """``--checkpoint`` values -> {label: checkpoint directory}, in order; no specs: the run's sft and rl stages
     that have checkpoints. A stage without checkpoints, a missing path or a repeated label is a clear error."""
     if not specs:
+        if not cfg.run_dir.is_dir():
+            raise FileNotFoundError(f"run.dir={cfg.run_dir} does not exist (set run.dir to the run's directory, or "
+                                    "pass --checkpoint with a model directory)")
         specs = [s for s in ("sft", "rl") if stage_root(cfg, s).is_dir()]
         if not specs:
             raise FileNotFoundError(f"{cfg.run_dir}: no sft or rl checkpoints; pass --checkpoint (a stage name "

@@ -102,7 +102,7 @@ class CandidatesRequest(SamplingParams):
     mbr_weights: Literal["uniform", "probability"] = "uniform"
     """MBR: `uniform`: each candidate against the source's other candidates, duplicates as separate entries
     (leave-one-out); `probability`: against every distinct candidate, itself included, weighted by its normalised
-    sequence probability (exp of the total_logprob)."""
+    sequence probability (exp of the total_logprob). `probability` without `rerank: mbr` is a 422."""
     reward: Name | None = None
     """`rerank: reward` only (a 422 otherwise): a name of the server's `reward.named` (None: its `reward.terms`). Every
     term must score without references (python, reward_model, classifier; a metric is refused, 422 naming the term);

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,18 @@ TINY = REPO / "configs" / "tiny.yaml"
 _LAST_RAY_MODULE: list[str] = []  # the last module whose tests use ray_session (pytest_collection_modifyitems)
 _LAST_TWO_NODE: list[str] = []  # the last test on the two-node cluster, which stops it
 _TWO_NODE: dict[str, tuple[LoopbackCluster, str]] = {}  # the running two-node cluster and its temp dir
+_FAILED = pytest.StashKey[bool]()  # set on a test whose call failed (pytest_runtest_makereport)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call" and report.failed:
+        item.stash[_FAILED] = True
+    return report
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: the "last" tests below are the last that run
 def pytest_collection_modifyitems(session, config, items) -> None:
     # The tests on the two-node loopback cluster run one after another, at the first one's place, so that one
     # cluster serves them all (a start and a stop cost about 15 s).
@@ -139,14 +150,15 @@ class LoopbackCluster:
 def two_node_cluster(request) -> Iterator[LoopbackCluster]:
     """A head offering 2 CPUs and a second node (another `ray start --address`) offering 2 CPUs and `fake_gpu: 2`
     (standing in for GPUs), token authentication on. One cluster serves the tests that use it (run one after
-    another: pytest_collection_modifyitems), stopped after the last of them (at the session's end at the latest).
-    Only this cluster is stopped, found by its own temp dir, never by name (other engineers run Ray on this
-    machine); a process of it left running fails the test that stops it."""
+    another: pytest_collection_modifyitems), stopped after the last of them or after one that failed (at the
+    session's end at the latest). Only this cluster is stopped, found by its own temp dir, never by name (other
+    engineers run Ray on this machine); a process of it left running fails the test that stops it."""
     if "cluster" not in _TWO_NODE:
         _TWO_NODE["cluster"] = _start_two_node()
-        request.config.add_cleanup(_stop_two_node)  # a selection whose last user did not run
+        request.config.add_cleanup(_stop_at_the_end)  # a run stopped before its last user (-x, Ctrl-C)
     yield _TWO_NODE["cluster"][0]
-    if request.node.nodeid in _LAST_TWO_NODE:
+    # after the last user, or after a failed one (its jobs and actors may hold the cluster: the next starts afresh)
+    if request.node.nodeid in _LAST_TWO_NODE or request.node.stash.get(_FAILED, False):
         left = _stop_two_node()
         assert left == [], [p.cmdline() for p in left]
 
@@ -176,6 +188,12 @@ def _start_two_node() -> tuple[LoopbackCluster, str]:
         shutil.rmtree(ray_tmp, ignore_errors=True)
         raise
     return cluster, ray_tmp
+
+
+def _stop_at_the_end() -> None:
+    left = _stop_two_node()
+    if left:
+        warnings.warn(f"two-node cluster processes left running: {[p.cmdline() for p in left]}", stacklevel=1)
 
 
 def _stop_two_node() -> list:

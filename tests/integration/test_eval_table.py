@@ -62,6 +62,8 @@ def test_stages_resolve_rl_to_the_new_directory_else_the_old(run, tmp_path):
         resolve_models(cfg, [str(tmp_path / "missing")])
     with pytest.raises(FileNotFoundError, match=r"--checkpoint rl: run.dir=.*/elsewhere does not exist \(set run.dir"):
         resolve_models(_cfg(tmp_path / "elsewhere"), ["rl"])  # a saved config's relative run.dir, from another cwd
+    with pytest.raises(FileNotFoundError, match=r"run.dir=.*/elsewhere does not exist \(set run.dir"):
+        resolve_models(_cfg(tmp_path / "elsewhere"), [])
     # Once the RL stage writes under rl/, that directory wins.
     newer = _cfg(tmp_path)
     policy = load_policy(newer.model, cfg.tokenizer_dir, seed=2)

@@ -551,3 +551,25 @@ def test_the_algorithms_guides_own_unit_loads_reads_its_settings_and_trains(init
         assert metrics["kl_k1"] == 0.0  # uses_reference = False
         spreads[scale] = metrics["advantage_std"]
     assert spreads[0.5] == pytest.approx(spreads[1.0] / 2, rel=1e-5) and spreads[1.0] > 0
+
+
+def test_a_collective_that_fails_inside_advantages_is_the_ranks_failure_not_the_units(init_dir, monkeypatch):
+    """GRPO's batch scale sums over the ranks inside advantages: a peer rank gone there is a failed rank (which a
+    resume recovers from), not an error in the unit's code."""
+    import traceback
+
+    from rlt2t.common.errors import UnitError
+
+    rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
+    rl = RLConfig(algorithm="grpo", batch_size=8, lr=1e-3)  # rl.pg.grpo_scale=batch: all_sum in advantages
+    learner = _learner(init_dir, rl, rollout)
+    groups = _scored(_rollout(init_dir, rollout, rl.rollout_spec))
+
+    def gone(values):
+        raise RuntimeError("gloo: connection closed by peer")
+
+    monkeypatch.setattr(learner, "all_sum", gone)
+    with pytest.raises(RuntimeError, match="connection closed by peer") as e:
+        learner.train_step(groups)
+    assert not isinstance(e.value, UnitError)
+    assert "advantages" in [frame.name for frame in traceback.extract_tb(e.value.__traceback__)]

@@ -417,5 +417,6 @@ def test_predict_reads_a_csv_with_a_header_as_data_and_one_without_as_the_compet
     misnamed = tmp_path / "misnamed.csv"
     misnamed.write_text("id,src\na,city: paris\n")  # a header, but not data.source_field's column
     with pytest.raises(ValueError, match=r"misnamed.csv:1: field 'description': .* \(read as the competition's "
-                                         r"header-less CSV: its first row names no 'source' column"):
+                                         r"header-less CSV, as its first row names no 'source' column: if that row "
+                                         r"is a header, name the source column with data.source_field="):
         read_inputs(misnamed, DataConfig())

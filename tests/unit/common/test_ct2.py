@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 
 import numpy as np
@@ -320,6 +321,7 @@ def test_an_export_given_where_a_model_is_read_says_it_is_one_and_how_to_use_it(
     """`rlt2t eval --checkpoint <export>` read CTranslate2's config.json as a model's: `model_type None is not…`."""
     from rlt2t.common.family_table import family_of_dir
 
-    with pytest.raises(ValueError, match=rf"{export_f32}: a CTranslate2 export, which torch cannot load: predict or "
-                                         rf"score with it \(rlt2t predict --generators {export_f32} "):
+    with pytest.raises(ValueError, match=rf"{re.escape(str(export_f32))}: a CTranslate2 export, which torch cannot "
+                                         rf"load: predict or score with it \(rlt2t predict --generators "
+                                         rf"{re.escape(str(export_f32))} "):
         family_of_dir(export_f32)
