@@ -18,7 +18,7 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,13 +219,19 @@ def resume_point(root: str | Path, resume: bool, *, elsewhere: str = "use anothe
 def best_or_latest(ckpt_root: str | os.PathLike[str]) -> Path:
     """The checkpoint the stage's monitor picked as best (recorded in its newest complete checkpoint), else the
     newest complete one."""
-    ckpt_root = Path(ckpt_root)
-    latest = latest_complete_checkpoint(ckpt_root)
-    if latest is None:
-        raise FileNotFoundError(f"{ckpt_root}: no complete checkpoint")
-    best = (complete_checkpoint(latest).meta.get("best") or {}).get("path")
-    found = checkpoint_by_name(ckpt_root, best) if best else None
-    return found or latest
+    infos = complete_checkpoints(Path(ckpt_root))
+    if not infos:
+        raise FileNotFoundError(f"{Path(ckpt_root)}: no complete checkpoint")
+    return best_of(infos).path
+
+
+def best_of(infos: Sequence[CheckpointInfo]) -> CheckpointInfo:
+    """Of a root's complete checkpoints (oldest first, :func:`complete_checkpoints`), the one the newest records
+    as its best, else the newest. Recorded paths are spelled as the run.dir of the run that wrote them (relative,
+    or a place the run has since moved from): the best is found by its name."""
+    best = (infos[-1].meta.get("best") or {}).get("path")
+    name = Path(best).name if best else None
+    return next((info for info in infos if info.path.name == name), infos[-1])
 
 
 def best_beside(checkpoint: Path) -> Path:

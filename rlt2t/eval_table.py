@@ -108,13 +108,19 @@ def _default_label(path: Path) -> str:
     return f"{path.parent.parent.name}-{path.name}" if path.parent.name == "checkpoints" else path.name
 
 
+def _check_run_dir(cfg: Config, where: str) -> None:
+    """The run's stages are read under run.dir: one that does not exist (a saved config's relative run.dir, read
+    from another directory) is named as such, not as a stage without checkpoints."""
+    if not cfg.run_dir.is_dir():
+        raise FileNotFoundError(f"{where}run.dir={cfg.run_dir} does not exist (set run.dir to the run's directory, "
+                                "or pass --checkpoint with a model directory)")
+
+
 def resolve_models(cfg: Config, specs: Sequence[str]) -> dict[str, Path]:
     """``--checkpoint`` values -> {label: checkpoint directory}, in order; no specs: the run's sft and rl stages
     that have checkpoints. A stage without checkpoints, a missing path or a repeated label is a clear error."""
     if not specs:
-        if not cfg.run_dir.is_dir():
-            raise FileNotFoundError(f"run.dir={cfg.run_dir} does not exist (set run.dir to the run's directory, or "
-                                    "pass --checkpoint with a model directory)")
+        _check_run_dir(cfg, "")
         specs = [s for s in ("sft", "rl") if stage_root(cfg, s).is_dir()]
         if not specs:
             raise FileNotFoundError(f"{cfg.run_dir}: no sft or rl checkpoints; pass --checkpoint (a stage name "
@@ -129,9 +135,7 @@ def resolve_models(cfg: Config, specs: Sequence[str]) -> dict[str, Path]:
             try:
                 path = best_or_latest(root)
             except FileNotFoundError:
-                if not cfg.run_dir.is_dir():  # a saved config's relative run.dir, read from another directory
-                    raise FileNotFoundError(f"--checkpoint {target}: run.dir={cfg.run_dir} does not exist (set "
-                                            "run.dir to the run's directory)") from None
+                _check_run_dir(cfg, f"--checkpoint {target}: ")
                 made_by = STAGE_COMMANDS.get(target, "")
                 raise FileNotFoundError(f"--checkpoint {target}: {root} holds no complete checkpoint"
                                         + (f" (`{made_by}` writes them)" if made_by else "")) from None

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
-from rlt2t.common.checkpoint import MARKER, CheckpointInfo, complete_checkpoints, read_checkpoint
+from rlt2t.common.checkpoint import MARKER, CheckpointInfo, best_of, complete_checkpoints, read_checkpoint
 
 log = logging.getLogger("rlt2t.services.reload")
 
@@ -100,7 +100,7 @@ class CheckpointWatcher(Generic[Served]):
             current = self._current
             self._check_on_disk()
             if self.follow_best and newest is not None:
-                best = self._best(infos)
+                best = best_of(infos)
                 return False if current is not None and _key(best) == _key(current) else self._load(best)
             if newest is None:
                 self.note = None if self.on_disk else "the served checkpoint was deleted; no other on disk"
@@ -127,14 +127,6 @@ class CheckpointWatcher(Generic[Served]):
                 return False
             self._failed = None
             return self._load(infos[-1], raise_errors=True)
-
-    @staticmethod
-    def _best(infos: list[CheckpointInfo]) -> CheckpointInfo:
-        """Of a root's complete checkpoints (oldest first), the one its newest records as best, else the newest
-        (``best_or_latest``'s choice)."""
-        best = (infos[-1].meta.get("best") or {}).get("path")
-        name = Path(best).name if best else None
-        return next((info for info in infos if info.path.name == name), infos[-1])
 
     def _check_on_disk(self) -> None:
         """Update ``on_disk`` for the served checkpoint (under the lock), warning once when it has gone."""
