@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k metrics"`.
 PYTEST_ARGS ?=
+# The unit tests run on this many processes (pytest-xdist; one torch thread each, tests/conftest.py; 0: in this
+# one); the integration tests then run in one, in order (they share an embedded Ray and a two-node cluster).
+TEST_WORKERS ?= 2
 
 .PHONY: system-deps install demo test test-unit test-integration lint docs bench clean help ray-up ray-down train-submit \
 	deploy undeploy deploy-status gpu-smoke feedback-loop
@@ -74,12 +77,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rlt2t demo
 
+# Both parts run whatever the first gives; the first failure's status is the target's. Exit status 5 (a
+# selection, e.g. -k, that leaves one part empty) is not a failure.
 test: $(STAMP)
 	@$(MAKE) --no-print-directory system-deps SYSTEM_DEPS_OPTIONAL=1
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests selected"; exit 0; fi; exit $$rc
+	$(BIN)/python -m pytest tests/unit -n $(TEST_WORKERS) $(PYTEST_ARGS); unit=$$?; \
+	$(BIN)/python -m pytest tests/integration tests/gpu $(PYTEST_ARGS); rest=$$?; \
+	for rc in $$unit $$rest; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done; \
+	if [ $$unit -eq 5 ] && [ $$rest -eq 5 ]; then echo "no tests selected"; fi
 
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)

@@ -20,15 +20,18 @@ SHRINKABLE = ("bart", "mbart", "pegasus", "t5")
 
 
 def shrink_vocabulary(input_dir: str | Path, vocab_size: int, out_dir: str | Path,
-                      tokenizer_dir: str | Path | None = None) -> Path:
+                      tokenizer_dir: str | Path | None = None, *, force: bool = False) -> Path:
     """Keep the first ``vocab_size`` embedding rows of a pretrained BART-family (BART, mBART, Pegasus) or T5-family
     (T5, Flan-T5, mT5) model and write it to ``out_dir``.
 
     The shared embedding and the lm_head (tied or, for T5 v1.1 / Flan-T5, its own) are cut to ``vocab_size``, as is
     BART's ``final_logits_bias``; the config's vocab size and special ids follow the tokenizer when one is given
     (which is then saved beside the model; the decoder start is the family's: EOS for BART and mBART, pad for T5
-    and Pegasus), else the original special ids must fit in the new vocabulary.
+    and Pegasus), else the original special ids must fit in the new vocabulary (and ``out_dir`` holds no
+    tokenizer: the one it is used with is the user's to give). An existing ``out_dir`` is replaced only with
+    ``force``.
     """
+    check_out_dir(out_dir, [input_dir], force=force)
     family = family_of_dir(input_dir)
     if family.name not in SHRINKABLE:
         raise ValueError(f"{input_dir}: convert-model shrinks {', '.join(SHRINKABLE)} models, not {family.name} "
@@ -65,6 +68,9 @@ def shrink_vocabulary(input_dir: str | Path, vocab_size: int, out_dir: str | Pat
         if tok is not None:
             save_tokenizer(tok, tmp)
     log.info("shrunk %s (%s) from %d to %d rows → %s", input_dir, family.name, old, vocab_size, out_dir)
+    if tok is None:
+        log.warning("%s holds no tokenizer (no --tokenizer given): use it with one of at most %d tokens "
+                    "(tokenizer.kind=pretrained tokenizer.path=...)", out_dir, vocab_size)
     return Path(out_dir)
 
 

@@ -734,8 +734,9 @@ class ClassifierAccuracy:
     """Share of outputs a text classifier puts in the expected class (intent, sentiment), in [0, 1].
 
     ``path`` is a local Hugging Face sequence-classification directory (``from_pretrained``: model and
-    tokenizer). Each hypothesis is classified alone (truncated to ``max_length`` tokens); its label is the
-    argmax class, named by the model's ``id2label``. The expected label of sample i is, in this order:
+    tokenizer), or a checkpoint root of one (`rlt2t classifier train`'s ``checkpoints``). Each hypothesis is
+    classified alone (truncated to ``max_length`` tokens); its label is the argmax class, named by the model's
+    ``id2label``. The expected label of sample i is, in this order:
     ``labels[i]`` (from the data, e.g. DailyDialog's intent; names or class ids), else ``target_label``
     (one class for every output, e.g. "positive" for sentiment steering), else the classifier's label of the
     sample's first reference (agreement with the reference: needs no labels, so it also works as a reward).
@@ -750,7 +751,12 @@ class ClassifierAccuracy:
         # transformers is heavy to import; only this metric needs it, and reward workers import this module.
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        path = Path(path)
+        from rlt2t.common.checkpoint import resolve_model_dir
+
+        try:  # a model directory, or a checkpoint root (its best, else newest, complete checkpoint), as a reward's
+            path = resolve_model_dir(path)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"classifier path {e}") from None
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"classifier path {path}: not a model directory (no config.json)")
         if batch_size < 1 or max_length < 1:

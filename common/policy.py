@@ -69,6 +69,10 @@ def bart_config(preset: str, tokenizer: PreTrainedTokenizerBase, dropout: float 
     return preset_config("bart", preset, tokenizer, dropout)
 
 
+REWARD_MODEL_SPEC = "rlt2t_reward_model.json"
+"""The file that makes a directory a reward model (:mod:`rlt2t.common.reward_model`)."""
+
+
 def load_policy(
     model_cfg: ModelConfig,
     tokenizer_dir: str | Path | None = None,
@@ -76,6 +80,7 @@ def load_policy(
     checkpoint: str | Path | None = None,
     seed: int | None = None,
     trainable_adapters: bool = False,
+    reward_model_backbone: bool = False,
 ) -> Policy:
     """Build or load the policy.
 
@@ -87,8 +92,14 @@ def load_policy(
     A LoRA checkpoint (peft's adapter directory, naming its base) loads as base + adapters: merged into one
     plain model (to evaluate, serve, export or sample), or, with ``trainable_adapters``, as the peft model
     whose adapters train (a LoRA stage resuming).
+
+    A reward model's directory (`rlt2t reward-model train`) is refused, unless ``reward_model_backbone`` (the
+    reward model loading its own seq2seq backbone): its weights load as a policy but were trained to score.
     """
     path = checkpoint if checkpoint is not None else model_cfg.path
+    if path is not None and not reward_model_backbone and (Path(path) / REWARD_MODEL_SPEC).is_file():
+        raise ValueError(f"{path} is a reward model (`rlt2t reward-model train`), not a policy: use it as a reward "
+                         "term (reward.terms=[{kind: reward_model, path: ...}]) or with `rlt2t reward-model score`")
     if path is not None and is_adapter_checkpoint(path):
         return _load_adapters(model_cfg, tokenizer_dir, Path(path), trainable=trainable_adapters)
     if path is not None:

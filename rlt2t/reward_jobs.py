@@ -16,7 +16,7 @@ from pathlib import Path
 from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir, resume_point
 from rlt2t.common.config import Config
 from rlt2t.common.preferences import check_preference_texts, load_preferences, split_by_source
-from rlt2t.common.reward_model import init_reward_model, load_reward_model
+from rlt2t.common.reward_model import init_reward_model, load_reward_model, packaged_or_path
 from rlt2t.common.tokenization import load_tokenizer, text_checker
 from rlt2t.jobs import save_run_config, sft_start
 from rlt2t.learner.classifier import check_labels, init_classifier, read_labelled, train_classifier
@@ -34,6 +34,10 @@ def reward_model_job(cfg: Config, resume: bool = False) -> StageResult:
     groups = load_preferences([cfg.path(p) for p in rm.rank_lists], [cfg.path(p) for p in rm.pairs],
                               [cfg.path(p) for p in rm.ratings], key="reward_model")
     if not groups:
+        given = [*rm.rank_lists, *rm.pairs, *rm.ratings]
+        if given:  # files, but not one source with two candidates people told apart
+            raise ValueError(f"reward_model: no preference pairs in {', '.join(given)} (empty files, or every "
+                             "source's candidates ranked or rated alike)")
         raise ValueError("reward_model: no preferences; give reward_model.rank_lists, .pairs or .ratings "
                          "(--rank-lists / --pairs / --ratings)")
     train, valid = split_by_source(groups, rm.valid_fraction, cfg.run.seed)
@@ -49,7 +53,8 @@ def reward_model_job(cfg: Config, resume: bool = False) -> StageResult:
         model = load_reward_model(latest, dropout=rm.dropout)
         info = read_checkpoint(latest)
     else:
-        init = cfg.path(rm.init) if rm.init else sft_start(cfg, "pass --init (reward_model.init) with the backbone")
+        init = packaged_or_path(str(cfg.path(rm.init)), "reward_model.init") if rm.init else sft_start(
+            cfg, "pass --init (reward_model.init) with the backbone")
         log.info("reward model: backbone from %s", init)
         model = init_reward_model(init, max_source_len=rm.max_source_len, max_candidate_len=rm.max_candidate_len,
                                   dropout=rm.dropout, seed=cfg.run.seed)
@@ -91,7 +96,7 @@ def classifier_job(cfg: Config, resume: bool = False) -> StageResult:
     else:
         if not c.init:
             raise ValueError("classifier.init: give a local encoder or sequence-classification directory (--init)")
-        model_dir, info = resolve_model_dir(cfg.path(c.init)), None
+        model_dir, info = resolve_model_dir(packaged_or_path(str(cfg.path(c.init)), "classifier.init")), None
         model = init_classifier(model_dir, labels)
     log.info("classifier: %d train / %d held-out texts, labels %s, backbone %s", len(train), len(valid), labels,
              model_dir)

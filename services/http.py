@@ -384,10 +384,13 @@ class _ObserveRequests:
 
 
 def add_common_routes(app: FastAPI, metrics: ServiceMetrics, ready, protected: list[Any],
-                      retry_after_s: int = 1) -> None:
+                      retry_after_s: int = 1, *, ready_means: str = "a model (or the metric registry) is loaded and "
+                      "requests are accepted", auth_errors: OpenApiResponses | None = None) -> None:
     """``/healthz`` (GET and HEAD, no auth), ``/readyz`` and ``/metrics``; ``ready()`` says whether the app
     can serve: True, or False or the reason it cannot (a string), which a 503 from ``/readyz`` gives with
-    the seconds to retry after (``retry_after_s``)."""
+    the seconds to retry after (``retry_after_s``). ``ready_means`` is what readiness means for this app (its
+    documentation); ``auth_errors`` the responses ``protected`` gives (default: a 401 for a bearer token)."""
+    auth = (UNAUTHORIZED if auth_errors is None else auth_errors) if protected else {}
 
     async def healthz() -> Health:
         """Liveness: the process answers."""
@@ -398,17 +401,19 @@ def add_common_routes(app: FastAPI, metrics: ServiceMetrics, ready, protected: l
                       operation_id="healthz_head")
 
     @app.get("/readyz", response_model=Health, dependencies=protected, tags=["ops"],
-             responses={**NOT_READY, **(UNAUTHORIZED if protected else {})})
+             responses={**NOT_READY, **auth}, description=f"Readiness: {ready_means}.")
     async def readyz():
-        """Readiness: a model (or the metric registry) is loaded and requests are accepted."""
         state = ready()
         if state is not True:
             return JSONResponse({"detail": state or "not ready"}, status_code=503,
                                 headers={"Retry-After": str(retry_after_s)})
         return Health(status="ready")
 
-    @app.get("/metrics", response_class=PlainTextResponse, dependencies=protected, tags=["ops"],
-             responses=UNAUTHORIZED if protected else {})
+    # The exposition is text; the errors are JSON, as every route's (response_class=PlainTextResponse would
+    # document them as text/plain).
+    @app.get("/metrics", response_class=Response, dependencies=protected, tags=["ops"], responses={
+        200: {"description": "Successful Response", "content": {CONTENT_TYPE_LATEST.split(";")[0]: {
+            "schema": {"type": "string"}}}}, **auth})
     async def prometheus_metrics() -> Response:
         """Prometheus text exposition of this app's metrics."""
         return metrics.render()

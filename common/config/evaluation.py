@@ -27,7 +27,8 @@ class EvalConfig(_Section):
     """Columns of the eval table: registered metric names (rouge1, meteor, sacrebleu, distinct_2, ...) and
     `perplexity` (of the references under the model); `rlt2t eval --metrics` overrides it."""
     classifier_path: str | None = None
-    """Sequence-classification model directory for the `classifier_accuracy` column (`{run}` expands)."""
+    """Sequence-classification model directory for the `classifier_accuracy` column, or a checkpoint root of one
+    (its best, else newest, complete checkpoint; `{run}` expands)."""
     classifier_label_field: str | None = None
     """JSONL field holding each example's expected class (e.g. `intent`); None: the classifier's label of the
     reference is expected."""

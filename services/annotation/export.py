@@ -66,13 +66,14 @@ def tsv_field(text: str) -> tuple[str, bool]:
 
 def usable_ranking(texts: Iterable[str]) -> tuple[list[str], int]:
     """(the texts the trainer accepts in one rank list, how many were dropped): blank ones and those equal to a
-    better-ranked one once cleaned for ranks.tsv go, the first of equals stays."""
+    better-ranked one once cleaned for ranks.tsv and their whitespace collapsed ("3 " and " 3" look the same to
+    an annotator and to a tokenizer that splits on it) go, the first of equals stays."""
     kept: list[str] = []
     seen: set[str] = set()
     dropped = 0
     for text in texts:
-        key = tsv_field(text)[0]
-        if not key.strip() or key in seen:
+        key = " ".join(tsv_field(text)[0].split())
+        if not key or key in seen:
             dropped += 1
             continue
         seen.add(key)

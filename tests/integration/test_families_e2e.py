@@ -125,6 +125,10 @@ def test_warm_start_from_the_packaged_minilm(tmp_path):
     assert torch.equal(decoder_layer.attention.self.query.weight, minilm["encoder.layer.0.attention.self.query.weight"])
     tok = policy.tokenizer
     assert (tok.eos_token, policy.model.config.decoder_start_token_id) == ("[SEP]", tok.cls_token_id)
+    # Its data reads: MiniLM's tokenizer.json pads every text to 128 [PAD]s, which the text rule refused.
+    from rlt2t.common.tokenization import text_checker
+
+    assert text_checker(tok)("dog ( noun ) : the dog barked") is None
     # The shared sampler runs on it (one greedy candidate, EOS or the length limit).
     from rlt2t.common.sampling import sample_candidates
 

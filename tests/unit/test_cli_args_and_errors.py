@@ -54,6 +54,17 @@ def test_a_pretrained_directorys_own_tokenizer_checks_the_data_before_sft_as_bef
         load_split(load_config([], [*over, f"data.train={data}"]), "train")  # what `rlt2t sft` loads
 
 
+def test_reward_model_training_on_files_without_a_preference_names_them(tmp_path, cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.tsv").write_text("")
+    (tmp_path / "ties.jsonl").write_text('{"source": "1 2", "candidate": "3", "rating": 2}\n'
+                                         '{"source": "1 2", "candidate": "4", "rating": 2}\n')
+    code, _, err = cli("reward-model", "train", "--rank-lists", "empty.tsv", "--ratings", "ties.jsonl", "run.dir=X")
+    assert code != 0 and "no preference pairs in empty.tsv, ties.jsonl (empty files, or every source's" in err, err
+    code, _, err = cli("reward-model", "train", "run.dir=X")
+    assert code != 0 and "no preferences; give reward_model.rank_lists" in err
+
+
 def test_overrides_after_reward_model_rank_lists_are_overrides(tmp_path, cli, monkeypatch):
     import rlt2t.common.checkpoint as checkpoint
     import rlt2t.reward_jobs as reward_jobs
@@ -91,7 +102,12 @@ def test_a_server_that_is_down_is_one_line_not_a_traceback(cli, monkeypatch, tmp
     monkeypatch.setattr(api, "sft", down)  # as `annotate load` meets a policy server that is not running
     code, _, err = cli("sft", f"run.dir={tmp_path}")
     assert code == 1 and err == ("rlt2t sft: error: POST http://127.0.0.1:8999/v1/candidates: Connection refused "
-                                 "(after 3 retries)\nthe newest complete checkpoint is kept: rerun with --resume\n")
+                                 "(after 3 retries)\nnothing answers at that address: is the server running (`rlt2t "
+                                 "serve policy` / `rlt2t serve reward`), and is the URL right?\nthe newest complete "
+                                 "checkpoint is kept: rerun with --resume\n")
+    monkeypatch.setattr(api, "sft", lambda cfg, **kw: (_ for _ in ()).throw(Unavailable("busy", status=503)))
+    code, _, err = cli("sft", f"run.dir={tmp_path}")  # a server that answers 503 is there: no such hint
+    assert code == 1 and "nothing answers" not in err and err.startswith("rlt2t sft: error: busy\n")
     monkeypatch.setattr(api, "sft", lambda cfg, **kw: 1 / 0)
     with pytest.raises(ZeroDivisionError):  # a bug is still a traceback
         cli("sft", f"run.dir={tmp_path}")

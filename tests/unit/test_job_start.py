@@ -85,6 +85,42 @@ def test_a_run_started_from_another_runs_checkpoint_takes_its_tokenizer(tiny_pol
     assert not (tmp_path / "tok").exists()
 
 
+def test_sft_warns_when_a_pretraining_checkpoint_or_its_tokenizer_is_not_what_the_config_names(
+        tiny_policy, tmp_path, caplog):
+    """SFT starts from the run's pretraining checkpoint, with that checkpoint's tokenizer: a model.path that
+    pretraining did not start from, or a run tokenizer rebuilt since, is not what trains; each says so."""
+    from rlt2t.common.checkpoint import save_checkpoint
+    from rlt2t.common.tokenization import build_ids_tokenizer, save_tokenizer
+    from rlt2t.jobs import _stage_start, default_sft_init, save_run_config
+
+    run = tmp_path / "run"
+    pretrained = save_checkpoint(run / "pretrain" / "checkpoints", "epoch-0001", model=tiny_policy.model,
+                                 tokenizer=tiny_policy.tokenizer, step=3)
+    save_tokenizer(tiny_policy.tokenizer, run / "tokenizer")
+    cfg = load_config(["tiny"], [f"run.dir={run}"])
+    save_run_config(cfg, "pretrain")
+    with caplog.at_level("WARNING", logger="rlt2t"):
+        assert default_sft_init(cfg) == pretrained
+        _stage_start(cfg, "sft", pretrained, resume=False)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]  # the run as pretraining left it
+
+    mine = load_config(["tiny"], [f"run.dir={run}", f"model.path={tmp_path / 'downloaded'}"])
+    with caplog.at_level("WARNING", logger="rlt2t"):
+        assert default_sft_init(mine) == pretrained
+    assert f"not from model.path={tmp_path / 'downloaded'} (pretraining did not start from it)" in caplog.text
+    caplog.clear()
+    save_run_config(mine, "pretrain")  # pretraining started from model.path: its checkpoint is the one to go on
+    with caplog.at_level("WARNING", logger="rlt2t"):
+        default_sft_init(mine)
+    assert "model.path" not in caplog.text
+
+    save_tokenizer(build_ids_tokenizer(30, 2), run / "tokenizer")  # rebuilt after pretraining
+    with caplog.at_level("WARNING", logger="rlt2t"):
+        _stage_start(cfg, "sft", pretrained, resume=False)
+    assert f"sft: {pretrained} brings its own tokenizer ({len(tiny_policy.tokenizer)} tokens)" in caplog.text
+    assert "a different vocabulary" in caplog.text
+
+
 def test_a_missing_split_names_the_runs_saved_config_that_holds_the_data_paths(tmp_path):
     import os
 

