@@ -100,10 +100,12 @@ def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, *, for
     total = {k: v.detach().clone().double() for k, v in base.state_dict().items() if v.is_floating_point()}
     for p in paths[1:]:
         if family_of_dir(p) != family:
-            raise ValueError(f"{p} is a {family_of_dir(p).name} model, {paths[0]} a {family.name} one")
+            raise ValueError(f"{p} is a model of family {family_of_dir(p).name}, {paths[0]} of family {family.name}")
         sd = load_model(p).state_dict()
         if set(sd) != set(base.state_dict()):
-            raise ValueError(f"{p} does not have the same parameters as {paths[0]}")
+            differ = sorted(set(sd) ^ set(base.state_dict()))
+            raise ValueError(f"{p} does not have the same parameters as {paths[0]} ({len(differ)} differ, first "
+                             f"{differ[0]}: a model of another shape)")
         for k in total:
             if sd[k].shape != total[k].shape:
                 raise ValueError(f"{p}: {k} has shape {tuple(sd[k].shape)}, expected {tuple(total[k].shape)}")

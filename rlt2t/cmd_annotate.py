@@ -161,6 +161,10 @@ def cmd_terminal(args) -> None:
         if args.candidates or args.sources:
             _load_items(cfg, store, candidates=args.candidates, sources=args.sources, policy_url=args.policy_url,
                         limit=args.limit)
+        if store.count_items() == 0:
+            raise ValueError("annotate: no items to rate in this run's annotation database yet: load some with "
+                             "`rlt2t annotate load --candidates FILE` (or --sources FILE --policy-url URL), or pass "
+                             "--candidates / --sources here")
         annotator = store.annotator_by_name(args.annotator)
         if annotator is None:
             token = store.add_annotator(args.annotator)

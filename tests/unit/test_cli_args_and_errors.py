@@ -177,3 +177,16 @@ def test_modules_beside_where_rlt2t_runs_import_as_under_python_m(tmp_path, cli,
     assert sys.path[-1] == str(tmp_path)  # appended: an installed package of the same name still comes first
     assert importlib.import_module("my_reward_here").brevity([], [], []) == [0.0]
     sys.modules.pop("my_reward_here")
+
+
+def test_the_terminal_loop_on_a_run_without_items_says_how_to_load_some(tmp_path, cli):
+    from rlt2t.services.annotation.store import Store
+
+    code, out, err = cli("annotate", "terminal", "--annotator", "tom", f"run.dir={tmp_path}")
+    assert code == 2 and "no items to rate in this run's annotation database yet: load some with `rlt2t annotate " \
+        "load --candidates FILE`" in err, out + err
+    store = Store.open(f"sqlite:///{tmp_path}/annotate/annotations.db")
+    try:
+        assert store.annotator_by_name("tom") is None  # no token handed out for an empty queue
+    finally:
+        store.close()

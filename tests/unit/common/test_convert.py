@@ -125,8 +125,17 @@ def test_average_any_family(name, family_dirs, tmp_path):
             torch.testing.assert_close(avg[key], b + 0.5, msg=key)
 
 
+def test_average_refuses_another_shape_naming_a_parameter(pretrained_dir, tmp_path):
+    src, model = pretrained_dir
+    deeper = BartForConditionalGeneration(model.config.__class__(**{**model.config.to_dict(), "encoder_layers": 2}))
+    deeper.save_pretrained(tmp_path / "deeper")
+    with pytest.raises(ValueError, match=r"deeper does not have the same parameters as .*pre \(\d+ differ, first "
+                                         r"model.encoder.layers.1.* a model of another shape\)"):
+        average_checkpoints([src, tmp_path / "deeper"], tmp_path / "avg")
+
+
 def test_average_refuses_mixed_families(family_dirs, tmp_path):
-    with pytest.raises(ValueError, match="is a bart model"):
+    with pytest.raises(ValueError, match="bart is a model of family bart, .*t5 of family t5"):
         average_checkpoints([family_dirs["t5"], family_dirs["bart"]], tmp_path / "avg")
 
 
