@@ -713,6 +713,13 @@ class Distinct:
         return len(set(grams)) / len(grams) if grams else 0.0
 
 
+def saved_id2label(model_dir: str | os.PathLike) -> dict[int, str]:
+    """The class names a saved classifier's ``config.json`` gives (``id2label``), by class id; read without
+    loading the model."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text()).get("id2label") or {}
+    return {int(k): str(v) for k, v in raw.items()}
+
+
 def class_index(id2label: dict[int, str], label: str | int, what: str, where: str) -> int:
     """The output index of a classifier's class named by ``label``: one of its ``id2label`` names, else a class
     id (an int, or a string of digits that names no class). The one rule of the classifier metric and reward."""

@@ -59,6 +59,7 @@ from rlt2t.common.metrics import (
     get_metric,
     missing_dependency,
     register_metric,
+    saved_id2label,
     user_metrics,
 )
 from rlt2t.common.plugins import load_plugins
@@ -426,26 +427,22 @@ def check_reward(cfg: RewardConfig) -> None:
 def _check_learned_term(term: RewardModelTerm | ClassifierTerm, where: str) -> None:
     """A learned term's path is a model of its kind and a classifier's label one of its classes: read from the
     saved files without loading the model (the workers load it, on Ray after its start-up)."""
-    import json
-
     from rlt2t.common.checkpoint import resolve_model_dir
-    from rlt2t.common.reward_model import SPEC_FILE
+    from rlt2t.common.reward_model import SPEC_FILE, is_reward_model_dir
 
     try:
         path = resolve_model_dir(term.path)
     except FileNotFoundError as e:
         raise ConfigError(f"{where}.path: {e}") from None
     if isinstance(term, RewardModelTerm):
-        if not (path / SPEC_FILE).is_file():
+        if not is_reward_model_dir(path):
             raise ConfigError(f"{where}.path: {path} is not a reward model (no {SPEC_FILE}); train one with "
                               "`rlt2t reward-model train`")
         return
-    config_file = path / "config.json"
-    if not config_file.is_file():
+    if not (path / "config.json").is_file():
         raise ConfigError(f"{where}.path: {path} is not a model directory (no config.json)")
-    id2label = json.loads(config_file.read_text()).get("id2label") or {}
     try:
-        class_index({int(k): str(v) for k, v in id2label.items()}, term.label, f"{where}.label", str(path))
+        class_index(saved_id2label(path), term.label, f"{where}.label", str(path))
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
 

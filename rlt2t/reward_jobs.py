@@ -8,13 +8,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import random
-from pathlib import Path
 
 from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir, resume_point
 from rlt2t.common.config import Config
+from rlt2t.common.metrics import saved_id2label
 from rlt2t.common.preferences import check_preference_texts, load_preferences, split_by_source
 from rlt2t.common.reward_model import init_reward_model, load_reward_model, packaged_or_path
 from rlt2t.common.tokenization import load_tokenizer, text_checker
@@ -89,7 +88,7 @@ def classifier_job(cfg: Config, resume: bool = False) -> StageResult:
     latest = resume_point(out_dir / "checkpoints", resume, elsewhere="use another output directory")
     if latest is not None:
         model_dir, info = latest, read_checkpoint(latest)
-        from_config = [v for _, v in sorted(_id2label(model_dir).items())]
+        from_config = [v for _, v in sorted(saved_id2label(model_dir).items())]
         if from_config != labels:
             raise ValueError(f"classifier: the checkpoint {latest} has labels {from_config}, the data {labels}")
         model = init_classifier(model_dir, labels)
@@ -104,6 +103,3 @@ def classifier_job(cfg: Config, resume: bool = False) -> StageResult:
                             resume_from=info)
 
 
-def _id2label(path: Path) -> dict[int, str]:
-    raw = json.loads((path / "config.json").read_text()).get("id2label") or {}
-    return {int(k): v for k, v in raw.items()}
