@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from rlt2t.common.candidates import candidate_set, normalize_text, stable_seed
 from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import ModelConfig, RolloutConfig
 from rlt2t.common.data import Example
@@ -32,12 +33,7 @@ from rlt2t.common.families import positions_or
 from rlt2t.common.io import pid_running
 from rlt2t.common.lora import apply_lora, load_weights, merged_model, reference_policy
 from rlt2t.common.policy import Policy, PolicyModel, load_policy
-from rlt2t.common.sampling import (
-    candidate_set,
-    normalize_text,
-    sample_candidates,
-    stable_seed,
-)
+from rlt2t.common.sampling import sample_candidates
 from rlt2t.common.scoring import sequence_logprobs
 from rlt2t.common.types import CandidateSet, RolloutSpec, SampledGroup
 

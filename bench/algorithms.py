@@ -64,13 +64,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_info import RESULTS, save  # noqa: E402
 
+from rlt2t.common.candidates import stable_seed  # noqa: E402
 from rlt2t.common.collate import collate_seq2seq, encode_texts  # noqa: E402
 from rlt2t.common.config import Config, load_config  # noqa: E402
 from rlt2t.common.data import load_examples, reference_sets, write_examples  # noqa: E402
 from rlt2t.common.io import atomic_open, atomic_write_json, atomic_write_jsonl  # noqa: E402
 from rlt2t.common.metrics import get_metric  # noqa: E402
 from rlt2t.common.policy import load_policy  # noqa: E402
-from rlt2t.common.sampling import sample_candidates, stable_seed  # noqa: E402
+from rlt2t.common.sampling import sample_candidates  # noqa: E402
 from rlt2t.common.scoring import sequence_logprobs  # noqa: E402
 from rlt2t.common.tracking import setup_logging  # noqa: E402
 from rlt2t.jobs import (  # noqa: E402

@@ -267,10 +267,10 @@ def train_reward_model(cfg: Config, sft: Path, method: str) -> dict[str, Any]:
     training sources (one file for every reward model of the seed), then `rlt2t reward-model train` from the SFT
     checkpoint with the method's REWARD_MODELS settings, in its own run directory (``decoding/`` for ``reward``,
     ``decoding/<method>/`` for the others). Returns its checkpoint and held-out pair accuracy."""
+    from rlt2t.common.candidates import stable_seed
     from rlt2t.common.data import unique_references
     from rlt2t.common.metrics import DocumentFrequency, get_metric
     from rlt2t.common.policy import load_policy
-    from rlt2t.common.sampling import stable_seed
     from rlt2t.ensemble import TorchRunner
     from rlt2t.feedback import derive
     from rlt2t.jobs import best_or_latest, load_split

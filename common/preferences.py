@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlt2t.common.candidates import stable_seed
 from rlt2t.common.data import DataError
 from rlt2t.common.io import atomic_open
-from rlt2t.common.sampling import stable_seed
 
 log = logging.getLogger("rlt2t.preferences")
 

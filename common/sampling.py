@@ -3,11 +3,11 @@ log-probs of the raw model and of the distribution actually sampled from.
 
 Rollout workers (``rlt2t.actors.rollout``) and the policy server's torch backend
 (``rlt2t.services.backends``) both call :func:`sample_candidates`; the rank pair is drawn by
-:func:`candidate_set` wherever candidates are produced. Why a sampler of our own instead of Hugging Face
-``generate``: ``generate`` draws from the global RNG, so a row's sample would depend on which other rows
-share its batch. Here every row has its own ``torch.Generator`` and samples with the Gumbel-max trick, so
-the samples of an example depend only on the weights and on the seed its caller derives (usually
-``stable_seed(seed, policy version, example id, j)``).
+:func:`rlt2t.common.candidates.candidate_set` wherever candidates are produced. Why a sampler of our own
+instead of Hugging Face ``generate``: ``generate`` draws from the global RNG, so a row's sample would depend
+on which other rows share its batch. Here every row has its own ``torch.Generator`` and samples with the
+Gumbel-max trick, so the samples of an example depend only on the weights and on the seed its caller derives
+(usually ``stable_seed(seed, policy version, example id, j)``).
 
 Top-k and top-p are transformers' own logits warpers (:func:`warp_logits`); the learner applies the same
 function to its teacher-forced logits, so a policy-gradient ratio compares the learner's and the sampler's
@@ -16,12 +16,8 @@ log-probs under one transform (docs/design.md, "Behaviour log-probs").
 
 from __future__ import annotations
 
-import hashlib
-import json
-import random
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,25 +25,6 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 from transformers.modeling_outputs import BaseModelOutput
 
 from rlt2t.common.families import cache_of, with_cache
-from rlt2t.common.types import CandidateSet
-
-
-def stable_seed(*parts: int | str) -> int:
-    """A 63-bit seed from ints and strings, the same in every process and Python version.
-
-    Python's ``hash()`` of a string is salted per process, so it cannot key randomness that must agree
-    across Ray workers; a BLAKE2 digest of the parts' JSON encoding (unambiguous) can.
-    """
-    for i, part in enumerate(parts):
-        if isinstance(part, bool) or not isinstance(part, int | str):
-            raise TypeError(f"stable_seed: parts[{i}] must be an int or str, got {type(part).__name__}")
-    digest = hashlib.blake2b(json.dumps(parts).encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1  # torch generators take seeds below 2**63 everywhere
-
-
-def normalize_text(text: str) -> str:
-    """Whitespace-normalised text: the form candidates are compared and deduplicated in."""
-    return " ".join(text.split())
 
 
 def check_sampling(k: int, top_k: int, temperature: float, top_p: float = 1.0) -> None:
@@ -227,29 +204,3 @@ def sample_candidates(
         next_tokens = tokens[:, None]
     forced = [forced_eos_id is not None and len(t) == max_new_tokens for t in tokens_out]
     return [SampledSequence(t, r, s, f) for t, r, s, f in zip(tokens_out, raw_out, sample_out, forced, strict=True)]
-
-
-def candidate_set(example_id: str, source: str, reference: str, samples: Sequence[str], *, include_gold: bool,
-                  seed: int, version: int, references: Sequence[str] = (),
-                  fields: Mapping[str, Any] | None = None) -> CandidateSet:
-    """A source's candidate set from its samples: the gold added (``include_gold``), whitespace-normalised,
-    empties dropped, deduplicated keeping the first occurrence, and the rank pair drawn. ``references``: every
-    reference of the example when it has several (the pair is scored against them; the gold is ``reference``);
-    ``fields``: the example's extra fields (for Python reward terms).
-
-    The pair draw is keyed on (seed, version, example id), so any sampler (Ray actor, policy server) that
-    produces the same samples gives the same pair; one candidate pairs with itself (the reward then turns
-    ranking off for it).
-    """
-    pool = list(samples) + ([reference] if include_gold else [])
-    # dict keeps first-occurrence order: deduplication that does not depend on set iteration order.
-    candidates = tuple(dict.fromkeys(t for t in map(normalize_text, pool) if t))
-    if len(candidates) >= 2:
-        rng = random.Random(stable_seed(seed, version, example_id, "pair"))
-        first, second = rng.sample(candidates, 2)
-        pair = (first, second)
-    else:
-        only = candidates[0] if candidates else ""
-        pair = (only, only)
-    return CandidateSet(example_id=example_id, source=source, reference=reference, candidates=candidates,
-                        pair=pair, policy_version=version, references=tuple(references), fields=dict(fields or {}))

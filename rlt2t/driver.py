@@ -42,6 +42,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlt2t.actors.reward import RewardWorker
 from rlt2t.actors.rollout import RolloutWorker
+from rlt2t.by_reference import FetchObject, RewardsByReference, RolloutsByReference, stored_items
 from rlt2t.common.algorithms import nan_loss_advice
 from rlt2t.common.checkpoint import (
     BestCheckpoint,
@@ -64,17 +65,12 @@ from rlt2t.common.tracking import RunLogger
 from rlt2t.common.types import RolloutSpec
 from rlt2t.common.waiting import NotYet, wait_until
 from rlt2t.groups import (
-    FetchObject,
     LearnerGroup,
-    RewardsByReference,
-    RolloutsByReference,
     WorkerPool,
     check_cluster,
     init_ray,
     load_published_weights,
-    load_reference_weights,
     load_start_weights,
-    stored_items,
 )
 from rlt2t.learner.evaluate import Monitor, collapse_warning, job_monitor, monitor_name
 from rlt2t.learner.trainer import epoch_order
@@ -329,15 +325,18 @@ class _Job:
                                      what=f"the reward workers (rl.reward_workers={r.reward_workers}, "
                                           f"rl.reward_cpus={r.reward_cpus:g}, rl.reward_gpus={r.reward_gpus:g})",
                                      results=RewardsByReference)
-            # Loaded by tasks while the workers start, never in this process: the weights of the first published
-            # version (and the tokenizer the driver counts truncated sources with), and, for Ray rollout workers
-            # that need it, the run's start (the reference policy of the KL, the base that published LoRA
+            # Loaded by one task while the workers start, never in this process: the weights of the first
+            # published version (and the tokenizer the driver counts truncated sources with), and, for Ray rollout
+            # workers that need it, the run's start (the reference policy of the KL, the base that published LoRA
             # adapters adapt), shipped once through the object store: each sampling call carries its fetcher, a
             # worker fetches it once (again after a restart).
-            first_version = load_start_weights(cfg.model, cfg.tokenizer_dir, start, lora_seed=cfg.run.seed)
-            if cfg.rollout.source != "http" and (spec.reference or cfg.model.lora.enabled):
-                start_weights_loaded, reference = load_reference_weights(cfg.model, cfg.tokenizer_dir, init)
-                start_weights = FetchObject(reference)
+            needs_reference = cfg.rollout.source != "http" and (spec.reference or cfg.model.lora.enabled)
+            tokenizer, weights, reference_loaded, reference = load_start_weights(
+                cfg.model, cfg.tokenizer_dir, start, lora_seed=cfg.run.seed,
+                reference=init if needs_reference else None)
+            first_version = (tokenizer, weights)
+            if needs_reference:
+                start_weights_loaded, start_weights = reference_loaded, FetchObject(reference)
             rollouts.wait_started(r.schedule_timeout_s)
             rewards.wait_started(r.schedule_timeout_s)
         except BaseException:

@@ -41,6 +41,7 @@ import numpy as np
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from rlt2t.common.candidates import stable_seed
 from rlt2t.common.checkpoint import resolve_model_dir
 from rlt2t.common.collate import encode_texts
 from rlt2t.common.config import Config, DataConfig, PredictConfig, did_you_mean
@@ -75,7 +76,6 @@ from rlt2t.common.rerank import (
     token_words,
 )
 from rlt2t.common.rewards import WeightedReward, build_reward, check_reward
-from rlt2t.common.sampling import stable_seed
 from rlt2t.services.backends import Sampling, TorchBackend
 
 log = logging.getLogger("rlt2t.predict")

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from rlt2t.actors.rollout import RolloutWorker
+from rlt2t.common.candidates import stable_seed
 from rlt2t.common.checkpoint import complete_checkpoint, latest_complete_checkpoint
 from rlt2t.common.collate import IGNORE_INDEX, collate_seq2seq, encode_texts, pad
 from rlt2t.common.config import Config, ModelConfig, RewardModelTerm, RolloutConfig
@@ -38,7 +39,7 @@ from rlt2t.common.io import atomic_write_json, atomic_write_jsonl
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.preferences import write_rank_lists
 from rlt2t.common.reward_model import minilm_dir
-from rlt2t.common.sampling import sample_candidates, stable_seed
+from rlt2t.common.sampling import sample_candidates
 from rlt2t.common.types import CandidateSet
 from rlt2t.jobs import best_or_latest, load_split, prepare_sft, rl_job
 from rlt2t.reward_jobs import reward_model_job

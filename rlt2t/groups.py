@@ -22,13 +22,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlt2t.by_reference import FetchObject, with_results
 from rlt2t.common.checkpoint import load_training_state
 from rlt2t.common.config import Config, ModelConfig
 from rlt2t.common.data import Example
 from rlt2t.common.errors import ResumableFailure, UnitError
 from rlt2t.common.lora import apply_lora, is_lora, policy_weights
 from rlt2t.common.policy import load_policy
-from rlt2t.common.types import CandidateSet, SampledGroup, ScoredGroup, ScoredPair
 from rlt2t.learner.learner import BatchTooLarge, Learner
 from rlt2t.scheduler import PoolState, StoredItem
 
@@ -381,58 +381,28 @@ class LearnerGroup:
 
 # --- worker pools -----------------------------------------------------------------------------------------
 
-# A result that stays in the object store comes with a small summary, as the first of two results (the call
-# is made with num_returns=2): the driver waits on the summaries alone (a dead worker's or a failed task's
-# error shows there too) and passes the results on by reference, to the reward workers and the learner ranks.
+# The run's start weights are loaded by a short task (no CPU reserved: the job's actors may hold them all), not
+# in the driver: it returns a small first result to wait on, then the weights, which stay in the object store.
+# The task's process keeps its imports for the job's next loading task (a resume's kept versions, a feedback
+# round's next job) instead of paying them again; it holds no weights between tasks and ends with the job.
 
-class RolloutsByReference:
-    """Mixed into a rollout worker class (``sample_version``) at launch."""
-
-    def sample_version_stored(self, *args: Any, **kwargs: Any) -> tuple[int, list[CandidateSet] | list[SampledGroup]]:
-        """``sample_version``'s result, after its length."""
-        items = self.sample_version(*args, **kwargs)  # type: ignore[attr-defined]
-        return len(items), items
-
-
-ItemSummary = tuple[str, int, int | None]
-"""What the scheduler reads of a scored item: (example id, policy version, masking-policy version)."""
-
-
-class RewardsByReference:
-    """Mixed into a reward worker class (``score``) at launch."""
-
-    def score_stored(self, items: Sequence[CandidateSet] | Sequence[SampledGroup]
-                     ) -> tuple[list[ItemSummary], list[ScoredPair] | list[ScoredGroup]]:
-        """``score``'s result, after its summary (one entry per item, in order)."""
-        scored = self.score(items)  # type: ignore[attr-defined]
-        return [(x.example_id, x.policy_version, x.mask_version if isinstance(x, ScoredGroup) else None)
-                for x in scored], scored
-
-
-def stored_items(chunk: int, summary: Sequence[ItemSummary]) -> list[StoredItem]:
-    """The scheduler's view of chunk ``chunk``'s scored items, from its reward worker's summary."""
-    return [StoredItem(chunk, i, *entry) for i, entry in enumerate(summary)]
-
-
-# The run's start weights are loaded by a short task (no CPU reserved: the job's actors may hold them all; the
-# process exits after the call, max_calls=1), not in the driver: it returns a small first result to wait on,
-# then the weights, which stay in the object store.
-
-def _start_weights(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, checkpoint: str,
-                   lora_seed: int) -> tuple[Any, dict[str, torch.Tensor]]:
+def _start_weights(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, checkpoint: str, lora_seed: int,
+                   reference: str | None) -> tuple[Any, dict[str, torch.Tensor], int | None,
+                                                   dict[str, torch.Tensor] | None]:
     """(tokenizer, weights) of ``checkpoint`` as the learner ranks hold it at the start (LoRA applied as they
-    apply it): the published weights of the run's first version."""
+    apply it): the published weights of the run's first version. Then, when ``reference`` is a checkpoint,
+    (parameter count, full state dict) of it: the KL's reference, the base of LoRA adapters (else None, None).
+    One process loads both, the same checkpoint once (a fresh run starts from its reference)."""
     policy = load_policy(model_cfg, tokenizer_dir, checkpoint=checkpoint, trainable_adapters=True)
+    count, base = None, None
+    if reference is not None:
+        same = reference == checkpoint and not is_lora(policy.model)  # before LoRA is applied, the reference
+        model = policy.model if same else load_policy(model_cfg, tokenizer_dir, checkpoint=reference).model
+        count, base = sum(p.numel() for p in model.parameters()), model.state_dict()
+        del model
     if model_cfg.lora.enabled and not is_lora(policy.model):
         policy.model = apply_lora(policy.model, model_cfg.lora, seed=lora_seed)
-    return policy.tokenizer, policy_weights(policy.model)
-
-
-def _reference_weights(model_cfg: ModelConfig, tokenizer_dir: str | Path | None,
-                       checkpoint: str) -> tuple[int, dict[str, torch.Tensor]]:
-    """(parameter count, full state dict) of ``checkpoint``: the KL's reference, the base of LoRA adapters."""
-    model = load_policy(model_cfg, tokenizer_dir, checkpoint=checkpoint).model
-    return sum(p.numel() for p in model.parameters()), model.state_dict()
+    return policy.tokenizer, policy_weights(policy.model), count, base
 
 
 def _checkpoint_published(checkpoint: str, version: int) -> tuple[int, dict[str, torch.Tensor]]:
@@ -440,36 +410,18 @@ def _checkpoint_published(checkpoint: str, version: int) -> tuple[int, dict[str,
     return version, load_training_state(checkpoint, mmap=True)["published"][version]
 
 
-def load_start_weights(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, checkpoint: Path,
-                       lora_seed: int) -> tuple[ray.ObjectRef, ray.ObjectRef]:
-    """:func:`_start_weights` as a task: (tokenizer, weights) references."""
-    task: Any = ray.remote(num_cpus=0, max_calls=1, num_returns=2)(_start_weights)
-    return task.remote(model_cfg, tokenizer_dir, str(checkpoint), lora_seed)
-
-
-def load_reference_weights(model_cfg: ModelConfig, tokenizer_dir: str | Path | None,
-                           checkpoint: Path) -> tuple[ray.ObjectRef, ray.ObjectRef]:
-    """:func:`_reference_weights` as a task: (summary, weights) references."""
-    task: Any = ray.remote(num_cpus=0, max_calls=1, num_returns=2)(_reference_weights)
-    return task.remote(model_cfg, tokenizer_dir, str(checkpoint))
+def load_start_weights(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, checkpoint: Path, lora_seed: int,
+                       reference: Path | None = None) -> tuple[ray.ObjectRef, ...]:
+    """:func:`_start_weights` as a task: (tokenizer, weights, reference summary, reference weights) references."""
+    task: Any = ray.remote(num_cpus=0, num_returns=4)(_start_weights)
+    return task.remote(model_cfg, tokenizer_dir, str(checkpoint), lora_seed,
+                       None if reference is None else str(reference))
 
 
 def load_published_weights(checkpoint: Path, version: int) -> tuple[ray.ObjectRef, ray.ObjectRef]:
     """:func:`_checkpoint_published` as a task: (summary, weights) references."""
-    task: Any = ray.remote(num_cpus=0, max_calls=1, num_returns=2)(_checkpoint_published)
+    task: Any = ray.remote(num_cpus=0, num_returns=2)(_checkpoint_published)
     return task.remote(str(checkpoint), version)
-
-
-@dataclass(frozen=True)
-class FetchObject:
-    """Fetches an object-store value where it is called. Passed inside an argument, its reference is neither
-    resolved by Ray for every call nor kept among an actor's constructor arguments (which Ray re-uses on restart
-    and warns about): the callee fetches the value once, when it needs it."""
-
-    ref: ray.ObjectRef
-
-    def __call__(self) -> Any:
-        return ray.get(self.ref)
 
 
 class WorkerPool:
@@ -479,9 +431,9 @@ class WorkerPool:
     def __init__(self, cls: type, n: int, *, num_cpus: float, num_gpus: float, max_restarts: int, args: tuple,
                  kwargs: dict, resources: dict[str, float] | None = None,
                  per_actor_args: Sequence[tuple] | None = None, what: str = "", results: type | None = None):
-        # ``results``: a mixin (RolloutsByReference, RewardsByReference) whose methods leave the role's results
-        # in the object store; the class keeps its name (the actors' process titles are "ray::<Class>.<method>").
-        launched = type(cls.__name__, (results, cls), {}) if results is not None else cls
+        # ``results``: a mixin (rlt2t.by_reference: RolloutsByReference, RewardsByReference) whose methods leave
+        # the role's results in the object store.
+        launched = with_results(cls, results)
         # Actor handles are Any here, as LearnerGroup.ranks: Ray types them as the handle or the class itself.
         remote: Any = ray.remote(launched).options(num_cpus=num_cpus, num_gpus=num_gpus,
                                                    resources=dict(resources or {}), max_restarts=max_restarts,

@@ -65,6 +65,7 @@ from fastapi import FastAPI, HTTPException, Request
 from prometheus_client import Counter, Gauge, Histogram
 from starlette.concurrency import run_in_threadpool
 
+from rlt2t.common.candidates import candidate_set, stable_seed
 from rlt2t.common.checkpoint import latest_complete_checkpoint, resolve_model_dir
 from rlt2t.common.config import Config
 from rlt2t.common.mbr import VECTORISED_METRICS, MetricUtility, PairUtility, mbr_over_entries, metric_utility
@@ -72,7 +73,6 @@ from rlt2t.common.metrics import DocumentFrequency, metric_params
 from rlt2t.common.python_rewards import RewardError
 from rlt2t.common.rerank import check_reference_free
 from rlt2t.common.rewards import WeightedReward, build_reward, score_pairs, task_reward
-from rlt2t.common.sampling import candidate_set, stable_seed
 from rlt2t.services.admission import ServiceTime, Work, sampled_work, total
 from rlt2t.services.backends import Generation, PolicyBackend, Sampling, Scored, StepControl, load_backend
 from rlt2t.services.batching import Batcher, Overloaded

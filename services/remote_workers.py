@@ -3,7 +3,7 @@
 With ``rollout.source: http`` the driver runs one light :class:`HttpRolloutWorker` per policy server
 URL (Ray actors, so dispatch, re-dispatch and the reorder buffer are the ones the local actors use);
 each asks its server for samples and builds the candidate sets locally with the same rules as
-``rlt2t.actors.rollout.RolloutWorker`` (``rlt2t.common.sampling.candidate_set``). The servers get
+``rlt2t.actors.rollout.RolloutWorker`` (``rlt2t.common.candidates.candidate_set``). The servers get
 the learner's weights from the checkpoints the driver publishes under ``{run}/rl/published``
 (``rlt2t serve policy --checkpoint-dir`` that directory; it hot-reloads the newest). A server that
 has not loaded the version a chunk asks for yet is waited for, up to ``rollout.timeout_s``, then its
@@ -21,10 +21,10 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 
+from rlt2t.common.candidates import candidate_set, stable_seed
 from rlt2t.common.config import RewardConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.rewards import order_pair
-from rlt2t.common.sampling import candidate_set, stable_seed
 from rlt2t.common.types import CandidateSet, RolloutSpec, SampledGroup, ScoredGroup, ScoredPair
 from rlt2t.services.client import PolicyClient, RewardClient
 from rlt2t.services.schemas import CandidatesResponse

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlt2t.common.candidates import stable_seed
 from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import ModelConfig
 from rlt2t.common.policy import load_policy
-from rlt2t.common.sampling import sample_candidates, stable_seed
+from rlt2t.common.sampling import sample_candidates
 from rlt2t.feedback import ScriptedAnnotator, choose_token, preference_stats, sample_and_kl
 
 

@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import rlt2t.by_reference as by_reference
 import rlt2t.driver as driver
 import rlt2t.groups as groups
 from rlt2t.common.checkpoint import complete_checkpoint, load_training_state
-from rlt2t.common.config import ModelConfig, RLConfig
+from rlt2t.common.config import LoraConfig, ModelConfig, RLConfig
 from rlt2t.common.policy import load_policy
 from rlt2t.common.types import ScoredPair
 from rlt2t.learner.learner import Learner
@@ -131,15 +132,51 @@ def test_learner_ranks_pick_their_items_out_of_scored_chunks_by_reference():
 
 
 def test_worker_results_come_with_the_summary_the_driver_reads():
-    class Rollouts(groups.RolloutsByReference):
+    class Rollouts(by_reference.RolloutsByReference):
         def sample_version(self, version, weights, examples):
             return [f"set-{e}" for e in examples]
 
-    class Rewards(groups.RewardsByReference):
+    class Rewards(by_reference.RewardsByReference):
         def score(self, items):
             return _pairs(len(items))
 
     assert Rollouts().sample_version_stored(0, None, ["x", "y"]) == (2, ["set-x", "set-y"])
     summary, scored = Rewards().score_stored(["set-x", "set-y"])
     assert summary == [("0", 0, None), ("1", 0, None)] and scored == _pairs(2)
-    assert groups.stored_items(3, summary) == [StoredItem(3, 0, "0", 0), StoredItem(3, 1, "1", 0)]
+    assert by_reference.stored_items(3, summary) == [StoredItem(3, 0, "0", 0), StoredItem(3, 1, "1", 0)]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_one_task_loads_the_start_weights_and_their_reference_as_separate_loads_would(tmp_path, tiny_policy, lora):
+    """An RL job's first published version and the KL reference come from one task (one process's imports, and
+    one load when a fresh run starts from its reference); another start checkpoint (a resumed run's) is loaded
+    beside the reference, and a job that needs no reference gets none."""
+    init, start = tmp_path / "init", tmp_path / "start"
+    for path in (init, start):
+        tiny_policy.tokenizer.save_pretrained(path)
+    tiny_policy.model.save_pretrained(init)
+    with torch.no_grad():
+        for p in tiny_policy.model.parameters():
+            p.add_(0.5)
+    tiny_policy.model.save_pretrained(start)
+    cfg = ModelConfig(lora=LoraConfig(enabled=lora, r=4, alpha=8, dropout=0.0))
+
+    def plain(path: Path) -> dict[str, torch.Tensor]:
+        return load_policy(ModelConfig(), checkpoint=path).model.state_dict()
+
+    def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    for checkpoint in (init, start):
+        alone = groups._start_weights(cfg, None, str(checkpoint), 3, None)
+        assert alone[2:] == (None, None)
+        tokenizer, weights, count, base = groups._start_weights(cfg, None, str(checkpoint), 3, str(init))
+        assert tokenizer.get_vocab() == tiny_policy.tokenizer.get_vocab()
+        assert equal(weights, alone[1])  # the same first version, with or without its reference
+        reference = load_policy(ModelConfig(), checkpoint=init).model
+        assert equal(base, reference.state_dict()) and count == sum(p.numel() for p in reference.parameters())
+        if lora:  # the adapters (seeded), not the base
+            assert weights and all("lora_" in k for k in weights)
+        else:
+            assert equal(weights, plain(checkpoint))
+    assert not equal(plain(start), plain(init))

@@ -92,20 +92,27 @@ def test_reward_config_rejects_impossible_values():
 
 
 def test_a_reward_of_reference_metrics_scores_without_importing_torch_or_transformers(tmp_path):
-    """The default reward worker (task score, reward.device=auto) starts without the multi-second torch and
-    transformers imports: every RL job starts one or more of them beside the learners and rollout workers."""
+    """The default reward worker (task score, reward.device=auto), as an RL job launches it (with its
+    object-store mixin), and the HTTP workers start without the multi-second torch and transformers imports:
+    every RL job starts one or more of them beside the learners and rollout workers."""
     import subprocess
     import sys
 
     script = """
 import sys
 from rlt2t.actors.reward import RewardWorker
+from rlt2t.by_reference import RewardsByReference, RolloutsByReference, with_results
 from rlt2t.common.config import RewardConfig
 from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.types import CandidateSet
-worker = RewardWorker(RewardConfig(), DocumentFrequency.from_references([["1 2 3"], ["4 5"]]))
-pair = worker.score([CandidateSet("e", "9 9", "1 2 3", ("4 5", "1 2 3"), ("4 5", "1 2 3"), 0)])[0]
+from rlt2t.services.remote_workers import HttpRewardWorker, HttpRolloutWorker
+launched = with_results(RewardWorker, RewardsByReference)
+worker = launched(RewardConfig(), DocumentFrequency.from_references([["1 2 3"], ["4 5"]]))
+summary, scored = worker.score_stored([CandidateSet("e", "9 9", "1 2 3", ("4 5", "1 2 3"), ("4 5", "1 2 3"), 0)])
+pair = scored[0]
+assert launched.__name__ == "RewardWorker" and summary == [("e", 0, None)], summary
 assert pair.a == "1 2 3" and pair.score_a > pair.score_b, pair
+with_results(HttpRolloutWorker, RolloutsByReference), with_results(HttpRewardWorker, RewardsByReference)
 print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -15,11 +15,11 @@ import torch
 from pydantic import ValidationError
 
 from rlt2t.actors.rollout import RolloutWorker
+from rlt2t.common.candidates import normalize_text, stable_seed
 from rlt2t.common.collate import collate_seq2seq, encode_texts
 from rlt2t.common.config import ModelConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.policy import Policy, load_policy
-from rlt2t.common.sampling import normalize_text, stable_seed
 from rlt2t.common.sampling import sample_candidates as sample_rows
 
 

@@ -12,6 +12,7 @@ import torch
 
 from rlt2t.actors.rollout import RolloutWorker
 from rlt2t.common.algorithms import rollout_spec_for
+from rlt2t.common.candidates import candidate_set
 from rlt2t.common.config import EvalConfig, MetricConfig, ModelConfig, RolloutConfig
 from rlt2t.common.data import (
     DataError,
@@ -23,7 +24,6 @@ from rlt2t.common.data import (
 )
 from rlt2t.common.metrics import DocumentFrequency, get_metric
 from rlt2t.common.rewards import MetricReward, score_groups, score_pairs
-from rlt2t.common.sampling import candidate_set
 from rlt2t.common.types import SampledGroup
 from rlt2t.learner.evaluate import distinct_outputs, evaluate, generate, metric_table, monitor_score
 

@@ -16,10 +16,10 @@ import pytest
 from rlt2t.actors.reward import RewardWorker
 from rlt2t.common import metrics as metrics_module
 from rlt2t.common import python_rewards
+from rlt2t.common.candidates import candidate_set
 from rlt2t.common.config import ConfigError, MetricTerm, PythonTerm, RewardConfig, config_to_yaml, load_config
 from rlt2t.common.python_rewards import RewardError, register_reward
 from rlt2t.common.rewards import UserRegistrations, build_reward, check_reward, score_groups, score_pairs
-from rlt2t.common.sampling import candidate_set
 from rlt2t.common.types import SampledGroup
 
 SOURCES = ["1 2 3", "4 5", "6"]

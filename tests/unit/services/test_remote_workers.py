@@ -7,9 +7,9 @@ import json
 import httpx
 import pytest
 
+from rlt2t.common.candidates import candidate_set
 from rlt2t.common.config import RewardConfig, RolloutConfig
 from rlt2t.common.data import Example
-from rlt2t.common.sampling import candidate_set
 from rlt2t.common.types import RolloutSpec
 from rlt2t.services.remote_workers import HttpRewardWorker, HttpRolloutWorker
 
