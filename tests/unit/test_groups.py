@@ -43,14 +43,13 @@ def test_reward_workers_with_a_gpu_count_in_the_jobs_gpus():
         check_fits(job_demands(cfg), {"CPU": 8.0}, {"CPU": 8.0})
 
 
-def test_each_learner_rank_is_sent_a_masking_policy_once_in_the_order_it_loads_them(monkeypatch):
+def test_each_learner_rank_is_sent_a_masking_policy_once_in_the_order_it_loads_them():
     from types import SimpleNamespace
 
     import rlt2t.groups as groups
 
     group = object.__new__(groups.LearnerGroup)  # only the bookkeeping: no Ray
     group._masks_held = [None, None]
-    monkeypatch.setattr(groups, "ScoredGroup", SimpleNamespace)  # the fakes stand in for scored groups
 
     def shard(*versions):
         return [SimpleNamespace(mask_version=v) for v in versions]
