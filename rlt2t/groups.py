@@ -399,7 +399,6 @@ def _start_weights(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, che
         same = reference == checkpoint and not is_lora(policy.model)  # before LoRA is applied, the reference
         model = policy.model if same else load_policy(model_cfg, tokenizer_dir, checkpoint=reference).model
         count, base = sum(p.numel() for p in model.parameters()), model.state_dict()
-        del model
     if model_cfg.lora.enabled and not is_lora(policy.model):
         policy.model = apply_lora(policy.model, model_cfg.lora, seed=lora_seed)
     return policy.tokenizer, policy_weights(policy.model), count, base
