@@ -200,9 +200,6 @@ class RolloutWorker:
     def sample(self, examples: Sequence[Example]) -> list[CandidateSet] | list[SampledGroup]:
         """One candidate set (rank RL) or sampled group (policy gradients) per example, in order."""
         self._check_start()
-        for i, ex in enumerate(examples):
-            if ex.target is None:
-                raise ValueError(f"examples[{i}] (id {ex.id!r}) has no target; RL needs a reference")
         if self.spec.kind == "group":
             return self.sample_groups(examples)
         return self.sample_sets(examples)

@@ -122,6 +122,12 @@ class Algorithm:
     def check_rl(self, rl: RLConfig) -> None:
         """Rules on the `rl` section alone (a ValueError naming the key)."""
 
+    def target_use(self, rl: RLConfig) -> str | None:
+        """What in its training reads each row's target, said as the setting that asks for it; None when nothing
+        does, so that it trains on sources alone (unlabeled rows) with a reward that reads no references. The
+        default: the likelihood term of rl.pg.sft_coef."""
+        return f"rl.pg.sft_coef={rl.pg.sft_coef:g} (CE on each row's target)" if rl.pg.sft_coef else None
+
     def check(self, cfg: Config) -> None:
         """Rules across sections (a ValueError naming the keys). The default: K samples enough for it."""
         if cfg.rollout.num_samples < self.min_samples:

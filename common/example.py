@@ -32,8 +32,8 @@ MAX_REASONS = 5
 
 
 UNLABELED_HINT = ("a file without targets is unlabeled data, which the commands that take it read with --unlabeled "
-                  "(data import, data validate; require_target=False in Python); training and evaluation need a "
-                  "target on every row")
+                  "(data import, data validate; require_target=False in Python); SFT and evaluation need a target on "
+                  "every row, RL where its reward or algorithm reads them")
 """What a labelled read of a file without targets says."""
 
 class DataError(ValueError):

@@ -474,6 +474,20 @@ class UserRegistrations:
             register_reward(name, replace=True)(fn)
 
 
+def reference_readers(cfg: RewardConfig) -> list[str]:
+    """What of the reward ``cfg`` describes reads each row's references, one entry per weighted term
+    (``reward.terms[0] (metric:task_score)``; ``reward.source=http`` scores by the server's task score): empty
+    when every term scores a candidate without them (python, reward_model, classifier, or an http term naming one
+    of the reward server's named rewards), so that RL can train on rows without targets. Python terms count as
+    reference-free: such a function gets an empty reference list for an unlabeled row."""
+    if cfg.source == "http":
+        return ["reward.source=http (the reward server's task_score)"]
+    load_plugins(cfg.plugins)  # a metric of the user's, which an http term may name
+    metrics = available_metrics()
+    return [f"reward.terms[{i}] ({term_name(t)})" for i, t in enumerate(cfg.terms)
+            if t.weight and (isinstance(t, MetricTerm) or (isinstance(t, HttpTerm) and t.name in metrics))]
+
+
 def needs_document_frequency(cfg: RewardConfig) -> bool:
     """True when a term of ``cfg.terms`` is task_score or CIDEr-D without its own ``df`` param."""
     return any(isinstance(t, MetricTerm) and t.name in _CIDER_METRICS and "df" not in t.params for t in cfg.terms)

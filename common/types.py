@@ -96,7 +96,7 @@ class SampledGroup:
     example_id: str
     source: str
     reference: str
-    """Gold target (the reward's reference)."""
+    """Gold target (the reward's reference); "" for an unlabeled example (a reward that reads no references)."""
     candidates: tuple[str, ...]
     """The K decoded samples (special tokens dropped, whitespace normalised), duplicates kept: each is a
     draw of the policy."""
@@ -123,8 +123,8 @@ class SampledGroup:
 
     @property
     def refs(self) -> tuple[str, ...]:
-        """What the samples are scored against."""
-        return self.references or (self.reference,)
+        """What the samples are scored against (empty for an unlabeled example, whose ``reference`` is "")."""
+        return self.references or ((self.reference,) if self.reference else ())
 
     def __post_init__(self) -> None:
         k = len(self.candidates)

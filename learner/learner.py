@@ -507,7 +507,8 @@ class Learner:
         ordered = sorted((i, h) for piece in pieces for i, h in piece)
         all_hyps = [h for _, h in ordered]
         refs = [list(examples[i].refs) for i, _ in ordered]
-        table = metric_table(all_hyps, refs, metric)
+        # Unlabeled rows (RL on sources alone, monitored by a reward that reads no references): no metric table.
+        table = metric_table(all_hyps, refs, metric) if all(refs) else {}
         table["distinct_outputs"] = distinct_outputs([examples[i].source for i, _ in ordered], all_hyps)
         return table, all_hyps
 

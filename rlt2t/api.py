@@ -158,7 +158,8 @@ def train(cfg: Config, *, reward: RewardSpec | Sequence[RewardSpec] | None = Non
     their weights). A function is batched, ``fn(sources, candidates, references, **row_fields) -> floats``
     (``PythonTerm(fn=f, per_sample=True)`` for one of a single candidate); it reaches the Ray reward workers with
     the config, by value when defined in ``__main__`` or outside the installed packages. The metrics and rewards
-    the reward names that this process registered reach them too.
+    the reward names that this process registered reach them too. With a reward that reads no references, the
+    training rows need only a source (``references`` then holds empty lists; ``rlt2t.jobs.rl_splits``).
 
         def shorter(sources, candidates, references, **row_fields):
             return [-len(c.split()) for c in candidates]

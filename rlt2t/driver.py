@@ -133,9 +133,7 @@ def train(cfg: Config, train_set: Sequence[Example], valid: Sequence[Example], *
     monitor = job_monitor(cfg, lambda: lambda *batch: job.reward_scores(*batch))
     init_ray(cfg)
     check_cluster(cfg)
-    # CIDEr-D document frequencies: once, from the training references, shipped to every reward worker.
-    df = DocumentFrequency.from_references(reference_sets(examples))
-    df.save(out_dir / "document_frequency.json")  # for reward / policy servers scoring this task
+    df = document_frequency(examples, out_dir)
     start = Path(resume_from.path) if resume_from else (start or init)
     job = _Job.start(cfg, spec, start=start, init=init, total_steps=total_steps, df=df)
     try:
@@ -179,6 +177,18 @@ def truncate_sources(examples: list[Example], tokenizer: PreTrainedTokenizerBase
     log.warning("rl: truncated %d of %d sources to data.max_source_len=%d tokens for the policy servers",
                 len(long), len(examples), max_source_len)
     return out
+
+
+def document_frequency(examples: Sequence[Example], out_dir: Path) -> DocumentFrequency | None:
+    """CIDEr-D's document frequencies, counted once from the training references (shipped to every reward worker)
+    and saved in ``out_dir`` for the reward and policy servers that score this task; None when the rows have no
+    references (RL on sources alone, whose reward reads none: ``rlt2t.jobs.rl_splits``)."""
+    sets = reference_sets(examples)
+    if not sets:
+        return None
+    df = DocumentFrequency.from_references(sets)
+    df.save(out_dir / "document_frequency.json")
+    return df
 
 
 def wait_for_servers(cfg: Config, published_dir: Path, token: str | None) -> None:
@@ -279,7 +289,7 @@ class _Job:
 
     @classmethod
     def start(cls, cfg: Config, spec: RolloutSpec, *, start: Path, init: Path, total_steps: int,
-              df: DocumentFrequency) -> _Job:
+              df: DocumentFrequency | None) -> _Job:
         """The learner group, rollout and reward pools, and the driver's checkpoint writer; nothing
         outlives a failed start (a standing cluster must not keep placement groups or actors)."""
         r = cfg.rl

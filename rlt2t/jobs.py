@@ -37,6 +37,7 @@ from rlt2t.common.collate import encode_examples
 from rlt2t.common.config import Config, MetricTerm, SFTConfig, TextStageConfig, config_to_yaml, shared_directory
 from rlt2t.common.data import Example, existing_splits, load_data, reference_sets, targets_of, unique_references
 from rlt2t.common.errors import ResumableFailure
+from rlt2t.common.example import UNLABELED_HINT, DataError
 from rlt2t.common.io import atomic_directory, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from rlt2t.common.lora import load_lora_policy
 from rlt2t.common.policy import (
@@ -47,6 +48,7 @@ from rlt2t.common.policy import (
     load_policy,
     tokenizer_source,
 )
+from rlt2t.common.rewards import reference_readers
 from rlt2t.common.synth import GENERATOR_VERSION, write_synthetic
 from rlt2t.common.synth import META_FILE as SYNTH_META
 from rlt2t.common.tokenization import build_tokenizer, load_tokenizer, save_tokenizer, text_checker
@@ -607,8 +609,7 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     _tokenizer_from(cfg, start)
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest or start)
     check_lengths(policy, cfg.data, {"rollout.max_new_tokens": cfg.rollout.max_new_tokens})
-    train_set = load_split(cfg, "train")
-    valid = load_split(cfg, "valid")[: cfg.metric.monitor_size] if cfg.path(cfg.data.valid).exists() else []
+    train_set, valid = rl_splits(cfg)
     log.info("rl: starting from %s (KL reference %s)", latest or start, ref)
     for name in cfg.rl.unused_sections:
         log.warning("rl: rl.%s is set, but rl.algorithm=%s: its settings are not used in this run (rl.algorithm=%s "
@@ -624,6 +625,40 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
         newest = latest_complete_checkpoint(cfg.run_dir / STAGE / "checkpoints")
         e.checkpoint, e.checked = (str(newest) if newest else None), True
         raise
+
+
+def rl_splits(cfg: Config) -> tuple[Sequence[Example], Sequence[Example]]:
+    """The RL stage's training rows, and its validation rows (the first metric.monitor_size; none without a
+    validation file). A row may lack its target where nothing of the run reads it (:func:`rl_target_use`): RL
+    on sources alone, with a reward that reads no references; elsewhere the error says what reads it."""
+    train = _labelled_where_read(cfg, "train", rl_target_use(cfg))
+    if not cfg.path(cfg.data.valid).exists():
+        return train, []
+    readers = (reference_readers(cfg.reward) if cfg.metric.monitor == "reward" else
+               [f"metric.monitor={cfg.metric.monitor} (the validation outputs scored against the references; "
+                "metric.monitor=reward scores them by the reward, which may read none)"])
+    return train, _labelled_where_read(cfg, "valid", readers)[: cfg.metric.monitor_size]
+
+
+def rl_target_use(cfg: Config) -> list[str]:
+    """What of an RL run reads each training row's target (or references), one entry each: the algorithm's
+    (``Algorithm.target_use``) and the reward's terms that read references (:func:`reference_readers`)."""
+    own = cfg.rl.unit.target_use(cfg.rl)
+    return ([own] if own else []) + reference_readers(cfg.reward)
+
+
+def _labelled_where_read(cfg: Config, split: str, readers: Sequence[str]) -> Sequence[Example]:
+    """``split`` loaded, its targets required when ``readers`` (what reads them) is not empty: the error for a row
+    without one then names them."""
+    try:
+        return load_split(cfg, split, require_target=bool(readers))
+    except ValueError as e:
+        if not readers or UNLABELED_HINT not in str(e):
+            raise
+        why = f"; data.{split} needs targets in this run for {'; '.join(readers)}"
+        if isinstance(e, DataError):
+            raise DataError(e.path, e.line, e.field, e.reason + why) from None
+        raise ValueError(f"{e}{why}") from None
 
 
 BLEU_ORDER = 4

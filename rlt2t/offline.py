@@ -37,7 +37,15 @@ from rlt2t.common.metrics import DocumentFrequency
 from rlt2t.common.rewards import UserRegistrations, check_reward, local_reward
 from rlt2t.common.tracking import RunLogger
 from rlt2t.common.types import PreferencePair, ScoredGroup
-from rlt2t.driver import STAGE, TrainResult, close_logs, progress_line, training_subset, validate_epoch
+from rlt2t.driver import (
+    STAGE,
+    TrainResult,
+    close_logs,
+    document_frequency,
+    progress_line,
+    training_subset,
+    validate_epoch,
+)
 from rlt2t.groups import LearnerGroup, check_cluster, init_ray
 from rlt2t.learner.evaluate import Monitor, job_monitor, monitor_name
 from rlt2t.learner.trainer import epoch_order
@@ -103,8 +111,7 @@ def sample_pairs(cfg: Config, examples: Sequence[Example], start: Path, k: int) 
     check_reward(cfg.reward)
     init_ray(cfg)
     check_cluster(cfg)
-    df = DocumentFrequency.from_references(reference_sets(examples))
-    df.save(cfg.run_dir / STAGE / "document_frequency.json")
+    df = document_frequency(examples, cfg.run_dir / STAGE)
     r = cfg.rl
     n = max(1, min(r.rollout_workers, len(examples)))
     task = ray.remote(_sample_and_score).options(num_cpus=r.rollout_cpus, num_gpus=r.rollout_gpus)
@@ -123,7 +130,7 @@ def sample_pairs(cfg: Config, examples: Sequence[Example], start: Path, k: int) 
     return pairs
 
 
-def _sample_and_score(cfg: Config, start: str, examples: list[Example], k: int, df: DocumentFrequency,
+def _sample_and_score(cfg: Config, start: str, examples: list[Example], k: int, df: DocumentFrequency | None,
                       registrations: UserRegistrations) -> tuple[list[PreferencePair], int]:
     from rlt2t.actors.reward import RewardWorker
     from rlt2t.actors.rollout import RolloutWorker

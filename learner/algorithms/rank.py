@@ -26,6 +26,9 @@ class Rank(Algorithm):
                              "rl.rank.loss_weight weighing the rank loss against it); the likelihood term is for the "
                              "policy-gradient algorithms")
 
+    def target_use(self, rl: RLConfig) -> str | None:
+        return "rl.algorithm=rank (CE on each row's target, which also joins its candidate set)"
+
     def objective(self, rl: RLConfig, rollout: RolloutConfig, policy: Any, *, seed: int,
                   reference: Any = None) -> Any:
         from rlt2t.learner.objectives import RankObjective

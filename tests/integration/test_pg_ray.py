@@ -270,3 +270,39 @@ def test_several_references_reach_the_rewards_and_the_document_frequencies(ray_s
     df = DocumentFrequency.from_json((run / "rl" / "document_frequency.json").read_text())
     assert df.counts[("57", "58", "59")] == df.num_ref_sets == 8  # in the references of each source trained on
     assert 0 < rewards["references"] < 0.75 * rewards["target"], rewards
+
+
+def logged_brevity(sources, candidates, references, *, log):
+    """A reward that reads no references (minus each candidate's length), writing down every call's rows."""
+    scores = [-float(len(c.split())) for c in candidates]
+    with open(log, "a") as f:
+        f.writelines(json.dumps({"source": s, "references": r, "score": x}) + "\n"
+                     for s, r, x in zip(sources, references, scores, strict=True))
+    return scores
+
+
+def test_sources_without_targets_train_with_a_reward_that_reads_no_references(ray_session, copy_prepared, tmp_path):
+    """Training and validation rows with a source alone: GRPO trains on them through `rlt2t.train` with a Python
+    reward, which gets empty reference lists; `metric.monitor=reward` picks the checkpoint, on no metric table."""
+    import rlt2t
+
+    run = copy_prepared(tmp_path / "run")
+    for split in ("train", "valid"):
+        path = run / "data" / f"{split}.jsonl"
+        path.write_text("".join(json.dumps({"id": r["id"], "source": r["source"]}) + "\n"
+                                for r in map(json.loads, path.read_text().splitlines())))
+    log = tmp_path / "calls.jsonl"
+    cfg = _config(run, "grpo", "rl.epochs=1", "rl.train_subset=16", "metric.monitor=reward", "metric.monitor_size=4")
+    result = rlt2t.train(cfg, reward=rlt2t.PythonTerm(fn=logged_brevity, params={"log": str(log)}))
+    assert result.steps == 2 and result.items_used == 16
+    calls = [json.loads(x) for x in log.read_text().splitlines()]
+    assert len(calls) == 16 * 3 + 4 and all(c["references"] == [] for c in calls)  # K = 3 samples; the monitor's 4
+    rows = [json.loads(x) for x in (run / "logs" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r.get("kind", "train") == "train"]
+    chunks = [calls[i * 24 : (i + 1) * 24] for i in range(2)]  # one call per chunk of 8 sources, as scored
+    assert sorted(r["reward_mean"] for r in train) == pytest.approx(
+        sorted(sum(c["score"] for c in chunk) / 24 for chunk in chunks), rel=1e-6)
+    [valid] = [r for r in rows if r.get("kind") == "valid"]
+    assert valid["monitor"] == pytest.approx(sum(c["score"] for c in calls[-4:]) / 4, rel=1e-9)
+    assert "task_score" not in valid and "distinct_outputs" in valid
+    assert not (run / "rl" / "document_frequency.json").exists()  # no references to count

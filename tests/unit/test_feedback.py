@@ -106,7 +106,7 @@ def test_every_rounds_rl_keeps_its_kl_to_the_sft_policy(monkeypatch, tmp_path):
     calls = {}
     monkeypatch.setattr(jobs, "load_policy", lambda *a, **kw: None)
     monkeypatch.setattr(jobs, "check_lengths", lambda *a: None)
-    monkeypatch.setattr(jobs, "load_split", lambda *a: [])
+    monkeypatch.setattr(jobs, "load_split", lambda *a, **kw: [])
     monkeypatch.setattr(train_mod, "train", lambda cfg, train_set, valid, **kw: calls.update(kw))
     with pytest.raises(RuntimeError, match="wrote no checkpoint"):  # nothing trained: the fake job writes none
         feedback.rl_step(cfg, tmp_path / "round-2", previous, tmp_path / "rm", reference=sft)

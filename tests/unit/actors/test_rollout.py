@@ -21,6 +21,7 @@ from rlt2t.common.config import ModelConfig, RolloutConfig
 from rlt2t.common.data import Example
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.sampling import sample_candidates as sample_rows
+from rlt2t.common.types import RolloutSpec
 
 
 def sample_candidates(policy, *args, **kwargs) -> list[list[int]]:
@@ -271,8 +272,15 @@ def test_empty_samples_are_dropped(ids_tokenizer_dir, weights):
 
 def test_worker_rejects_bad_input(ids_tokenizer_dir, weights):
     worker = make_worker(ids_tokenizer_dir, weights)
-    with pytest.raises(ValueError, match="'nolabel'"):
-        worker.sample([Example(id="nolabel", source="1 2", target=None)])
+    unlabeled = Example(id="nolabel", source="1 2", target=None)
+    with pytest.raises(ValueError, match="example 'nolabel' has no target; rank RL needs a reference"):
+        worker.sample([unlabeled])  # rank RL's candidate set holds the gold target
+    groups = RolloutWorker(ModelConfig(preset="tiny", family="bart"), str(ids_tokenizer_dir),
+                           RolloutConfig(max_new_tokens=MAX_NEW, num_samples=3), seed=7, max_source_len=32,
+                           spec=RolloutSpec("group"))
+    groups.set_weights(1, weights)
+    [group] = groups.sample([unlabeled])  # the policy gradients sample a source alone (a reward that reads no refs)
+    assert len(group.candidates) == 3 and group.refs == () and group.reference == ""
     with pytest.raises(ValueError, match="version"):
         worker.set_weights(-1, weights)
     with pytest.raises(RuntimeError):

@@ -271,8 +271,9 @@ def test_a_labelled_import_needs_a_diagnosis_on_every_row(tmp_path):
 def test_a_missing_target_names_the_command_lines_flag(tmp_path):
     path = _write(tmp_path / "test.jsonl", ['{"id": "1", "source": "5 6"}'])
     with pytest.raises(DataError, match=r"test\.jsonl:1: field 'target': missing .*read with --unlabeled \(data "
-                                        r"import, data validate; require_target=False in Python\); training and "
-                                        r"evaluation need a target on every row"):
+                                        r"import, data validate; require_target=False in Python\); SFT and "
+                                        r"evaluation need a target on every row, RL where its reward or algorithm "
+                                        r"reads them"):
         load_examples(path)
 
 

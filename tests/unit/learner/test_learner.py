@@ -58,6 +58,10 @@ def test_evaluate_returns_the_metric_table_and_the_outputs_in_order(tmp_path, ti
     said = generate(tiny_policy, [e.source for e in examples], max_new_tokens=4)
     assert outputs == said
     assert table["distinct_outputs"] == distinct_outputs([e.source for e in examples], said)
+    # Unlabeled rows (RL on sources alone, monitored by a reward): the outputs, and no table to score them by.
+    unlabeled = [Example(id=e.id, source=e.source, target=None) for e in examples]
+    table, outputs = learner.evaluate(unlabeled, MetricConfig(), max_new_tokens=4)
+    assert outputs == said and table == {"distinct_outputs": distinct_outputs([e.source for e in examples], said)}
 
 
 def test_accelerate_autocast_path_runs_in_bf16(tmp_path, tiny_policy):
