@@ -490,8 +490,10 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
                       max_target_len=cfg.data.max_target_len, predictions=hyps)
     label = label or f"{ckpt.parent.parent.name}-{ckpt.name}"
     out = cfg.run_dir / "eval"
+    info = read_checkpoint(ckpt)  # a checkpoint says how it was trained: its stage, and RL's algorithm
+    trained = {k: info.meta[k] for k in ("stage", "algorithm") if k in info.meta} if info is not None else {}
     atomic_write_json(out / f"{label}-{cfg.eval.split}.json",
-                      {"checkpoint": str(ckpt), "split": cfg.eval.split, **decoding,
+                      {"checkpoint": str(ckpt), **trained, "split": cfg.eval.split, **decoding,
                        "examples": len(result.predictions), **result.metrics})
     atomic_write_jsonl(out / f"{label}-{cfg.eval.split}.predictions.jsonl",
                        ({"id": e.id, "prediction": p, "target": e.target,

@@ -54,6 +54,8 @@ def test_demo_pipeline_end_to_end(demo_run):
         labels = list(saved["rows"])
         assert labels[:2] == ["sft", "continued sft"] and labels[2].startswith("rl (")
         assert f"{split} split" in proc.stdout
+        evaluated = json.loads((run / "eval" / f"rl-{labels[2][4:-1]}-{split}.json").read_text())
+        assert evaluated["stage"] == "rl" and evaluated["algorithm"] == labels[2][4:-1]  # "rl (grpo)"
     # continued SFT spends RL's optimizer steps on the gold targets: the same number of steps
     steps = {stage: read_checkpoint(run / stage / "checkpoints" / "epoch-0002").step
              for stage in ("continued_sft", "rl")}
