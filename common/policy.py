@@ -179,6 +179,12 @@ def _load_adapters(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, pat
     return Policy(model=model, tokenizer=base.tokenizer, origin=str(path))
 
 
+def lora_base(checkpoint: str | Path) -> Path:
+    """The base that LoRA adapters trained from ``checkpoint`` adapt: the base an adapter checkpoint names (its
+    adapters train on), or the plain model itself (fresh adapters are added to it)."""
+    return adapter_base(checkpoint) if is_adapter_checkpoint(checkpoint) else Path(checkpoint)
+
+
 def check_lengths(policy: Policy, data_cfg: DataConfig, new_tokens: Mapping[str, int] | None = None) -> None:
     """Reject source/target lengths the model has no positions for, naming the key and the most it may be; T5
     has no limit. ``new_tokens``: decoding lengths by key (``{"rollout.max_new_tokens": 64}``), which may use

@@ -28,7 +28,7 @@ from rlt2t.common.config import Config, ModelConfig
 from rlt2t.common.data import Example
 from rlt2t.common.errors import ResumableFailure, UnitError
 from rlt2t.common.lora import apply_lora, is_lora, policy_weights
-from rlt2t.common.policy import load_policy
+from rlt2t.common.policy import load_policy, lora_base
 from rlt2t.learner.learner import BatchTooLarge, Learner
 from rlt2t.scheduler import PoolState, StoredItem
 
@@ -392,9 +392,15 @@ def _start_weights(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, che
     """(tokenizer, weights) of ``checkpoint`` as the learner ranks hold it at the start (LoRA applied as they
     apply it): the published weights of the run's first version. Then, when ``reference`` is a checkpoint,
     (parameter count, full state dict) of it: the KL's reference, the base of LoRA adapters (else None, None).
-    One process loads both, the same checkpoint once (a fresh run starts from its reference)."""
+    One process loads both, the same checkpoint once (a fresh run starts from its reference).
+
+    With LoRA, a ``reference`` that is itself an adapter checkpoint (RL from a LoRA SFT checkpoint, whose
+    adapters the run trains on) gives its base: what the learners' adapters adapt, and what their KL reference
+    is (the adapters disabled). Merged, the rollout workers would apply the adapters twice."""
     policy = load_policy(model_cfg, tokenizer_dir, checkpoint=checkpoint, trainable_adapters=True)
     count, base = None, None
+    if reference is not None and model_cfg.lora.enabled:
+        reference = str(lora_base(reference))
     if reference is not None:
         same = reference == checkpoint and not is_lora(policy.model)  # before LoRA is applied, the reference
         model = policy.model if same else load_policy(model_cfg, tokenizer_dir, checkpoint=reference).model

@@ -46,6 +46,7 @@ from rlt2t.common.policy import (
     has_tokenizer,
     is_adapter_checkpoint,
     load_policy,
+    lora_base,
     tokenizer_source,
 )
 from rlt2t.common.rewards import reference_readers
@@ -611,11 +612,19 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     else:
         start = sft_start(cfg)
     ref = resolve_model_dir(reference) if reference else start
+    shown: str | Path = ref
+    if cfg.model.lora.enabled:  # the KL's reference is the adapters' base, with the adapters disabled
+        base = lora_base(ref)
+        if lora_base(latest or start).resolve() != base.resolve():
+            raise ValueError(f"model.lora: the adapters trained from {latest or start} adapt "
+                             f"{lora_base(latest or start)}, but the KL reference {ref} is {base} with LoRA (its "
+                             "base, adapters disabled): give a reference on the same base, or train without LoRA")
+        shown = f"{base}, the adapters' base" if base.resolve() != Path(ref).resolve() else ref
     _tokenizer_from(cfg, start)
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest or start)
     check_lengths(policy, cfg.data, {"rollout.max_new_tokens": cfg.rollout.max_new_tokens})
     train_set, valid = rl_splits(cfg)
-    log.info("rl: starting from %s (KL reference %s)", latest or start, ref)
+    log.info("rl: starting from %s (KL reference %s)", latest or start, shown)
     for name in cfg.rl.unused_sections:
         log.warning("rl: rl.%s is set, but rl.algorithm=%s: its settings are not used in this run (rl.algorithm=%s "
                     "uses them)", name, cfg.rl.algorithm, name)

@@ -180,3 +180,64 @@ def test_one_task_loads_the_start_weights_and_their_reference_as_separate_loads_
         else:
             assert equal(weights, plain(checkpoint))
     assert not equal(plain(start), plain(init))
+
+
+def _adapter_checkpoint(tmp_path: Path, tokenizer_dir: Path, lora: LoraConfig) -> tuple[Path, Path]:
+    """(base model dir, a LoRA SFT checkpoint on it whose adapters change the outputs)."""
+    from rlt2t.common.checkpoint import save_checkpoint
+    from rlt2t.common.lora import apply_lora
+    from rlt2t.common.tokenization import save_tokenizer
+
+    base = load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), tokenizer_dir, seed=0)
+    base_dir = tmp_path / "base"
+    base.model.save_pretrained(base_dir)
+    save_tokenizer(base.tokenizer, base_dir)
+    model = apply_lora(load_policy(ModelConfig(preset=None, dropout=0.0), checkpoint=base_dir).model, lora)
+    model.peft_config["default"].base_model_name_or_path = str(base_dir.resolve())
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # adapters that change the outputs
+                p.copy_(torch.randn(p.shape, generator=gen))
+    return base_dir, save_checkpoint(tmp_path / "sft", "epoch-0001", model=model, tokenizer=base.tokenizer, step=1)
+
+
+def test_lora_rl_from_an_adapter_checkpoint_samples_the_learners_policy(tmp_path, ids_tokenizer_dir):
+    """RL with LoRA from a LoRA SFT checkpoint trains its adapters on: the rollout workers get the adapters' base
+    (not the checkpoint merged, to which the published adapters would be added a second time), so that base +
+    published adapters is the learner's policy, and the KL reference (adapters disabled) is that base."""
+    from rlt2t.actors.rollout import RolloutWorker
+    from rlt2t.common.config import RolloutConfig
+    from rlt2t.common.lora import merged_model
+    from rlt2t.common.types import RolloutSpec
+
+    lora = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0)
+    base_dir, sft = _adapter_checkpoint(tmp_path, ids_tokenizer_dir, lora)
+    cfg = ModelConfig(preset="tiny", family="bart", dropout=0.0, lora=lora)
+    _, weights, _, start = groups._start_weights(cfg, None, str(sft), 3, str(sft))
+    assert all("lora_" in k for k in weights)  # the first version publishes the SFT adapters, to train on
+    plain = load_policy(ModelConfig(preset=None), checkpoint=base_dir).model
+    assert start is not None and start.keys() == plain.state_dict().keys()
+    assert all(torch.equal(start[k], v) for k, v in plain.state_dict().items())  # the base, not merged
+
+    worker = RolloutWorker(cfg, str(ids_tokenizer_dir), RolloutConfig(max_new_tokens=4), seed=3, max_source_len=16,
+                           spec=RolloutSpec("group", reference=True), start_weights=start)
+    worker.set_weights(1, weights)
+    sampled = merged_model(worker.policy.model).state_dict()
+    learner = load_policy(ModelConfig(preset=None), checkpoint=sft).model.state_dict()  # base + SFT adapters
+    assert sampled.keys() == learner.keys()
+    assert all(torch.allclose(sampled[k], learner[k], atol=1e-6) for k in learner)
+
+
+def test_lora_rl_refuses_a_kl_reference_on_another_base(tmp_path, ids_tokenizer_dir):
+    from rlt2t.common.config import load_config
+    from rlt2t.jobs import rl_job
+
+    lora = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0)
+    base_dir, sft = _adapter_checkpoint(tmp_path, ids_tokenizer_dir, lora)
+    other = tmp_path / "other"
+    load_policy(ModelConfig(preset="tiny", family="bart"), ids_tokenizer_dir, seed=1).model.save_pretrained(other)
+    cfg = load_config([], [f"run.dir={tmp_path / 'run'}", "model.lora.enabled=true"])
+    with pytest.raises(ValueError, match=rf"model\.lora: the adapters trained from {sft} adapt {base_dir.resolve()}, "
+                                         rf"but the KL reference {other} is {other} with LoRA"):
+        rl_job(cfg, init=sft, reference=other)
