@@ -80,12 +80,18 @@ def _import(cfg, args, what: str, read: Callable[[], Sequence[Example]]) -> None
     run.seed), or as test.jsonl without targets (--unlabeled); ``what`` names the targets in messages."""
     from rlt2t.common.data import split_examples, write_examples
 
+    if args.unlabeled and (args.valid_fraction is not None or args.test_fraction is not None):
+        raise ValueError("--valid-fraction / --test-fraction: --unlabeled writes its rows to test.jsonl alone, the "
+                         "inputs `rlt2t predict` reads; RL on sources without targets reads any file with a source "
+                         "column as it is (point data.train and data.valid at your files)")
+    valid_fraction = 0.05 if args.valid_fraction is None else args.valid_fraction
+    test_fraction = 0.0 if args.test_fraction is None else args.test_fraction
     out = Path(args.out)
     test_path = out / "test.jsonl"
     # A labeled import without test rows leaves the test set of an --unlabeled import alone (the order the
     # help gives: labeled first, then the unlabeled test file; a labeled re-import must not delete it).
     unlabeled_test = _unlabeled_file(test_path)
-    keep_test = not args.unlabeled and args.test_fraction == 0 and unlabeled_test
+    keep_test = not args.unlabeled and test_fraction == 0 and unlabeled_test
     owned = ("test",) if args.unlabeled else ("train", "valid", "test")  # the split files this import replaces
     _check_import_out(out, tuple(s for s in owned if not (keep_test and s == "test")), args.force)
     # A labelled file's rows all need a target; an --unlabeled file has none (any it has are dropped, so the
@@ -97,7 +103,7 @@ def _import(cfg, args, what: str, read: Callable[[], Sequence[Example]]) -> None
         note = f"; {dropped} {what} left out: --unlabeled imports inputs only" if dropped else ""
         print(f"test: {test_path} ({len(examples)} rows{note})")
         return
-    parts = split_examples(examples, args.valid_fraction, args.test_fraction, cfg.run.seed)
+    parts = split_examples(examples, valid_fraction, test_fraction, cfg.run.seed)
     for split, rows in zip(owned, parts, strict=True):
         path = out / f"{split}.jsonl"
         if rows:
@@ -221,9 +227,9 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
         config_args(p)
         p.add_argument("--input", required=True, help=source)
         p.add_argument("--out", required=True, help="output directory for train/valid/test JSONL")
-        p.add_argument("--valid-fraction", type=float, default=0.05,
+        p.add_argument("--valid-fraction", type=float, default=None,
                        help="share of the rows written to valid.jsonl (default 0.05)")
-        p.add_argument("--test-fraction", type=float, default=0.0,
+        p.add_argument("--test-fraction", type=float, default=None,
                        help="share of the rows written to test.jsonl (default 0: no test split, as for a task whose "
                             "test set comes without targets, imported with --unlabeled)")
         p.add_argument("--unlabeled", action="store_true",

@@ -34,7 +34,15 @@ from rlt2t.common.checkpoint import (
     resume_point,
 )
 from rlt2t.common.collate import encode_examples
-from rlt2t.common.config import Config, MetricTerm, SFTConfig, TextStageConfig, config_to_yaml, shared_directory
+from rlt2t.common.config import (
+    Config,
+    MetricTerm,
+    RewardConfig,
+    SFTConfig,
+    TextStageConfig,
+    config_to_yaml,
+    shared_directory,
+)
 from rlt2t.common.data import Example, existing_splits, load_data, reference_sets, targets_of, unique_references
 from rlt2t.common.errors import ResumableFailure
 from rlt2t.common.example import UNLABELED_HINT, DataError
@@ -658,7 +666,10 @@ def rl_target_use(cfg: Config) -> list[str]:
     """What of an RL run reads each training row's target (or references), one entry each: the algorithm's
     (``Algorithm.target_use``) and the reward's terms that read references (:func:`reference_readers`)."""
     own = cfg.rl.unit.target_use(cfg.rl)
-    return ([own] if own else []) + reference_readers(cfg.reward)
+    readers = reference_readers(cfg.reward)
+    if readers and cfg.reward.terms == RewardConfig().terms:  # the user may not know there is a reward at all
+        readers = [f"{readers[0]}, the default reward: set reward.terms, or give rlt2t.train a reward"]
+    return ([own] if own else []) + readers
 
 
 def _labelled_where_read(cfg: Config, split: str, readers: Sequence[str]) -> Sequence[Example]:
@@ -669,10 +680,12 @@ def _labelled_where_read(cfg: Config, split: str, readers: Sequence[str]) -> Seq
     except ValueError as e:
         if not readers or UNLABELED_HINT not in str(e):
             raise
-        why = f"; data.{split} needs targets in this run for {'; '.join(readers)}"
+        # instead of the generic hint (read it with --unlabeled ...): what reads the targets, and the way out
+        why = (f"data.{split} needs targets in this run for {'; '.join(readers)}; RL trains on rows without targets "
+               "when nothing reads them (docs/guides/rewards.md, \"Sources without targets\")")
         if isinstance(e, DataError):
-            raise DataError(e.path, e.line, e.field, e.reason + why) from None
-        raise ValueError(f"{e}{why}") from None
+            raise DataError(e.path, e.line, e.field, e.reason.replace(UNLABELED_HINT, why)) from None
+        raise ValueError(str(e).replace(UNLABELED_HINT, why)) from None
 
 
 BLEU_ORDER = 4

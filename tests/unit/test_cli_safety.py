@@ -323,6 +323,10 @@ def test_a_labeled_reimport_keeps_the_unlabeled_test_set(tmp_path, cli):
     out = tmp_path / "data"
     labeled, unlabeled = _csv(tmp_path / "train.csv", 40), _unlabeled_csv(tmp_path / "test.csv", 5)
     assert cli("data", "import-csv", "--input", labeled, "--out", str(out))[0] == 0
+    # an unlabeled file is not split: a fraction with --unlabeled is refused, not ignored
+    code, _, err = cli("data", "import-csv", "--input", unlabeled, "--out", str(out), "--unlabeled",
+                       "--valid-fraction", "0.1")
+    assert code == 2 and "--valid-fraction / --test-fraction: --unlabeled writes its rows to test.jsonl alone" in err
     assert cli("data", "import-csv", "--input", unlabeled, "--out", str(out), "--unlabeled")[0] == 0
     test = (out / "test.jsonl").read_bytes()
 

@@ -71,20 +71,24 @@ def test_rl_trains_on_unlabeled_rows_when_nothing_reads_their_targets(tmp_path):
 
 
 @pytest.mark.parametrize(("overrides", "fn", "reader"), [
-    ((), None, r"reward.terms\[0\] \(metric:task_score\)"),  # the default reward
+    ((), None, r"reward.terms\[0\] \(metric:task_score\), the default reward: set reward.terms, or give rlt2t.train "
+               r"a reward; RL trains on rows without targets when nothing reads them \(docs/guides/rewards.md"),
     (("rl.pg.sft_coef=0.5",), brevity, r"rl.pg.sft_coef=0.5 \(CE on each row's target\)"),
     (("rl.algorithm=rank",), brevity, r"rl.algorithm=rank \(CE on each row's target, which also joins"),
 ])
 def test_a_row_without_a_target_fails_naming_what_reads_it(tmp_path, overrides, fn, reader):
     cfg = _cfg(tmp_path, *overrides, fn=fn)
     assert rl_target_use(cfg)
-    with pytest.raises(DataError, match=r"train\.jsonl:1: field 'target': missing .*; data\.train needs targets in "
+    with pytest.raises(DataError, match=r"train\.jsonl:1: field 'target': missing \(.*data\.train needs targets in "
                                         rf"this run for {reader}"):
         rl_splits(cfg)
+    with pytest.raises(DataError) as refused:
+        rl_splits(cfg)
+    assert "--unlabeled" not in str(refused.value)  # the import flag's hint is for data files, not for RL
 
 
 def test_an_unlabeled_validation_split_fails_naming_the_monitor_that_reads_it(tmp_path):
-    with pytest.raises(DataError, match=r"valid\.jsonl:1: field 'target': missing .*; data\.valid needs targets in "
+    with pytest.raises(DataError, match=r"valid\.jsonl:1: field 'target': missing \(.*data\.valid needs targets in "
                                         r"this run for metric\.monitor=default \(the validation outputs scored "
                                         r"against the references; metric\.monitor=reward scores them by the reward"):
         rl_splits(_cfg(tmp_path, valid=False))
@@ -103,7 +107,7 @@ def test_a_file_without_a_target_column_fails_naming_what_reads_it(tmp_path):
     csv = tmp_path / "data" / "train.csv"
     csv.write_text("id,source\n1,5 6\n")
     cfg.data.train, cfg.data.format = str(csv), "csv"
-    with pytest.raises(ValueError, match=r"no column 'target' .*; data\.train needs targets in this run for "
+    with pytest.raises(ValueError, match=r"no column 'target' .*\(data\.train needs targets in this run for "
                                          r"reward\.terms\[0\] \(metric:task_score\)"):
         rl_splits(cfg)
     cfg.reward.terms = [PythonTerm(fn=brevity)]

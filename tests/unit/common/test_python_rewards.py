@@ -112,6 +112,24 @@ def test_an_exception_names_the_term_and_the_first_source_that_fails_alone():
         reward_of(PythonTerm(fn=per, per_sample=True)).score(SOURCES, CANDS, REFS)
 
 
+def test_a_failure_on_a_row_without_references_says_so():
+    """RL on sources alone gives a function empty reference lists: one that reads refs[0] fails saying why."""
+    def fn(sources, candidates, references):
+        return [float(len(c.split()) - len(refs[0].split())) for c, refs in zip(candidates, references, strict=True)]
+
+    unlabeled = [[] for _ in CANDS]
+    with pytest.raises(RewardError, match=r"raised IndexError: list index out of range .*\(first failing source: "
+                                          r"'1 2 3', candidate 0: '11 12'; its row has no references, an empty list\)"):
+        reward_of(PythonTerm(fn=fn)).score(SOURCES, CANDS, unlabeled)
+
+    def per(source, candidate, references):
+        return float(len(references[0]))
+
+    with pytest.raises(RewardError, match=r"\(candidate 0: '11 12', source '1 2 3'; its row has no references"):
+        reward_of(PythonTerm(fn=per, per_sample=True)).score(SOURCES, CANDS, unlabeled)
+    # (a labelled row's failure says nothing of references: the test above ends at the candidate)
+
+
 def test_a_param_that_shadows_a_row_field_is_refused():
     def fn(sources, candidates, references, **row_fields):
         return [0.0] * len(candidates)
