@@ -341,7 +341,8 @@ def train_stage(
                 trained.train()
                 logger.log(step, {**scores, "epoch": epoch}, kind="valid")
                 log.info("%s epoch %d/%d: %s", stage, epoch + 1, cfg.epochs,  # counted as checkpoints are named
-                         ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+                         ", ".join(f"{k if k != 'monitor' else f'monitor ({monitor_by})'}={v:.4f}"
+                                   for k, v in scores.items()))
             name = checkpoint_name(epoch=epoch + 1)
             if monitor and monitor in scores:
                 counts = patience_counts is None or patience_counts(scores)  # a collapsed epoch does not count

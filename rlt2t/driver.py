@@ -658,7 +658,9 @@ def validate_epoch(learners: LearnerGroup, valid: Sequence[Example], cfg: Config
         scores = {**table, "monitor": monitor(valid, hyps)}
         logger.log(step, {**scores, "epoch": epoch}, kind="valid")
         label = f"rl epoch {epoch + 1}/{cfg.rl.epochs}"  # counted as checkpoints are named (the logs' field: from 0)
-        log.info("%s: %s", label, ", ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+        by = monitor_name(cfg.metric)  # the line names what the monitor scores (chrf, reward, ...)
+        log.info("%s: %s", label, ", ".join(f"{k if k != 'monitor' else f'monitor ({by})'}={v:.4f}"
+                                            for k, v in scores.items()))
         if "distinct_outputs" in scores and (collapsed := collapse_warning(
                 label, scores["distinct_outputs"], valid, collapse_advice)):
             log.warning(collapsed)
