@@ -249,19 +249,20 @@ def export(cfg: Config, checkpoint: PathLike, out: PathLike | None = None, *, qu
 
 
 def predict(cfg: Config, generators: Sequence[PathLike], scorers: Sequence[PathLike], input: PathLike,
-            out: PathLike, *, rerank: str | None = None) -> PredictResult:
+            out: PathLike, *, rerank: str | None = None, metrics: Sequence[str] | None = None) -> PredictResult:
     """Ensemble inference (`rlt2t predict`): the generators propose beam hypotheses, the scorers score them, the
     reranker (``predict.rerank``, or ``rerank``: ``mean_logprob``, ``idf``, ``consensus``, ``reward`` for
     ``reward.terms`` without references, or ``mbr``: minimum Bayes risk with ``predict.mbr_utility``) picks one per
     input of ``input`` (JSONL or competition CSV) from the pool (``predict.pool``: beams, samples or both). Writes the
-    submission CSV ``out`` and the candidates JSONL beside it.
+    submission CSV ``out`` and the candidates JSONL beside it. Inputs with targets also get a table (each
+    generator alone, the ensemble, the oracle) of ``metrics`` (default ``eval.metrics``).
 
         result = rlt2t.predict(cfg, [ct2_dir], [ct2_dir], "data/test.jsonl", "pred.csv", rerank="mbr")
     """
     _show_progress()
     from rlt2t.ensemble import predict as run_predict
 
-    return run_predict(cfg, list(generators), list(scorers), input, out, rerank=rerank)
+    return run_predict(cfg, list(generators), list(scorers), input, out, rerank=rerank, metrics=metrics)
 
 
 def demo(cfg: Config, *, fresh: bool = False, predict: bool = True) -> DemoResult:

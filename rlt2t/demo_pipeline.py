@@ -88,7 +88,8 @@ def run_demo(cfg: Config, *, fresh: bool = False, with_predict: bool = True) -> 
     if with_predict and cfg.path(cfg.data.test).is_file():
         # The last stage of the method: CTranslate2 exports of the models, ensemble rerank on the test split.
         exports = [export_job(cfg, path, cfg.path(cfg.export.out) / k, force=True) for k, path in models.items()]
-        predicted = predict(cfg, exports, exports, cfg.path(cfg.data.test), cfg.run_dir / "predict" / "test.csv")
+        predicted = predict(cfg, exports, exports, cfg.path(cfg.data.test), cfg.run_dir / "predict" / "test.csv",
+                            metrics=DEMO_METRICS)
         if predicted.metrics:
             title = (f"test split, CTranslate2 {cfg.export.quantization}: single models (beam "
                      f"{cfg.predict.beam_size}) vs ensemble ({predicted.rerank}) vs oracle")

@@ -63,7 +63,14 @@ from rlt2t.common.mbr import (
     metric_utility,
     probability_weights,
 )
-from rlt2t.common.metrics import CiderD, DocumentFrequency, available_metrics, get_metric, metric_params
+from rlt2t.common.metrics import (
+    CiderD,
+    DocumentFrequency,
+    available_metrics,
+    check_dependencies,
+    get_metric,
+    metric_params,
+)
 from rlt2t.common.policy import Policy
 from rlt2t.common.rerank import (
     PREDICT_RERANK_MODES,
@@ -513,8 +520,10 @@ def predict(
     out_path: str | Path,
     *,
     rerank: str | None = None,
+    metrics: Sequence[str] | None = None,
 ) -> PredictResult:
-    """Generate, score and rerank; write the CSV and the candidates JSONL. See the module docstring."""
+    """Generate, score and rerank; write the CSV and the candidates JSONL. See the module docstring. On labelled
+    inputs, the table's columns are ``metrics`` (default: ``eval.metrics``, :func:`table_columns`)."""
     mode = rerank or cfg.predict.rerank
     if mode not in PREDICT_RERANK_MODES:
         raise ValueError(f"--rerank: unknown mode {mode!r} (known: {', '.join(PREDICT_RERANK_MODES)})")
@@ -533,6 +542,8 @@ def predict(
     examples = read_inputs(input_path, cfg.data)
     if not examples:
         raise ValueError(f"--input {input_path}: no inputs")
+    labelled = all(e.target is not None for e in examples)
+    columns = table_columns(cfg, metrics) if labelled else []  # checked before anything is exported or decoded
     gen_models = [resolve_model(cfg, g, "generators") for g in generators]
     score_models = [resolve_model(cfg, s, "scorers") for s in scorers]
     gen_dirs, score_dirs = [d for _, d in gen_models], [d for _, d in score_models]
@@ -570,15 +581,15 @@ def predict(
     ids = [e.id for e in examples]
     export_competition_csv(out_path, ids, predictions)
     atomic_write_jsonl(jsonl_path, rows)
-    metrics = None
-    if all(e.target is not None for e in examples):
-        metrics = _metric_rows(cfg, [list(e.refs) for e in examples], result.tops, predictions, candidates, mode)
+    table = None
+    if labelled:
+        table = _metric_rows(cfg, [list(e.refs) for e in examples], result.tops, predictions, candidates, mode, columns)
     per_source = {stage: t / len(examples) for stage, t in result.seconds.items()}
     log.info("predict: %d inputs, %.1f candidates each, rerank=%s, %.3f s per input (rerank %.4f s) → %s",
              len(examples), np.mean([len(c) for c in candidates]), mode, per_source["total"], per_source["rerank"],
              out_path)
     return PredictResult(ids=ids, predictions=predictions, csv_path=out_path, jsonl_path=jsonl_path, rerank=mode,
-                         mean_candidates=float(np.mean([len(c) for c in candidates])), metrics=metrics,
+                         mean_candidates=float(np.mean([len(c) for c in candidates])), metrics=table,
                          seconds_per_source=per_source)
 
 
@@ -628,12 +639,25 @@ def _json_float(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
+def table_columns(cfg: Config, metrics: Sequence[str] | None = None) -> list[str]:
+    """The columns of predict's table on labelled inputs: ``metrics`` or ``eval.metrics``, less the columns that
+    need a model (perplexity) or a classifier (classifier_accuracy); ValueError naming the key for an unknown name
+    or a metric this machine cannot run."""
+    from rlt2t.learner.evaluate import MODEL_METRICS, check_metric_names
+
+    what = "eval.metrics" if metrics is None else "metrics"
+    given = check_metric_names(list(cfg.eval.metrics if metrics is None else metrics), what)
+    names = [n for n in given if n not in (*MODEL_METRICS, "classifier_accuracy")]
+    check_dependencies(names, what)
+    return names or ["task_score"]
+
+
 def _metric_rows(cfg: Config, refs: Sequence[Sequence[str]], tops: dict[str, list[str]], predictions: list[str],
-                 candidates: list[list[str]], mode: str) -> dict[str, dict[str, float]]:
+                 candidates: list[list[str]], mode: str, columns: Sequence[str]) -> dict[str, dict[str, float]]:
     from rlt2t.learner.evaluate import metric_table
 
-    rows = {name: metric_table(hyps, refs, cfg.metric) for name, hyps in tops.items()}
-    rows[f"ensemble ({mode})"] = metric_table(predictions, refs, cfg.metric)
+    rows = {name: metric_table(hyps, refs, cfg.metric, columns) for name, hyps in tops.items()}
+    rows[f"ensemble ({mode})"] = metric_table(predictions, refs, cfg.metric, columns)
     # Oracle: per input, the candidate with the best task score. CIDEr-D's df comes from the inputs'
     # references (one set per input), as in the corpus score, not from the repeated per-candidate refs.
     df = DocumentFrequency.from_references(refs)
@@ -645,7 +669,7 @@ def _metric_rows(cfg: Config, refs: Sequence[Sequence[str]], tops: dict[str, lis
     for cands in candidates:
         oracle.append(cands[int(np.argmax(per[at : at + len(cands)]))])
         at += len(cands)
-    rows["oracle"] = metric_table(oracle, refs, cfg.metric)
+    rows["oracle"] = metric_table(oracle, refs, cfg.metric, columns)
     return rows
 
 

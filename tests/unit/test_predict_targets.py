@@ -374,6 +374,27 @@ def test_other_rerank_modes_pick_from_sampled_pools(bart_export, tmp_path, pool,
     assert result.metrics is not None and f"ensemble ({mode})" in result.metrics
 
 
+def test_the_table_has_the_columns_of_eval_metrics_checked_before_decoding(bart_export, tmp_path, monkeypatch):
+    """A translation run's metrics in predict's table (each generator, the ensemble, the oracle); a column that
+    needs a model is left out; an unknown name fails before anything is decoded."""
+    import rlt2t.ensemble as ensemble
+
+    train, inputs = _mbr_inputs(tmp_path)
+    cfg = _cfg(tmp_path, train)
+    cfg.eval.metrics = ["chrf", "sacrebleu", "perplexity"]
+    result = predict(cfg, [bart_export], [bart_export], inputs, tmp_path / "pred.csv", rerank="mean_logprob")
+    assert result.metrics is not None and set(result.metrics) == {bart_export.name, "ensemble (mean_logprob)",
+                                                                   "oracle"}
+    assert all(list(row) == ["chrf", "sacrebleu"] for row in result.metrics.values())
+    assert list(predict(cfg, [bart_export], [bart_export], inputs, tmp_path / "demo.csv", rerank="mean_logprob",
+                        metrics=["task_score"]).metrics["oracle"]) == ["task_score"]
+
+    cfg.eval.metrics = ["chrf", "blue"]
+    monkeypatch.setattr(ensemble, "resolve_model", lambda *a: pytest.fail("decoded before the columns were checked"))
+    with pytest.raises(ValueError, match=r"eval\.metrics: unknown metric\(s\) \['blue'\]"):
+        predict(cfg, [bart_export], [bart_export], inputs, tmp_path / "pred2.csv", rerank="mean_logprob")
+
+
 def test_the_rerank_modes_are_one_list():
     """rlt2t.common.rerank.PREDICT_RERANK_MODES is the list: the CLI's choices come from it, and the config fields
     declare the same values."""
