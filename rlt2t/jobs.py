@@ -666,7 +666,8 @@ def rl_target_use(cfg: Config) -> list[str]:
     """What of an RL run reads each training row's target (or references), one entry each: the algorithm's
     (``Algorithm.target_use``) and the reward's terms that read references (:func:`reference_readers`)."""
     own = cfg.rl.unit.target_use(cfg.rl)
-    readers = reference_readers(cfg.reward)
+    files = cfg.rl.section() if cfg.rl.unit.data == "preferences" else None  # pairs from files: no reward scores
+    readers = [] if files and (files.rank_lists or files.pairs or files.ratings) else reference_readers(cfg.reward)
     if readers and cfg.reward.terms == RewardConfig().terms:  # the user may not know there is a reward at all
         readers = [f"{readers[0]}, the default reward: set reward.terms, or give rlt2t.train a reward"]
     return ([own] if own else []) + readers

@@ -68,6 +68,12 @@ def test_rl_trains_on_unlabeled_rows_when_nothing_reads_their_targets(tmp_path):
     train, valid = rl_splits(_cfg(tmp_path / "r", "metric.monitor=reward", valid=False))
     assert [e.target for e in valid] == [None] * 4
     assert rl_splits(_cfg(tmp_path / "none", valid=None))[1] == []  # no validation file
+    # DPO from preference files: the reward scores no training row, whatever it reads
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"source": "1 5", "chosen": "1", "rejected": "2"}) + "\n")
+    dpo = _cfg(tmp_path / "dpo", "rl.algorithm=dpo", f"rl.dpo.pairs=[{pairs}]", fn=None)
+    assert rl_target_use(dpo) == [] and len(rl_splits(dpo)[0]) == 6
+    assert rl_target_use(_cfg(tmp_path / "dpo2", "rl.algorithm=dpo", fn=None))  # pairs sampled, ordered by it
 
 
 @pytest.mark.parametrize(("overrides", "fn", "reader"), [
