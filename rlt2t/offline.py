@@ -118,8 +118,8 @@ def sample_pairs(cfg: Config, examples: Sequence[Example], start: Path, k: int) 
     t0 = time.perf_counter()
     shares = [list(examples[i::n]) for i in range(n)]
     refs = [task.remote(cfg, str(start), share, k, df, UserRegistrations.used_by(cfg.reward)) for share in shares]
-    log.info("rl: sampling %d candidates for each of %d sources from %s to order by the reward (%d tasks)", k,
-             len(examples), start, n)
+    log.info("rl: sampling %d candidates for each of %d sources from %s to order by the reward (%d Ray task%s)",
+             k, len(examples), start, n, "" if n == 1 else "s")
     results = ray.get(refs)
     pairs = [p for share_pairs, _ in results for p in share_pairs]
     ties = sum(t for _, t in results)
