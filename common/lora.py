@@ -44,7 +44,7 @@ from typing_extensions import TypeIs
 
 from rlt2t.common.config import LoraConfig, ModelConfig
 from rlt2t.common.io import atomic_directory
-from rlt2t.common.policy import Policy, load_policy
+from rlt2t.common.policy import Policy, load_policy, peft_wrapping
 from rlt2t.common.tokenization import save_tokenizer
 
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
@@ -88,7 +88,7 @@ def apply_lora(model: PreTrainedModel | PeftModel, cfg: LoraConfig, seed: int = 
     # peft annotates lora_alpha as int; it only enters the scale alpha / r, so a fractional alpha works.
     peft_cfg = PeftLoraConfig(task_type=TaskType.SEQ_2_SEQ_LM, r=cfg.r, lora_alpha=cfg.alpha,  # type: ignore[arg-type]
                               lora_dropout=cfg.dropout, target_modules=lora_targets(model, cfg), bias="none")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), peft_wrapping():
         torch.manual_seed(seed)
         return get_peft_model(model, peft_cfg)
 

@@ -8,9 +8,11 @@ Family quirks (decoder start, language codes, position limits, ...) live in :mod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
@@ -171,9 +173,19 @@ def adapter_base(path: str | Path) -> Path:
     return Path(base)
 
 
+@contextlib.contextmanager
+def peft_wrapping() -> Iterator[None]:
+    """Around a peft wrapping of a model: peft asks it ``is_gradient_checkpointing``, which transformers 5
+    deprecates with a FutureWarning on every wrap (once per Ray worker of a LoRA run), nothing a user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def _load_adapters(model_cfg: ModelConfig, tokenizer_dir: str | Path | None, path: Path, *, trainable: bool) -> Policy:
     base = load_policy(model_cfg, tokenizer_dir, checkpoint=adapter_base(path))
-    model = PeftModel.from_pretrained(base.model, str(path), is_trainable=trainable)
+    with peft_wrapping():
+        model = PeftModel.from_pretrained(base.model, str(path), is_trainable=trainable)
     if not trainable:
         model = model.merge_and_unload()
     return Policy(model=model, tokenizer=base.tokenizer, origin=str(path))

@@ -98,6 +98,26 @@ def test_init_is_seeded_leaves_the_global_rng_and_starts_at_the_base(ids_tokeniz
         assert torch.equal(a(**batch).logits, base_logits)
 
 
+def test_wrapping_a_model_in_adapters_warns_nothing(ids_tokenizer_dir, tmp_path):
+    """peft asks the model a property that transformers 5 deprecates: a FutureWarning per wrap, in every Ray
+    worker of a LoRA run, that the user can do nothing about; applying adapters and loading a checkpoint of them
+    warn nothing."""
+    import warnings
+
+    model = load_policy(ModelConfig(preset="tiny", family="bart"), ids_tokenizer_dir, seed=0).model
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        adapted = apply_lora(load_policy(ModelConfig(preset=None), ids_tokenizer_dir, checkpoint=base).model,
+                             LoraConfig(dropout=0.0))
+        adapted.peft_config["default"].base_model_name_or_path = str(base)
+        adapted.save_pretrained(tmp_path / "adapters")
+        load_policy(ModelConfig(preset=None), ids_tokenizer_dir, checkpoint=tmp_path / "adapters",
+                    trainable_adapters=True)
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_training_moves_adapters_only_and_merge_matches(ids_tokenizer_dir, batch):
     model = _lora_policy(ids_tokenizer_dir, r=4, alpha=8.0)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
