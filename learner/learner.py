@@ -53,7 +53,7 @@ from rlt2t.common.lora import (
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.types import ScoredGroup, ScoredPair
 from rlt2t.learner import sharding
-from rlt2t.learner.evaluate import distinct_outputs, generate, metric_table
+from rlt2t.learner.evaluate import TABLE_METRICS, distinct_outputs, generate, metric_table
 from rlt2t.learner.objectives import (
     MAXED_METRICS,
     SUMMED_METRICS,
@@ -487,8 +487,8 @@ class Learner:
 
     # --- evaluation -------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, examples: Sequence[Example], metric: MetricConfig,
-                 max_new_tokens: int) -> tuple[dict[str, float], list[str]]:
+    def evaluate(self, examples: Sequence[Example], metric: MetricConfig, max_new_tokens: int,
+                 names: Sequence[str] = TABLE_METRICS) -> tuple[dict[str, float], list[str]]:
         """Greedy-decode this rank's shard of ``examples``; the metric table of all ranks' outputs, and the outputs
         in the order of ``examples`` (the job scores its monitor on them: a reward or a metric of the user's is
         known in the job's process)."""
@@ -508,7 +508,7 @@ class Learner:
         all_hyps = [h for _, h in ordered]
         refs = [list(examples[i].refs) for i, _ in ordered]
         # Unlabeled rows (RL on sources alone, monitored by a reward that reads no references): no metric table.
-        table = metric_table(all_hyps, refs, metric) if all(refs) else {}
+        table = metric_table(all_hyps, refs, metric, names) if all(refs) else {}
         table["distinct_outputs"] = distinct_outputs([examples[i].source for i, _ in ordered], all_hyps)
         return table, all_hyps
 

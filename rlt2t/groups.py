@@ -29,6 +29,7 @@ from rlt2t.common.data import Example
 from rlt2t.common.errors import ResumableFailure, UnitError
 from rlt2t.common.lora import apply_lora, is_lora, policy_weights
 from rlt2t.common.policy import load_policy, lora_base
+from rlt2t.learner.evaluate import MODEL_METRICS, TABLE_METRICS
 from rlt2t.learner.learner import BatchTooLarge, Learner
 from rlt2t.scheduler import PoolState, StoredItem
 
@@ -365,9 +366,13 @@ class LearnerGroup:
         self._loading = [r.load_training_state_from.remote(str(checkpoint)) for r in self.ranks]
 
     def evaluate(self, examples: Sequence[Example], cfg: Config) -> tuple[dict[str, float], list[str]]:
-        """The metric table of the ranks' greedy outputs on ``examples``, and the outputs (in order)."""
+        """The metric table of the ranks' greedy outputs on ``examples``, and the outputs (in order): the usual
+        columns (``TABLE_METRICS``), then the text metrics of ``eval.metrics`` beyond them (chrF, sacreBLEU for a
+        translation run)."""
+        names = [*TABLE_METRICS, *(n for n in cfg.eval.metrics
+                                   if n not in (*TABLE_METRICS, *MODEL_METRICS, "classifier_accuracy"))]
         self._settle()
-        return self._get([r.evaluate.remote(list(examples), cfg.metric, cfg.eval.max_new_tokens)
+        return self._get([r.evaluate.remote(list(examples), cfg.metric, cfg.eval.max_new_tokens, names)
                           for r in self.ranks])[0]
 
     def shutdown(self) -> None:

@@ -131,6 +131,20 @@ def test_learner_ranks_pick_their_items_out_of_scored_chunks_by_reference():
     assert got == (["a", "c", "d"], [2], ("mask2",))
 
 
+def test_the_ranks_validation_table_adds_the_text_metrics_of_eval_metrics():
+    """RL's epoch table: the usual columns, then those of eval.metrics beyond them (a translation run's chrF),
+    without the columns that need a model (test_learner.py: a rank computes what it is asked)."""
+    from rlt2t.common.config import load_config
+
+    calls: list = []
+    group = object.__new__(groups.LearnerGroup)
+    group.ranks = [SimpleNamespace(evaluate=_Remote(calls, "rank0", lambda *a: ({}, [])))]
+    group._settle, group._get = lambda: None, lambda refs: refs
+    cfg = load_config([], ["eval.metrics=[chrf,task_score,perplexity,sacrebleu]"])
+    group.evaluate([], cfg)
+    assert calls[0][1][3] == ["cider_d", "bleu4", "task_score", "rouge_l", "mean_length", "chrf", "sacrebleu"]
+
+
 def test_worker_results_come_with_the_summary_the_driver_reads():
     class Rollouts(by_reference.RolloutsByReference):
         def sample_version(self, version, weights, examples):

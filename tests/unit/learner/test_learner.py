@@ -62,6 +62,8 @@ def test_evaluate_returns_the_metric_table_and_the_outputs_in_order(tmp_path, ti
     unlabeled = [Example(id=e.id, source=e.source, target=None) for e in examples]
     table, outputs = learner.evaluate(unlabeled, MetricConfig(), max_new_tokens=4)
     assert outputs == said and table == {"distinct_outputs": distinct_outputs([e.source for e in examples], said)}
+    table, _ = learner.evaluate(examples, MetricConfig(), 4, ["chrf"])  # the columns the job asks for
+    assert list(table) == ["chrf", "distinct_outputs"]
 
 
 def test_accelerate_autocast_path_runs_in_bf16(tmp_path, tiny_policy):
