@@ -26,7 +26,7 @@ from rlt2t.common.config import (
 )
 from rlt2t.common.data import Example, references_of
 from rlt2t.common.families import decoder_input_ids, generation_config, positions_or
-from rlt2t.common.metrics import available_metrics, get_metric, metric_params, missing_dependency
+from rlt2t.common.metrics import available_metrics, check_dependencies, get_metric, metric_params, missing_dependency
 from rlt2t.common.plugins import load_plugins
 from rlt2t.common.policy import Policy
 from rlt2t.common.python_rewards import RewardError
@@ -86,6 +86,16 @@ def check_metric_names(names: Sequence[str], what: str = "eval.metrics") -> list
     if len(set(names)) != len(names) or not names:
         raise ValueError(f"{what}: give each metric once and at least one, got {list(names)}")
     return list(names)
+
+
+def validation_columns(eval_metrics: Sequence[str]) -> list[str]:
+    """The columns of RL's validation table: ``TABLE_METRICS``, then the text metrics of ``eval_metrics``
+    (``eval.metrics``) beyond them, checked: ValueError naming eval.metrics for one this machine cannot run,
+    before training rather than at the first epoch's end."""
+    extra = [n for n in check_metric_names(eval_metrics) if n not in (*TABLE_METRICS, *MODEL_METRICS,
+                                                                       "classifier_accuracy")]
+    check_dependencies(extra, "eval.metrics")
+    return [*TABLE_METRICS, *extra]
 
 
 def metric_table(hyps: Sequence[str], refs: Sequence[Sequence[str]], metric: MetricConfig,

@@ -29,7 +29,7 @@ from rlt2t.common.data import Example
 from rlt2t.common.errors import ResumableFailure, UnitError
 from rlt2t.common.lora import apply_lora, is_lora, policy_weights
 from rlt2t.common.policy import load_policy, lora_base
-from rlt2t.learner.evaluate import MODEL_METRICS, TABLE_METRICS
+from rlt2t.learner.evaluate import validation_columns
 from rlt2t.learner.learner import BatchTooLarge, Learner
 from rlt2t.scheduler import PoolState, StoredItem
 
@@ -369,8 +369,7 @@ class LearnerGroup:
         """The metric table of the ranks' greedy outputs on ``examples``, and the outputs (in order): the usual
         columns (``TABLE_METRICS``), then the text metrics of ``eval.metrics`` beyond them (chrF, sacreBLEU for a
         translation run)."""
-        names = [*TABLE_METRICS, *(n for n in cfg.eval.metrics
-                                   if n not in (*TABLE_METRICS, *MODEL_METRICS, "classifier_accuracy"))]
+        names = validation_columns(cfg.eval.metrics)
         self._settle()
         return self._get([r.evaluate.remote(list(examples), cfg.metric, cfg.eval.max_new_tokens, names)
                           for r in self.ranks])[0]

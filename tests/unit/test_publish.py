@@ -143,6 +143,9 @@ def test_the_ranks_validation_table_adds_the_text_metrics_of_eval_metrics():
     cfg = load_config([], ["eval.metrics=[chrf,task_score,perplexity,sacrebleu]"])
     group.evaluate([], cfg)
     assert calls[0][1][3] == ["cider_d", "bleu4", "task_score", "rouge_l", "mean_length", "chrf", "sacrebleu"]
+    cfg.eval.metrics = ["chrf", "blue"]
+    with pytest.raises(ValueError, match=r"eval\.metrics: unknown metric\(s\) \['blue'\]"):
+        group.evaluate([], cfg)
 
 
 def test_worker_results_come_with_the_summary_the_driver_reads():
