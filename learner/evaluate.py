@@ -26,7 +26,7 @@ from rlt2t.common.config import (
 )
 from rlt2t.common.data import Example, references_of
 from rlt2t.common.families import decoder_input_ids, generation_config, positions_or
-from rlt2t.common.metrics import available_metrics, check_dependencies, get_metric, metric_params, missing_dependency
+from rlt2t.common.metrics import available_metrics, get_metric, metric_params, missing_dependency, user_metrics
 from rlt2t.common.plugins import load_plugins
 from rlt2t.common.policy import Policy
 from rlt2t.common.python_rewards import RewardError
@@ -89,13 +89,13 @@ def check_metric_names(names: Sequence[str], what: str = "eval.metrics") -> list
 
 
 def validation_columns(eval_metrics: Sequence[str]) -> list[str]:
-    """The columns of RL's validation table: ``TABLE_METRICS``, then the text metrics of ``eval_metrics``
-    (``eval.metrics``) beyond them, checked: ValueError naming eval.metrics for one this machine cannot run,
-    before training rather than at the first epoch's end."""
-    extra = [n for n in check_metric_names(eval_metrics) if n not in (*TABLE_METRICS, *MODEL_METRICS,
-                                                                       "classifier_accuracy")]
-    check_dependencies(extra, "eval.metrics")
-    return [*TABLE_METRICS, *extra]
+    """The columns of RL's validation table, which the learner ranks compute: ``TABLE_METRICS``, then the
+    built-in text metrics of ``eval_metrics`` (``eval.metrics``: chrF, sacreBLEU, ...) beyond them that run on
+    this machine. ``eval.metrics`` is `rlt2t eval`'s, which checks every name: what a rank cannot compute (a
+    column that needs a model, a metric of the user's, one missing its data) is left out here, not refused."""
+    builtin = set(available_metrics()) - set(user_metrics())  # a rank is a fresh process: the built-in ones
+    return [*TABLE_METRICS, *(n for n in dict.fromkeys(eval_metrics) if n in builtin and n not in TABLE_METRICS
+                              and n != "classifier_accuracy" and missing_dependency(n) is None)]
 
 
 def metric_table(hyps: Sequence[str], refs: Sequence[Sequence[str]], metric: MetricConfig,

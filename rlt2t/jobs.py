@@ -632,10 +632,6 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=latest or start)
     check_lengths(policy, cfg.data, {"rollout.max_new_tokens": cfg.rollout.max_new_tokens})
     train_set, valid = rl_splits(cfg)
-    if valid:  # its table's columns: a metric this machine cannot run fails now, not at the first epoch's end
-        from rlt2t.learner.evaluate import validation_columns
-
-        validation_columns(cfg.eval.metrics)
     log.info("rl: starting from %s (KL reference %s)", latest or start, shown)
     for name in cfg.rl.unused_sections:
         log.warning("rl: rl.%s is set, but rl.algorithm=%s: its settings are not used in this run (rl.algorithm=%s "
