@@ -128,7 +128,7 @@ def train_classifier(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
     result = train_stage(stage=STAGE, cfg=cfg, run=run, model=model, tokenizer=tokenizer, dataset=list(train),
                          collate=collate, step_fn=ce_step, out_dir=out_dir, resume_from=resume_from,
                          evaluate=(lambda m: evaluate_classifier(m, collate, valid)) if valid else None,
-                         monitor="accuracy" if valid else None)
+                         monitor="accuracy" if valid else None, monitor_ceiling=1.0)
     log_dir = Path(run.dir) / "logs" / STAGE
     plot_curves(log_dir / "metrics.jsonl", log_dir / "curves.png", title=f"classifier: {out_dir}", panels=PANELS)
     return result

@@ -125,7 +125,7 @@ def train_reward_model(model: RewardModel, train: Sequence[PreferenceGroup], val
     result = train_stage(stage=STAGE, cfg=cfg, run=run, model=model, tokenizer=model.tokenizer, dataset=list(train),
                          collate=make_collate(model), step_fn=make_step(cfg.margin), out_dir=out_dir,
                          resume_from=resume_from, evaluate=evaluate if valid else None,
-                         monitor="pair_accuracy" if valid else None)
+                         monitor="pair_accuracy" if valid else None, monitor_ceiling=1.0)
     log_dir = Path(run.dir) / "logs" / STAGE
     plot_curves(log_dir / "metrics.jsonl", log_dir / "curves.png", title=f"reward model: {out_dir}", panels=PANELS)
     return result

@@ -191,6 +191,7 @@ def train_stage(
     evaluate: Callable[[Model], dict[str, float]] | None = None,
     monitor: str | None = None,
     monitor_by: str | None = None,
+    monitor_ceiling: float | None = None,
     patience: int = 0,
     patience_counts: Callable[[dict[str, float]], bool] | None = None,
     lengths: Sequence[Any] | None = None,
@@ -203,7 +204,8 @@ def train_stage(
     this stage whose weights ``model`` already holds
     (``load_policy(checkpoint=...)``); optimizer, scheduler, RNG and data position come from it.
     ``evaluate`` runs after each epoch; ``monitor`` names its metric to keep the best checkpoint of (``monitor_by``
-    what that measures, for logs and checkpoint meta: ``metric.monitor``, ``loss``; default ``monitor``); with
+    what that measures, for logs and checkpoint meta: ``metric.monitor``, ``loss``; default ``monitor``;
+    ``monitor_ceiling`` the best it can be, as an accuracy's 1.0: reaching it is not "still improving"); with
     ``patience`` > 0 the stage stops once that many epochs in a row have not beaten the best (early stopping:
     the count is kept in checkpoint meta, so a resumed run stops where the uninterrupted one did).
     ``patience_counts(scores)`` False leaves an epoch out of that count (SFT: while its outputs have collapsed).
@@ -362,7 +364,7 @@ def train_stage(
         logger.close()
     if best.path is not None:
         log.info("%s: best by the monitor (%s): %.4f at %s", stage, monitor_by, best.score, best.path)
-    if converging:
+    if converging and not (monitor_ceiling is not None and best.score is not None and best.score >= monitor_ceiling):
         log.info("%s: the monitor (%s) still improved at the last of its %d epochs: the stage ended before it "
                  "converged, and what starts from it starts from a model still learning; a larger %s.epochs trains "
                  "it further", stage, monitor_by, cfg.epochs, stage)

@@ -279,6 +279,20 @@ def test_patience_zero_or_without_a_monitor_runs_every_epoch(tmp_path, ids_token
                 tmp_path / "i", evaluate=evaluate)
     [note] = [r.getMessage() for r in caplog.records if "still improved" in r.getMessage()]
     assert "at the last of its 3 epochs" in note and "sft.epochs" in note
+    # ... unless it reached the best a monitor can be (an accuracy's 1.0: reward models, classifiers)
+    from rlt2t.learner.stages import SFTDataset, make_collate, make_sft_step
+    from rlt2t.learner.trainer import train_stage
+
+    caplog.clear()
+    evaluate, calls = _scripted([0.5, 0.75, 1.0])
+    cfg = _sft_cfg(epochs=3, patience=0, save_every_steps=0)
+    pairs = SFTDataset(src, tgt, augment_prob=0.0, protected_ids=set(), seed=0)
+    with caplog.at_level(logging.INFO, logger="rlt2t"):
+        train_stage(stage="sft", cfg=cfg, run=_run(tmp_path, "c1"), model=policy.model, tokenizer=policy.tokenizer,
+                    dataset=pairs, collate=make_collate(policy.tokenizer.pad_token_id, policy.model.config),
+                    step_fn=make_sft_step(cfg, policy.model), out_dir=tmp_path / "c1", evaluate=evaluate,
+                    monitor="monitor", monitor_ceiling=1.0)
+    assert len(calls) == 3 and not [r for r in caplog.records if "still improved" in r.getMessage()]
     result = run_sft(policy, src, tgt, _sft_cfg(epochs=4, patience=1, save_every_steps=0), _run(tmp_path, "n"),
                      tmp_path / "n")
     assert result.steps == 24, "no validation: patience cannot apply, every epoch runs"
