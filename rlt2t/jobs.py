@@ -438,6 +438,8 @@ def warn_if_collapsed(cfg: Config, checkpoint: Path, valid: Sequence[Example]) -
     advice = (f"train it again with a lower sft.lr (now {cfg.sft.lr:g}), a longer warm-up (sft.warmup_ratio, now "
               f"{cfg.sft.warmup_ratio:g}) or another run.seed before RL starts from it" if stage == "sft" else
               f"start from an earlier checkpoint of that {stage} run, or rerun it with a lower learning rate")
+    if cfg.model.preset == "tiny" and not cfg.model.path:  # a model too small to learn much: no setting helps
+        advice += "; or a larger model: model.preset=tiny is for tests, and on most tasks it learns too little"
     message = collapse_warning(f"{stage}: {checkpoint}", distinct, valid, advice)
     if message:
         log.warning(message)

@@ -72,6 +72,12 @@ def test_the_sft_checkpoint_rl_starts_from_is_checked(tmp_path, tiny_policy, cap
         warn_if_collapsed(cfg, collapsed, valid)
     [record] = caplog.records
     assert str(collapsed) in record.message and "sft.lr (now 0.001)" in record.message
+    assert "model.preset=tiny" not in record.message  # the default preset is not the test one
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rlt2t.jobs"):  # the tests' preset: a larger model may be the fix
+        warn_if_collapsed(load_config(overrides=[f"run.dir={tmp_path}", "model.preset=tiny"]), collapsed, valid)
+    [record] = caplog.records
+    assert "or a larger model: model.preset=tiny is for tests" in record.message
     caplog.clear()
     earlier_rl = _checkpoint(tmp_path / "rl", tiny_policy, {"monitor": 0.05, "distinct_outputs": 1 / 30}, "rl")
     with caplog.at_level(logging.WARNING, logger="rlt2t.jobs"):
