@@ -62,7 +62,9 @@ def generate(policy: Policy, sources: Sequence[str], *, num_beams: int = 1, max_
     # (no_repeat_ngram_size, min_length, length_penalty, ...) the RL sampler ignores, and so does this.
     settings = generation_config(generator.generation_config, num_beams=num_beams, max_new_tokens=max_new_tokens,
                                  do_sample=False, early_stopping=num_beams > 1)
-    for start in tqdm(range(0, len(order), batch_size), desc="decode", disable=not progress, leave=False):
+    # on a terminal only (disable=None): a log file would get a carriage-return line per update
+    for start in tqdm(range(0, len(order), batch_size), desc="decode", disable=None if progress else True,
+                      leave=False):
         chunk = order[start : start + batch_size]
         batch = collate_seq2seq([ids[i] for i in chunk], None, pad_id)
         gen = generator.generate(

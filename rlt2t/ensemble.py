@@ -257,7 +257,9 @@ def _unique_names(paths: Sequence[Path]) -> list[str]:
 
 
 def _batches(n: int, size: int, desc: str, progress: bool):
-    return tqdm(range(0, n, size), desc=desc, disable=not progress, leave=False, total=(n + size - 1) // size)
+    # on a terminal only (disable=None): a log file would get a carriage-return line per update
+    return tqdm(range(0, n, size), desc=desc, disable=None if progress else True, leave=False,
+                total=(n + size - 1) // size)
 
 
 def pool_entries(p: PredictConfig) -> int:

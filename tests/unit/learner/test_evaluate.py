@@ -18,6 +18,16 @@ def test_generate_keeps_input_order_across_length_sorted_batches(tiny_policy):
     assert batched == one_by_one
 
 
+def test_the_decode_bar_shows_on_a_terminal_only(tiny_policy, capsys, monkeypatch):
+    """progress=True draws the bar where someone watches; a log file (stderr not a terminal: CI, a Ray job's log,
+    `> run.log`) would get a carriage-return line per update instead."""
+    generate(tiny_policy, ["1 2", "3"], batch_size=1, max_new_tokens=2, progress=True)
+    assert "decode" not in capsys.readouterr().err
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
+    generate(tiny_policy, ["1 2", "3"], batch_size=1, max_new_tokens=2, progress=True)
+    assert "decode" in capsys.readouterr().err
+
+
 def test_generate_restores_training_mode(tiny_policy):
     tiny_policy.model.train()
     generate(tiny_policy, ["1 2"], max_new_tokens=2)
