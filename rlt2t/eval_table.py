@@ -204,6 +204,11 @@ def eval_table(cfg: Config, checkpoints: Mapping[str, str | Path], split: str | 
         decoding = f"{cfg.predict.pool} pool, rerank {cfg.eval.rerank}"
         if cfg.eval.rerank == "mbr":
             decoding += f" ({cfg.predict.mbr_utility}, {cfg.predict.mbr_weights})"
+        elif cfg.eval.rerank == "reward":  # which reward picked: its terms, weighted
+            from rlt2t.common.rewards import term_name
+
+            decoding += " (" + " + ".join(term_name(t) if t.weight == 1 else f"{t.weight:g} × {term_name(t)}"
+                                          for t in cfg.reward.terms if t.weight) + ")"
     rows: dict[str, dict[str, float]] = {}
     paths: dict[str, str] = {}
     for label, path in checkpoints.items():

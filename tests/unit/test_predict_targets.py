@@ -234,7 +234,8 @@ def test_eval_rerank_reward_scores_the_models_pool_without_references(bart_dir, 
     assert any(len(set(s.tolist())) > 1 for s in got.scores)  # the reward decided somewhere
 
     table = api.evaluate(cfg, {"bart": bart_dir}, split="valid", metrics="bleu4", rerank="reward")
-    assert "rerank reward" in table.title and set(table.rows) == {"bart"}
+    assert "rerank reward (python:" in table.title and ".prefer_letter)" in table.title  # which reward picked
+    assert set(table.rows) == {"bart"}
     saved = [json.loads(line)["prediction"]
              for line in (cfg.run_dir / "eval" / "bart-valid.predictions.jsonl").read_text().splitlines()]
     assert saved == got.predictions  # a beam pool: the same pool, the same picks
