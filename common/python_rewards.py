@@ -120,9 +120,10 @@ def _raised_at(e: BaseException) -> str:
     return f" at {Path(f.filename).name}:{f.lineno} in {f.name}{code}"  # the file's name: a server's path stays its own
 
 
-def _unlabeled(references: Sequence[str]) -> str:
-    """What a failure message adds for a row without references (RL on sources alone, a reranker's pool)."""
-    return "" if references else "; its row has no references, an empty list"
+def _unlabeled(references: Sequence[str], error: BaseException) -> str:
+    """What a failure message adds when an index past the end failed on a row without references (RL on sources
+    alone, a reranker's pool): ``references[0]`` of an empty list, most likely."""
+    return "; its row has no references, an empty list" if not references and isinstance(error, IndexError) else ""
 
 
 def _short(text: str, limit: int = 120) -> str:
@@ -157,7 +158,7 @@ class PythonReward:
                     raise
                 except Exception as e:
                     raise RewardError(f"reward term {self.name} raised {type(e).__name__}: {e}{_raised_at(e)} "
-                                      f"(candidate {i}: {_short(c)}, source {_short(s)}{_unlabeled(r)})") from e
+                                      f"(candidate {i}: {_short(c)}, source {_short(s)}{_unlabeled(r, e)})") from e
             return out
         names = dict.fromkeys(k for row in rows for k in row)
         columns = {k: [row.get(k) for row in rows] for k in names}
@@ -175,9 +176,9 @@ class PythonReward:
             try:
                 self.fn([sources[i]], [candidates[i]], [references[i]],
                         **self._kwargs({k: [v] for k, v in rows[i].items()}))
-            except Exception:
+            except Exception as e:
                 return (f"first failing source: {_short(sources[i])}, candidate {i}: {_short(candidates[i])}"
-                        f"{_unlabeled(references[i])}")
+                        f"{_unlabeled(references[i], e)}")
         return f"on a batch of {len(candidates)} candidates, none of which fails alone; first source " \
                f"{_short(sources[0])}"
 
