@@ -160,6 +160,12 @@ def load_split(cfg: Config, split: str, require_target: bool = True) -> Sequence
     """Load a configured split (any format of data.format, with the data.*_field mapping), checking texts against
     the tokenizer's vocabulary when it has one. A list for JSONL and CSV; for Parquet and datasets a sequence that
     builds each example when it is read (``rlt2t.common.data_formats``)."""
+    return _load_checked(cfg, split_path(cfg, split), require_target)
+
+
+def split_path(cfg: Config, split: str) -> Path:
+    """The file of a configured split; FileNotFoundError naming ``data.<split>`` and how to get one when it does
+    not exist."""
     path = cfg.path(getattr(cfg.data, split))
     if not path.exists():
         saved = _saved_config_with(cfg, split)
@@ -170,7 +176,7 @@ def load_split(cfg: Config, split: str, require_target: bool = True) -> Sequence
         if split == "test":
             hint += "; `rlt2t data import` writes a test split only with --test-fraction"
         raise FileNotFoundError(f"data.{split}: {path} does not exist ({hint})")
-    return _load_checked(cfg, path, require_target)
+    return path
 
 
 def _load_checked(cfg: Config, path: Path, require_target: bool, check: bool = True) -> Sequence[Example]:
@@ -218,7 +224,7 @@ def build_tokenizer_job(cfg: Config) -> Path:
     out = cfg.run_dir / "tokenizer" if t.kind == "pretrained" or t.path is None else cfg.tokenizer_dir
     texts = None
     if t.kind == "subword":  # trained on the training split's sources and references, and data.unlabeled's texts
-        train = load_data(cfg.path(cfg.data.train), cfg.data, require_target=False)
+        train = load_data(split_path(cfg, "train"), cfg.data, require_target=False)
         texts = [x for e, refs in unique_references(train) for x in (e.source, *refs)]
         texts += unlabeled_texts(cfg, check=False)  # the tokenizer they are checked with is the one being built
         if not any(x.strip() for x in texts):

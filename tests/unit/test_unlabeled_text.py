@@ -52,6 +52,11 @@ def test_a_tokenizer_with_no_text_to_learn_from_says_so(tmp_path):
     missing = _config(tmp_path, f"data.unlabeled=[{tmp_path / 'nope.jsonl'}]")
     with pytest.raises(FileNotFoundError, match=r"data.unlabeled\[0\]: .*nope.jsonl does not exist"):
         jobs.build_tokenizer_job(missing)
+    nothing = load_config([], [f"run.dir={tmp_path / 'fresh'}", "tokenizer.kind=subword"])  # no data yet
+    with pytest.raises(FileNotFoundError, match=r"data.train: .*fresh/data/train.jsonl does not exist \(point "
+                                                 r"data.train / data.valid / data.test at your files, `rlt2t data "
+                                                 r"import` one, or `rlt2t data synth` the demo's\)"):
+        jobs.build_tokenizer_job(nothing)
 
 
 def test_pretraining_reads_the_unlabelled_text_checked_as_a_split(tmp_path, monkeypatch, caplog):
