@@ -51,6 +51,12 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def scores_line(scores: dict[str, float], monitor_by: str | None) -> str:
+    """An epoch's validation scores as its log line says them, the monitor named by what it scores:
+    ``monitor (chrf)=0.2370, cider_d=…``."""
+    return ", ".join(f"{k if k != 'monitor' else f'monitor ({monitor_by})'}={v:.4f}" for k, v in scores.items())
+
+
 class RunLogger:
     """Writes scalar metrics to JSONL and TensorBoard under ``<log_dir>``."""
 

@@ -34,9 +34,11 @@ from rlt2t.common.scoring import token_scores
 
 TABLE_METRICS = ("cider_d", "bleu4", "task_score", "rouge_l", "mean_length")
 MODEL_METRICS = ("perplexity",)
+"""Eval-table columns computed from the model rather than from the decoded text."""
+MODEL_COLUMNS = (*MODEL_METRICS, "classifier_accuracy")
+"""Columns that need a model or a classifier besides the texts and references: left out where only texts are."""
 LENGTHS = ("mean_length", "max_length")
 """Metrics that measure length, not quality: refused as the validation monitor."""
-"""Eval-table columns computed from the model rather than from the decoded text."""
 
 
 @torch.no_grad()
@@ -96,8 +98,8 @@ def validation_columns(eval_metrics: Sequence[str]) -> list[str]:
     this machine. ``eval.metrics`` is `rlt2t eval`'s, which checks every name: what a rank cannot compute (a
     column that needs a model, a metric of the user's, one missing its data) is left out here, not refused."""
     builtin = set(available_metrics()) - set(user_metrics())  # a rank is a fresh process: the built-in ones
-    return [*TABLE_METRICS, *(n for n in dict.fromkeys(eval_metrics) if n in builtin and n not in TABLE_METRICS
-                              and n != "classifier_accuracy" and missing_dependency(n) is None)]
+    return [*TABLE_METRICS, *(n for n in dict.fromkeys(eval_metrics) if n in builtin
+                              and n not in (*TABLE_METRICS, *MODEL_COLUMNS) and missing_dependency(n) is None)]
 
 
 def metric_table(hyps: Sequence[str], refs: Sequence[Sequence[str]], metric: MetricConfig,

@@ -38,7 +38,7 @@ from rlt2t.common.checkpoint import (
 )
 from rlt2t.common.config import FSDPConfig, RunConfig, StageConfig
 from rlt2t.common.families import check_mixed_precision
-from rlt2t.common.tracking import RunLogger
+from rlt2t.common.tracking import RunLogger, scores_line
 from rlt2t.learner.schedule import linear_warmup_decay
 from rlt2t.learner.sharding import rank_bytes
 from rlt2t.learner.stage_ranks import StageRanks
@@ -343,8 +343,7 @@ def train_stage(
                 trained.train()
                 logger.log(step, {**scores, "epoch": epoch}, kind="valid")
                 log.info("%s epoch %d/%d: %s", stage, epoch + 1, cfg.epochs,  # counted as checkpoints are named
-                         ", ".join(f"{k if k != 'monitor' else f'monitor ({monitor_by})'}={v:.4f}"
-                                   for k, v in scores.items()))
+                         scores_line(scores, monitor_by))
             name = checkpoint_name(epoch=epoch + 1)
             if monitor and monitor in scores:
                 counts = patience_counts is None or patience_counts(scores)  # a collapsed epoch does not count

@@ -61,7 +61,7 @@ from rlt2t.common.plots import plot_curves
 from rlt2t.common.policy import check_preset_holds
 from rlt2t.common.python_rewards import RewardError
 from rlt2t.common.rewards import UserRegistrations, check_reward
-from rlt2t.common.tracking import RunLogger
+from rlt2t.common.tracking import RunLogger, scores_line
 from rlt2t.common.types import RolloutSpec
 from rlt2t.common.waiting import NotYet, wait_until
 from rlt2t.groups import (
@@ -658,9 +658,7 @@ def validate_epoch(learners: LearnerGroup, valid: Sequence[Example], cfg: Config
         scores = {**table, "monitor": monitor(valid, hyps)}
         logger.log(step, {**scores, "epoch": epoch}, kind="valid")
         label = f"rl epoch {epoch + 1}/{cfg.rl.epochs}"  # counted as checkpoints are named (the logs' field: from 0)
-        by = monitor_name(cfg.metric)  # the line names what the monitor scores (chrf, reward, ...)
-        log.info("%s: %s", label, ", ".join(f"{k if k != 'monitor' else f'monitor ({by})'}={v:.4f}"
-                                            for k, v in scores.items()))
+        log.info("%s: %s", label, scores_line(scores, monitor_name(cfg.metric)))
         if "distinct_outputs" in scores and (collapsed := collapse_warning(
                 label, scores["distinct_outputs"], valid, collapse_advice)):
             log.warning(collapsed)

@@ -645,11 +645,11 @@ def table_columns(cfg: Config, metrics: Sequence[str] | None = None) -> list[str
     """The columns of predict's table on labelled inputs: ``metrics`` or ``eval.metrics``, less the columns that
     need a model (perplexity) or a classifier (classifier_accuracy); ValueError naming the key for an unknown name
     or a metric this machine cannot run."""
-    from rlt2t.learner.evaluate import MODEL_METRICS, check_metric_names
+    from rlt2t.learner.evaluate import MODEL_COLUMNS, check_metric_names
 
     what = "eval.metrics" if metrics is None else "metrics"
     given = check_metric_names(list(cfg.eval.metrics if metrics is None else metrics), what)
-    names = [n for n in given if n not in (*MODEL_METRICS, "classifier_accuracy")]
+    names = [n for n in given if n not in MODEL_COLUMNS]
     check_dependencies(names, what)
     return names or ["task_score"]
 
