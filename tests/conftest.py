@@ -325,33 +325,52 @@ def bart_family_dir(tmp_path_factory) -> Path:
     return build_family_dir("bart", tmp_path_factory.mktemp("bart-family") / "bart", family_texts())
 
 
+# The gloo ranks fork from one server process per test process, which imported torch, transformers and the
+# learner once (multiprocessing's forkserver), instead of each spawned rank importing them again (about 5 s of a
+# core each, 22 ranks in the unit suite). The server imports but runs nothing, so no thread is forked mid-work.
+RANK_PRELOAD = ["torch.distributed", "rlt2t.learner.learner", "rlt2t.learner.stage_ranks", "rlt2t.learner.stages",
+                "rlt2t.actors.rollout", "rlt2t.actors.reward"]
+
+
+def _rank_with_stacks(rank: int, stacks: str, fn, *args) -> None:
+    """``fn(rank, *args)``, Python's stacks dumped into ``stacks/<rank>`` on SIGABRT (what a rank that hangs is
+    sent at the deadline; a forked rank's stderr is the server's, not the test's)."""
+    import faulthandler
+
+    with open(Path(stacks) / str(rank), "w") as dump:
+        faulthandler.enable(file=dump)
+        fn(rank, *args)
+
+
 def _run_ranks(fn, args: tuple, nprocs: int = 2, deadline_s: float = 90.0) -> None:
-    """``fn(rank, *args)`` in ``nprocs`` spawned processes (a gloo world the function forms itself), waited for.
-    A rank still running at the deadline has its Python stacks dumped into the test's captured stderr
-    (faulthandler on SIGABRT) and all are killed, so a hang fails here, it does not outlive the session (pytest
-    waits on live non-daemon children at exit); a rank that raises fails the test with its traceback."""
+    """``fn(rank, *args)`` in ``nprocs`` processes forked from the preloaded server (a gloo world the function
+    forms itself), waited for. A rank still running at the deadline has its Python stacks dumped into the
+    failure's message and all are killed, so a hang fails here, it does not outlive the session (pytest waits on
+    live non-daemon children at exit); a rank that raises fails the test with its traceback."""
+    import tempfile
+
     import torch.multiprocessing as mp
 
-    os.environ["PYTHONFAULTHANDLER"] = "1"
-    try:
-        context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    finally:
-        del os.environ["PYTHONFAULTHANDLER"]
-    try:
-        stop = time.monotonic() + deadline_s
-        while not context.join(timeout=1.0):
-            if time.monotonic() > stop:
-                for process in context.processes:  # one at a time, so that the dumps do not interleave
-                    if process.is_alive():
-                        os.kill(process.pid, signal.SIGABRT)
-                        process.join(5)
-                pytest.fail(f"the {nprocs} gloo ranks did not finish in {deadline_s:.0f} s; their stacks are in "
-                            "the captured stderr")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(5)
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts: at the first call
+    with tempfile.TemporaryDirectory(prefix="rank-stacks-") as stacks:
+        context = mp.start_processes(_rank_with_stacks, args=(stacks, fn, *args), nprocs=nprocs, join=False,
+                                     start_method="forkserver")
+        try:
+            stop = time.monotonic() + deadline_s
+            while not context.join(timeout=1.0):
+                if time.monotonic() > stop:
+                    for process in context.processes:
+                        if process.is_alive():
+                            os.kill(process.pid, signal.SIGABRT)
+                            process.join(5)
+                    dumps = "\n".join(f"rank {p.name}:\n{p.read_text()}" for p in sorted(Path(stacks).iterdir()))
+                    pytest.fail(f"the {nprocs} gloo ranks did not finish in {deadline_s:.0f} s; their stacks:\n"
+                                + dumps)
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join(5)
 
 
 @pytest.fixture
