@@ -31,13 +31,14 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from rlt2t.common.config import Config, load_config
+from rlt2t.common.environ import environment
 from rlt2t.common.io import atomic_write_json
 from rlt2t.common.waiting import NotYet, wait_until
 from rlt2t.services.deploy_actor import PolicyServerActor, url_host, wait_healthy
@@ -128,21 +129,9 @@ def parse_address(text: str) -> ClusterAddress:
     return ClusterAddress("gcs" if port == DEFAULT_GCS_PORT else "dashboard", host, port)
 
 
-@contextlib.contextmanager
-def _api_server_env(url: str | None) -> Iterator[None]:
+def _api_server_env(url: str | None) -> contextlib.AbstractContextManager[None]:
     """Ray's job and state clients prefer RAY_ADDRESS from the environment over their argument; pin ours."""
-    saved = {k: os.environ.get(k) for k in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")}
-    os.environ.pop("RAY_ADDRESS", None)
-    if url:
-        os.environ["RAY_API_SERVER_ADDRESS"] = url
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return environment({"RAY_ADDRESS": None, **({"RAY_API_SERVER_ADDRESS": url} if url else {})})
 
 
 def resolve_dashboard_url(address: ClusterAddress) -> str:

@@ -26,6 +26,7 @@ from rlt2t.by_reference import FetchObject, with_results
 from rlt2t.common.checkpoint import load_training_state
 from rlt2t.common.config import Config, ModelConfig
 from rlt2t.common.data import Example
+from rlt2t.common.environ import environment
 from rlt2t.common.errors import ResumableFailure, UnitError
 from rlt2t.common.lora import apply_lora, is_lora, policy_weights
 from rlt2t.common.policy import load_policy, lora_base
@@ -139,9 +140,13 @@ def init_ray(cfg: Config) -> None:
     # in a line a user of the embedded cluster cannot act on: the protection stays, the notice goes. (The mode
     # itself cannot be set here: Ray reads it when it is imported.)
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-    # Logical CPUs: the embedded cluster may oversubscribe a small machine rather than refuse to start.
-    ray.init(num_cpus=max(math.ceil(need), os.cpu_count() or 1), include_dashboard=False,
-             log_to_driver=True, configure_logging=False, runtime_env={"env_vars": WORKER_ENV})
+    # Logical CPUs: the embedded cluster may oversubscribe a small machine rather than refuse to start. Its
+    # processes inherit WORKER_ENV from the environment it starts in, not from a runtime_env: Ray starts a worker
+    # per CPU ahead of the job, and only workers of the job's runtime_env can take its actors and tasks (with
+    # one, those workers sat idle while each actor waited about a second for a process of its own).
+    with environment(WORKER_ENV):
+        ray.init(num_cpus=max(math.ceil(need), os.cpu_count() or 1), include_dashboard=False,
+                 log_to_driver=True, configure_logging=False)
 
 
 def unschedulable(what: str, timeout_s: float) -> str:

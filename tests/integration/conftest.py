@@ -19,6 +19,8 @@ import pytest
 import ray
 
 from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint
+from rlt2t.common.environ import environment
+from rlt2t.groups import WORKER_ENV
 from rlt2t.local_ray import cluster_processes, stop_cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,9 +64,10 @@ def ray_session(request):
     (a session-wide one was once suspected of CI's hung gloo test, which turned out to be torch's DDP teardown:
     tests/unit/learner/test_pg_rank_share.py)."""
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-                                           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+        # Its processes inherit the jobs' environment (as rlt2t.groups.init_ray's do), so the workers Ray starts
+        # ahead of them take their first actors.
+        with environment({**WORKER_ENV, "OMP_NUM_THREADS": "1"}):
+            ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield
     leftover = [pg for pg in ray.util.placement_group_table().values() if pg.get("state") == "CREATED"]
     if not _LAST_RAY_MODULE or _LAST_RAY_MODULE[0] == request.module.__name__ or leftover:
