@@ -1,5 +1,6 @@
-"""Fixtures of the Ray integration tests: an embedded Ray per module, and one prepared run (data, tokenizer and
-an SFT checkpoint made by the CLI on the tiny config) shared by the whole session."""
+"""Fixtures of the Ray integration tests: an embedded Ray per module, and one demo run on the tiny config (made
+by the CLI as a user runs it; its data, tokenizer and SFT checkpoint are the other tests' start) shared by the
+whole session."""
 
 from __future__ import annotations
 
@@ -75,21 +76,36 @@ def ray_session(request):
 
 
 @pytest.fixture(scope="session")
-def prepared_run(tmp_path_factory) -> Path:
-    """Data, tokenizer and an SFT checkpoint made by the CLI on the tiny config (shared by the tests)."""
-    run = tmp_path_factory.mktemp("prepared")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "rlt2t.cli", "demo", "--config", str(TINY), f"run.dir={run}",
-                    "rl.enabled=false"], check=True, capture_output=True, env=env, cwd=REPO, timeout=600)
-    return run
+def demo_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`rlt2t demo` on the tiny config as a user runs it (a subprocess) and what it printed: data, tokenizer,
+    pretraining, SFT, continued SFT, RL and the demo's tables. test_cli.py checks the run; the other tests start
+    from its data, tokenizer and SFT checkpoint (:func:`prepared_run`)."""
+    run = tmp_path_factory.mktemp("demo")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "rlt2t.cli", "demo", "--config", str(TINY), f"run.dir={run}"],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, f"rlt2t demo exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return run, proc
+
+
+# What of the demo's run comes after SFT (a copy leaves it out: the tests' RL jobs start from SFT).
+AFTER_SFT = ("rl", "eval", "continued_sft", "rl.yaml", "continued_sft.yaml")
+
+
+@pytest.fixture(scope="session")
+def prepared_run(demo_run) -> Path:
+    """The demo's run, for its data, tokenizer and SFT checkpoint: read it, write to a :func:`copy_prepared` (only
+    test_cli.py, which checks the demo itself, runs commands in it)."""
+    return demo_run[0]
 
 
 @pytest.fixture(scope="session")
 def copy_prepared(prepared_run) -> Callable[[Path], Path]:
-    """``copy_prepared(dest)``: a copy of the prepared run at ``dest`` without its RL and eval outputs."""
+    """``copy_prepared(dest)``: a copy of the prepared run at ``dest`` up to its SFT stage (no RL, continued SFT
+    or evaluation outputs, their logs or configs)."""
 
     def copy(dest: Path) -> Path:
-        shutil.copytree(prepared_run, dest, ignore=shutil.ignore_patterns("rl", "eval"))
+        shutil.copytree(prepared_run, dest, ignore=shutil.ignore_patterns(*AFTER_SFT))
         return dest
 
     return copy

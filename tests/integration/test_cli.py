@@ -31,12 +31,6 @@ def rlt2t(*args: str, check: bool = True, cwd: Path | None = None) -> subprocess
     return proc
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    run = tmp_path_factory.mktemp("demo")
-    return run, rlt2t("demo", "--config", TINY, f"run.dir={run}")
-
-
 def test_demo_pipeline_end_to_end(demo_run):
     run, proc = demo_run
     assert "cider_d" in proc.stdout and "task_score" in proc.stdout and "demo finished" in proc.stdout

@@ -1,7 +1,8 @@
-"""The policy-gradient algorithms on a real (embedded) Ray, one of each family (RLOO: group advantages; PPO:
-value head, GAE, adaptive KL; GRPO on sharded learners): bitwise resume after a real kill (value head, KL
-controller and optimizer shards included), a
-killed rollout worker re-dispatched with nothing lost, and DDP ranks that stay identical."""
+"""The policy-gradient algorithms on a real (embedded) Ray (PPO: value head, GAE, adaptive KL; GRPO on sharded
+learners; NLPO's masking policy): bitwise resume after a real kill (value head, KL controller and optimizer
+shards included), a killed rollout worker re-dispatched with nothing lost, and DDP ranks that stay identical
+(PPO with the likelihood term). RLOO differs from GRPO in its advantages alone
+(tests/unit/learner/test_pg_losses.py)."""
 
 from __future__ import annotations
 
@@ -41,8 +42,7 @@ SETTINGS = ["rl.epochs=2", "rl.train_subset=48", "rl.batch_size=8", "rl.chunk_si
 LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0"]
 # The uninterrupted runs: PPO (value head, KL controller) on LoRA adapters, and GRPO on two sharded learner ranks
 # (rl.strategy=fsdp: checkpoints of gathered weights and per-rank optimizer shards, resumed by ranks that each
-# read their own). Full-weight resume under DDP: rank RL in test_rl_ray.py, TRPO in test_trpo_ray.py. (RLOO differs
-# from GRPO in its advantages alone: tests/unit/learner/test_pg_losses.py, and on Ray below, two DDP ranks.)
+# read their own). Full-weight resume under DDP: rank RL in test_rl_ray.py, TRPO in test_trpo_ray.py.
 VARIANTS = {"ppo-lora": ("ppo", LORA), "grpo-fsdp": ("grpo", ["rl.strategy=fsdp", "rl.learners=2"])}
 
 
@@ -142,8 +142,11 @@ def test_a_killed_rollout_worker_is_redispatched_and_nothing_is_lost(references,
     assert all(torch.equal(weights[k], got[k]) for k in weights), "a re-dispatched chunk changed the result"
 
 
-@pytest.mark.parametrize(("algorithm", "pg"), [("rloo", {}), ("ppo", {}), ("grpo", {"sft_coef": 0.5})],
-                         ids=["rloo", "ppo", "grpo-sft"])
+# One algorithm: the ranks' wiring on Ray is the same for every policy gradient. PPO keeps the most state in step
+# (the value head, the KL controller) and the likelihood term adds a loss on the gold targets; that each
+# algorithm's DDP step equals one learner's on the whole batch is tests/unit/learner/test_pg_rank_share.py's
+# and test_fsdp.py's.
+@pytest.mark.parametrize(("algorithm", "pg"), [("ppo", {"sft_coef": 0.5})], ids=["ppo-sft"])
 def test_two_ddp_ranks_stay_identical(ray_session, prepared_run, algorithm, pg):
     cfg = _config(prepared_run, algorithm)
     sft = best_or_latest(prepared_run / "sft" / "checkpoints")
