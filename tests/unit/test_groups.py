@@ -1,4 +1,5 @@
-"""The cluster-capacity check of the RL job (rlt2t.groups), on made-up cluster resources: no Ray."""
+"""The cluster-capacity check of the RL job (rlt2t.groups), on made-up cluster resources, and how a job starts
+Ray (`ray.init` replaced): no Ray."""
 
 from __future__ import annotations
 
@@ -60,3 +61,31 @@ def test_each_learner_rank_is_sent_a_masking_policy_once_in_the_order_it_loads_t
     assert group._masks_to_send(1, shard(0, 10)) == [0, 10]  # it ends with 10 loaded: 0 is sent again
     assert group._masks_to_send(0, shard(10, None)) == [10]
     assert group._masks_held == [10, 10]
+
+
+def test_the_embedded_cluster_starts_in_the_workers_environment_and_a_joined_one_gets_it_as_a_runtime_env(
+        monkeypatch):
+    """An embedded Ray's processes inherit WORKER_ENV from the environment `ray.init` starts them in (then the
+    workers Ray starts ahead of the job are the job's: a runtime_env would leave them idle), the driver's own
+    environment as it was after it; a cluster at RAY_ADDRESS, whose processes exist already, gets a runtime_env."""
+    import os
+
+    import ray
+
+    import rlt2t.groups as groups
+
+    calls: list[tuple[dict, dict]] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append((kw, {k: os.environ.get(k) for k in groups.WORKER_ENV})))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # the user's own value, back after the start
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    groups.init_ray(load_config())
+    kwargs, seen = calls.pop()
+    assert "runtime_env" not in kwargs and seen == groups.WORKER_ENV
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true" and "TRANSFORMERS_VERBOSITY" not in os.environ
+
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
+    groups.init_ray(load_config())
+    kwargs, seen = calls.pop()
+    assert kwargs["runtime_env"] == {"env_vars": groups.WORKER_ENV} and seen["TOKENIZERS_PARALLELISM"] == "true"
