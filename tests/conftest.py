@@ -375,6 +375,8 @@ def _run_ranks(fn, args: tuple, nprocs: int = 2, deadline_s: float = 90.0) -> No
 
 @pytest.fixture
 def run_ranks():
-    """``run_ranks(fn, args, nprocs=2, deadline_s=90)``: ``fn(rank, *args)`` on that many spawned processes
-    (``fn`` at module level, forming its own process group), waited for with a deadline."""
+    """``run_ranks(fn, args, nprocs=2, deadline_s=90)``: ``fn(rank, *args)`` on that many processes (``fn`` at
+    module level, forming its own process group), waited for with a deadline. The ranks fork from a server
+    started at the test process's first call: they have its environment then, not a later test's (pass what a
+    rank needs in ``args``)."""
     return _run_ranks
