@@ -131,7 +131,8 @@ def parse_address(text: str) -> ClusterAddress:
 
 def _api_server_env(url: str | None) -> contextlib.AbstractContextManager[None]:
     """Ray's job and state clients prefer RAY_ADDRESS from the environment over their argument; pin ours."""
-    return environment({"RAY_ADDRESS": None, **({"RAY_API_SERVER_ADDRESS": url} if url else {})})
+    # Both restored after the block, as they were (whatever Ray's clients set meanwhile).
+    return environment({"RAY_ADDRESS": None, "RAY_API_SERVER_ADDRESS": url or os.environ.get("RAY_API_SERVER_ADDRESS")})
 
 
 def resolve_dashboard_url(address: ClusterAddress) -> str:

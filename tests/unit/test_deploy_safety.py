@@ -208,3 +208,15 @@ def test_up_under_another_name_refuses_while_the_state_file_records_a_server(ser
     assert main(["deploy", "down", "--state", str(state)]) == 0
     assert serving.submitted[-1].endswith("deploy serve-stop --name srv-a") and not state.exists()
     assert _up(state, "srv-b") == 0 and deploy.read_state(state).server_name == "srv-b"
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8265", None])
+def test_ray_clients_see_the_given_address_not_ray_address_and_both_come_back_after(monkeypatch, url):
+    import os
+
+    monkeypatch.setenv("RAY_ADDRESS", "ray://elsewhere:10001")
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    with deploy._api_server_env(url):
+        assert "RAY_ADDRESS" not in os.environ and os.environ.get("RAY_API_SERVER_ADDRESS") == url
+        os.environ["RAY_API_SERVER_ADDRESS"] = "set by a client"  # undone on the way out, as before
+    assert os.environ["RAY_ADDRESS"] == "ray://elsewhere:10001" and "RAY_API_SERVER_ADDRESS" not in os.environ
