@@ -105,6 +105,15 @@ def wide_policy_dir(ids_tokenizer_dir, tmp_path_factory):
 
 
 @pytest.fixture
+def done_stamp(tmp_path) -> str:
+    """``STAMP=…`` for make: a stamp newer than pyproject.toml, so the set-up counts as done. (Not the Makefile: a
+    fresh clone writes it before pyproject.toml, so make would run the set-up, for real, into the repo's .venv.)"""
+    stamp = tmp_path / "stamp"
+    stamp.touch()
+    return f"STAMP={stamp}"
+
+
+@pytest.fixture
 def tiny_policy(ids_tokenizer_dir):
     return load_policy(ModelConfig(preset="tiny", family="bart", dropout=0.0), ids_tokenizer_dir, seed=0)
 

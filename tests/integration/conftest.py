@@ -75,17 +75,30 @@ def ray_session(request):
         ray.shutdown()  # the last user, or a module that left reserved resources behind: the next starts afresh
 
 
+def run_rlt2t(*args: str, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``rlt2t ARGS`` as a user runs it (a subprocess in the repo, one torch thread), its output captured; a
+    non-zero exit fails with what it printed unless ``check=False``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "rlt2t.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd or REPO, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"rlt2t {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def rlt2t() -> Callable[..., subprocess.CompletedProcess]:
+    """:func:`run_rlt2t`: ``rlt2t(*args, check=True, cwd=None)``."""
+    return run_rlt2t
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """`rlt2t demo` on the tiny config as a user runs it (a subprocess) and what it printed: data, tokenizer,
     pretraining, SFT, continued SFT, RL and the demo's tables. test_cli.py checks the run; the other tests start
     from its data, tokenizer and SFT checkpoint (:func:`prepared_run`)."""
     run = tmp_path_factory.mktemp("demo")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "rlt2t.cli", "demo", "--config", str(TINY), f"run.dir={run}"],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    assert proc.returncode == 0, f"rlt2t demo exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return run, proc
+    return run, run_rlt2t("demo", "--config", str(TINY), f"run.dir={run}")
 
 
 # What of the demo's run comes after SFT (a copy leaves it out: the tests' RL jobs start from SFT).

@@ -5,10 +5,7 @@ importing torch)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,15 +17,6 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
-
-
-def rlt2t(*args: str, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "rlt2t.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd or REPO, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"rlt2t {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
 
 
 def test_demo_pipeline_end_to_end(demo_run):
@@ -75,7 +63,7 @@ def test_demo_pipeline_end_to_end(demo_run):
     assert not [line for line in proc.stderr.splitlines() if " E " in line[:40] and "core_worker" in line]
 
 
-def test_demo_rerun_resumes_instead_of_retraining(demo_run):
+def test_demo_rerun_resumes_instead_of_retraining(demo_run, rlt2t):
     run, _ = demo_run
     before = {stage: sorted(p.name for p in (run / stage / "checkpoints").iterdir())
               for stage in ("sft", "continued_sft", "rl")}
@@ -159,7 +147,7 @@ def test_validate_reports_lengths_against_the_limits(tmp_path, cli):
     assert "targets: 5 of 10 over data.max_target_len=4 tokens; length p50 2, p90 6, p99 6, max 6" in out
 
 
-def test_bad_config_exits_2_naming_the_key():
+def test_bad_config_exits_2_naming_the_key(rlt2t):
     # as a subprocess: what a user sees includes no traceback
     proc = rlt2t("sft", "sft.lr=-0.1", check=False)
     assert proc.returncode == 2 and "sft.lr" in proc.stderr and "Traceback" not in proc.stderr
@@ -170,7 +158,7 @@ def test_unknown_config_key_exits_2_naming_it(cli):
     assert code == 2 and "sft.lrr: unknown key" in err
 
 
-def test_help_as_a_user_runs_it():
+def test_help_as_a_user_runs_it(rlt2t):
     assert "usage: rlt2t" in rlt2t("--help").stdout
 
 

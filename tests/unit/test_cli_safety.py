@@ -420,7 +420,7 @@ def test_make_clean_keeps_the_users_run_directories():
     assert "runs/demo" in recipe
 
 
-def test_make_train_submit_after_the_demo_trains_a_new_run_from_the_demos_sft(tmp_path):
+def test_make_train_submit_after_the_demo_trains_a_new_run_from_the_demos_sft(tmp_path, done_stamp):
     """`make train-submit` (README, Scaling out) right after `make demo`, whose run already has its RL stage: a new
     run (runs/submit) from the demo's best SFT checkpoint on the demo's data; RUN_DIR=… (or a TRAIN_CONFIG of one's
     own) trains as told. The job itself is submitted to a real head in tests/integration/test_job_submit.py."""
@@ -435,14 +435,9 @@ def test_make_train_submit_after_the_demo_trains_a_new_run_from_the_demos_sft(tm
     env = {k: v for k, v in os.environ.items() if k not in ("RUN_DIR", "TRAIN_ARGS", "TRAIN_CONFIG", "SUBMIT_FROM",
                                                              "MAKEFLAGS")} | {"RAY_ADDRESS": "http://127.0.0.1:9"}
 
-    # A stamp newer than pyproject.toml: the set-up counts as done. (Not the Makefile: a fresh clone writes it
-    # before pyproject.toml, so the set-up would run, for real, into the repo's .venv.)
-    stamp = tmp_path / "stamp"
-    stamp.touch()
-
     def make(*args: str, dry: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(["make", "-s", *(["-n"] if dry else []), "-C", str(repo), "train-submit",
-                               f"STAMP={stamp}", *args], capture_output=True, text=True, env=env, timeout=60)
+                               done_stamp, *args], capture_output=True, text=True, env=env, timeout=60)
 
     def job(*args: str) -> list[str]:
         out = make(*args).stdout

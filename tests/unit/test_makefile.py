@@ -34,16 +34,8 @@ def fake_apt(tmp_path: Path, succeed: bool) -> Path:
     return script
 
 
-def done_stamp(tmp_path: Path) -> str:
-    """``STAMP=…`` of a stamp newer than pyproject.toml: the set-up counts as done. (Not the Makefile: a fresh
-    clone writes it before pyproject.toml, so make would run the set-up.)"""
-    stamp = tmp_path / "stamp"
-    stamp.touch()
-    return f"STAMP={stamp}"
-
-
-def test_make_test_runs_system_deps_as_optional_before_pytest(tmp_path):
-    dry = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(REPO), "test", done_stamp(tmp_path)],
+def test_make_test_runs_system_deps_as_optional_before_pytest(done_stamp):
+    dry = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(REPO), "test", done_stamp],
                          capture_output=True, text=True, timeout=60).stdout
     deps, pytest_at = dry.find("dpkg -s"), dry.find("-m pytest tests")
     assert 0 <= deps < pytest_at, dry
@@ -88,7 +80,8 @@ def test_nothing_to_do_when_every_package_is_there(tmp_path):
 
 @pytest.mark.parametrize(("unit", "rest", "status"), [(0, 0, 0), (1, 0, 1), (0, 2, 2), (5, 0, 0), (0, 5, 0),
                                                       (5, 5, 0), (5, 1, 1), (1, 2, 1)])
-def test_make_test_runs_the_unit_part_on_workers_then_the_rest_and_fails_with_either(tmp_path, unit, rest, status):
+def test_make_test_runs_the_unit_part_on_workers_then_the_rest_and_fails_with_either(tmp_path, done_stamp, unit, rest,
+                                                                                    status):
     """The unit tests on TEST_WORKERS processes, then the integration (and GPU) tests in one; both run whatever the
     first gives, the first failure's status is make's, and 5 (a -k that leaves a part empty) is not a failure."""
     bin_dir = tmp_path / "bin"
@@ -97,7 +90,7 @@ def test_make_test_runs_the_unit_part_on_workers_then_the_rest_and_fails_with_ei
     python.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls.txt'}\ncase \"$*\" in *tests/unit*) exit {unit};; "
                       f"esac\nexit {rest}\n")
     python.chmod(0o755)
-    done = make("test", done_stamp(tmp_path), f"BIN={bin_dir}", "DEB_PACKAGES=", "TEST_WORKERS=3", "PYTEST_ARGS=-k x",
+    done = make("test", done_stamp, f"BIN={bin_dir}", "DEB_PACKAGES=", "TEST_WORKERS=3", "PYTEST_ARGS=-k x",
                 tmp_path=tmp_path)
     assert done.returncode == (0 if status == 0 else 2), done.stdout + done.stderr  # make's own status for a failure
     if status:
