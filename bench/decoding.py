@@ -28,6 +28,11 @@ checkpoint, on the whole test split:
   reward_lr1e-3          the same on the same ratings, reward_model.lr=1e-3 (a second protocol: the defaults'
                          held-out pair accuracy was at chance)
   oracle                 the pool's best candidate by its sentence task score against the references
+  mbr_task_score_eps     MBR as mbr_task_score over a second pool whose 16 samples are drawn by epsilon sampling
+                         (predict.epsilon=0.02, top-p 1, top-k 0, temperature 1; the same 4 beam hypotheses and
+                         seed): the sampler MBR studies on translation favour for the pool. A second protocol,
+                         added after the first missed #41's +8 % on two of three tasks; both are reported.
+  oracle_eps             the oracle of that second pool
 
 Reported per task, checkpoint and method, mean ± std over seeds: the corpus task score (CIDEr-D, BLEU-4, ROUGE-L
 beside it) and CPU seconds per source on one torch thread (pool methods: generating the pool, scoring it and the
@@ -81,8 +86,13 @@ RM_SAMPLES = 8
 # their held-out pair accuracy on the synthetic task was at chance (0.51-0.58), so a second protocol, added after
 # the first synthetic run, trains on the same ratings at ten times the learning rate. Both are kept.
 REWARD_MODELS: dict[str, dict[str, Any]] = {"reward": {}, "reward_lr1e-3": {"lr": 1e-3}}
+# The second pool (a second protocol, added after the first runs): its samples by epsilon sampling, nothing else
+# changed.
+EPSILON_POOL = {"top_p": 1.0, "epsilon": 0.02}
 METHODS = ("greedy", "beam", "mean_logprob", "mbr_task_score", f"mbr_{OTHER_UTILITY}", "mbr_task_score_prob",
-           *REWARD_MODELS, "oracle")
+           *REWARD_MODELS, "oracle", "mbr_task_score_eps", "oracle_eps")
+POOL_OF = {"mbr_task_score_eps": "pool_eps", "oracle_eps": "pool_eps"}
+"""The pool a method picks from, where it is not the first one (``pool``)."""
 SCORED = ("task_score", "cider_d", "bleu4", "rouge_l", "mean_length")
 # Comparisons: (name, (model, method), (model, method), relative target, needs > 2 σ): #41's two targets first.
 COMPARISONS = [
@@ -93,6 +103,11 @@ COMPARISONS = [
     *[(f"{m}: beam - greedy", (m, "beam"), (m, "greedy"), None, False) for m in MODELS],
     ("grpo greedy - sft greedy", ("grpo", "greedy"), ("sft", "greedy"), None, False),
     ("grpo mbr_task_score - sft mbr_task_score", ("grpo", "mbr_task_score"), ("sft", "mbr_task_score"), None, False),
+    # the second protocol: #41's targets again, with the epsilon pool, and what the sampler changed
+    *[(f"{m}: mbr_task_score_eps - beam", (m, "mbr_task_score_eps"), (m, "beam"), 0.08, True) for m in MODELS],
+    ("grpo mbr_task_score_eps - sft greedy", ("grpo", "mbr_task_score_eps"), ("sft", "greedy"), 0.15, False),
+    *[(f"{m}: {meth} - {base}", (m, meth), (m, base), None, False) for m in MODELS
+      for meth, base in (("mbr_task_score_eps", "mbr_task_score"), ("oracle_eps", "beam"))],
 ]
 
 
@@ -162,7 +177,7 @@ def flat_readings(readings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for seed in sorted(readings, key=int):
         for model in MODELS:
-            for method in METHODS:
+            for method in [m for m in METHODS if m in readings[seed][model]["methods"]]:
                 r = readings[seed][model]["methods"][method]
                 out.append({"seed": int(seed), "model": model, "method": method, **r["metrics"],
                             "cpu_seconds_per_source": r["seconds_per_source"],
@@ -171,12 +186,23 @@ def flat_readings(readings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def measured_methods(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The methods of METHODS that ``records`` hold, in its order: a task measured before a method was added lacks
+    it (its rows and comparisons are left out, not invented)."""
+    found = {r["method"] for r in records}
+    unknown = found - set(METHODS)
+    if unknown:
+        raise ValueError(f"readings: unknown method(s) {sorted(unknown)} (known: {', '.join(METHODS)})")
+    return [m for m in METHODS if m in found]
+
+
 def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One task's figures from its :func:`flat_readings`: each method's task score, ROUGE-L and seconds per source,
     mean ± std over the seeds (``rows``), and the paired comparisons, #41's targets first (``paired``)."""
     seeds = sorted({r["seed"] for r in records})
     at = {(r["seed"], r["model"], r["method"]): r for r in records}
-    missing = [(s, m, x) for s in seeds for m in MODELS for x in METHODS if (s, m, x) not in at]
+    methods = measured_methods(records)
+    missing = [(s, m, x) for s in seeds for m in MODELS for x in methods if (s, m, x) not in at]
     if missing:
         raise ValueError(f"readings: no record for (seed, model, method) {missing[0]} (and {len(missing) - 1} more)")
 
@@ -185,7 +211,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     rows = []
     for model in MODELS:
-        for method in METHODS:
+        for method in methods:
             row: dict[str, Any] = {"model": model, "method": method}
             for key, name in (("task_score", "task_score"), ("rouge_l", "rouge_l"),
                               ("cpu_seconds_per_source", "cpu_ms_per_source"),
@@ -196,6 +222,8 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
             rows.append(row)
     comparisons = []
     for name, (ma, xa), (mb, xb), target, sig in COMPARISONS:
+        if xa not in methods or xb not in methods:
+            continue
         for metric in ("task_score", "rouge_l"):
             d = paired(values(ma, xa, metric), values(mb, xb, metric), target if metric == "task_score" else None,
                        sig)
@@ -362,6 +390,12 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
     watch.wall["mbr_task_score"] = 0.0  # inside the pool's wall time
     picks["mbr_task_score"] = pool.predictions
     means = [mean_logprobs(lps) for lps in pool.logprobs]
+    with watch.stage("pool_eps"), cpu_clock(ensemble):  # the second protocol's pool: epsilon sampling
+        eps_pool = ensemble.rerank_with_policy(derive(cfg, predict=EPSILON_POOL), policy, ckpt, examples, "mbr")
+    watch.cpu |= {"pool_eps_generate": eps_pool.seconds["generate"], "pool_eps_score": eps_pool.seconds["score"],
+                  "mbr_task_score_eps": eps_pool.seconds["rerank"]}
+    watch.wall["mbr_task_score_eps"] = 0.0  # inside the pool's wall time
+    picks["mbr_task_score_eps"] = eps_pool.predictions
 
     def timed(method: str, choose) -> None:
         with watch.stage(method):
@@ -386,29 +420,33 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
     # Oracle: CIDEr-D's document frequencies from the split's references, as the corpus score and predict's table.
     task = get_metric("task_score", bleu_weight=cfg.metric.bleu_weight, sigma=cfg.metric.cider_sigma,
                       df=DocumentFrequency.from_references(refs))
-    with watch.stage("oracle"):
-        sentence = split_flat(task.per_sample([t for c in cands for t in c],
-                                              [r for c, r in zip(cands, refs, strict=True) for _ in c]),
-                              [len(c) for c in cands])
-        picks["oracle"] = [c[int(np.argmax(s))] for c, s in zip(cands, sentence, strict=True)]
+    for method, candidates in (("oracle", cands), ("oracle_eps", eps_pool.candidates)):
+        with watch.stage(method):
+            sentence = split_flat(task.per_sample([t for c in candidates for t in c],
+                                                  [r for c, r in zip(candidates, refs, strict=True) for _ in c]),
+                                  [len(c) for c in candidates])
+            picks[method] = [c[int(np.argmax(s))] for c, s in zip(candidates, sentence, strict=True)]
     methods = {}
     for method in METHODS:
         if method in ("greedy", "beam"):
             parts = {"decode": watch.cpu[method]}
             wall = watch.wall[method]
-        else:  # the pool (generated, and scored except for the oracle, which needs no scorer), then the pick
-            parts = {"generate": watch.cpu["pool_generate"],
-                     **({"score": watch.cpu["pool_score"]} if method != "oracle" else {}), "pick": watch.cpu[method]}
-            wall = watch.wall["pool"] + watch.wall[method]
+        else:  # the pool (generated, and scored except for an oracle, which needs no scorer), then the pick
+            of = POOL_OF.get(method, "pool")
+            parts = {"generate": watch.cpu[f"{of}_generate"],
+                     **({"score": watch.cpu[f"{of}_score"]} if not method.startswith("oracle") else {}),
+                     "pick": watch.cpu[method]}
+            wall = watch.wall[of] + watch.wall[method]
         methods[method] = {"metrics": metric_table(picks[method], refs, cfg.metric, SCORED),
                            "seconds_per_source": sum(parts.values()) / n,
                            "seconds_per_source_parts": {k: v / n for k, v in parts.items()},
                            "wall_seconds_per_source": wall / n}
     out = {"checkpoint": str(ckpt), "rows": n, "mean_candidates": float(np.mean([len(c) for c in cands])),
-           "mean_entries": float(np.mean([sum(c) for c in counts])), "methods": methods}
+           "mean_entries": float(np.mean([sum(c) for c in counts])),
+           "mean_candidates_eps": float(np.mean([len(c) for c in eps_pool.candidates])), "methods": methods}
     atomic_write_jsonl(cfg.run_dir / f"{model}.picks.jsonl",
-                       ({"id": e.id, **{m: picks[m][i] for m in METHODS}, "candidates": cands[i]}
-                        for i, e in enumerate(examples)))
+                       ({"id": e.id, **{m: picks[m][i] for m in METHODS}, "candidates": cands[i],
+                         "candidates_eps": eps_pool.candidates[i]} for i, e in enumerate(examples)))
     atomic_write_json(done, out)
     return out
 
@@ -444,21 +482,22 @@ def plot(path: Path, summaries: dict[str, dict[str, Any]], readings: dict[str, l
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, len(summaries), figsize=(6 * len(summaries), 8), squeeze=False)
-    picked = [m for m in METHODS if m not in ("beam", "oracle")]
     for col, (task, s) in enumerate(summaries.items()):
         top, bottom = axes[0][col], axes[1][col]
+        shown = measured_methods(readings[task])
+        picked = [m for m in shown if m not in ("beam", "oracle", "oracle_eps")]
         at = {(r["seed"], r["model"], r["method"]): r["task_score"] for r in readings[task]}
         seeds = sorted({r["seed"] for r in readings[task]})
         for k, model in enumerate(MODELS):
             rows = {r["method"]: r for r in s["rows"] if r["model"] == model}
-            x = np.arange(len(METHODS))
-            top.bar(x + (k - 0.5) * 0.4, [rows[m]["task_score"] for m in METHODS], 0.4,
-                    yerr=[rows[m]["task_score_std"] for m in METHODS], capsize=2, label=model)
+            x = np.arange(len(shown))
+            top.bar(x + (k - 0.5) * 0.4, [rows[m]["task_score"] for m in shown], 0.4,
+                    yerr=[rows[m]["task_score_std"] for m in shown], capsize=2, label=model)
             diffs = np.array([[at[seed, model, m] - at[seed, model, "beam"] for seed in seeds] for m in picked])
             x = np.arange(len(picked))
             bottom.bar(x + (k - 0.5) * 0.4, diffs.mean(1), 0.4, yerr=diffs.std(1, ddof=1) if len(seeds) > 1 else None,
                        capsize=2, label=model)
-        top.set_xticks(np.arange(len(METHODS)), METHODS, rotation=40, ha="right", fontsize=8)
+        top.set_xticks(np.arange(len(shown)), shown, rotation=40, ha="right", fontsize=8)
         top.set_title(f"{task} (seeds {s['seeds']})")
         top.set_ylabel("test task score")
         bottom.set_xticks(np.arange(len(picked)), picked, rotation=40, ha="right", fontsize=8)
@@ -542,7 +581,8 @@ def main() -> None:
                "batch_size": cfg.rl.batch_size},
         "seconds": round(time.perf_counter() - t_start, 1),
         "checkpoints": [{"seed": int(s), "model": m, "checkpoint": r[m]["checkpoint"],
-                         "mean_candidates": r[m]["mean_candidates"], "mean_entries": r[m]["mean_entries"]}
+                         "mean_candidates": r[m]["mean_candidates"], "mean_entries": r[m]["mean_entries"],
+                         "mean_candidates_eps": r[m]["mean_candidates_eps"]}
                         for s, r in readings.items() for m in MODELS],
         "reward_models": [{"seed": int(s), "method": method, **rm} for s, r in readings.items()
                           for method, rm in r["reward_models"].items()],
@@ -552,6 +592,7 @@ def main() -> None:
     payload = {"benchmark": "decoding",
                "command": "python bench/decoding.py --task TASK --workdir DIR [--train] (one task per run)",
                "protocol": {"pool": POOL, "beam": BEAM, "other_utility": OTHER_UTILITY,
+                            "epsilon_pool": [f"predict.{k}={v}" for k, v in EPSILON_POOL.items()],
                             "reward_model": {"sources": RM_SOURCES, "beams": 4, "samples": RM_SAMPLES,
                                              "rating": "sentence task score against the references",
                                              "backbone": "the seed's SFT checkpoint",

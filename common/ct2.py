@@ -458,6 +458,7 @@ class Ct2Policy:
         min_new_tokens: int = 0,
         seed: int | None = None,
         sampling_topp: float = 1.0,
+        sampling_epsilon: float = 0.0,
     ) -> list[list[Hypothesis]]:
         """Beam search, greedy (``beam_size=1``, ``sampling_topk=1``) or sampling (``beam_size=1``,
         ``sampling_topk`` k > 1 or 0 for the whole vocabulary; ``sampling_topp`` < 1 adds a nucleus filter) of each
@@ -465,7 +466,8 @@ class Ct2Policy:
 
         Returns one list of ``num_hypotheses`` hypotheses per source (best first for beam search).
         ``max_new_tokens`` counts the EOS, as in HF ``generate``; EOS is not allowed before ``min_new_tokens``
-        tokens. ``seed`` reseeds sampling first.
+        tokens. ``seed`` reseeds sampling first. ``sampling_epsilon`` is here for the torch runner's signature:
+        CTranslate2 has no epsilon sampling, so anything but 0 is refused.
         """
         if beam_size < 1 or num_hypotheses < 1:
             raise ValueError(f"beam_size and num_hypotheses must be >= 1, got {beam_size}, {num_hypotheses}")
@@ -480,6 +482,9 @@ class Ct2Policy:
                              f"{sampling_temperature}")
         if not 0.0 < sampling_topp <= 1.0:
             raise ValueError(f"sampling_topp must be in (0, 1], got {sampling_topp}")
+        if sampling_epsilon != 0.0:
+            raise ValueError(f"sampling_epsilon={sampling_epsilon}: CTranslate2 has no epsilon sampling (the torch "
+                             "backend has)")
         if not sources:
             return []
         # CT2 refuses several hypotheses from greedy search (top-1 "sampling"); they would all be equal.

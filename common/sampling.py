@@ -9,7 +9,7 @@ on which other rows share its batch. Here every row has its own ``torch.Generato
 Gumbel-max trick, so the samples of an example depend only on the weights and on the seed its caller derives
 (usually ``stable_seed(seed, policy version, example id, j)``).
 
-Top-k and top-p are transformers' own logits warpers (:func:`warp_logits`); the learner applies the same
+Top-k, top-p and epsilon are transformers' own logits warpers (:func:`warp_logits`); the learner applies the same
 function to its teacher-forced logits, so a policy-gradient ratio compares the learner's and the sampler's
 log-probs under one transform (docs/design.md, "Behaviour log-probs").
 """
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import EpsilonLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.modeling_outputs import BaseModelOutput
 
 from rlt2t.common.families import cache_of, with_cache
 
 
-def check_sampling(k: int, top_k: int, temperature: float, top_p: float = 1.0) -> None:
+def check_sampling(k: int, top_k: int, temperature: float, top_p: float = 1.0, epsilon: float = 0.0) -> None:
     """The sampling arguments every sampler (torch or CTranslate2) shares."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -37,11 +37,15 @@ def check_sampling(k: int, top_k: int, temperature: float, top_p: float = 1.0) -
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not 0.0 <= epsilon < 1.0:
+        raise ValueError(f"epsilon must be in [0, 1) (0: no epsilon filter), got {epsilon}")
 
 
-def warp_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Logits [..., V] -> the scores sampling draws from: divided by ``temperature``, then what top-k and
-    then top-p exclude set to -inf (ties with the k-th score are kept). At least float32.
+def warp_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                epsilon: float = 0.0) -> Tensor:
+    """Logits [..., V] -> the scores sampling draws from: divided by ``temperature``, then what top-k, then top-p,
+    then epsilon exclude set to -inf (ties with the k-th score are kept; epsilon removes the tokens whose
+    probability, after the filters before it, is under ``epsilon``, keeping the most likely one). At least float32.
 
     transformers' warpers, so the filter is the one ``generate`` applies; they take 2-D scores, so any
     leading dims are flattened and restored.
@@ -54,6 +58,8 @@ def warp_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p:
         flat = TopKLogitsWarper(top_k)(None, flat)
     if top_p < 1.0:
         flat = TopPLogitsWarper(top_p)(None, flat)
+    if epsilon > 0.0:
+        flat = EpsilonLogitsWarper(epsilon)(None, flat)
     return flat.reshape(shape)
 
 
@@ -90,11 +96,12 @@ def sample_candidates(
     generators: Sequence[torch.Generator],
     *,
     top_p: float = 1.0,
+    epsilon: float = 0.0,
     mask_model=None,
     mask_top_p: float = 1.0,
     between_steps: Callable[[], Collection[int]] | None = None,
 ) -> list[SampledSequence]:
-    """Sample ``k`` continuations of each source (temperature, top-k, top-p), one KV-cached decoder pass.
+    """Sample ``k`` continuations of each source (temperature, top-k, top-p, epsilon), one KV-cached decoder pass.
 
     model: a Hugging Face encoder-decoder (eval mode: dropout would perturb the samples).
     input_ids, attention_mask: [B, S] padded sources. ``generators`` holds B·k generators; row ``i * k + j``
@@ -106,8 +113,8 @@ def sample_candidates(
     otherwise such a row just stops. ``top_k=0`` samples from the whole vocabulary; ``top_k=1`` is greedy.
 
     ``mask_model`` (NLPO): a second encoder-decoder decoded in lock-step; at each step only the tokens in
-    its top-``mask_top_p`` set are allowed (the mask is applied to the logits before temperature, top-k and
-    top-p), and the sample log-prob is under that masked distribution.
+    its top-``mask_top_p`` set are allowed (the mask is applied to the logits before temperature, top-k,
+    top-p and epsilon), and the sample log-prob is under that masked distribution.
 
     The source is encoded once and its states repeated k times; rows that have emitted EOS leave the
     batch (and the cache), so long-tailed lengths cost only what the long rows need.
@@ -121,7 +128,7 @@ def sample_candidates(
             f"input_ids must be [B, S] and attention_mask the same shape, got {tuple(input_ids.shape)} and "
             f"{tuple(attention_mask.shape)}"
         )
-    check_sampling(k, top_k, temperature, top_p)
+    check_sampling(k, top_k, temperature, top_p, epsilon)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     num_rows = input_ids.shape[0] * k
@@ -170,7 +177,7 @@ def sample_candidates(
             tokens = torch.full((len(rows),), forced_eos_id, dtype=torch.long, device=device)
             drawn = torch.zeros(len(rows), device=device)
         else:
-            scores = warp_logits(logits, temperature, top_k, top_p)
+            scores = warp_logits(logits, temperature, top_k, top_p, epsilon)
             uniforms = torch.stack([torch.rand(scores.shape[-1], generator=generators[r], device=device,
                                                dtype=scores.dtype) for r in rows])
             # U = 0 (rand's range is [0, 1)) would give G = -inf: where it fell on the one token the filters left,

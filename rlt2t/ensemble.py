@@ -166,16 +166,18 @@ class TorchRunner:
 
     def generate(self, sources: Sequence[str], *, beam_size: int, num_hypotheses: int, max_new_tokens: int,
                  sampling_topk: int = 1, sampling_topp: float = 1.0, sampling_temperature: float = 1.0,
-                 seed: int | None = None) -> list[list[Hypothesis]]:
+                 seed: int | None = None, sampling_epsilon: float = 0.0) -> list[list[Hypothesis]]:
         """Beam search (``beam_size`` > 1, or greedy with ``sampling_topk`` 1), else ``num_hypotheses`` samples per
-        source (top-k 0: no filter), each row seeded from ``seed`` and its position, as Ct2Policy.generate."""
+        source (top-k 0: no filter), each row seeded from ``seed`` and its position, as Ct2Policy.generate; and,
+        unlike it, ``sampling_epsilon`` > 0 for epsilon sampling."""
         rows: list[int] = []
         if beam_size > 1 or sampling_topk == 1:
             params = Sampling(mode="beam", beam_size=beam_size, num_candidates=num_hypotheses if beam_size > 1 else 1,
                               max_new_tokens=max_new_tokens)
         else:
             params = Sampling(mode="sample", num_candidates=num_hypotheses, top_k=sampling_topk, top_p=sampling_topp,
-                              temperature=sampling_temperature, beam_size=1, max_new_tokens=max_new_tokens)
+                              temperature=sampling_temperature, beam_size=1, max_new_tokens=max_new_tokens,
+                              epsilon=sampling_epsilon)
             base = seed if seed is not None else int.from_bytes(os.urandom(7), "big")
             rows = [stable_seed(base, i, j) for i in range(len(sources)) for j in range(num_hypotheses)]
         per_source = self.backend.candidates(sources, params, rows)
@@ -201,12 +203,22 @@ def resolve_model(cfg: Config, path: str | Path, role: str) -> tuple[str, Path]:
         if backend == "torch":
             raise ValueError(f"--{role} {path}: a CTranslate2 export cannot run with predict.backend=torch; "
                              "pass its model directory")
+        _check_ct2_sampling(cfg, path, role)
         return "ct2", path
     if backend == "torch" or (backend == "auto" and path.exists() and not _convertible(path)):
         if not path.exists():
             raise FileNotFoundError(f"--{role} {path}: no such directory")
         return "torch", resolve_model_dir(path)
+    _check_ct2_sampling(cfg, path, role)
     return "ct2", resolve_export(cfg, path, role)
+
+
+def _check_ct2_sampling(cfg: Config, path: Path, role: str) -> None:
+    """A generator on CTranslate2 cannot draw the pool's samples with epsilon sampling: refused before exporting."""
+    p = cfg.predict
+    if role == "generators" and p.pool != "beam" and p.epsilon > 0:
+        raise ValueError(f"predict.epsilon={p.epsilon}: --generators {path} runs on CTranslate2, which has no "
+                         "epsilon sampling; set predict.backend=torch (with a model directory) or predict.epsilon=0")
 
 
 def _convertible(path: Path) -> bool:
@@ -328,7 +340,7 @@ class _Runner(Protocol):
 
     def generate(self, sources: Sequence[str], *, beam_size: int, num_hypotheses: int, max_new_tokens: int,
                  sampling_topk: int = 1, sampling_topp: float = 1.0, sampling_temperature: float = 1.0,
-                 seed: int | None = None) -> list[list[Hypothesis]]: ...
+                 seed: int | None = None, sampling_epsilon: float = 0.0) -> list[list[Hypothesis]]: ...
 
     def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[list[float]]: ...
 
@@ -344,7 +356,7 @@ def _pool_of(runner: _Runner, sources: Sequence[str], p: PredictConfig, seed: in
     if p.pool != "beam":
         samples = runner.generate(sources, beam_size=1, num_hypotheses=p.num_samples, max_new_tokens=p.max_new_tokens,
                                   sampling_topk=p.top_k, sampling_topp=p.top_p, sampling_temperature=p.temperature,
-                                  seed=seed)
+                                  seed=seed, sampling_epsilon=p.epsilon)
         for row, hyps in zip(out, samples, strict=True):
             row += [h.text for h in hyps]
     return out

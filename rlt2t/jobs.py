@@ -499,8 +499,8 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
         mbr = {"mbr_utility": p.mbr_utility, "mbr_weights": p.mbr_weights} if cfg.eval.rerank == "mbr" else {}
         # the pool's settings, enough to draw the same pool again (torch backend: rerank_with_policy)
         beams = {"beam_size": p.beam_size, "num_hypotheses": p.num_hypotheses} if p.pool != "sample" else {}
-        sampled = ({"num_samples": p.num_samples, "top_k": p.top_k, "top_p": p.top_p, "temperature": p.temperature,
-                    "seed": p.seed} if p.pool != "beam" else {})
+        sampled = ({"num_samples": p.num_samples, "top_k": p.top_k, "top_p": p.top_p, "epsilon": p.epsilon,
+                    "temperature": p.temperature, "seed": p.seed} if p.pool != "beam" else {})
         decoding = {"rerank": cfg.eval.rerank, "pool": p.pool, **beams, **sampled, **mbr,
                     "seconds_per_source": {k: v / max(1, len(examples)) for k, v in reranked.seconds.items()}}
     result = evaluate(policy, examples, cfg.eval, cfg.metric, cfg.data.max_source_len, progress=cfg.run.progress,

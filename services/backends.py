@@ -56,6 +56,10 @@ class Generation:
     forced_eos: bool = False
 
 
+FILTER_NAMES = {"top_p": "nucleus", "epsilon": "epsilon"}
+"""The sampling filters a backend may lack (:attr:`Sampling.filters`), by request field, and what they are called."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Decoding settings of one model call (requests are only batched with equal settings)."""
@@ -68,6 +72,14 @@ class Sampling:
     temperature: float = 1.0
     beam_size: int = 4
     max_new_tokens: int = 64
+    epsilon: float = 0.0
+
+    def filters(self) -> list[str]:
+        """The sampling filters these settings switch on beyond top-k and temperature (`top_p`, `epsilon`): what a
+        backend without them must refuse."""
+        if self.mode != "sample":
+            return []
+        return [name for name, on in (("top_p", self.top_p < 1.0), ("epsilon", self.epsilon > 0.0)) if on]
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,8 @@ class PolicyBackend(Protocol):
     """Unix time of loading."""
     max_positions: int
     """Longest token sequence (source, or decoder input) the model accepts."""
+    sampling_filters: frozenset[str]
+    """The filters of `sample` mode it has beyond top-k and temperature (of :data:`FILTER_NAMES`)."""
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Tokens of each text without special tokens (what the tokens-per-source limit counts)."""
@@ -164,7 +178,7 @@ class TorchBackend:
     """The policy as a Hugging Face BART on torch; see :class:`PolicyBackend`."""
 
     name = "torch"
-    supports_top_p = True
+    sampling_filters = frozenset({"top_p", "epsilon"})
 
     def __init__(self, policy: Policy, *, version: int = 0, checkpoint: str = "", checksum: str = "",
                  device: str = "cpu", max_batch_rows: int = 256) -> None:
@@ -225,6 +239,7 @@ class TorchBackend:
                 return {i * k + j for i in control.between_steps() for j in range(k)}
         rows = sample_candidates(self.model, batch["input_ids"], batch["attention_mask"], k, sampling.top_k,
                                  sampling.temperature, sampling.max_new_tokens, generators, top_p=sampling.top_p,
+                                 epsilon=sampling.epsilon,
                                  between_steps=between)
         texts = self.policy.decode([r.token_ids for r in rows]) if rows else []
         flat = [Generation(text, r.token_ids, r.logprobs, r.sample_logprobs, r.forced)
@@ -317,12 +332,13 @@ class Ct2Backend:
     ``export.quantization``; an ``rlt2t export`` directory is served as it is (version 0: exports carry
     no policy version). Differences from the torch backend, both CTranslate2 limits: sampling is seeded
     per model call, not per row (the same request alone gives the same candidates; batched with others
-    it may not), and there is no top-p (a request with ``top_p < 1`` is refused with a 422).
+    it may not), and there is no top-p or epsilon filter (a request with ``top_p < 1`` or ``epsilon > 0`` is refused
+    with a 422).
     Log-probs are recomputed by teacher forcing (``score_batch``): raw, as everywhere.
     """
 
     name = "ct2"
-    supports_top_p = False
+    sampling_filters: frozenset[str] = frozenset()
 
     def __init__(self, ct2, *, version: int = 0, checkpoint: str = "", checksum: str = "", workdir=None) -> None:
         self.ct2 = ct2
@@ -377,8 +393,8 @@ class Ct2Backend:
             sample_lps: list[list[float] | None] = [None] * len(rows)
             forced = [False] * len(rows)
         elif sampling.mode == "sample":
-            if sampling.top_p < 1.0:
-                raise ValueError("top_p: the ct2 backend has no nucleus sampling")
+            if unsupported := sampling.filters():
+                raise ValueError(f"{unsupported[0]}: the ct2 backend has no {FILTER_NAMES[unsupported[0]]} sampling")
             seed = int.from_bytes(hashlib.sha256(repr(tuple(row_seeds)).encode()).digest()[:4], "little")
             sampled = sample_ct2_logprobs(self.ct2, sources, k, sampling.top_k, sampling.temperature,
                                           sampling.max_new_tokens, seed)

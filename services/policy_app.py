@@ -57,7 +57,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -74,7 +74,15 @@ from rlt2t.common.python_rewards import RewardError
 from rlt2t.common.rerank import check_reference_free
 from rlt2t.common.rewards import WeightedReward, build_reward, score_pairs, task_reward
 from rlt2t.services.admission import ServiceTime, Work, sampled_work, total
-from rlt2t.services.backends import Generation, PolicyBackend, Sampling, Scored, StepControl, load_backend
+from rlt2t.services.backends import (
+    FILTER_NAMES,
+    Generation,
+    PolicyBackend,
+    Sampling,
+    Scored,
+    StepControl,
+    load_backend,
+)
 from rlt2t.services.batching import Batcher, Overloaded
 from rlt2t.services.http import (
     BODY_REFUSED,
@@ -405,11 +413,15 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         if value > limit:
             raise field_error(("body", field), f"{value} {what}; at most {limit} ({by})", value)
 
-    def check_top_p(value: float) -> None:
+    def check_filters(sampling: Sampling, values: Mapping[str, float]) -> None:
+        """A sampling filter the loaded backend lacks (top-p, epsilon) is a 422 on its field."""
         backend = loaded()
-        if value < 1.0 and not getattr(backend, "supports_top_p", True):
-            raise field_error(("body", "top_p"), f"the {backend.name} backend has no nucleus sampling; leave top_p "
-                              "at 1", value)
+        have = getattr(backend, "sampling_filters", FILTER_NAMES.keys())
+        for field in sampling.filters():
+            if field not in have:
+                off = "1" if field == "top_p" else "0"
+                raise field_error(("body", field), f"the {backend.name} backend has no {FILTER_NAMES[field]} sampling; "
+                                  f"leave {field} at {off}", values[field])
 
     def mbr_utility(name: str | None) -> PairUtility:
         """The MBR utility a request names (None: serve.mbr_utility, built at startup); 422 on ``utility``."""
@@ -515,9 +527,10 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             sampling = Sampling(mode="beam", num_candidates=req.num_candidates, beam_size=req.beam_size,
                                 max_new_tokens=req.max_new_tokens)
         else:
-            check_top_p(req.top_p)
             sampling = Sampling(mode="sample", num_candidates=req.num_candidates, top_k=req.top_k, top_p=req.top_p,
-                                temperature=req.temperature, beam_size=1, max_new_tokens=req.max_new_tokens)
+                                temperature=req.temperature, beam_size=1, max_new_tokens=req.max_new_tokens,
+                                epsilon=req.epsilon)
+            check_filters(sampling, {"top_p": req.top_p, "epsilon": req.epsilon})
         base = req.seed if req.seed is not None else secrets.randbits(63)
         items = [(s, [stable_seed(base, i, j) for j in range(req.num_candidates)], n)
                  for i, (s, n) in enumerate(zip(req.sources, counts, strict=True))]
@@ -586,12 +599,12 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
                 check_texts("references", [given] if isinstance(given, str) else given, isinstance(given, list), (i,))
 
         await checks.run(check_references)
-        check_top_p(req.top_p)
         costs = sampling_costs(counts, num_samples, max_new, "samples")
         sampling = Sampling(mode="sample", num_candidates=num_samples,
                             top_k=req.top_k if req.top_k is not None else r.top_k, top_p=req.top_p,
                             temperature=req.temperature if req.temperature is not None else r.temperature,
                             beam_size=1, max_new_tokens=max_new)
+        check_filters(sampling, {"top_p": req.top_p})
         ids = list(req.example_ids) if req.example_ids is not None else [str(i) for i in range(n)]
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         include_gold = req.include_gold if req.include_gold is not None else r.include_gold

@@ -65,13 +65,16 @@ class SamplingParams(_Request):
     """How candidates are produced; shared by /v1/candidates (and, with server defaults, /v1/pairs)."""
 
     mode: Literal["sample", "beam"] = "sample"
-    """`sample`: ancestral sampling with top-k / top-p / temperature; `beam`: beam search."""
+    """`sample`: ancestral sampling with top-k / top-p / epsilon / temperature; `beam`: beam search."""
     num_candidates: int = Field(1, ge=1, le=LIST_MAX_ITEMS)
     """Samples per source (`sample`) or hypotheses kept per source (`beam`, at most beam_size)."""
     top_k: int = Field(0, ge=0, le=1_000_000)
     """Sample among the k most likely tokens (0: no top-k filter; 1: greedy)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: no filter)."""
+    epsilon: float = Field(0.0, ge=0.0, lt=1.0)
+    """Epsilon sampling: tokens whose probability is under epsilon are not drawn (the most likely one always can be;
+    0: no filter; 0.02 is a common choice for a minimum-Bayes-risk pool). The torch backend only."""
     temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=100.0)
     """Logits are divided by this before sampling (log-probs returned are of the raw model)."""
     beam_size: int = Field(4, ge=1, le=LIST_MAX_ITEMS)

@@ -106,6 +106,9 @@ class PredictConfig(_Section):
     """Sampling of the pool: the k most likely next tokens (0: no top-k filter)."""
     top_p: float = Field(0.9, gt=0.0, le=1.0)
     """Sampling of the pool: the nucleus, the most likely tokens up to this probability mass (1: no filter)."""
+    epsilon: float = Field(0.0, ge=0.0, lt=1.0)
+    """Sampling of the pool: tokens under this probability are not drawn (epsilon sampling, after top-k and top-p;
+    0: no filter; e.g. 0.02 with top_p 1 for an MBR pool). Torch backend only: CTranslate2 has no such filter."""
     temperature: float = Field(1.0, gt=0.0)
     """Sampling of the pool: logits are divided by this."""
     seed: int = Field(0, ge=0)

@@ -64,18 +64,22 @@ def test_algorithms_args_repeat_a_saved_results_training_settings(bench):
         bench.algorithms_args("docstrings", Path("/w"), [1], {**settings, "rl_split": 0.3})
 
 
-def _reading(scores: dict[str, float]) -> dict:
-    methods = {m: {"metrics": {"task_score": scores.get(m, 1.0), "rouge_l": 0.5}, "seconds_per_source": 0.01,
-                   "wall_seconds_per_source": 0.02, "seconds_per_source_parts": {"decode": 0.01}}
-               for m in ("greedy", "beam", "mean_logprob", "mbr_task_score", "mbr_rouge_l", "mbr_task_score_prob",
-                         "reward", "reward_lr1e-3", "oracle")}
-    return {"methods": methods}
+FIRST_PROTOCOL = ("greedy", "beam", "mean_logprob", "mbr_task_score", "mbr_rouge_l", "mbr_task_score_prob", "reward",
+                  "reward_lr1e-3", "oracle")
+"""The methods of a task measured before the epsilon pool was added."""
 
 
-def _readings() -> dict:
+def _reading(scores: dict[str, float], methods) -> dict:
+    return {"methods": {m: {"metrics": {"task_score": scores.get(m, 1.0), "rouge_l": 0.5}, "seconds_per_source": 0.01,
+                            "wall_seconds_per_source": 0.02, "seconds_per_source_parts": {"decode": 0.01}}
+                        for m in methods}}
+
+
+def _readings(methods=FIRST_PROTOCOL + ("mbr_task_score_eps", "oracle_eps")) -> dict:
     return {str(s): {"reward_models": {},
-                     "sft": _reading({"greedy": 1.0, "beam": 1.0, "mbr_task_score": 1.1 + 0.01 * s}),
-                     "grpo": _reading({"greedy": 1.1, "beam": 1.1, "mbr_task_score": 1.25 + 0.01 * s})}
+                     "sft": _reading({"greedy": 1.0, "beam": 1.0, "mbr_task_score": 1.1 + 0.01 * s,
+                                      "mbr_task_score_eps": 1.05}, methods),
+                     "grpo": _reading({"greedy": 1.1, "beam": 1.1, "mbr_task_score": 1.25 + 0.01 * s}, methods)}
             for s in (3, 1, 2)}
 
 
@@ -107,3 +111,18 @@ def test_summarize_refuses_a_seed_without_every_method(bench):
     records = [r for r in bench.flat_readings(_readings()) if not (r["seed"] == 2 and r["method"] == "oracle")]
     with pytest.raises(ValueError, match=r"\(2, 'sft', 'oracle'\)"):
         bench.summarize(records)
+
+
+def test_a_task_measured_before_a_method_was_added_is_summarised_without_it(bench):
+    assert set(bench.METHODS) == set(FIRST_PROTOCOL) | {"mbr_task_score_eps", "oracle_eps"}
+    old = bench.summarize(bench.flat_readings(_readings(FIRST_PROTOCOL)))
+    assert [r["method"] for r in old["rows"] if r["model"] == "sft"] == list(FIRST_PROTOCOL)
+    assert not [d for d in old["paired"] if "_eps" in d["comparison"]]  # left out, not invented
+    assert any(d["comparison"] == "sft: mbr_task_score - beam" for d in old["paired"])
+    new = bench.summarize(bench.flat_readings(_readings()))
+    by = {(d["comparison"], d["metric"]): d for d in new["paired"]}
+    eps = by[("sft: mbr_task_score_eps - beam", "task_score")]
+    assert eps["relative"] == pytest.approx(0.05) and eps["met"] is False and eps["target"] == ">= +8% at > 2 σ"
+    assert by[("sft: mbr_task_score_eps - mbr_task_score", "task_score")]["mean"] == pytest.approx(-0.07)
+    with pytest.raises(ValueError, match=r"unknown method\(s\) \['mbr_typo'\]"):
+        bench.summarize([{**r, "method": "mbr_typo"} for r in bench.flat_readings(_readings())][:1])

@@ -350,6 +350,40 @@ def test_sampled_pools_repeat_with_the_seed_on_both_backends(bart_dir, bart_expo
         assert any(len(cands) > 1 for cands in runs), backend
 
 
+def test_epsilon_sampling_filters_the_torch_pool(bart_dir, tmp_path):
+    """predict.epsilon reaches the torch sampler: at 0.999 only each step's most likely token is left, so every
+    sample is the greedy output; at 0 the same seed draws several texts."""
+    train, inputs = _mbr_inputs(tmp_path)
+    greedy = TorchRunner(_cfg(tmp_path, train), bart_dir).generate(SOURCES, beam_size=1, num_hypotheses=1,
+                                                                     max_new_tokens=6)
+    pools = {}
+    for epsilon in (0.0, 0.999):
+        cfg = _cfg(tmp_path, train)
+        cfg.predict.backend, cfg.predict.pool, cfg.predict.num_samples = "torch", "sample", 5
+        cfg.predict.top_p, cfg.predict.epsilon = 1.0, epsilon
+        result = predict(cfg, [bart_dir], [bart_dir], inputs, tmp_path / f"eps{epsilon}.csv", rerank="mbr")
+        pools[epsilon] = [json.loads(line)["candidates"] for line in result.jsonl_path.read_text().splitlines()]
+    assert [[(c["text"], c["entries"]) for c in cands] for cands in pools[0.999]] == [
+        [(hyps[0].text, 5)] for hyps in greedy]
+    assert any(len(cands) > 1 for cands in pools[0.0])
+
+
+@pytest.mark.parametrize("backend", ["auto", "ct2"])
+def test_epsilon_on_a_ctranslate2_generator_is_refused_before_exporting(bart_dir, bart_export, tmp_path, monkeypatch,
+                                                                       backend):
+    train, inputs = _mbr_inputs(tmp_path)
+    cfg = _cfg(tmp_path, train)
+    cfg.predict.backend, cfg.predict.pool, cfg.predict.epsilon = backend, "both", 0.02
+    monkeypatch.setattr(predict_mod, "export_ct2", lambda *a, **kw: pytest.fail("exported before the refusal"))
+    for model in (bart_dir, bart_export):
+        with pytest.raises(ValueError, match=r"predict.epsilon=0.02: --generators .* runs on CTranslate2, which has "
+                                             r"no epsilon sampling; set predict.backend=torch"):
+            predict(cfg, [model], [bart_export], inputs, tmp_path / "pred.csv", rerank="mbr")
+    assert not (tmp_path / "pred.csv").exists()
+    cfg.predict.pool = "beam"  # a pool of beams draws nothing: the setting is not read
+    assert predict(cfg, [bart_export], [bart_export], inputs, tmp_path / "pred.csv", rerank="mbr").csv_path.is_file()
+
+
 @pytest.mark.parametrize("pool", ["sample", "both"])
 @pytest.mark.parametrize("mode", ["mean_logprob", "consensus"])
 def test_other_rerank_modes_pick_from_sampled_pools(bart_export, tmp_path, pool, mode):

@@ -71,12 +71,18 @@ def test_ct2_backend_beam_and_score_match_torch(ct2_client, tiny_policy):
         assert s["logprobs"] == pytest.approx(_teacher_forced(tiny_policy, "11 12 13", s["token_ids"]), abs=1e-3)
 
 
-def test_ct2_backend_refuses_top_p_with_a_field_error(ct2_client):
-    for route, body in (("/v1/candidates", {"sources": ["11 12"], "top_p": 0.5}),
-                        ("/v1/pairs", {"sources": ["11 12"], "references": ["13"], "top_p": 0.5})):
+def test_ct2_backend_refuses_top_p_and_epsilon_with_a_field_error(ct2_client):
+    for route, body, field in (("/v1/candidates", {"sources": ["11 12"], "top_p": 0.5}, "top_p"),
+                               ("/v1/pairs", {"sources": ["11 12"], "references": ["13"], "top_p": 0.5}, "top_p"),
+                               ("/v1/candidates", {"sources": ["11 12"], "epsilon": 0.02}, "epsilon")):
         r = ct2_client.post(route, json=body)
         assert r.status_code == 422, (route, r.text)
-        assert "top_p" in r.text
+        assert r.json()["detail"][0]["loc"] == ["body", field], r.text
+        assert "the ct2 backend has no" in r.json()["detail"][0]["msg"], r.text
+    # beam search draws nothing: the filter is not read there
+    beam = ct2_client.post("/v1/candidates", json={"sources": ["11 12"], "mode": "beam", "epsilon": 0.02,
+                                                   "max_new_tokens": 4})
+    assert beam.status_code == 200, beam.text
 
 
 def test_ct2_backend_top_k_beyond_the_vocabulary_means_no_filter(ct2_client):

@@ -88,9 +88,10 @@ def test_seeded_candidates_do_not_depend_on_concurrent_batch_mates(serve_cfg, ch
     assert float(sizes[0].split()[-1]) < 1 + len(bodies), sizes
 
 
-def test_top_k_1_and_tiny_top_p_are_greedy(client, tiny_policy):
+def test_top_k_1_tiny_top_p_and_large_epsilon_are_greedy(client, tiny_policy):
     greedy = generate(tiny_policy, SOURCES, max_new_tokens=8)
-    for extra in ({"top_k": 1}, {"top_p": 1e-6}):
+    # epsilon 0.999: no token of the untrained model is that likely, so only the most likely one is left
+    for extra in ({"top_k": 1}, {"top_p": 1e-6}, {"epsilon": 0.999}):
         r = client.post("/v1/candidates", json={"sources": SOURCES, "max_new_tokens": 8, **extra})
         assert [c[0]["text"] for c in r.json()["candidates"]] == greedy, extra
 
