@@ -90,15 +90,18 @@ def glance_decoding(results_dir: Path) -> list[str] | None:
     data = read_json(results_dir / "decoding.json")
     if data is None:
         return None
-    figures, seeds = [], set()
+    figures, seeds, machines = [], set(), set()
     for task, s in data["summary"].items():
         by = {(d["comparison"], d["metric"]): d for d in s["paired"]}
         mbr = by[("grpo: mbr_task_score - beam", "task_score")]
         both = by[("grpo mbr_task_score - sft greedy", "task_score")]
-        figures.append(f"{task}: {_short(mbr)} over beam, RL + MBR {_short(both)} over SFT greedy")
+        eps = by.get(("grpo: mbr_task_score_eps - beam", "task_score"))  # the second protocol, where measured
+        with_eps = f" (epsilon-sampled pool: {_short(eps)})" if eps else ""
+        figures.append(f"{task}: {_short(mbr)} over beam{with_eps}, RL + MBR {_short(both)} over SFT greedy")
         seeds.add(mbr["n"])
+        machines.add(short_machine(data.get("tasks", {}).get(task, data)))
     return ["MBR decoding (task-score utility) on the GRPO checkpoint", "; ".join(figures),
-            f"{'/'.join(str(n) for n in sorted(seeds))} seeds per task, test split, {short_machine(data)}",
+            f"{'/'.join(str(n) for n in sorted(seeds))} seeds per task, test split, {'; '.join(sorted(machines))}",
             "decoding"]
 
 

@@ -324,3 +324,24 @@ def test_the_readme_is_a_manual_of_at_most_300_lines_none_over_400_characters():
     assert len(lines) <= 300, f"README.md has {len(lines)} lines; move detail to docs/"
     long = [(n, len(line)) for n, line in enumerate(lines, 1) if len(line) > 400]
     assert not long, f"README.md lines over 400 characters (line, length): {long}"
+
+
+def test_the_decoding_glance_names_each_tasks_machine_and_the_epsilon_pool_where_measured(tmp_path):
+    def diff(relative: float, sigmas: float) -> dict:
+        return {"relative": relative, "sigmas": sigmas, "n": 3, "mean": relative, "std": relative / sigmas}
+
+    def summary(eps: bool) -> dict:
+        paired = [{"comparison": "grpo: mbr_task_score - beam", "metric": "task_score", **diff(0.09, 3.1)},
+                  {"comparison": "grpo mbr_task_score - sft greedy", "metric": "task_score", **diff(0.28, 1.4)}]
+        if eps:
+            paired.append({"comparison": "grpo: mbr_task_score_eps - beam", "metric": "task_score",
+                           **diff(0.12, 2.5)})
+        return {"paired": paired}
+
+    other = {**MACHINE, "cpu": "Other CPU", "cores": 16}
+    _write(tmp_path / "decoding.json", {"machine": MACHINE, "summary": {"a": summary(True), "b": summary(False)},
+                                        "tasks": {"a": {"machine": MACHINE}, "b": {"machine": other}}})
+    title, figures, note, stem = glance.glance_decoding(tmp_path)
+    assert figures == ("a: +9 % (3.1 σ) over beam (epsilon-sampled pool: +12 % (2.5 σ)), RL + MBR +28 % (1.4 σ) over "
+                       "SFT greedy; b: +9 % (3.1 σ) over beam, RL + MBR +28 % (1.4 σ) over SFT greedy")
+    assert note == "3 seeds per task, test split, 16-core Other; 2-core Test" and stem == "decoding"
