@@ -96,11 +96,12 @@ def glance_decoding(results_dir: Path) -> list[str] | None:
         mbr = by[("grpo: mbr_task_score - beam", "task_score")]
         both = by[("grpo mbr_task_score - sft greedy", "task_score")]
         eps = by.get(("grpo: mbr_task_score_eps - beam", "task_score"))  # the second protocol, where measured
-        with_eps = f" (epsilon-sampled pool: {_short(eps)})" if eps else ""
-        figures.append(f"{task}: {_short(mbr)} over beam{with_eps}, RL + MBR {_short(both)} over SFT greedy")
+        with_eps = f" (ε pool {_short(eps)})" if eps else ""
+        figures.append(f"{task}: {_short(mbr)}{with_eps} / {_short(both)}")
         seeds.add(mbr["n"])
         machines.add(short_machine(data.get("tasks", {}).get(task, data)))
-    return ["MBR decoding (task-score utility) on the GRPO checkpoint", "; ".join(figures),
+    return ["MBR decoding (task-score utility) on the GRPO checkpoint: over beam / RL + MBR over SFT greedy",
+            "; ".join(figures),
             f"{'/'.join(str(n) for n in sorted(seeds))} seeds per task, test split, {'; '.join(sorted(machines))}",
             "decoding"]
 

@@ -342,6 +342,6 @@ def test_the_decoding_glance_names_each_tasks_machine_and_the_epsilon_pool_where
     _write(tmp_path / "decoding.json", {"machine": MACHINE, "summary": {"a": summary(True), "b": summary(False)},
                                         "tasks": {"a": {"machine": MACHINE}, "b": {"machine": other}}})
     title, figures, note, stem = glance.glance_decoding(tmp_path)
-    assert figures == ("a: +9 % (3.1 σ) over beam (epsilon-sampled pool: +12 % (2.5 σ)), RL + MBR +28 % (1.4 σ) over "
-                       "SFT greedy; b: +9 % (3.1 σ) over beam, RL + MBR +28 % (1.4 σ) over SFT greedy")
+    assert figures == "a: +9 % (3.1 σ) (ε pool +12 % (2.5 σ)) / +28 % (1.4 σ); b: +9 % (3.1 σ) / +28 % (1.4 σ)"
+    assert title.endswith("over beam / RL + MBR over SFT greedy")
     assert note == "3 seeds per task, test split, 16-core Other; 2-core Test" and stem == "decoding"
