@@ -56,8 +56,9 @@ class Generation:
     forced_eos: bool = False
 
 
-FILTER_NAMES = {"top_p": "nucleus", "epsilon": "epsilon"}
-"""The sampling filters a backend may lack (:attr:`Sampling.filters`), by request field, and what they are called."""
+FILTER_NAMES = {"top_p": ("nucleus", 1.0), "epsilon": ("epsilon", 0.0)}
+"""The sampling filters a backend may lack (:meth:`Sampling.filters`), by request field: what they are called, and
+the value that switches them off."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class Sampling:
         backend without them must refuse."""
         if self.mode != "sample":
             return []
-        return [name for name, on in (("top_p", self.top_p < 1.0), ("epsilon", self.epsilon > 0.0)) if on]
+        return [field for field, (_, off) in FILTER_NAMES.items() if getattr(self, field) != off]
 
 
 @dataclass(frozen=True)
@@ -394,7 +395,7 @@ class Ct2Backend:
             forced = [False] * len(rows)
         elif sampling.mode == "sample":
             if unsupported := sampling.filters():
-                raise ValueError(f"{unsupported[0]}: the ct2 backend has no {FILTER_NAMES[unsupported[0]]} sampling")
+                raise ValueError(f"{unsupported[0]}: the ct2 backend has no {FILTER_NAMES[unsupported[0]][0]} sampling")
             seed = int.from_bytes(hashlib.sha256(repr(tuple(row_seeds)).encode()).digest()[:4], "little")
             sampled = sample_ct2_logprobs(self.ct2, sources, k, sampling.top_k, sampling.temperature,
                                           sampling.max_new_tokens, seed)

@@ -57,7 +57,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -413,15 +413,15 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         if value > limit:
             raise field_error(("body", field), f"{value} {what}; at most {limit} ({by})", value)
 
-    def check_filters(sampling: Sampling, values: Mapping[str, float]) -> None:
+    def check_filters(sampling: Sampling) -> None:
         """A sampling filter the loaded backend lacks (top-p, epsilon) is a 422 on its field."""
         backend = loaded()
         have = getattr(backend, "sampling_filters", FILTER_NAMES.keys())
         for field in sampling.filters():
             if field not in have:
-                off = "1" if field == "top_p" else "0"
-                raise field_error(("body", field), f"the {backend.name} backend has no {FILTER_NAMES[field]} sampling; "
-                                  f"leave {field} at {off}", values[field])
+                name, off = FILTER_NAMES[field]
+                raise field_error(("body", field), f"the {backend.name} backend has no {name} sampling; leave {field} "
+                                  f"at {off:g}", getattr(sampling, field))
 
     def mbr_utility(name: str | None) -> PairUtility:
         """The MBR utility a request names (None: serve.mbr_utility, built at startup); 422 on ``utility``."""
@@ -530,7 +530,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             sampling = Sampling(mode="sample", num_candidates=req.num_candidates, top_k=req.top_k, top_p=req.top_p,
                                 temperature=req.temperature, beam_size=1, max_new_tokens=req.max_new_tokens,
                                 epsilon=req.epsilon)
-            check_filters(sampling, {"top_p": req.top_p, "epsilon": req.epsilon})
+            check_filters(sampling)
         base = req.seed if req.seed is not None else secrets.randbits(63)
         items = [(s, [stable_seed(base, i, j) for j in range(req.num_candidates)], n)
                  for i, (s, n) in enumerate(zip(req.sources, counts, strict=True))]
@@ -604,7 +604,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
                             top_k=req.top_k if req.top_k is not None else r.top_k, top_p=req.top_p,
                             temperature=req.temperature if req.temperature is not None else r.temperature,
                             beam_size=1, max_new_tokens=max_new)
-        check_filters(sampling, {"top_p": req.top_p})
+        check_filters(sampling)
         ids = list(req.example_ids) if req.example_ids is not None else [str(i) for i in range(n)]
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         include_gold = req.include_gold if req.include_gold is not None else r.include_gold
