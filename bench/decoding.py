@@ -33,13 +33,20 @@ checkpoint, on the whole test split:
                          seed): the sampler MBR studies on translation favour for the pool. A second protocol,
                          added after the first missed #41's +8 % on two of three tasks; both are reported.
   oracle_eps             the oracle of that second pool
+  mbr_task_score_eps64   MBR as mbr_task_score_eps over a third pool: the same sampler, 64 samples instead of 16
+                         (the same 4 beam hypotheses and seed). A third protocol, declared before its runs, added
+                         after the second missed the +8 % on most (task, checkpoint) pairs: MBR's expectation is
+                         estimated from the pool, and 16 samples is small for that; compared with beam (#41's
+                         targets) and with the 16-sample epsilon pool (what the pool size alone changed).
+  oracle_eps64           the oracle of that third pool
 
 Reported per task, checkpoint and method, mean ± std over seeds: the corpus task score (CIDEr-D, BLEU-4, ROUGE-L
 beside it) and CPU seconds per source on one torch thread (pool methods: generating the pool, scoring it and the
 pick; wall seconds beside them, stretched by whatever else the cores ran); the paired
 differences, seed by seed, of MBR against beam on the same checkpoint and of RL + MBR against SFT greedy, with
 #41's targets (MBR >= +8 % over beam at > 2 σ over seeds; RL + MBR >= +15 % over SFT greedy). Every stage is
-cached under ``W/T/seed<s>/decoding/``; a rerun reuses it. Saves bench/results/decoding.json (each task's entry
+cached under ``W/T/seed<s>/decoding/``; a rerun reuses it (a cache that lacks only some later pools' methods gets
+just those pools). Saves bench/results/decoding.json (each task's entry
 replaced, the others kept) and decoding.png.
 """
 
@@ -89,9 +96,24 @@ REWARD_MODELS: dict[str, dict[str, Any]] = {"reward": {}, "reward_lr1e-3": {"lr"
 # The second pool (a second protocol, added after the first runs): its samples by epsilon sampling, nothing else
 # changed.
 EPSILON_POOL = {"top_p": 1.0, "epsilon": 0.02}
-METHODS = ("greedy", "beam", "mean_logprob", "mbr_task_score", f"mbr_{OTHER_UTILITY}", "mbr_task_score_prob",
-           *REWARD_MODELS, "oracle", "mbr_task_score_eps", "oracle_eps")
-POOL_OF = {"mbr_task_score_eps": "pool_eps", "oracle_eps": "pool_eps"}
+EXTRA_POOLS: dict[str, dict[str, Any]] = {
+    "eps": EPSILON_POOL,
+    "eps64": {**EPSILON_POOL, "num_samples": 64},  # the third protocol: the second's sampler, four times the samples
+}
+"""The later protocols' pools, by suffix: each one's predict.* settings over POOL's. A pool ``s`` gives two methods,
+``mbr_task_score_<s>`` and ``oracle_<s>``."""
+EXTRA_BASELINE = {"eps": "mbr_task_score", "eps64": "mbr_task_score_eps"}
+"""The MBR pick each later pool's MBR is compared with, paired: what its one change (sampler, then size) did."""
+
+
+def pool_methods(suffix: str) -> tuple[str, str]:
+    return f"mbr_task_score_{suffix}", f"oracle_{suffix}"
+
+
+FIRST_METHODS = ("greedy", "beam", "mean_logprob", "mbr_task_score", f"mbr_{OTHER_UTILITY}", "mbr_task_score_prob",
+                 *REWARD_MODELS, "oracle")
+METHODS = (*FIRST_METHODS, *[m for s in EXTRA_POOLS for m in pool_methods(s)])
+POOL_OF = {m: f"pool_{s}" for s in EXTRA_POOLS for m in pool_methods(s)}
 """The pool a method picks from, where it is not the first one (``pool``)."""
 SCORED = ("task_score", "cider_d", "bleu4", "rouge_l", "mean_length")
 # Comparisons: (name, (model, method), (model, method), relative target, needs > 2 σ): #41's two targets first.
@@ -103,11 +125,12 @@ COMPARISONS = [
     *[(f"{m}: beam - greedy", (m, "beam"), (m, "greedy"), None, False) for m in MODELS],
     ("grpo greedy - sft greedy", ("grpo", "greedy"), ("sft", "greedy"), None, False),
     ("grpo mbr_task_score - sft mbr_task_score", ("grpo", "mbr_task_score"), ("sft", "mbr_task_score"), None, False),
-    # the second protocol: #41's targets again, with the epsilon pool, and what the sampler changed
-    *[(f"{m}: mbr_task_score_eps - beam", (m, "mbr_task_score_eps"), (m, "beam"), 0.08, True) for m in MODELS],
-    ("grpo mbr_task_score_eps - sft greedy", ("grpo", "mbr_task_score_eps"), ("sft", "greedy"), 0.15, False),
-    *[(f"{m}: {meth} - {base}", (m, meth), (m, base), None, False) for m in MODELS
-      for meth, base in (("mbr_task_score_eps", "mbr_task_score"), ("oracle_eps", "beam"))],
+    # the later protocols: #41's targets again, with each later pool, and what its one change did
+    *[c for s in EXTRA_POOLS for c in (
+        *[(f"{m}: mbr_task_score_{s} - beam", (m, f"mbr_task_score_{s}"), (m, "beam"), 0.08, True) for m in MODELS],
+        (f"grpo mbr_task_score_{s} - sft greedy", ("grpo", f"mbr_task_score_{s}"), ("sft", "greedy"), 0.15, False),
+        *[(f"{m}: {meth} - {base}", (m, meth), (m, base), None, False) for m in MODELS
+          for meth, base in ((f"mbr_task_score_{s}", EXTRA_BASELINE[s]), (f"oracle_{s}", "beam"))])],
 ]
 
 
@@ -353,8 +376,9 @@ def train_reward_model(cfg: Config, sft: Path, method: str) -> dict[str, Any]:
 
 
 def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) -> dict[str, Any]:
-    """Every method on ``ckpt``'s test decodes (cached in ``decoding/<model>.json``, the picks beside it; a cache
-    without every method of METHODS is redone whole). ``reward_models``: each reward method's model."""
+    """Every method on ``ckpt``'s test decodes (cached in ``decoding/<model>.json``, the picks beside it). A cache
+    with the first protocol's methods gets only the EXTRA_POOLS it lacks (their methods added to it); one without
+    them is redone whole. ``reward_models``: each reward method's model."""
     from rlt2t.common.config import RewardModelTerm
     from rlt2t.common.mbr import mbr_choice, probability_weights
     from rlt2t.common.metrics import DocumentFrequency, get_metric
@@ -365,69 +389,84 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
     from rlt2t.learner.evaluate import generate, metric_table
 
     done = cfg.run_dir / f"{model}.json"
-    if done.is_file():
-        cached = json.loads(done.read_text())
-        if set(METHODS) <= set(cached["methods"]):
-            return cached
+    cached: dict[str, Any] = json.loads(done.read_text()) if done.is_file() else {"methods": {}}
+    if set(METHODS) <= set(cached["methods"]):
+        return cached
+    first_done = set(FIRST_METHODS) <= set(cached["methods"])
+    pools = [s for s in EXTRA_POOLS if not set(pool_methods(s)) <= set(cached["methods"])] if first_done else \
+        list(EXTRA_POOLS)
     examples = list(load_split(cfg, "test"))
     sources, refs = [e.source for e in examples], [list(e.refs) for e in examples]
     n = len(examples)
+    if first_done and cached["rows"] != n:
+        raise ValueError(f"{done}: {cached['rows']} rows cached, the test split has {n}; remove it to redo it")
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt)
     policy.model.eval()
     watch = Stopwatch()
     picks: dict[str, list[str]] = {}
-    for method, beams in (("greedy", 1), ("beam", BEAM)):
-        with watch.stage(method):
-            picks[method] = generate(policy, sources, num_beams=beams, max_new_tokens=cfg.eval.max_new_tokens,
-                                     batch_size=cfg.eval.batch_size, max_source_len=cfg.data.max_source_len)
-    log.info("%s: greedy %.1f s, beam %.1f s (CPU) for %d sources; the pool next", model, watch.cpu["greedy"],
-             watch.cpu["beam"], n)
-    with watch.stage("pool"), cpu_clock(ensemble):  # the product's `rlt2t eval --rerank mbr`, stages in CPU seconds
-        pool = ensemble.rerank_with_policy(cfg, policy, ckpt, examples, "mbr")
-    cands, counts = pool.candidates, pool.counts
-    watch.cpu |= {"pool_generate": pool.seconds["generate"], "pool_score": pool.seconds["score"],
-                  "mbr_task_score": pool.seconds["rerank"]}
-    watch.wall["mbr_task_score"] = 0.0  # inside the pool's wall time
-    picks["mbr_task_score"] = pool.predictions
-    means = [mean_logprobs(lps) for lps in pool.logprobs]
-    with watch.stage("pool_eps"), cpu_clock(ensemble):  # the second protocol's pool: epsilon sampling
-        eps_pool = ensemble.rerank_with_policy(derive(cfg, predict=EPSILON_POOL), policy, ckpt, examples, "mbr")
-    watch.cpu |= {"pool_eps_generate": eps_pool.seconds["generate"], "pool_eps_score": eps_pool.seconds["score"],
-                  "mbr_task_score_eps": eps_pool.seconds["rerank"]}
-    watch.wall["mbr_task_score_eps"] = 0.0  # inside the pool's wall time
-    picks["mbr_task_score_eps"] = eps_pool.predictions
+    candidates: dict[str, list[list[str]]] = {}  # each pool's, by its name in POOL_OF ("pool" for the first)
+    if not first_done:
+        for method, beams in (("greedy", 1), ("beam", BEAM)):
+            with watch.stage(method):
+                picks[method] = generate(policy, sources, num_beams=beams, max_new_tokens=cfg.eval.max_new_tokens,
+                                         batch_size=cfg.eval.batch_size, max_source_len=cfg.data.max_source_len)
+        log.info("%s: greedy %.1f s, beam %.1f s (CPU) for %d sources; the pool next", model, watch.cpu["greedy"],
+                 watch.cpu["beam"], n)
+        with watch.stage("pool"), cpu_clock(ensemble):  # the product's `rlt2t eval --rerank mbr`, stages in CPU s
+            pool = ensemble.rerank_with_policy(cfg, policy, ckpt, examples, "mbr")
+        cands = candidates["pool"] = pool.candidates
+        counts = pool.counts
+        watch.cpu |= {"pool_generate": pool.seconds["generate"], "pool_score": pool.seconds["score"],
+                      "mbr_task_score": pool.seconds["rerank"]}
+        watch.wall["mbr_task_score"] = 0.0  # inside the pool's wall time
+        picks["mbr_task_score"] = pool.predictions
+        means = [mean_logprobs(lps) for lps in pool.logprobs]
 
-    def timed(method: str, choose) -> None:
-        with watch.stage(method):
-            chosen = [choose(i) for i in range(n)]
-        picks[method] = [cands[i][k] for i, k in enumerate(chosen)]
+        def timed(method: str, choose) -> None:
+            with watch.stage(method):
+                chosen = [choose(i) for i in range(n)]
+            picks[method] = [cands[i][k] for i, k in enumerate(chosen)]
 
-    timed("mean_logprob", lambda i: int(np.argmax(means[i])))
-    other = ensemble.mbr_utility(derive(cfg, predict={"mbr_utility": OTHER_UTILITY}))
-    timed(f"mbr_{OTHER_UTILITY}",
-          lambda i: mbr_choice(other.matrix(cands[i], sources[i]), counts=np.array(counts[i]))[0])
-    task_utility = ensemble.mbr_utility(cfg)
-    total_lp = [np.mean([[sum(lp) for lp in per] for per in lps], axis=0) for lps in pool.logprobs]
-    timed("mbr_task_score_prob",
-          lambda i: mbr_choice(task_utility.matrix(cands[i], sources[i]), probability_weights(total_lp[i]))[0])
-    for method, path in reward_models.items():
-        reward = ensemble.reference_free_reward(derive(cfg, reward={
-            "terms": [RewardModelTerm(path=str(path)).model_dump()], "device": "cpu"}))
-        with watch.stage(method):
-            flat = reward.score([sources[i] for i, c in enumerate(cands) for _ in c], [t for c in cands for t in c])
-            per = split_flat(flat, [len(c) for c in cands])
-            picks[method] = [c[pick_best(s, m)] for c, s, m in zip(cands, per, means, strict=True)]
-    # Oracle: CIDEr-D's document frequencies from the split's references, as the corpus score and predict's table.
+        timed("mean_logprob", lambda i: int(np.argmax(means[i])))
+        other = ensemble.mbr_utility(derive(cfg, predict={"mbr_utility": OTHER_UTILITY}))
+        timed(f"mbr_{OTHER_UTILITY}",
+              lambda i: mbr_choice(other.matrix(cands[i], sources[i]), counts=np.array(counts[i]))[0])
+        task_utility = ensemble.mbr_utility(cfg)
+        total_lp = [np.mean([[sum(lp) for lp in per] for per in lps], axis=0) for lps in pool.logprobs]
+        timed("mbr_task_score_prob",
+              lambda i: mbr_choice(task_utility.matrix(cands[i], sources[i]), probability_weights(total_lp[i]))[0])
+        for method, path in reward_models.items():
+            reward = ensemble.reference_free_reward(derive(cfg, reward={
+                "terms": [RewardModelTerm(path=str(path)).model_dump()], "device": "cpu"}))
+            with watch.stage(method):
+                flat = reward.score([sources[i] for i, c in enumerate(cands) for _ in c],
+                                    [t for c in cands for t in c])
+                per = split_flat(flat, [len(c) for c in cands])
+                picks[method] = [c[pick_best(s, m)] for c, s, m in zip(cands, per, means, strict=True)]
+    for suffix in pools:  # the later protocols' pools, each as the first: generated, scored and picked by MBR
+        mbr, _ = pool_methods(suffix)
+        with watch.stage(f"pool_{suffix}"), cpu_clock(ensemble):
+            extra = ensemble.rerank_with_policy(derive(cfg, predict=EXTRA_POOLS[suffix]), policy, ckpt, examples,
+                                                "mbr")
+        watch.cpu |= {f"pool_{suffix}_generate": extra.seconds["generate"],
+                      f"pool_{suffix}_score": extra.seconds["score"], mbr: extra.seconds["rerank"]}
+        watch.wall[mbr] = 0.0  # inside the pool's wall time
+        picks[mbr] = extra.predictions
+        candidates[f"pool_{suffix}"] = extra.candidates
+        log.info("%s: pool %s, %.1f candidates per source, %.1f s (CPU)", model, suffix,
+                 np.mean([len(c) for c in extra.candidates]), sum(extra.seconds.values()))
+    # Oracles: CIDEr-D's document frequencies from the split's references, as the corpus score and predict's table.
     task = get_metric("task_score", bleu_weight=cfg.metric.bleu_weight, sigma=cfg.metric.cider_sigma,
                       df=DocumentFrequency.from_references(refs))
-    for method, candidates in (("oracle", cands), ("oracle_eps", eps_pool.candidates)):
+    for of, cands_of in candidates.items():
+        method = "oracle" if of == "pool" else f"oracle_{of.removeprefix('pool_')}"
         with watch.stage(method):
-            sentence = split_flat(task.per_sample([t for c in candidates for t in c],
-                                                  [r for c, r in zip(candidates, refs, strict=True) for _ in c]),
-                                  [len(c) for c in candidates])
-            picks[method] = [c[int(np.argmax(s))] for c, s in zip(candidates, sentence, strict=True)]
+            sentence = split_flat(task.per_sample([t for c in cands_of for t in c],
+                                                  [r for c, r in zip(cands_of, refs, strict=True) for _ in c]),
+                                  [len(c) for c in cands_of])
+            picks[method] = [c[int(np.argmax(s))] for c, s in zip(cands_of, sentence, strict=True)]
     methods = {}
-    for method in METHODS:
+    for method in [m for m in METHODS if m in picks]:
         if method in ("greedy", "beam"):
             parts = {"decode": watch.cpu[method]}
             wall = watch.wall[method]
@@ -441,12 +480,24 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
                            "seconds_per_source": sum(parts.values()) / n,
                            "seconds_per_source_parts": {k: v / n for k, v in parts.items()},
                            "wall_seconds_per_source": wall / n}
-    out = {"checkpoint": str(ckpt), "rows": n, "mean_candidates": float(np.mean([len(c) for c in cands])),
-           "mean_entries": float(np.mean([sum(c) for c in counts])),
-           "mean_candidates_eps": float(np.mean([len(c) for c in eps_pool.candidates])), "methods": methods}
-    atomic_write_jsonl(cfg.run_dir / f"{model}.picks.jsonl",
-                       ({"id": e.id, **{m: picks[m][i] for m in METHODS}, "candidates": cands[i],
-                         "candidates_eps": eps_pool.candidates[i]} for i, e in enumerate(examples)))
+    out = cached if first_done else {
+        "checkpoint": str(ckpt), "rows": n, "mean_candidates": float(np.mean([len(c) for c in cands])),
+        "mean_entries": float(np.mean([sum(c) for c in counts]))}
+    out["methods"] = {m: ({**cached["methods"], **methods} if first_done else methods)[m] for m in METHODS
+                      if m in methods or (first_done and m in cached["methods"])}
+    for of, cands_of in candidates.items():
+        if of != "pool":
+            out[f"mean_candidates_{of.removeprefix('pool_')}"] = float(np.mean([len(c) for c in cands_of]))
+    picks_path = cfg.run_dir / f"{model}.picks.jsonl"
+    rows = [json.loads(line) for line in picks_path.read_text().splitlines()] if first_done else \
+        [{"id": e.id} for e in examples]
+    if [r["id"] for r in rows] != [e.id for e in examples]:
+        raise ValueError(f"{picks_path}: its rows are not the test split's; remove it and {done} to redo them")
+    for i, row in enumerate(rows):
+        row.update({m: picks[m][i] for m in METHODS if m in picks})
+        row.update({("candidates" if of == "pool" else f"candidates_{of.removeprefix('pool_')}"): c[i]
+                    for of, c in candidates.items()})
+    atomic_write_jsonl(picks_path, rows)
     atomic_write_json(done, out)
     return out
 
@@ -485,7 +536,7 @@ def plot(path: Path, summaries: dict[str, dict[str, Any]], readings: dict[str, l
     for col, (task, s) in enumerate(summaries.items()):
         top, bottom = axes[0][col], axes[1][col]
         shown = measured_methods(readings[task])
-        picked = [m for m in shown if m not in ("beam", "oracle", "oracle_eps")]
+        picked = [m for m in shown if m != "beam" and not m.startswith("oracle")]
         at = {(r["seed"], r["model"], r["method"]): r["task_score"] for r in readings[task]}
         seeds = sorted({r["seed"] for r in readings[task]})
         for k, model in enumerate(MODELS):
@@ -582,7 +633,7 @@ def main() -> None:
         "seconds": round(time.perf_counter() - t_start, 1),
         "checkpoints": [{"seed": int(s), "model": m, "checkpoint": r[m]["checkpoint"],
                          "mean_candidates": r[m]["mean_candidates"], "mean_entries": r[m]["mean_entries"],
-                         "mean_candidates_eps": r[m]["mean_candidates_eps"]}
+                         **{f"mean_candidates_{x}": r[m].get(f"mean_candidates_{x}") for x in EXTRA_POOLS}}
                         for s, r in readings.items() for m in MODELS],
         "reward_models": [{"seed": int(s), "method": method, **rm} for s, r in readings.items()
                           for method, rm in r["reward_models"].items()],
@@ -593,6 +644,8 @@ def main() -> None:
                "command": "python bench/decoding.py --task TASK --workdir DIR [--train] (one task per run)",
                "protocol": {"pool": POOL, "beam": BEAM, "other_utility": OTHER_UTILITY,
                             "epsilon_pool": [f"predict.{k}={v}" for k, v in EPSILON_POOL.items()],
+                            "later_pools": {x: [f"predict.{k}={v}" for k, v in over.items()]
+                                            for x, over in EXTRA_POOLS.items()},
                             "reward_model": {"sources": RM_SOURCES, "beams": 4, "samples": RM_SAMPLES,
                                              "rating": "sentence task score against the references",
                                              "backbone": "the seed's SFT checkpoint",

@@ -67,6 +67,9 @@ def test_algorithms_args_repeat_a_saved_results_training_settings(bench):
 FIRST_PROTOCOL = ("greedy", "beam", "mean_logprob", "mbr_task_score", "mbr_rouge_l", "mbr_task_score_prob", "reward",
                   "reward_lr1e-3", "oracle")
 """The methods of a task measured before the epsilon pool was added."""
+SECOND_PROTOCOL = FIRST_PROTOCOL + ("mbr_task_score_eps", "oracle_eps")
+"""... and before its 64-sample pool was."""
+ALL = SECOND_PROTOCOL + ("mbr_task_score_eps64", "oracle_eps64")
 
 
 def _reading(scores: dict[str, float], methods) -> dict:
@@ -75,10 +78,10 @@ def _reading(scores: dict[str, float], methods) -> dict:
                         for m in methods}}
 
 
-def _readings(methods=FIRST_PROTOCOL + ("mbr_task_score_eps", "oracle_eps")) -> dict:
+def _readings(methods=ALL) -> dict:
     return {str(s): {"reward_models": {},
                      "sft": _reading({"greedy": 1.0, "beam": 1.0, "mbr_task_score": 1.1 + 0.01 * s,
-                                      "mbr_task_score_eps": 1.05}, methods),
+                                      "mbr_task_score_eps": 1.05, "mbr_task_score_eps64": 1.1 + 0.03 * s}, methods),
                      "grpo": _reading({"greedy": 1.1, "beam": 1.1, "mbr_task_score": 1.25 + 0.01 * s}, methods)}
             for s in (3, 1, 2)}
 
@@ -114,15 +117,24 @@ def test_summarize_refuses_a_seed_without_every_method(bench):
 
 
 def test_a_task_measured_before_a_method_was_added_is_summarised_without_it(bench):
-    assert set(bench.METHODS) == set(FIRST_PROTOCOL) | {"mbr_task_score_eps", "oracle_eps"}
+    assert bench.METHODS == ALL
     old = bench.summarize(bench.flat_readings(_readings(FIRST_PROTOCOL)))
     assert [r["method"] for r in old["rows"] if r["model"] == "sft"] == list(FIRST_PROTOCOL)
     assert not [d for d in old["paired"] if "_eps" in d["comparison"]]  # left out, not invented
     assert any(d["comparison"] == "sft: mbr_task_score - beam" for d in old["paired"])
+    second = bench.summarize(bench.flat_readings(_readings(SECOND_PROTOCOL)))
+    assert [r["method"] for r in second["rows"] if r["model"] == "sft"] == list(SECOND_PROTOCOL)
+    assert any("_eps - " in d["comparison"] for d in second["paired"])
+    assert not [d for d in second["paired"] if "eps64" in d["comparison"]]
     new = bench.summarize(bench.flat_readings(_readings()))
     by = {(d["comparison"], d["metric"]): d for d in new["paired"]}
     eps = by[("sft: mbr_task_score_eps - beam", "task_score")]
     assert eps["relative"] == pytest.approx(0.05) and eps["met"] is False and eps["target"] == ">= +8% at > 2 σ"
     assert by[("sft: mbr_task_score_eps - mbr_task_score", "task_score")]["mean"] == pytest.approx(-0.07)
+    # The 64-sample pool: #41's targets for it, and its paired difference with the 16-sample epsilon pool.
+    big = by[("sft: mbr_task_score_eps64 - beam", "task_score")]
+    assert big["mean"] == pytest.approx(0.16) and big["target"] == ">= +8% at > 2 σ" and big["met"] is True
+    assert by[("sft: mbr_task_score_eps64 - mbr_task_score_eps", "task_score")]["mean"] == pytest.approx(0.11)
+    assert ("grpo mbr_task_score_eps64 - sft greedy", "task_score") in by
     with pytest.raises(ValueError, match=r"unknown method\(s\) \['mbr_typo'\]"):
         bench.summarize([{**r, "method": "mbr_typo"} for r in bench.flat_readings(_readings())][:1])
