@@ -194,6 +194,13 @@ def algorithms_args(task: str, workdir: Path, seeds: Sequence[int], settings: di
     return args
 
 
+def settings_changed(saved: Sequence[str], current: Sequence[str]) -> bool:
+    """Whether a task's settings changed since a saved algorithms result: bench/algorithms.py puts pins of the
+    defaults its saved results ran with before each task's own settings, and a result saved before the pins holds
+    only its own, so the saved settings must be the current ones' tail."""
+    return list(current[len(current) - len(saved):]) != list(saved) if len(saved) <= len(current) else True
+
+
 def flat_readings(readings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Per-seed readings (``readings[seed][model]["methods"][method]``, as :func:`decode` caches them) as one record
     per seed, model and method: the metrics, CPU and wall seconds per source, and the CPU seconds' parts."""
@@ -207,6 +214,15 @@ def flat_readings(readings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                             "wall_seconds_per_source": r["wall_seconds_per_source"],
                             "cpu_parts": r["seconds_per_source_parts"]})
     return out
+
+
+def work_seconds(readings: dict[str, dict[str, Any]]) -> float | None:
+    """The wall seconds the task's figures cost: every seed's reward models and decodes, whichever invocation did
+    them (a rerun that finds them cached takes a moment; this does not change); None when a cache predates the
+    record."""
+    parts = [rm.get("seconds") for r in readings.values() for rm in r["reward_models"].values()]
+    parts += [r[m].get("decode_seconds") for r in readings.values() for m in MODELS]
+    return None if any(p is None for p in parts) else round(sum(parts), 1)
 
 
 def measured_methods(records: Sequence[dict[str, Any]]) -> list[str]:
@@ -393,6 +409,7 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
     if set(METHODS) <= set(cached["methods"]):
         return cached
     first_done = set(FIRST_METHODS) <= set(cached["methods"])
+    t_start = time.perf_counter()
     pools = [s for s in EXTRA_POOLS if not set(pool_methods(s)) <= set(cached["methods"])] if first_done else \
         list(EXTRA_POOLS)
     examples = list(load_split(cfg, "test"))
@@ -485,6 +502,9 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
         "mean_entries": float(np.mean([sum(c) for c in counts]))}
     out["methods"] = {m: ({**cached["methods"], **methods} if first_done else methods)[m] for m in METHODS
                       if m in methods or (first_done and m in cached["methods"])}
+    # the wall seconds of every decode() that built this cache; unknown (None) once one did not record them
+    earlier = cached.get("decode_seconds") if first_done else 0.0
+    out["decode_seconds"] = None if earlier is None else round(earlier + time.perf_counter() - t_start, 1)
     for of, cands_of in candidates.items():
         if of != "pool":
             out[f"mean_candidates_{of.removeprefix('pool_')}"] = float(np.mean([len(c) for c in cands_of]))
@@ -512,7 +532,7 @@ def train_missing(task: str, workdir: Path, seeds: list[int], settings_from: Pat
     settings = json.loads(settings_from.read_text())["settings"]
     from algorithms import TASK_SETTINGS
 
-    if settings.get("task_settings") and settings["task_settings"] != TASK_SETTINGS[task]:
+    if settings.get("task_settings") and settings_changed(settings["task_settings"], TASK_SETTINGS[task]):
         log.warning("%s ran with task settings %s; bench/algorithms.py now has %s", settings_from,
                     settings["task_settings"], TASK_SETTINGS[task])
     cmd = [sys.executable, str(Path(__file__).resolve().parent / "algorithms.py"),
@@ -630,7 +650,8 @@ def main() -> None:
         "test_rows": readings[str(seeds[0])]["sft"]["rows"],
         "rl": {"algorithm": cfg.rl.algorithm, "epochs": cfg.rl.epochs, "train_subset": cfg.rl.train_subset,
                "batch_size": cfg.rl.batch_size},
-        "seconds": round(time.perf_counter() - t_start, 1),
+        "seconds": work_seconds(readings),
+        "invocation_seconds": round(time.perf_counter() - t_start, 1),
         "checkpoints": [{"seed": int(s), "model": m, "checkpoint": r[m]["checkpoint"],
                          "mean_candidates": r[m]["mean_candidates"], "mean_entries": r[m]["mean_entries"],
                          **{f"mean_candidates_{x}": r[m].get(f"mean_candidates_{x}") for x in EXTRA_POOLS}}

@@ -138,3 +138,20 @@ def test_a_task_measured_before_a_method_was_added_is_summarised_without_it(benc
     assert ("grpo mbr_task_score_eps64 - sft greedy", "task_score") in by
     with pytest.raises(ValueError, match=r"unknown method\(s\) \['mbr_typo'\]"):
         bench.summarize([{**r, "method": "mbr_typo"} for r in bench.flat_readings(_readings())][:1])
+
+
+def test_work_seconds_add_every_cached_stage_and_are_unknown_when_one_was_not_recorded(bench):
+    readings = {"1": {"reward_models": {"reward": {"seconds": 100.0}}, "sft": {"decode_seconds": 20.0},
+                      "grpo": {"decode_seconds": 30.5}},
+                "2": {"reward_models": {}, "sft": {"decode_seconds": 1.0}, "grpo": {"decode_seconds": 2.0}}}
+    assert bench.work_seconds(readings) == pytest.approx(153.5)
+    del readings["2"]["grpo"]["decode_seconds"]  # a cache written before the field
+    assert bench.work_seconds(readings) is None
+
+
+def test_task_settings_changed_only_when_the_saved_ones_are_not_the_current_tail(bench):
+    current = ["model.family=bart", "sft.patience=0", "tokenizer.kind=subword", "sft.epochs=16"]
+    assert not bench.settings_changed(["tokenizer.kind=subword", "sft.epochs=16"], current)  # saved before the pins
+    assert not bench.settings_changed(current, current)
+    assert bench.settings_changed(["tokenizer.kind=subword", "sft.epochs=8"], current)
+    assert bench.settings_changed(["x=1", *current], current)
