@@ -86,6 +86,11 @@ def _short(diff: dict) -> str:
     return f"{100 * diff['relative']:+.0f} %" + (f" ({sigmas:.1f} σ)" if isinstance(sigmas, int | float) else "")
 
 
+DECODING_POOLS = (("", ""), ("_eps64", "ε64 "))
+"""The decoding benchmark's pools the glance row shows (a method's suffix, its label): the first protocol's and the
+one configs/mbr.yaml ships; the page has them all."""
+
+
 def glance_decoding(results_dir: Path) -> list[str] | None:
     data = read_json(results_dir / "decoding.json")
     if data is None:
@@ -93,14 +98,16 @@ def glance_decoding(results_dir: Path) -> list[str] | None:
     figures, seeds, machines = [], set(), set()
     for task, s in data["summary"].items():
         by = {(d["comparison"], d["metric"]): d for d in s["paired"]}
-        mbr = by[("grpo: mbr_task_score - beam", "task_score")]
+        # each pool that was measured on the task, the later protocols' where they were
+        pools = [(label, by[f"grpo: mbr_task_score{suffix} - beam", "task_score"]) for suffix, label in DECODING_POOLS
+                 if (f"grpo: mbr_task_score{suffix} - beam", "task_score") in by]
         both = by[("grpo mbr_task_score - sft greedy", "task_score")]
-        eps = by.get(("grpo: mbr_task_score_eps - beam", "task_score"))  # the second protocol, where measured
-        with_eps = f" (ε pool {_short(eps)})" if eps else ""
-        figures.append(f"{task}: {_short(mbr)}{with_eps} / {_short(both)}")
-        seeds.add(mbr["n"])
+        figures.append(f"{task}: {', '.join(f'{label}{_short(d)}' for label, d in pools)} / "
+                       f"{100 * both['relative']:+.0f} %")
+        seeds.add(pools[0][1]["n"])
         machines.add(short_machine(data.get("tasks", {}).get(task, data)))
-    return ["MBR decoding (task-score utility) on the GRPO checkpoint: over beam / RL + MBR over SFT greedy",
+    return ["MBR decoding (task score) on the GRPO checkpoint, 4 beams + 16 top-p (or 64 ε) samples: over beam / "
+            "RL + MBR over SFT greedy",
             "; ".join(figures),
             f"{'/'.join(str(n) for n in sorted(seeds))} seeds per task, test split, {'; '.join(sorted(machines))}",
             "decoding"]

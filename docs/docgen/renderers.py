@@ -1,5 +1,6 @@
-"""The figures of the result files whose shape is known: the RL-efficacy benchmark (bench/algorithms.py) and
-the demo over seeds (bench/demo_seeds.py), and the command that reruns a file."""
+"""The figures of the result files whose shape is known: the RL-efficacy benchmark (bench/algorithms.py), the
+demo over seeds (bench/demo_seeds.py) and the decoding benchmark (bench/decoding.py), and the command that reruns
+a file."""
 
 from __future__ import annotations
 
@@ -165,7 +166,68 @@ def render_demo_seeds(data: dict) -> list[str]:
     return lines + ([f"Time per seed: {'; '.join(times)}.", ""] if times else [])
 
 
-RENDERERS: dict[str, Callable[[dict], list[str]]] = {"algorithms": render_algorithms, "demo_seeds": render_demo_seeds}
+# -- benchmarks: decoding (bench/decoding.py) ------------------------------------------------------------------
+
+def decoding_pools(protocol: dict) -> list[str]:
+    """The pools the methods pick from: the first one's settings, then each later one's changes to it."""
+    lines = [f"- `pool` (every method but greedy, beam and the `_<pool>` ones): {'; '.join(protocol['pool'])}"]
+    lines += [f"- `{name}` (the methods ending `_{name}`): the first pool with {'; '.join(changes)}"
+              for name, changes in protocol.get("later_pools", {}).items()]
+    return ["Pools (seeded by the run seed; deduplicated, each text's entries counted):", "", *lines, ""]
+
+
+def decoding_task(task: str, summary: dict, record: dict) -> list[str]:
+    """One task: how it was measured, each method's test figures per checkpoint, #41's targets and the other
+    paired differences."""
+    lines = [f"### {task}", ""]
+    facts = [f"seeds {summary['seeds']}", f"{record.get('test_rows', '?')} test rows"]
+    if record.get("train_overrides"):
+        facts.append("checkpoints trained with " + ", ".join(f"`{o}`" for o in record["train_overrides"]))
+    if record.get("machine"):
+        facts.append(f"measured on {machine_line(record['machine'])}")
+    if record.get("seconds") is not None:
+        facts.append(f"{fmt(record['seconds'])} s of decoding and reward-model training in all")
+    lines += ["; ".join(facts) + ".", ""]
+    models = list(dict.fromkeys(r["model"] for r in summary["rows"]))
+    methods = list(dict.fromkeys(r["method"] for r in summary["rows"]))
+    at = {(r["model"], r["method"]): r for r in summary["rows"]}
+    head = ["method", *(f"`{m}` task score" for m in models), *(f"`{m}` ROUGE-L" for m in models),
+            *(f"`{m}` CPU ms / source" for m in models)]
+    rows = [[f"`{x}`",
+             *(mean_std({"mean": at[m, x]["task_score"], "std": at[m, x]["task_score_std"]}) for m in models),
+             *(mean_std({"mean": at[m, x]["rouge_l"], "std": at[m, x]["rouge_l_std"]}) for m in models),
+             *(mean_std({"mean": at[m, x]["cpu_ms_per_source"], "std": at[m, x]["cpu_ms_per_source_std"]}, 1)
+               for m in models)] for x in methods]
+    lines += ["Test split, mean ± std over seeds (CPU ms: one torch thread; a pool method's are the pool's "
+              "generation, its teacher-forced scores and the pick):", "", *table(head, rows)]
+    by = {(d["comparison"], d["metric"]): d for d in summary["paired"]}
+    targets = [d for d in summary["paired"] if "target" in d]
+    lines += ["#41's targets, paired seed by seed (σ = mean / std of the differences, % of the baseline's mean; the "
+              "targets are on the task score, ROUGE-L beside it):", "",
+              *table(["comparison", "task score difference", "per seed", "target", "met", "ROUGE-L difference"],
+                     [[d["comparison"], paired(d), ", ".join(f"{v:+.3f}" for v in d["per_seed"]), d["target"],
+                       d["met"], paired(by.get((d["comparison"], "rouge_l")))] for d in targets])]
+    named = {d["comparison"] for d in targets}
+    others = list(dict.fromkeys(name for name, _ in by if name not in named))
+    lines += ["The other paired differences:", "",
+              *table(["comparison", "task score", "ROUGE-L"],
+                     [[name, paired(by.get((name, "task_score"))), paired(by.get((name, "rouge_l")))]
+                      for name in others])]
+    return lines
+
+
+def render_decoding(data: dict) -> list[str]:
+    tasks = data.get("tasks", {})
+    lines = ["Each task was measured on the machine its section names (the line above names the last one saved).",
+             ""]
+    lines += decoding_pools(data.get("protocol", {"pool": []}))
+    for task, summary in data["summary"].items():
+        lines += decoding_task(task, summary, tasks.get(task, {}))
+    return lines
+
+
+RENDERERS: dict[str, Callable[[dict], list[str]]] = {"algorithms": render_algorithms, "demo_seeds": render_demo_seeds,
+                                                     "decoding": render_decoding}
 
 
 def rerun_command(stem: str, data: dict) -> str | None:

@@ -334,14 +334,49 @@ def test_the_decoding_glance_names_each_tasks_machine_and_the_epsilon_pool_where
         paired = [{"comparison": "grpo: mbr_task_score - beam", "metric": "task_score", **diff(0.09, 3.1)},
                   {"comparison": "grpo mbr_task_score - sft greedy", "metric": "task_score", **diff(0.28, 1.4)}]
         if eps:
-            paired.append({"comparison": "grpo: mbr_task_score_eps - beam", "metric": "task_score",
-                           **diff(0.12, 2.5)})
+            paired += [{"comparison": "grpo: mbr_task_score_eps64 - beam", "metric": "task_score", **diff(0.13, 2.9)},
+                       {"comparison": "grpo: mbr_task_score_eps - beam", "metric": "task_score", **diff(0.12, 2.5)}]
         return {"paired": paired}
 
     other = {**MACHINE, "cpu": "Other CPU", "cores": 16}
     _write(tmp_path / "decoding.json", {"machine": MACHINE, "summary": {"a": summary(True), "b": summary(False)},
                                         "tasks": {"a": {"machine": MACHINE}, "b": {"machine": other}}})
     title, figures, note, stem = glance.glance_decoding(tmp_path)
-    assert figures == "a: +9 % (3.1 σ) (ε pool +12 % (2.5 σ)) / +28 % (1.4 σ); b: +9 % (3.1 σ) / +28 % (1.4 σ)"
-    assert title.endswith("over beam / RL + MBR over SFT greedy")
+    # the first pool, then the 64-sample one where it was measured (not the 16-sample epsilon pool: the page has it)
+    assert figures == "a: +9 % (3.1 σ), ε64 +13 % (2.9 σ) / +28 %; b: +9 % (3.1 σ) / +28 %"
+    assert title.endswith("4 beams + 16 top-p (or 64 ε) samples: over beam / RL + MBR over SFT greedy")
     assert note == "3 seeds per task, test split, 16-core Other; 2-core Test" and stem == "decoding"
+
+
+def test_the_decoding_page_shows_each_tasks_methods_targets_and_machine():
+    def row(model: str, method: str, score: float) -> dict:
+        return {"model": model, "method": method, "task_score": score, "task_score_std": 0.01, "rouge_l": 0.3,
+                "rouge_l_std": 0.02, "cpu_ms_per_source": 12.0, "cpu_ms_per_source_std": 1.0}
+
+    def diff(name: str, metric: str, mean: float, **target) -> dict:
+        return {"comparison": name, "metric": metric, "mean": mean, "std": 0.01, "sigmas": mean / 0.01,
+                "relative": mean / 0.5, "n": 3, "per_seed": [mean - 0.01, mean, mean + 0.01], **target}
+
+    summary = {"seeds": "1, 2, 3", "rows": [row(m, x, s) for m in ("sft", "grpo")
+                                             for x, s in (("beam", 0.5), ("mbr_task_score", 0.55))],
+               "paired": [diff("sft: mbr_task_score - beam", "task_score", 0.05, target=">= +8% at > 2 σ", met=True),
+                          diff("sft: mbr_task_score - beam", "rouge_l", 0.002),
+                          diff("grpo: beam - greedy", "task_score", 0.03),
+                          diff("grpo: beam - greedy", "rouge_l", -0.004)]}
+    other = {**MACHINE, "cpu": "Other CPU"}
+    data = {"benchmark": "decoding", "machine": MACHINE, "summary": {"a": summary},
+            "protocol": {"pool": ["predict.pool=both", "predict.num_samples=16"],
+                         "later_pools": {"eps64": ["predict.epsilon=0.02", "predict.num_samples=64"]}},
+            "tasks": {"a": {"machine": other, "test_rows": 428, "train_overrides": ["model.family=mbart"],
+                            "seconds": None}}}
+    page = "\n".join(renderers.RENDERERS["decoding"](data))
+    assert "- `eps64` (the methods ending `_eps64`): the first pool with predict.epsilon=0.02; " \
+           "predict.num_samples=64" in page
+    assert "seeds 1, 2, 3; 428 test rows; checkpoints trained with `model.family=mbart`; measured on Other CPU" in page
+    assert "s of decoding" not in page  # unknown work seconds are left out, not shown as a figure
+    assert "| `mbr_task_score` | 0.550 ± 0.010 | 0.550 ± 0.010 | 0.300 ± 0.020 | 0.300 ± 0.020 | 12.0 ± 1.0 |" in page
+    target_table, others = page.split("The other paired differences:")
+    assert ("| sft: mbr_task_score - beam | +0.050 ± 0.010 (5.0 σ, +10 %) | +0.040, +0.050, +0.060 | >= +8% at > 2 σ "
+            "| yes | +0.002 ± 0.010 (0.2 σ, +0 %) |") in target_table
+    assert "mbr_task_score - beam" not in others  # each comparison once
+    assert "| grpo: beam - greedy | +0.030 ± 0.010 (3.0 σ, +6 %) | -0.004 ± 0.010 (-0.4 σ, -1 %) |" in others
