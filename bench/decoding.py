@@ -471,7 +471,7 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
         picks[mbr] = extra.predictions
         candidates[f"pool_{suffix}"] = extra.candidates
         log.info("%s: pool %s, %.1f candidates per source, %.1f s (CPU)", model, suffix,
-                 np.mean([len(c) for c in extra.candidates]), sum(extra.seconds.values()))
+                 np.mean([len(c) for c in extra.candidates]), extra.seconds["total"])
     # Oracles: CIDEr-D's document frequencies from the split's references, as the corpus score and predict's table.
     task = get_metric("task_score", bleu_weight=cfg.metric.bleu_weight, sigma=cfg.metric.cider_sigma,
                       df=DocumentFrequency.from_references(refs))
@@ -500,8 +500,8 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
     out = cached if first_done else {
         "checkpoint": str(ckpt), "rows": n, "mean_candidates": float(np.mean([len(c) for c in cands])),
         "mean_entries": float(np.mean([sum(c) for c in counts]))}
-    out["methods"] = {m: ({**cached["methods"], **methods} if first_done else methods)[m] for m in METHODS
-                      if m in methods or (first_done and m in cached["methods"])}
+    merged = {**cached["methods"], **methods} if first_done else methods
+    out["methods"] = {m: merged[m] for m in METHODS if m in merged}
     # the wall seconds of every decode() that built this cache; unknown (None) once one did not record them
     earlier = cached.get("decode_seconds") if first_done else 0.0
     out["decode_seconds"] = None if earlier is None else round(earlier + time.perf_counter() - t_start, 1)
