@@ -56,6 +56,7 @@ PAGES = {
     "warm_start": Page("Warm start from a pretrained encoder", "warm_start"),
     "lora": Page("LoRA vs full fine-tuning", "lora"),
     "data_load": Page("Loading a million-row Parquet file", "data_load"),
+    "omp_wait": Page("CPU threads beside other work: the OpenMP wait policy", "omp_wait"),
 }
 
 
