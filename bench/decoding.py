@@ -421,7 +421,7 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
     policy.model.eval()
     watch = Stopwatch()
     picks: dict[str, list[str]] = {}
-    candidates: dict[str, list[list[str]]] = {}  # each pool's, by its name in POOL_OF ("pool" for the first)
+    candidates: dict[str, list[list[str]]] = {}  # each pool's, by its key suffix ("" for the first, "_eps", ...)
     if not first_done:
         for method, beams in (("greedy", 1), ("beam", BEAM)):
             with watch.stage(method):
@@ -431,7 +431,7 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
                  watch.cpu["beam"], n)
         with watch.stage("pool"), cpu_clock(ensemble):  # the product's `rlt2t eval --rerank mbr`, stages in CPU s
             pool = ensemble.rerank_with_policy(cfg, policy, ckpt, examples, "mbr")
-        cands = candidates["pool"] = pool.candidates
+        cands = candidates[""] = pool.candidates
         counts = pool.counts
         watch.cpu |= {"pool_generate": pool.seconds["generate"], "pool_score": pool.seconds["score"],
                       "mbr_task_score": pool.seconds["rerank"]}
@@ -469,14 +469,14 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
                       f"pool_{suffix}_score": extra.seconds["score"], mbr: extra.seconds["rerank"]}
         watch.wall[mbr] = 0.0  # inside the pool's wall time
         picks[mbr] = extra.predictions
-        candidates[f"pool_{suffix}"] = extra.candidates
+        candidates[f"_{suffix}"] = extra.candidates
         log.info("%s: pool %s, %.1f candidates per source, %.1f s (CPU)", model, suffix,
                  np.mean([len(c) for c in extra.candidates]), extra.seconds["total"])
     # Oracles: CIDEr-D's document frequencies from the split's references, as the corpus score and predict's table.
     task = get_metric("task_score", bleu_weight=cfg.metric.bleu_weight, sigma=cfg.metric.cider_sigma,
                       df=DocumentFrequency.from_references(refs))
-    for of, cands_of in candidates.items():
-        method = "oracle" if of == "pool" else f"oracle_{of.removeprefix('pool_')}"
+    for key, cands_of in candidates.items():
+        method = f"oracle{key}"
         with watch.stage(method):
             sentence = split_flat(task.per_sample([t for c in cands_of for t in c],
                                                   [r for c, r in zip(cands_of, refs, strict=True) for _ in c]),
@@ -505,9 +505,9 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
     # the wall seconds of every decode() that built this cache; unknown (None) once one did not record them
     earlier = cached.get("decode_seconds") if first_done else 0.0
     out["decode_seconds"] = None if earlier is None else round(earlier + time.perf_counter() - t_start, 1)
-    for of, cands_of in candidates.items():
-        if of != "pool":
-            out[f"mean_candidates_{of.removeprefix('pool_')}"] = float(np.mean([len(c) for c in cands_of]))
+    for key, cands_of in candidates.items():
+        if key:
+            out[f"mean_candidates{key}"] = float(np.mean([len(c) for c in cands_of]))
     picks_path = cfg.run_dir / f"{model}.picks.jsonl"
     rows = [json.loads(line) for line in picks_path.read_text().splitlines()] if first_done else \
         [{"id": e.id} for e in examples]
@@ -515,8 +515,7 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
         raise ValueError(f"{picks_path}: its rows are not the test split's; remove it and {done} to redo them")
     for i, row in enumerate(rows):
         row.update({m: picks[m][i] for m in METHODS if m in picks})
-        row.update({("candidates" if of == "pool" else f"candidates_{of.removeprefix('pool_')}"): c[i]
-                    for of, c in candidates.items()})
+        row.update({f"candidates{key}": c[i] for key, c in candidates.items()})
     atomic_write_jsonl(picks_path, rows)
     atomic_write_json(done, out)
     return out

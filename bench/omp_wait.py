@@ -33,14 +33,14 @@ def worker(preset: str, batch: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     sys.path.insert(0, str(HERE))
-    from sft_step import bench
+    from sft_step import ID_VOCAB, bench
 
     from rlt2t.common.tokenization import build_ids_tokenizer, save_tokenizer
     from rlt2t.common.tracking import quiet_transformers
 
     quiet_transformers()
     with tempfile.TemporaryDirectory() as tmp:
-        save_tokenizer(build_ids_tokenizer(1894), tmp)
+        save_tokenizer(build_ids_tokenizer(ID_VOCAB), tmp)
         return bench(preset, Path(tmp), batch, warmup=3, steps=12)
 
 

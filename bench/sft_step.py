@@ -28,6 +28,9 @@ from rlt2t.common.tokenization import build_ids_tokenizer, save_tokenizer  # noq
 from rlt2t.common.tracking import quiet_transformers  # noqa: E402
 from rlt2t.learner.stages import make_sft_step  # noqa: E402
 
+ID_VOCAB = 1894
+"""The ids tokenizer's vocabulary of these benchmarks' synthetic-task models."""
+
 
 class _Acc:  # the step function only needs accelerator.backward
     @staticmethod
@@ -70,7 +73,7 @@ def main() -> None:
     quiet_transformers()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        save_tokenizer(build_ids_tokenizer(1894), tmp)
+        save_tokenizer(build_ids_tokenizer(ID_VOCAB), tmp)
         for preset in args.presets.split(","):
             warmup, steps = (1, 4) if preset == "base" else (3, 15)
             rows.append(bench(preset, Path(tmp), args.batch, warmup, steps))

@@ -99,8 +99,9 @@ def glance_decoding(results_dir: Path) -> list[str] | None:
     for task, s in data["summary"].items():
         by = {(d["comparison"], d["metric"]): d for d in s["paired"]}
         # each pool that was measured on the task, the later protocols' where they were
-        pools = [(label, by[f"grpo: mbr_task_score{suffix} - beam", "task_score"]) for suffix, label in DECODING_POOLS
-                 if (f"grpo: mbr_task_score{suffix} - beam", "task_score") in by]
+        found = [(label, by.get((f"grpo: mbr_task_score{suffix} - beam", "task_score")))
+                 for suffix, label in DECODING_POOLS]
+        pools = [(label, d) for label, d in found if d is not None]
         both = by[("grpo mbr_task_score - sft greedy", "task_score")]
         figures.append(f"{task}: {', '.join(f'{label}{_short(d)}' for label, d in pools)} / "
                        f"{100 * both['relative']:+.0f} %")
