@@ -40,8 +40,8 @@ class RewardModelTerm(_Section):
     kind: Literal["reward_model"] = "reward_model"
     """Term type tag."""
     path: str
-    """Reward-model directory, or a checkpoint root (its newest complete checkpoint; the reward server
-    hot-reloads newer ones)."""
+    """Reward-model directory, or a checkpoint root (its checkpoint of best held-out pair accuracy, else its
+    newest; the reward server hot-reloads a new best)."""
     weight: float = 1.0
     """Coefficient of this term in the weighted sum."""
     batch_size: int = Field(64, ge=1)
