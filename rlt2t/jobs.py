@@ -78,8 +78,44 @@ def sft_start(cfg: Config, instead: str = INIT_HINT) -> Path:
         raise FileNotFoundError(f"{e} (run `rlt2t sft` first, or {instead})") from None
 
 
+# The settings that shape a model's inputs: a stage that starts from another's checkpoint with other values here
+# trains on inputs unlike those the checkpoint learned from, without an error (a longer source cut, other ids).
+INPUT_SETTINGS = ("data.max_source_len", "data.max_target_len", "tokenizer")
+
+
 def save_run_config(cfg: Config, command: str) -> None:
+    """Save the tree ``command`` runs with as ``{run}/config/<command>.yaml``, first warning (:func:`unlike_earlier`)
+    where its input settings differ from those the run's last other command saved."""
+    changed = unlike_earlier(cfg, command)
+    if changed:
+        log.warning("%s: %s. A command reads only its own --config files and overrides: pass the same settings to "
+                    "every command of a run (one YAML file, --config my_task.yaml)", command, "; ".join(changed))
     atomic_write_text(cfg.run_dir / "config" / f"{command}.yaml", config_to_yaml(cfg))
+
+
+def unlike_earlier(cfg: Config, command: str) -> list[str]:
+    """Each of :data:`INPUT_SETTINGS` (a key, or every key of a section) whose value in ``cfg`` differs from the
+    config the run's newest other command saved, as ``key=<here> (<value> in <file>)``; [] when there is none
+    or it cannot be read (another version's)."""
+    from rlt2t.common.config import load_config
+
+    saved = [p for p in (cfg.run_dir / "config").glob("*.yaml") if p.stem != command]
+    if not saved:
+        return []
+    newest = max(saved, key=lambda p: p.stat().st_mtime)
+    try:
+        earlier = load_config([newest], [])
+    except (ValueError, OSError):
+        return []
+    now, then = cfg.model_dump(mode="json"), earlier.model_dump(mode="json")
+    changed = []
+    for setting in INPUT_SETTINGS:
+        section, _, key = setting.partition(".")
+        pairs = ({setting: (now[section][key], then[section][key])} if key else
+                 {f"{section}.{k}": (v, then[section].get(k)) for k, v in now[section].items()})
+        changed += [f"{k}={here} ({there} in {newest.relative_to(cfg.run_dir)})" for k, (here, there) in pairs.items()
+                    if here != there]
+    return changed
 
 
 def check_task_out(cfg: Config, fmt: str = "jsonl", force: bool = False) -> None:

@@ -143,6 +143,29 @@ def test_a_missing_split_names_the_runs_saved_config_that_holds_the_data_paths(t
         load_split(cfg, "test")  # the README's own-data route imported one file without a test split
 
 
+def test_a_command_whose_input_settings_differ_from_the_runs_last_other_command_warns_naming_them(tmp_path, caplog):
+    import os
+
+    from rlt2t.jobs import save_run_config, unlike_earlier
+
+    run = f"run.dir={tmp_path / 'run'}"
+    longer = load_config(["tiny"], [run, "data.max_source_len=96", "tokenizer.vocab_size=500"])
+    plain = load_config(["tiny"], [run, "sft.lr=1e-3", "data.train=other.jsonl"])  # neither shapes the inputs
+    assert unlike_earlier(plain, "train") == []  # a run's first command
+    save_run_config(longer, "sft")
+    with caplog.at_level("WARNING", logger="rlt2t.jobs"):
+        save_run_config(plain, "train")  # `rlt2t train run.dir=...` without the settings sft ran with
+    assert (f"train: data.max_source_len={plain.data.max_source_len} (96 in config/sft.yaml); "
+            f"tokenizer.vocab_size={plain.tokenizer.vocab_size} (500 in config/sft.yaml). A command reads only its "
+            "own --config files") in caplog.text
+    assert (tmp_path / "run" / "config" / "train.yaml").is_file()  # warned, and saved as before
+    os.utime(tmp_path / "run" / "config" / "sft.yaml", (1e9, 1e9))  # train's is now the newest other
+    assert unlike_earlier(plain, "eval") == [] and unlike_earlier(longer, "eval") != []
+    assert unlike_earlier(longer, "train") == []  # a command is not compared with its own earlier run
+    (tmp_path / "run" / "config" / "train.yaml").write_text("no_such_section: {}\n")  # another version's
+    assert unlike_earlier(longer, "eval") == []
+
+
 def test_rl_and_continued_sft_without_an_sft_checkpoint_say_what_to_run(tmp_path):
     from rlt2t.jobs import continued_sft_job, make_synthetic_data, rl_job
 
