@@ -111,7 +111,7 @@ def unlike_earlier(cfg: Config, command: str) -> list[str]:
     changed = []
     for setting in INPUT_SETTINGS:
         section, _, key = setting.partition(".")
-        pairs = ({setting: (now[section][key], then[section][key])} if key else
+        pairs = ({setting: (now[section][key], then[section].get(key))} if key else
                  {f"{section}.{k}": (v, then[section].get(k)) for k, v in now[section].items()})
         changed += [f"{k}={here} ({there} in {newest.relative_to(cfg.run_dir)})" for k, (here, there) in pairs.items()
                     if here != there]
