@@ -97,24 +97,18 @@ def unlike_earlier(cfg: Config, command: str) -> list[str]:
     """Each of :data:`INPUT_SETTINGS` (a key, or every key of a section) whose value in ``cfg`` differs from the
     config the run's newest other command saved, as ``key=<here> (<value> in <file>)``; [] when there is none
     or it cannot be read (another version's)."""
-    from rlt2t.common.config import load_config
-
-    saved = [p for p in (cfg.run_dir / "config").glob("*.yaml") if p.stem != command]
-    if not saved:
+    saved = _saved_configs(cfg, skip=command)
+    earlier = _read_saved(saved[0]) if saved else None
+    if earlier is None:
         return []
-    newest = max(saved, key=lambda p: p.stat().st_mtime)
-    try:
-        earlier = load_config([newest], [])
-    except (ValueError, OSError):
-        return []
+    where = saved[0].relative_to(cfg.run_dir)
     now, then = cfg.model_dump(mode="json"), earlier.model_dump(mode="json")
     changed = []
     for setting in INPUT_SETTINGS:
         section, _, key = setting.partition(".")
         pairs = ({setting: (now[section][key], then[section].get(key))} if key else
                  {f"{section}.{k}": (v, then[section].get(k)) for k, v in now[section].items()})
-        changed += [f"{k}={here} ({there} in {newest.relative_to(cfg.run_dir)})" for k, (here, there) in pairs.items()
-                    if here != there]
+        changed += [f"{k}={here} ({there} in {where})" for k, (here, there) in pairs.items() if here != there]
     return changed
 
 
@@ -242,16 +236,27 @@ def text_tokenizer_dir(cfg: Config) -> Path | None:
 def _saved_config_with(cfg: Config, split: str) -> Path | None:
     """The newest config an earlier command of the run saved whose ``data.<split>`` is a file that exists (not
     the one this command just saved with the same missing path)."""
-    from rlt2t.common.config import load_config
-
-    for saved in sorted((cfg.run_dir / "config").glob("*.yaml"), key=lambda p: p.stat().st_mtime, reverse=True):
-        try:
-            earlier = load_config([saved], [])
-        except (ValueError, OSError):  # a config of another version, or unreadable: not a hint
-            continue
-        if earlier.path(getattr(earlier.data, split)).exists():
+    for saved in _saved_configs(cfg):
+        earlier = _read_saved(saved)
+        if earlier is not None and earlier.path(getattr(earlier.data, split)).exists():
             return saved
     return None
+
+
+def _saved_configs(cfg: Config, skip: str | None = None) -> list[Path]:
+    """The configs the run's commands saved (:func:`save_run_config`), newest first, but ``skip``'s."""
+    return sorted((p for p in (cfg.run_dir / "config").glob("*.yaml") if p.stem != skip),
+                  key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def _read_saved(path: Path) -> Config | None:
+    """A saved config as a tree; None for one of another version, or unreadable."""
+    from rlt2t.common.config import load_config
+
+    try:
+        return load_config([path], [])
+    except (ValueError, OSError):
+        return None
 
 
 def build_tokenizer_job(cfg: Config) -> Path:
