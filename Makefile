@@ -7,8 +7,11 @@ STAMP := $(VENV)/.installed
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k metrics"`.
 PYTEST_ARGS ?=
 # The unit tests run on this many processes (pytest-xdist; one torch thread each, tests/conftest.py; 0: in this
-# one); the integration tests then run in one, in order (they share an embedded Ray and a two-node cluster).
+# one), then the integration tests on INTEGRATION_WORKERS (the tests of a module, and those on the two-node
+# cluster, go to one worker: tests/integration/conftest.py).
 TEST_WORKERS ?= 2
+INTEGRATION_WORKERS ?= 2
+INTEGRATION := -n $(INTEGRATION_WORKERS) --dist loadfile
 
 .PHONY: system-deps install demo test test-unit test-integration lint docs bench clean help ray-up ray-down train-submit \
 	deploy undeploy deploy-status gpu-smoke feedback-loop
@@ -82,7 +85,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	@$(MAKE) --no-print-directory system-deps SYSTEM_DEPS_OPTIONAL=1
 	$(BIN)/python -m pytest tests/unit -n $(TEST_WORKERS) $(PYTEST_ARGS); unit=$$?; \
-	$(BIN)/python -m pytest tests/integration tests/gpu $(PYTEST_ARGS); rest=$$?; \
+	$(BIN)/python -m pytest tests/integration tests/gpu $(INTEGRATION) $(PYTEST_ARGS); rest=$$?; \
 	for rc in $$unit $$rest; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done; \
 	if [ $$unit -eq 5 ] && [ $$rest -eq 5 ]; then echo "no tests selected"; fi
 
@@ -90,7 +93,7 @@ test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-integration: $(STAMP)
-	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/integration $(INTEGRATION) $(PYTEST_ARGS)
 
 # mypy sees the packages under their installed names through a symlink tree (.ci/typecheck.py).
 lint: $(STAMP)
