@@ -7,8 +7,8 @@ STAMP := $(VENV)/.installed
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k metrics"`.
 PYTEST_ARGS ?=
 # The unit tests run on this many processes (pytest-xdist; one torch thread each, tests/conftest.py; 0: in this
-# one), then the integration tests on INTEGRATION_WORKERS (the tests of a module, and those on the two-node
-# cluster, go to one worker: tests/integration/conftest.py).
+# one), then the integration tests on INTEGRATION_WORKERS (the tests of a module, the modules on an embedded Ray,
+# and the tests on the two-node cluster, each go to one worker: tests/integration/conftest.py).
 TEST_WORKERS ?= 2
 INTEGRATION_WORKERS ?= 2
 INTEGRATION := -n $(INTEGRATION_WORKERS) --dist loadfile

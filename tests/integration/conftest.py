@@ -95,9 +95,9 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 def ray_session(request):
     """One embedded Ray for the modules whose tests run jobs in this process, started by the first and stopped
     after the last of the whole run (3.5 s of start and stop saved per module; on a worker that does not run that
-    one, at the worker's exit): each job releases its actors and placement groups, so a module finds the cluster
-    as the one before it left it. None stays up while the unit tests run
-    (a session-wide one was once suspected of CI's hung gloo test, which turned out to be torch's DDP teardown:
+    one, at the worker's end: pytest_sessionfinish): each job releases its actors and placement groups, so a
+    module finds the cluster as the one before it left it. None stays up while the unit tests run (a session-wide
+    one was once suspected of CI's hung gloo test, which turned out to be torch's DDP teardown:
     tests/unit/learner/test_pg_rank_share.py)."""
     if not ray.is_initialized():
         # Its processes inherit the jobs' environment (as rlt2t.groups.init_ray's do), so the workers Ray starts
