@@ -59,8 +59,8 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Groups(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::")[0]
-            if TWO_NODE_NAME in nodeid.split("::")[-1]:
+            module, *_, name = nodeid.split("::")
+            if TWO_NODE_NAME in name:
                 return "two_node_cluster"
             return "ray_session" if Path(module).name in RAY_SESSION_MODULES else module
 
