@@ -126,14 +126,27 @@ def _quiet_transformers():
 
 
 class LiveServer:
-    """uvicorn serving ``app`` on a loopback port (0: a free one), in a thread; ``url`` once it accepts.
-    With ``serve`` (a ServeConfig), the servers' own uvicorn settings (connection timeouts)."""
+    """uvicorn serving ``app`` on a free loopback port, in a thread; ``url`` once it accepts. With ``sock`` (from
+    ``LiveServer.reserve()``), on that socket's port: a port a test hands out before its server exists stays held
+    (a port found free and released can be taken by anything else on the machine in the meantime, an xdist
+    neighbour's Ray included). With ``serve`` (a ServeConfig), the servers' own uvicorn settings (timeouts)."""
 
-    def __init__(self, app, port: int = 0, serve=None) -> None:
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", port))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+    @staticmethod
+    def reserve() -> socket.socket:
+        """A socket bound to a free loopback port, not listening yet (connections to it are refused, as to no
+        server): its port is this test's until a LiveServer serves on it."""
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        return sock
+
+    @staticmethod
+    def url_of(sock: socket.socket) -> str:
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def __init__(self, app, sock: socket.socket | None = None, serve=None) -> None:
+        self.sock = sock if sock is not None else self.reserve()
+        self.url = self.url_of(self.sock)
         config = (uvicorn_config(app, serve, log_level="warning", lifespan="on") if serve is not None
                   else uvicorn.Config(app, log_level="warning", lifespan="on"))
         self.server = uvicorn.Server(config)

@@ -190,18 +190,11 @@ def test_a_policy_gradient_trains_through_live_policy_and_reward_servers(ray_ses
     """rollout.source=http + reward.source=http with SCST (groups, sample log-probs from the server, a greedy
     baseline, reference log-probs computed by the learner): every source is used once and the sampler's
     log-probs agree with the learner's when the server serves the version the learner is at."""
-    import socket
-
     from rlt2t.services import policy_app, reward_app
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
     run = copy_prepared(tmp_path / "http")
-    ports = [free_port(), free_port()]
-    policy_url, reward_url = (f"http://127.0.0.1:{p}" for p in ports)
+    socks = [live_server.reserve(), live_server.reserve()]  # held until the servers serve on them
+    policy_url, reward_url = (live_server.url_of(s) for s in socks)
     cfg = _config(run, "scst", "rl.epochs=1", "rl.train_subset=16", "rollout.source=http",
                   f"rollout.urls=[\"{policy_url}\"]", "reward.source=http", f"reward.url={reward_url}",
                   "serve.reload_interval_s=0.2", "rollout.timeout_s=120", "rl.refresh_every_steps=0")
@@ -220,9 +213,9 @@ def test_a_policy_gradient_trains_through_live_policy_and_reward_servers(ray_ses
     while latest_complete_checkpoint(published) is None and job.is_alive() and time.time() < deadline:
         time.sleep(0.1)
     assert latest_complete_checkpoint(published) is not None, box
-    servers = [live_server(policy_app.create_app(cfg, checkpoint_dir=published), ports[0]),
+    servers = [live_server(policy_app.create_app(cfg, checkpoint_dir=published), socks[0]),
                live_server(reward_app.create_app(cfg, document_frequency=run / "rl" / "document_frequency.json"),
-                           ports[1])]
+                           socks[1])]
     with servers[0], servers[1]:
         job.join(timeout=600)
     assert "error" not in box, box.get("error")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -110,12 +109,6 @@ def _kill_child(title_prefix: str) -> int | None:
         except psutil.Error:
             continue
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 
@@ -239,8 +232,8 @@ def test_http_rollout_and_reward_sources_train_through_live_servers(ray_session,
     run = copy_prepared(tmp_path / "http")
     # The policy server needs the first published version: start the job, wait for its first published
     # checkpoint, then start the servers it waits for.
-    ports = [_free_port(), _free_port()]
-    policy_url, reward_url = (f"http://127.0.0.1:{p}" for p in ports)
+    socks = [live_server.reserve(), live_server.reserve()]  # held until the servers serve on them
+    policy_url, reward_url = (live_server.url_of(s) for s in socks)
     cfg = _config(run, "rl.epochs=2", "rl.train_subset=32", "rollout.source=http",
                   f"rollout.urls=[\"{policy_url}\"]", "reward.source=http", f"reward.url={reward_url}",
                   "serve.reload_interval_s=0.2", "rollout.timeout_s=120")
@@ -251,8 +244,8 @@ def test_http_rollout_and_reward_sources_train_through_live_servers(ray_session,
         time.sleep(0.1)
     assert latest_complete_checkpoint(published) is not None, box
     df = run / "rl" / "document_frequency.json"
-    servers = [live_server(policy_app.create_app(cfg, checkpoint_dir=published), ports[0]),
-               live_server(reward_app.create_app(cfg, document_frequency=df), ports[1])]
+    servers = [live_server(policy_app.create_app(cfg, checkpoint_dir=published), socks[0]),
+               live_server(reward_app.create_app(cfg, document_frequency=df), socks[1])]
     with servers[0], servers[1]:
         job.join(timeout=600)
     assert "error" not in box, box.get("error")
