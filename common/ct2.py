@@ -459,6 +459,8 @@ class Ct2Policy:
         seed: int | None = None,
         sampling_topp: float = 1.0,
         sampling_epsilon: float = 0.0,
+        no_repeat_ngram_size: int = 0,
+        repetition_penalty: float = 1.0,
     ) -> list[list[Hypothesis]]:
         """Beam search, greedy (``beam_size=1``, ``sampling_topk=1``) or sampling (``beam_size=1``,
         ``sampling_topk`` k > 1 or 0 for the whole vocabulary; ``sampling_topp`` < 1 adds a nucleus filter) of each
@@ -467,7 +469,9 @@ class Ct2Policy:
         Returns one list of ``num_hypotheses`` hypotheses per source (best first for beam search).
         ``max_new_tokens`` counts the EOS, as in HF ``generate``; EOS is not allowed before ``min_new_tokens``
         tokens. ``seed`` reseeds sampling first. ``sampling_epsilon`` is here for the torch runner's signature:
-        CTranslate2 has no epsilon sampling, so anything but 0 is refused.
+        CTranslate2 has no epsilon sampling, so anything but 0 is refused. ``no_repeat_ngram_size`` (0: off) and
+        ``repetition_penalty`` (1: off) are CTranslate2's own, for beam search and greedy decoding (refused with
+        sampling, as the torch runner refuses them: samples come from the model's distribution).
         """
         if beam_size < 1 or num_hypotheses < 1:
             raise ValueError(f"beam_size and num_hypotheses must be >= 1, got {beam_size}, {num_hypotheses}")
@@ -485,6 +489,12 @@ class Ct2Policy:
         if sampling_epsilon != 0.0:
             raise ValueError(f"sampling_epsilon={sampling_epsilon}: CTranslate2 has no epsilon sampling (the torch "
                              "backend has)")
+        if no_repeat_ngram_size < 0 or not repetition_penalty > 0:
+            raise ValueError(f"no_repeat_ngram_size must be >= 0 and repetition_penalty > 0, got "
+                             f"{no_repeat_ngram_size}, {repetition_penalty}")
+        if sampling_topk != 1 and (no_repeat_ngram_size, repetition_penalty) != (0, 1.0):
+            raise ValueError("no_repeat_ngram_size and repetition_penalty apply to beam search and greedy decoding "
+                             "only (samples are drawn from the model's distribution)")
         if not sources:
             return []
         # CT2 refuses several hypotheses from greedy search (top-1 "sampling"); they would all be equal.
@@ -493,7 +503,8 @@ class Ct2Policy:
             sources, num_hypotheses=num_hypotheses // copies, max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens, sampling_topk=sampling_topk, seed=seed,
             beam_size=beam_size, length_penalty=length_penalty, sampling_temperature=sampling_temperature,
-            sampling_topp=sampling_topp)
+            sampling_topp=sampling_topp, no_repeat_ngram_size=no_repeat_ngram_size,
+            repetition_penalty=repetition_penalty)
         return [[Hypothesis(text=" ".join(decode_ids(self.tokenizer, d.ids, skip_special_tokens=True).split()),
                             token_ids=tuple(d.ids), score=d.score) for d in hyps] * copies for hyps in decoded]
 

@@ -166,18 +166,22 @@ class TorchRunner:
 
     def generate(self, sources: Sequence[str], *, beam_size: int, num_hypotheses: int, max_new_tokens: int,
                  sampling_topk: int = 1, sampling_topp: float = 1.0, sampling_temperature: float = 1.0,
-                 seed: int | None = None, sampling_epsilon: float = 0.0) -> list[list[Hypothesis]]:
+                 seed: int | None = None, sampling_epsilon: float = 0.0, no_repeat_ngram_size: int = 0,
+                 repetition_penalty: float = 1.0) -> list[list[Hypothesis]]:
         """Beam search (``beam_size`` > 1, or greedy with ``sampling_topk`` 1), else ``num_hypotheses`` samples per
         source (top-k 0: no filter), each row seeded from ``seed`` and its position, as Ct2Policy.generate; and,
-        unlike it, ``sampling_epsilon`` > 0 for epsilon sampling."""
+        unlike it, ``sampling_epsilon`` > 0 for epsilon sampling. The repetition controls are beam search's and
+        greedy decoding's (refused with sampling, as by Ct2Policy.generate)."""
         rows: list[int] = []
         if beam_size > 1 or sampling_topk == 1:
             params = Sampling(mode="beam", beam_size=beam_size, num_candidates=num_hypotheses if beam_size > 1 else 1,
-                              max_new_tokens=max_new_tokens)
+                              max_new_tokens=max_new_tokens, no_repeat_ngram_size=no_repeat_ngram_size,
+                              repetition_penalty=repetition_penalty)
         else:
             params = Sampling(mode="sample", num_candidates=num_hypotheses, top_k=sampling_topk, top_p=sampling_topp,
                               temperature=sampling_temperature, beam_size=1, max_new_tokens=max_new_tokens,
-                              epsilon=sampling_epsilon)
+                              epsilon=sampling_epsilon, no_repeat_ngram_size=no_repeat_ngram_size,
+                              repetition_penalty=repetition_penalty)
             base = seed if seed is not None else int.from_bytes(os.urandom(7), "big")
             rows = [stable_seed(base, i, j) for i in range(len(sources)) for j in range(num_hypotheses)]
         per_source = self.backend.candidates(sources, params, rows)
@@ -340,7 +344,8 @@ class _Runner(Protocol):
 
     def generate(self, sources: Sequence[str], *, beam_size: int, num_hypotheses: int, max_new_tokens: int,
                  sampling_topk: int = 1, sampling_topp: float = 1.0, sampling_temperature: float = 1.0,
-                 seed: int | None = None, sampling_epsilon: float = 0.0) -> list[list[Hypothesis]]: ...
+                 seed: int | None = None, sampling_epsilon: float = 0.0, no_repeat_ngram_size: int = 0,
+                 repetition_penalty: float = 1.0) -> list[list[Hypothesis]]: ...
 
     def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[list[float]]: ...
 
@@ -350,7 +355,8 @@ def _pool_of(runner: _Runner, sources: Sequence[str], p: PredictConfig, seed: in
     out: list[list[str]] = [[] for _ in sources]
     if p.pool != "sample":
         beams = runner.generate(sources, beam_size=p.beam_size, num_hypotheses=p.num_hypotheses,
-                                max_new_tokens=p.max_new_tokens)
+                                max_new_tokens=p.max_new_tokens, no_repeat_ngram_size=p.no_repeat_ngram_size,
+                                repetition_penalty=p.repetition_penalty)
         for row, hyps in zip(out, beams, strict=True):
             row += [h.text for h in hyps]
     if p.pool != "beam":

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Protocol, cast, runtime_checkable
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir, weights_checksum
 from rlt2t.common.collate import collate_seq2seq, encode_texts
@@ -59,6 +59,9 @@ class Generation:
 FILTER_NAMES = {"top_p": ("nucleus", 1.0), "epsilon": ("epsilon", 0.0)}
 """The sampling filters a backend may lack (:meth:`Sampling.filters`), by request field: what they are called, and
 the value that switches them off."""
+REPETITION_CONTROLS = {"no_repeat_ngram_size": 0, "repetition_penalty": 1.0}
+"""Beam search's repetition controls (:meth:`Sampling.repetition_controls`), by field: the value that switches each
+off (samples are drawn from the model's own distribution, without them)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,12 @@ class Sampling:
     beam_size: int = 4
     max_new_tokens: int = 64
     epsilon: float = 0.0
+    no_repeat_ngram_size: int = 0
+    """`beam` mode: no n-gram of this many tokens occurs twice in a hypothesis (0: no limit)."""
+    repetition_penalty: float = 1.0
+    """`beam` mode: the score of a token the hypothesis already holds is divided by this when positive and
+    multiplied by it when negative (1: none; CTranslate2 scales the logits, the torch backend the log-probs, as
+    transformers does in beam search)."""
 
     def filters(self) -> list[str]:
         """The sampling filters these settings switch on beyond top-k and temperature (`top_p`, `epsilon`): what a
@@ -81,6 +90,10 @@ class Sampling:
         if self.mode != "sample":
             return []
         return [field for field, (_, off) in FILTER_NAMES.items() if getattr(self, field) != off]
+
+    def repetition_controls(self) -> list[str]:
+        """The repetition controls these settings switch on (beam search's: refused with sampling)."""
+        return [field for field, off in REPETITION_CONTROLS.items() if getattr(self, field) != off]
 
 
 @dataclass(frozen=True)
@@ -228,6 +241,7 @@ class TorchBackend:
             return self._beam(sources, sampling, control)
         if sampling.mode != "sample":
             raise ValueError(f"sampling.mode must be 'sample' or 'beam', got {sampling.mode!r}")
+        _refuse_repetition_controls(sampling)
         k = sampling.num_candidates
         if len(row_seeds) != len(sources) * k:
             raise ValueError(f"row_seeds: need one per row ({len(sources)} x {k}), got {len(row_seeds)}")
@@ -294,6 +308,9 @@ class TorchBackend:
                 input_ids=batch["input_ids"].to(self.device), attention_mask=batch["attention_mask"].to(self.device),
                 num_beams=sampling.beam_size, num_return_sequences=h, max_new_tokens=sampling.max_new_tokens,
                 do_sample=False, early_stopping=True,
+                logits_processor=LogitsProcessorList([GeneratedRepetition(sampling.no_repeat_ngram_size,
+                                                                          sampling.repetition_penalty)]
+                                                     if sampling.repetition_controls() else []),
                 stopping_criteria=StoppingCriteriaList([_AllStopped(control, len(sources))] if control else []),
             ).cpu()
         pad_id, eos_id = self.tokenizer.pad_token_id, self.model.config.eos_token_id
@@ -310,6 +327,47 @@ class TorchBackend:
         texts = self.policy.decode(rows)
         flat = [Generation(t, r, lp, lp) for t, r, lp in zip(texts, rows, lps, strict=True)]
         return [flat[i * h : (i + 1) * h] for i in range(len(sources))]
+
+
+def _refuse_repetition_controls(sampling: Sampling) -> None:
+    """Samples are drawn from the model's own distribution (what RL's ratios and MBR's expectation assume): the
+    repetition controls are beam search's."""
+    if field := sampling.repetition_controls():
+        raise ValueError(f"{field[0]}={getattr(sampling, field[0])}: applies to beam search only (samples are drawn "
+                         f"from the model's distribution); leave it at {REPETITION_CONTROLS[field[0]]:g} when sampling")
+
+
+class GeneratedRepetition(LogitsProcessor):
+    """Beam search's repetition controls over the tokens a hypothesis has generated (as CTranslate2 counts them):
+    ``no_repeat_ngram_size`` n (0: off) bans each token that would complete an n-gram the hypothesis already holds;
+    ``repetition_penalty`` (1: off) scales down the score (in beam search, the log-prob) of each token it already
+    holds (multiplied when negative, divided when positive). The decoder start token is not one of them:
+    transformers' own processors count it, and
+    in the BART family it is the EOS, which they would then penalise from the first step (and ban for good with
+    n = 1, so that no hypothesis ends)."""
+
+    def __init__(self, no_repeat_ngram_size: int, repetition_penalty: float) -> None:
+        if no_repeat_ngram_size < 0 or not repetition_penalty > 0:
+            raise ValueError(f"no_repeat_ngram_size must be >= 0 and repetition_penalty > 0, got "
+                             f"{no_repeat_ngram_size}, {repetition_penalty}")
+        self.n, self.penalty = no_repeat_ngram_size, repetition_penalty
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        generated = input_ids[:, 1:]
+        if generated.shape[1] == 0:
+            return scores
+        if self.penalty != 1.0:
+            held = torch.gather(scores, 1, generated)
+            scores = cast(torch.FloatTensor, scores.scatter(1, generated, torch.where(
+                held < 0, held * self.penalty, held / self.penalty)))
+        n = self.n
+        if n and generated.shape[1] >= n - 1:
+            for row, seq in enumerate(generated.tolist()):
+                last = tuple(seq[len(seq) - n + 1 :]) if n > 1 else ()
+                banned = {seq[i + n - 1] for i in range(len(seq) - n + 1) if tuple(seq[i : i + n - 1]) == last}
+                if banned:
+                    scores[row, sorted(banned)] = float("-inf")
+        return scores
 
 
 class _AllStopped(StoppingCriteria):
@@ -388,12 +446,15 @@ class Ct2Backend:
         k = sampling.num_candidates  # `control` unused: a CTranslate2 call runs to its end
         if sampling.mode == "beam":
             hyps = self.ct2.generate(sources, beam_size=sampling.beam_size, num_hypotheses=k,
-                                     max_new_tokens=sampling.max_new_tokens)
+                                     max_new_tokens=sampling.max_new_tokens,
+                                     no_repeat_ngram_size=sampling.no_repeat_ngram_size,
+                                     repetition_penalty=sampling.repetition_penalty)
             rows = [list(h.token_ids) for per_source in hyps for h in per_source]
             texts = [h.text for per_source in hyps for h in per_source]
             sample_lps: list[list[float] | None] = [None] * len(rows)
             forced = [False] * len(rows)
         elif sampling.mode == "sample":
+            _refuse_repetition_controls(sampling)
             if unsupported := sampling.filters():
                 raise ValueError(f"{unsupported[0]}: the ct2 backend has no {FILTER_NAMES[unsupported[0]][0]} sampling")
             seed = int.from_bytes(hashlib.sha256(repr(tuple(row_seeds)).encode()).digest()[:4], "little")

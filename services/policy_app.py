@@ -76,6 +76,7 @@ from rlt2t.common.rewards import WeightedReward, build_reward, score_pairs, task
 from rlt2t.services.admission import ServiceTime, Work, sampled_work, total
 from rlt2t.services.backends import (
     FILTER_NAMES,
+    REPETITION_CONTROLS,
     Generation,
     PolicyBackend,
     Sampling,
@@ -525,8 +526,15 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         # (unused) temperature still share a model call.
         if req.mode == "beam":
             sampling = Sampling(mode="beam", num_candidates=req.num_candidates, beam_size=req.beam_size,
-                                max_new_tokens=req.max_new_tokens)
+                                max_new_tokens=req.max_new_tokens, no_repeat_ngram_size=req.no_repeat_ngram_size,
+                                repetition_penalty=req.repetition_penalty)
         else:
+            if controls := Sampling(no_repeat_ngram_size=req.no_repeat_ngram_size,
+                                    repetition_penalty=req.repetition_penalty).repetition_controls():
+                field = controls[0]
+                raise field_error(("body", field), f"{field} applies to mode: beam (samples are drawn from the "
+                                  f"model's distribution); leave it at {REPETITION_CONTROLS[field]:g}",
+                                  getattr(req, field))
             sampling = Sampling(mode="sample", num_candidates=req.num_candidates, top_k=req.top_k, top_p=req.top_p,
                                 temperature=req.temperature, beam_size=1, max_new_tokens=req.max_new_tokens,
                                 epsilon=req.epsilon)

@@ -81,6 +81,12 @@ class SamplingParams(_Request):
     """Beam width of `beam` mode."""
     max_new_tokens: int = Field(64, ge=1, le=100_000)
     """Longest candidate in tokens, EOS included (also bounded by the model's positions)."""
+    no_repeat_ngram_size: int = Field(0, ge=0, le=1024)
+    """`beam` mode: no n-gram of this many tokens occurs twice in a hypothesis (0: no limit). With `sample`, a 422:
+    samples are drawn from the model's distribution."""
+    repetition_penalty: float = Field(1.0, ge=1.0, le=100.0)
+    """`beam` mode: a token the hypothesis already holds has its score divided by this when positive, multiplied
+    when negative (1: none). With `sample`, a 422."""
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     """`sample` mode: same seed, weights and request → same candidates, whatever else is batched with
     it (None: fresh randomness)."""

@@ -97,6 +97,12 @@ class PredictConfig(_Section):
     """Beam size of each generator."""
     num_hypotheses: int = Field(4, ge=1)
     """Hypotheses kept per input per generator."""
+    no_repeat_ngram_size: int = Field(0, ge=0)
+    """Beam search: no n-gram of this many tokens occurs twice in a hypothesis (0: no limit; 3 is what BART's
+    summarisation checkpoints ship with). The pool's samples are drawn without it."""
+    repetition_penalty: float = Field(1.0, ge=1.0, le=100.0)
+    """Beam search: a token the hypothesis already holds has its score divided by this when positive, multiplied
+    when negative (1: none; 1.2 is common). The pool's samples are drawn without it."""
     pool: Literal["beam", "sample", "both"] = "beam"
     """Candidates of each generator per input: its `num_hypotheses` beam hypotheses, `num_samples` samples, or
     both (the pool every rerank mode, and `rlt2t eval --rerank`, picks from)."""

@@ -171,10 +171,11 @@ def test_eval_rerank_mbr_scores_the_mbr_choice_over_the_models_own_pool(run):
     saved = json.loads((run / "eval" / "mbr-valid.json").read_text())
     examples = load_split(cfg, "valid")[:8]
     assert saved["rerank"] == "mbr" and saved["pool"] == "both" and saved["examples"] == len(examples)
-    assert {k: saved[k] for k in ("beam_size", "num_hypotheses", "num_samples", "top_k", "top_p", "epsilon",
-                                  "temperature", "seed", "mbr_utility", "mbr_weights")} == {
-        "beam_size": 2, "num_hypotheses": 2, "num_samples": 4, "top_k": 0, "top_p": 0.9, "epsilon": 0.0,
-        "temperature": 1.0, "seed": 0, "mbr_utility": "task_score",
+    assert {k: saved[k] for k in ("beam_size", "num_hypotheses", "no_repeat_ngram_size", "repetition_penalty",
+                                  "num_samples", "top_k", "top_p", "epsilon", "temperature", "seed", "mbr_utility",
+                                  "mbr_weights")} == {
+        "beam_size": 2, "num_hypotheses": 2, "no_repeat_ngram_size": 0, "repetition_penalty": 1.0, "num_samples": 4,
+        "top_k": 0, "top_p": 0.9, "epsilon": 0.0, "temperature": 1.0, "seed": 0, "mbr_utility": "task_score",
         "mbr_weights": "uniform"}  # enough to draw the same pools again
     assert set(saved["seconds_per_source"]) == {"generate", "score", "rerank", "total"}
     predictions = [json.loads(line)["prediction"]

@@ -1,6 +1,7 @@
 """`rlt2t predict` scores a candidate as training labels hold it (the tokenizer's whole target template: BART's
 pretrained tokenizer puts `<s>` first), on both backends, and `--rerank idf` works with a subword scorer (each
-piece of a word weighted by the word's IDF) or is refused before any decoding."""
+piece of a word weighted by the word's IDF) or is refused before any decoding; beam search's repetition controls
+work alike on both backends."""
 
 from __future__ import annotations
 
@@ -476,3 +477,50 @@ def test_predict_reads_a_csv_with_a_header_as_data_and_one_without_as_the_compet
                                          r"header-less CSV, as its first row names no 'source' column: if that row "
                                          r"is a header, name the source column with data.source_field="):
         read_inputs(misnamed, DataConfig())
+
+
+def _repeats(ids, n: int) -> int:
+    grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+    return len(grams) - len(set(grams))
+
+
+def test_beam_repetition_controls_on_both_backends(bart_dir, bart_export, tmp_path):
+    """predict.no_repeat_ngram_size and repetition_penalty on both runners: no repeated n-gram, fewer repeated
+    tokens; and, on torch, the decoder start (BART's EOS) is not a generated token: transformers' own processors
+    count it, so with n = 1 or a penalty no hypothesis would end before max_new_tokens."""
+    train, _ = _mbr_inputs(tmp_path)
+    runners = {"ct2": Ct2Policy(bart_export), "torch": TorchRunner(_cfg(tmp_path, train), bart_dir)}
+    def beams(runner, **controls):
+        hyps = runner.generate(SOURCES, beam_size=4, num_hypotheses=4, max_new_tokens=12, **controls)
+        return [h.token_ids for per_source in hyps for h in per_source]
+
+    for name, runner in runners.items():
+        free = beams(runner)
+        assert any(_repeats(x, 2) for x in free), f"{name}: the model repeats nothing, the test shows nothing"
+        assert not any(_repeats(x, 2) for x in beams(runner, no_repeat_ngram_size=2)), name
+        once = beams(runner, no_repeat_ngram_size=1)
+        assert not any(_repeats(x, 1) for x in once) and any(len(x) < 12 for x in once), (name, once)
+        penalised = beams(runner, repetition_penalty=100.0)
+        assert sum(map(_repeats, penalised, [1] * len(penalised))) < sum(map(_repeats, free, [1] * len(free))), name
+        assert any(len(x) < 12 for x in penalised), (name, penalised)
+        with pytest.raises(ValueError, match="no_repeat_ngram_size"):
+            runner.generate(SOURCES, beam_size=1, num_hypotheses=2, max_new_tokens=4, sampling_topk=0, seed=0,
+                            no_repeat_ngram_size=2)
+
+
+def test_predict_applies_the_repetition_controls_to_the_beams_not_the_samples(bart_export, tmp_path):
+    train, inputs = _mbr_inputs(tmp_path)
+    pools = {}
+    for pool in ("beam", "sample"):
+        for n in (0, 2):
+            cfg = _cfg(tmp_path, train)
+            cfg.predict.pool, cfg.predict.num_samples, cfg.predict.max_new_tokens = pool, 4, 12
+            cfg.predict.no_repeat_ngram_size = n
+            result = predict(cfg, [bart_export], [bart_export], inputs, tmp_path / f"{pool}{n}.csv", rerank="mbr")
+            pools[pool, n] = [[c["text"] for c in json.loads(line)["candidates"]]
+                              for line in result.jsonl_path.read_text().splitlines()]
+    want = Ct2Policy(bart_export).generate(SOURCES, beam_size=4, num_hypotheses=4, max_new_tokens=12,
+                                           no_repeat_ngram_size=2)
+    assert pools["beam", 2] == [list(dict.fromkeys(h.text for h in hyps)) for hyps in want]
+    assert pools["beam", 2] != pools["beam", 0]
+    assert pools["sample", 2] == pools["sample", 0]  # the samples are drawn from the model's distribution

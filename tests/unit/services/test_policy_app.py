@@ -116,6 +116,26 @@ def test_beam_returns_hypotheses_with_teacher_forced_logprobs(client, tiny_polic
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "num_candidates"]
 
 
+def _repeats(ids, n: int) -> int:
+    grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+    return len(grams) - len(set(grams))
+
+
+def test_beam_repetition_controls_reach_the_beams_and_are_a_422_with_sampling(client):
+    body = {"sources": SOURCES, "mode": "beam", "beam_size": 3, "num_candidates": 3, "max_new_tokens": 12}
+    ids = {}
+    for n in (0, 2):
+        r = client.post("/v1/candidates", json={**body, "no_repeat_ngram_size": n})
+        assert r.status_code == 200, r.text
+        ids[n] = [c["token_ids"] for cands in r.json()["candidates"] for c in cands]
+    assert any(_repeats(x, 2) for x in ids[0]), "the tiny model repeats nothing here: the test shows nothing"
+    assert not any(_repeats(x, 2) for x in ids[2])
+    for field, value in (("no_repeat_ngram_size", 2), ("repetition_penalty", 1.5)):
+        r = client.post("/v1/candidates", json={"sources": SOURCES[:1], "num_candidates": 2, field: value})
+        assert r.status_code == 422 and [e["loc"] for e in r.json()["detail"]] == [["body", field]], r.text
+        assert "mode: beam" in r.json()["detail"][0]["msg"]
+
+
 def test_score_matches_teacher_forcing(client, tiny_policy):
     targets = ["40 41 42", "", "7 <sep> 8"]
     r = client.post("/v1/score", json={"source": SOURCES[0], "targets": targets})
