@@ -39,6 +39,11 @@ checkpoint, on the whole test split:
                          estimated from the pool, and 16 samples is small for that; compared with beam (#41's
                          targets) and with the 16-sample epsilon pool (what the pool size alone changed).
   oracle_eps64           the oracle of that third pool
+  beam_norepeat3         the beam row's search (beam 10, eval.max_new_tokens, batched by source length in
+                         eval.batch_size) with predict.no_repeat_ngram_size=3, on the torch backend's beam
+                         (``rlt2t.ensemble.TorchRunner``, what `rlt2t predict` runs): the baseline a summarisation
+                         user sets (the value BART's summarisation checkpoints ship with; not tuned). A fourth
+                         protocol, declared before its runs, after the third's figures: MBR is compared with it too.
 
 Reported per task, checkpoint and method, mean ± std over seeds: the corpus task score (CIDEr-D, BLEU-4, ROUGE-L
 beside it) and CPU seconds per source on one torch thread (pool methods: generating the pool, scoring it and the
@@ -104,6 +109,8 @@ EXTRA_POOLS: dict[str, dict[str, Any]] = {
 ``mbr_task_score_<s>`` and ``oracle_<s>``."""
 EXTRA_BASELINE = {"eps": "mbr_task_score", "eps64": "mbr_task_score_eps"}
 """The MBR pick each later pool's MBR is compared with, paired: what its one change (sampler, then size) did."""
+LATER_BEAMS: dict[str, dict[str, Any]] = {"beam_norepeat3": {"no_repeat_ngram_size": 3}}
+"""The fourth protocol's methods: the beam row's search with predict.* repetition controls, by method name."""
 
 
 def pool_methods(suffix: str) -> tuple[str, str]:
@@ -112,7 +119,9 @@ def pool_methods(suffix: str) -> tuple[str, str]:
 
 FIRST_METHODS = ("greedy", "beam", "mean_logprob", "mbr_task_score", f"mbr_{OTHER_UTILITY}", "mbr_task_score_prob",
                  *REWARD_MODELS, "oracle")
-METHODS = (*FIRST_METHODS, *[m for s in EXTRA_POOLS for m in pool_methods(s)])
+METHODS = (*FIRST_METHODS, *[m for s in EXTRA_POOLS for m in pool_methods(s)], *LATER_BEAMS)
+DECODES = ("greedy", "beam", *LATER_BEAMS)
+"""The methods that decode one text per source (no pool)."""
 POOL_OF = {m: f"pool_{s}" for s in EXTRA_POOLS for m in pool_methods(s)}
 """The pool a method picks from, where it is not the first one (``pool``)."""
 SCORED = ("task_score", "cider_d", "bleu4", "rouge_l", "mean_length")
@@ -131,6 +140,11 @@ COMPARISONS = [
         (f"grpo mbr_task_score_{s} - sft greedy", ("grpo", f"mbr_task_score_{s}"), ("sft", "greedy"), 0.15, False),
         *[(f"{m}: {meth} - {base}", (m, meth), (m, base), None, False) for m in MODELS
           for meth, base in ((f"mbr_task_score_{s}", EXTRA_BASELINE[s]), (f"oracle_{s}", "beam"))])],
+    # the fourth protocol: what the repetition controls did to beam search, and MBR (each pool) against it
+    *[c for b in LATER_BEAMS for c in (
+        *[(f"{m}: {b} - beam", (m, b), (m, "beam"), None, False) for m in MODELS],
+        *[(f"{m}: {meth} - {b}", (m, meth), (m, b), 0.08, True) for m in MODELS
+          for meth in ("mbr_task_score", *[pool_methods(s)[0] for s in EXTRA_POOLS])])],
 ]
 
 
@@ -342,7 +356,6 @@ def train_reward_model(cfg: Config, sft: Path, method: str) -> dict[str, Any]:
     from rlt2t.feedback import derive
     from rlt2t.jobs import best_or_latest, load_split
     from rlt2t.reward_jobs import reward_model_job
-    from rlt2t.services.backends import TorchBackend
 
     run_dir = cfg.run_dir if method == "reward" else cfg.run_dir / method
     ratings = cfg.run_dir / "reward_model_ratings.jsonl"
@@ -361,7 +374,7 @@ def train_reward_model(cfg: Config, sft: Path, method: str) -> dict[str, Any]:
         chosen = [list(by_source)[i] for i in sorted(rng.choice(len(by_source), min(RM_SOURCES, len(by_source)),
                                                                 replace=False))]
         policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=sft)
-        runner = TorchRunner(cfg, sft, backend=TorchBackend(policy, checkpoint=str(sft), device="cpu"))
+        runner = TorchRunner(cfg, sft, policy=policy)
         p = cfg.predict
         rows: list[dict[str, Any]] = []
         metric = get_metric("task_score", bleu_weight=cfg.metric.bleu_weight, sigma=cfg.metric.cider_sigma,
@@ -412,6 +425,7 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
     t_start = time.perf_counter()
     pools = [s for s in EXTRA_POOLS if not set(pool_methods(s)) <= set(cached["methods"])] if first_done else \
         list(EXTRA_POOLS)
+    later_beams = [b for b in LATER_BEAMS if b not in cached["methods"]] if first_done else list(LATER_BEAMS)
     examples = list(load_split(cfg, "test"))
     sources, refs = [e.source for e in examples], [list(e.refs) for e in examples]
     n = len(examples)
@@ -472,6 +486,10 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
         candidates[f"_{suffix}"] = extra.candidates
         log.info("%s: pool %s, %.1f candidates per source, %.1f s (CPU)", model, suffix,
                  np.mean([len(c) for c in extra.candidates]), extra.seconds["total"])
+    for method in later_beams:
+        with watch.stage(method):
+            picks[method] = runner_beam(cfg, policy, ckpt, sources, **LATER_BEAMS[method])
+        log.info("%s: %s %.1f s (CPU)", model, method, watch.cpu[method])
     # Oracles: CIDEr-D's document frequencies from the split's references, as the corpus score and predict's table.
     task = get_metric("task_score", bleu_weight=cfg.metric.bleu_weight, sigma=cfg.metric.cider_sigma,
                       df=DocumentFrequency.from_references(refs))
@@ -484,7 +502,7 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
             picks[method] = [c[int(np.argmax(s))] for c, s in zip(cands_of, sentence, strict=True)]
     methods = {}
     for method in [m for m in METHODS if m in picks]:
-        if method in ("greedy", "beam"):
+        if method in DECODES:
             parts = {"decode": watch.cpu[method]}
             wall = watch.wall[method]
         else:  # the pool (generated, and scored except for an oracle, which needs no scorer), then the pick
@@ -518,6 +536,26 @@ def decode(cfg: Config, model: str, ckpt: Path, reward_models: dict[str, Path]) 
         row.update({f"candidates{key}": c[i] for key, c in candidates.items()})
     atomic_write_jsonl(picks_path, rows)
     atomic_write_json(done, out)
+    return out
+
+
+def runner_beam(cfg: Config, policy: Any, ckpt: Path, sources: Sequence[str], **controls: Any) -> list[str]:
+    """The beam row's search (beam BEAM, eval.max_new_tokens) with predict's repetition ``controls`` on the torch
+    backend's beam (TorchRunner: sources cut at data.max_source_len, as the beam row cuts them), batched as
+    ``learner.evaluate.generate`` batches the beam row (sources sorted by their encoded length, eval.batch_size at
+    a time), so that the controls are all that differs."""
+    from rlt2t.common.collate import encode_texts
+
+    runner = ensemble.TorchRunner(cfg, ckpt, policy=policy)
+    ids, _ = encode_texts(policy.tokenizer, sources, cfg.data.max_source_len)
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out = [""] * len(sources)
+    for start in range(0, len(order), cfg.eval.batch_size):
+        chunk = order[start : start + cfg.eval.batch_size]
+        hyps = runner.generate([sources[i] for i in chunk], beam_size=BEAM, num_hypotheses=1,
+                               max_new_tokens=cfg.eval.max_new_tokens, **controls)
+        for i, per_source in zip(chunk, hyps, strict=True):
+            out[i] = per_source[0].text
     return out
 
 
@@ -666,6 +704,8 @@ def main() -> None:
                             "epsilon_pool": [f"predict.{k}={v}" for k, v in EPSILON_POOL.items()],
                             "later_pools": {x: [f"predict.{k}={v}" for k, v in over.items()]
                                             for x, over in EXTRA_POOLS.items()},
+                            "later_beams": {x: [f"predict.{k}={v}" for k, v in over.items()]
+                                            for x, over in LATER_BEAMS.items()},
                             "reward_model": {"sources": RM_SOURCES, "beams": 4, "samples": RM_SAMPLES,
                                              "rating": "sentence task score against the references",
                                              "backbone": "the seed's SFT checkpoint",

@@ -154,11 +154,17 @@ def resolve_export(cfg: Config, path: str | Path, role: str) -> Path:
 
 
 class TorchRunner:
-    """A model directory on the torch backend, with Ct2Policy's ``generate`` / ``score`` (what predict calls)."""
+    """A model directory on the torch backend, with Ct2Policy's ``generate`` / ``score`` (what predict calls);
+    ``policy``: that directory already loaded. Sources are cut to data.max_source_len tokens, as training and the
+    CTranslate2 runner cut them, for generating and for scoring."""
 
-    def __init__(self, cfg: Config, model_dir: Path, *, backend: TorchBackend | None = None) -> None:
-        self.backend = backend if backend is not None else TorchBackend.from_checkpoint(cfg, model_dir)
+    def __init__(self, cfg: Config, model_dir: Path, *, policy: Policy | None = None) -> None:
         self.max_source_len = cfg.data.max_source_len
+        if policy is None:
+            self.backend = TorchBackend.from_checkpoint(cfg, model_dir, max_source_len=self.max_source_len)
+        else:
+            self.backend = TorchBackend(policy, checkpoint=str(model_dir), max_source_len=self.max_source_len,
+                                        device=str(next(policy.model.parameters()).device))
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -526,8 +532,7 @@ def rerank_with_policy(cfg: Config, policy: Policy, checkpoint: Path, examples: 
                        mode: str) -> Reranked:
     """`rlt2t eval --rerank`: one loaded model, on the torch backend where it is, generates each source's pool
     (``predict.pool``) and scores it; ``mode`` picks as in :func:`predict`."""
-    device = str(next(policy.model.parameters()).device)
-    runner = TorchRunner(cfg, checkpoint, backend=TorchBackend(policy, checkpoint=str(checkpoint), device=device))
+    runner = TorchRunner(cfg, checkpoint, policy=policy)
     needs = rerank_setup(cfg, mode, [checkpoint], [checkpoint], lambda _: runner.tokenizer)
     return rerank_examples(cfg, examples, [(checkpoint.name, runner)], [(checkpoint.name, runner)], mode, **needs)
 

@@ -195,7 +195,7 @@ class TorchBackend:
     sampling_filters = frozenset({"top_p", "epsilon"})
 
     def __init__(self, policy: Policy, *, version: int = 0, checkpoint: str = "", checksum: str = "",
-                 device: str = "cpu", max_batch_rows: int = 256) -> None:
+                 device: str = "cpu", max_batch_rows: int = 256, max_source_len: int | None = None) -> None:
         self.policy = policy
         self.device = torch.device(device)
         # never dropout at inference; transformers' @wraps(nn.Module.to) makes mypy read .to unbound
@@ -211,10 +211,15 @@ class TorchBackend:
         self.loaded_at = time.time()
         self.max_positions = positions_or(self.model.config)  # T5: relative positions, no limit
         self.max_batch_rows = max_batch_rows
+        # Sources are cut to this many tokens: the model's positions (the server), or training's
+        # data.max_source_len (`rlt2t predict` and `eval --rerank`, whose CTranslate2 runner cuts them so too).
+        self.source_len = min(max_source_len, self.max_positions) if max_source_len else self.max_positions
 
     @classmethod
-    def from_checkpoint(cls, cfg: Config, path: str | Path, *, device: str | None = None) -> TorchBackend:
-        """Load a checkpoint or model directory (or the newest complete checkpoint of a root)."""
+    def from_checkpoint(cls, cfg: Config, path: str | Path, *, device: str | None = None,
+                        max_source_len: int | None = None) -> TorchBackend:
+        """Load a checkpoint or model directory (or the newest complete checkpoint of a root); ``max_source_len``:
+        where sources are cut (None: the model's positions)."""
         model_dir = resolve_model_dir(path)
         policy = load_policy(cfg.model, cfg.tokenizer_dir if cfg.tokenizer_dir.is_dir() else None,
                              checkpoint=model_dir)
@@ -222,7 +227,7 @@ class TorchBackend:
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         return cls(policy, version=checkpoint_version(model_dir), checkpoint=str(model_dir),
-                   checksum=weights_checksum(model_dir), device=dev)
+                   checksum=weights_checksum(model_dir), device=dev, max_source_len=max_source_len)
 
     # -- interface -----------------------------------------------------------------------------------
 
@@ -246,7 +251,7 @@ class TorchBackend:
         if len(row_seeds) != len(sources) * k:
             raise ValueError(f"row_seeds: need one per row ({len(sources)} x {k}), got {len(row_seeds)}")
         generators = [torch.Generator(device=self.device).manual_seed(s) for s in row_seeds]
-        ids, _ = encode_texts(self.tokenizer, sources, self.max_positions)
+        ids, _ = encode_texts(self.tokenizer, sources, self.source_len)
         batch = collate_seq2seq(ids, None, self.tokenizer.pad_token_id)
         between = None
         if control is not None:
@@ -264,7 +269,7 @@ class TorchBackend:
     def score(self, sources: Sequence[str], targets: Sequence[Sequence[str]]) -> list[list[Scored]]:
         if len(targets) != len(sources):
             raise ValueError(f"targets: need one list per source ({len(sources)}), got {len(targets)}")
-        src_ids, _ = encode_texts(self.tokenizer, sources, self.max_positions)
+        src_ids, _ = encode_texts(self.tokenizer, sources, self.source_len)
         out: list[list[Scored]] = []
         for i, ts in enumerate(targets):
             label_ids, _ = encode_texts(self.tokenizer, ts, self.max_positions, target=True)
@@ -300,7 +305,7 @@ class TorchBackend:
         Stops early when ``control`` reports every source stopped."""
         if sampling.num_candidates > sampling.beam_size:
             raise ValueError(f"num_candidates={sampling.num_candidates} exceeds beam_size={sampling.beam_size}")
-        ids, _ = encode_texts(self.tokenizer, sources, self.max_positions)
+        ids, _ = encode_texts(self.tokenizer, sources, self.source_len)
         batch = collate_seq2seq(ids, None, self.tokenizer.pad_token_id)
         h = sampling.num_candidates
         with torch.inference_mode():

@@ -86,9 +86,9 @@ def _short(diff: dict) -> str:
     return f"{100 * diff['relative']:+.0f} %" + (f" ({sigmas:.1f} σ)" if isinstance(sigmas, int | float) else "")
 
 
-DECODING_POOLS = (("", ""), ("_eps64", "ε64 "))
-"""The decoding benchmark's pools the glance row shows (a method's suffix, its label): the first protocol's and the
-one configs/mbr.yaml ships; the page has them all."""
+DECODING_POOLS = (("", "16 top-p: "), ("_eps64", ""))
+"""The decoding benchmark's pools the glance row may show (a method's suffix, its label): the one configs/mbr.yaml
+ships (64 ε samples) where a task measured it, else the first protocol's; the page has them all."""
 
 
 def glance_decoding(results_dir: Path) -> list[str] | None:
@@ -98,17 +98,18 @@ def glance_decoding(results_dir: Path) -> list[str] | None:
     figures, seeds, machines = [], set(), set()
     for task, s in data["summary"].items():
         by = {(d["comparison"], d["metric"]): d for d in s["paired"]}
-        # each pool that was measured on the task, the later protocols' where they were
-        found = [(label, by.get((f"grpo: mbr_task_score{suffix} - beam", "task_score")))
-                 for suffix, label in DECODING_POOLS]
-        pools = [(label, d) for label, d in found if d is not None]
-        both = by[("grpo mbr_task_score - sft greedy", "task_score")]
-        figures.append(f"{task}: {', '.join(f'{label}{_short(d)}' for label, d in pools)} / "
-                       f"{100 * both['relative']:+.0f} %")
-        seeds.add(pools[0][1]["n"])
+        suffix, label = next((p for p in reversed(DECODING_POOLS)
+                              if (f"grpo: mbr_task_score{p[0]} - beam", "task_score") in by), DECODING_POOLS[0])
+        over_beam = by[(f"grpo: mbr_task_score{suffix} - beam", "task_score")]
+        # the stronger beam baseline (no_repeat_ngram_size=3), where it was measured
+        nr3 = by.get((f"grpo: mbr_task_score{suffix} - beam_norepeat3", "task_score"))
+        both = by[(f"grpo mbr_task_score{suffix} - sft greedy", "task_score")]
+        figures.append(f"{task}: {label}{_short(over_beam)}" + (f", nr3 {_short(nr3)}" if nr3 else "")
+                       + f" / {100 * both['relative']:+.0f} %")
+        seeds.add(over_beam["n"])
         machines.add(short_machine(data.get("tasks", {}).get(task, data)))
-    return ["MBR decoding (task score) on the GRPO checkpoint, 4 beams + 16 top-p (or 64 ε) samples: over beam / "
-            "RL + MBR over SFT greedy",
+    return ["MBR (task score) over 4 beams + 64 ε samples, GRPO checkpoint: over beam, over beam with "
+            "no-repeat-3 (nr3) / RL + MBR over SFT greedy",
             "; ".join(figures),
             f"{'/'.join(str(n) for n in sorted(seeds))} seeds per task, test split, {'; '.join(sorted(machines))}",
             "decoding"]

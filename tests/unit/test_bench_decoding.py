@@ -69,7 +69,9 @@ FIRST_PROTOCOL = ("greedy", "beam", "mean_logprob", "mbr_task_score", "mbr_rouge
 """The methods of a task measured before the epsilon pool was added."""
 SECOND_PROTOCOL = FIRST_PROTOCOL + ("mbr_task_score_eps", "oracle_eps")
 """... and before its 64-sample pool was."""
-ALL = SECOND_PROTOCOL + ("mbr_task_score_eps64", "oracle_eps64")
+THIRD_PROTOCOL = SECOND_PROTOCOL + ("mbr_task_score_eps64", "oracle_eps64")
+"""... and before beam search with the repetition controls was."""
+ALL = THIRD_PROTOCOL + ("beam_norepeat3",)
 
 
 def _reading(scores: dict[str, float], methods) -> dict:
@@ -81,7 +83,8 @@ def _reading(scores: dict[str, float], methods) -> dict:
 def _readings(methods=ALL) -> dict:
     return {str(s): {"reward_models": {},
                      "sft": _reading({"greedy": 1.0, "beam": 1.0, "mbr_task_score": 1.1 + 0.01 * s,
-                                      "mbr_task_score_eps": 1.05, "mbr_task_score_eps64": 1.1 + 0.03 * s}, methods),
+                                      "mbr_task_score_eps": 1.05, "mbr_task_score_eps64": 1.1 + 0.03 * s,
+                                      "beam_norepeat3": 1.05}, methods),
                      "grpo": _reading({"greedy": 1.1, "beam": 1.1, "mbr_task_score": 1.25 + 0.01 * s}, methods)}
             for s in (3, 1, 2)}
 
@@ -136,6 +139,13 @@ def test_a_task_measured_before_a_method_was_added_is_summarised_without_it(benc
     assert big["mean"] == pytest.approx(0.16) and big["target"] == ">= +8% at > 2 σ" and big["met"] is True
     assert by[("sft: mbr_task_score_eps64 - mbr_task_score_eps", "task_score")]["mean"] == pytest.approx(0.11)
     assert ("grpo mbr_task_score_eps64 - sft greedy", "task_score") in by
+    # The fourth protocol: what the repetition controls did to beam, and #41's MBR target against that beam.
+    assert by[("sft: beam_norepeat3 - beam", "task_score")]["mean"] == pytest.approx(0.05)
+    against = by[("sft: mbr_task_score_eps64 - beam_norepeat3", "task_score")]
+    assert against["mean"] == pytest.approx(0.11) and against["target"] == ">= +8% at > 2 σ"
+    assert ("grpo: mbr_task_score - beam_norepeat3", "task_score") in by
+    third = bench.summarize(bench.flat_readings(_readings(THIRD_PROTOCOL)))
+    assert not [d for d in third["paired"] if "norepeat" in d["comparison"]]
     with pytest.raises(ValueError, match=r"unknown method\(s\) \['mbr_typo'\]"):
         bench.summarize([{**r, "method": "mbr_typo"} for r in bench.flat_readings(_readings())][:1])
 

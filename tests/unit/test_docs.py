@@ -326,25 +326,29 @@ def test_the_readme_is_a_manual_of_at_most_300_lines_none_over_400_characters():
     assert not long, f"README.md lines over 400 characters (line, length): {long}"
 
 
-def test_the_decoding_glance_names_each_tasks_machine_and_the_epsilon_pool_where_measured(tmp_path):
-    def diff(relative: float, sigmas: float) -> dict:
-        return {"relative": relative, "sigmas": sigmas, "n": 3, "mean": relative, "std": relative / sigmas}
+def test_the_decoding_glance_shows_the_64_sample_pool_where_measured_against_both_beams(tmp_path):
+    def diff(name: str, relative: float, sigmas: float) -> dict:
+        return {"comparison": name, "metric": "task_score", "relative": relative, "sigmas": sigmas, "n": 3,
+                "mean": relative, "std": relative / sigmas}
 
     def summary(eps: bool) -> dict:
-        paired = [{"comparison": "grpo: mbr_task_score - beam", "metric": "task_score", **diff(0.09, 3.1)},
-                  {"comparison": "grpo mbr_task_score - sft greedy", "metric": "task_score", **diff(0.28, 1.4)}]
+        paired = [diff("grpo: mbr_task_score - beam", 0.09, 3.1), diff("grpo mbr_task_score - sft greedy", 0.28, 1.4)]
         if eps:
-            paired += [{"comparison": "grpo: mbr_task_score_eps64 - beam", "metric": "task_score", **diff(0.13, 2.9)},
-                       {"comparison": "grpo: mbr_task_score_eps - beam", "metric": "task_score", **diff(0.12, 2.5)}]
+            paired += [diff("grpo: mbr_task_score_eps64 - beam", 0.13, 2.9),
+                       diff("grpo: mbr_task_score_eps - beam", 0.12, 2.5),
+                       diff("grpo: mbr_task_score_eps64 - beam_norepeat3", 0.04, 0.3),
+                       diff("grpo mbr_task_score_eps64 - sft greedy", 0.41, 9.0)]
         return {"paired": paired}
 
     other = {**MACHINE, "cpu": "Other CPU", "cores": 16}
     _write(tmp_path / "decoding.json", {"machine": MACHINE, "summary": {"a": summary(True), "b": summary(False)},
                                         "tasks": {"a": {"machine": MACHINE}, "b": {"machine": other}}})
     title, figures, note, stem = glance.glance_decoding(tmp_path)
-    # the first pool, then the 64-sample one where it was measured (not the 16-sample epsilon pool: the page has it)
-    assert figures == "a: +9 % (3.1 σ), ε64 +13 % (2.9 σ) / +28 %; b: +9 % (3.1 σ) / +28 %"
-    assert title.endswith("4 beams + 16 top-p (or 64 ε) samples: over beam / RL + MBR over SFT greedy")
+    # the 64-sample pool against beam, beam with the repetition control and SFT greedy where it was measured; else
+    # the first pool, labelled (not the 16-sample epsilon pool: the page has it)
+    assert figures == "a: +13 % (2.9 σ), nr3 +4 % (0.3 σ) / +41 %; b: 16 top-p: +9 % (3.1 σ) / +28 %"
+    assert title == ("MBR (task score) over 4 beams + 64 ε samples, GRPO checkpoint: over beam, over beam with "
+                     "no-repeat-3 (nr3) / RL + MBR over SFT greedy")
     assert note == "3 seeds per task, test split, 16-core Other; 2-core Test" and stem == "decoding"
 
 

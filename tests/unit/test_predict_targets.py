@@ -524,3 +524,24 @@ def test_predict_applies_the_repetition_controls_to_the_beams_not_the_samples(ba
     assert pools["beam", 2] == [list(dict.fromkeys(h.text for h in hyps)) for hyps in want]
     assert pools["beam", 2] != pools["beam", 0]
     assert pools["sample", 2] == pools["sample", 0]  # the samples are drawn from the model's distribution
+
+
+def test_the_torch_runner_cuts_sources_at_data_max_source_len_as_the_ct2_runner_does(bart_dir, bart_export, tmp_path):
+    """Both runners read a source as training did (data.max_source_len tokens) when generating and when scoring;
+    the torch runner once generated from the whole source and scored the cut one."""
+    train, _ = _mbr_inputs(tmp_path)
+    long = ["a b c d a b c d ab cd", "dd c b a a b c d", "ab ab cd cd a b"]
+    cut = _cfg(tmp_path, train)
+    cut.data.max_source_len = 4
+    whole = TorchRunner(_cfg(tmp_path, train), bart_dir)
+    torch_cut = TorchRunner(cut, bart_dir)
+    ct2_cut = Ct2Policy(bart_export, max_source_len=4)
+
+    def greedy(runner):  # greedy: the two backends' beam searches may rank ties apart
+        return [hyps[0].token_ids for hyps in runner.generate(long, beam_size=1, num_hypotheses=1, max_new_tokens=8)]
+    assert greedy(torch_cut) == greedy(ct2_cut)
+    assert greedy(torch_cut) != greedy(whole), "the cut changes nothing here: the test shows nothing"
+    targets = [h.text for hyps in torch_cut.generate(long, beam_size=4, num_hypotheses=1, max_new_tokens=8)
+               for h in hyps]
+    for got, want in zip(torch_cut.score(long, targets), ct2_cut.score(long, targets), strict=True):
+        assert got == pytest.approx(want, abs=1e-4)
