@@ -337,9 +337,10 @@ class TorchBackend:
 def _refuse_repetition_controls(sampling: Sampling) -> None:
     """Samples are drawn from the model's own distribution (what RL's ratios and MBR's expectation assume): the
     repetition controls are beam search's."""
-    if field := sampling.repetition_controls():
-        raise ValueError(f"{field[0]}={getattr(sampling, field[0])}: applies to beam search only (samples are drawn "
-                         f"from the model's distribution); leave it at {REPETITION_CONTROLS[field[0]]:g} when sampling")
+    if fields := sampling.repetition_controls():
+        name = fields[0]
+        raise ValueError(f"{name}={getattr(sampling, name)}: applies to beam search only (samples are drawn from the "
+                         f"model's distribution); leave it at {REPETITION_CONTROLS[name]:g} when sampling")
 
 
 class GeneratedRepetition(LogitsProcessor):
