@@ -159,11 +159,11 @@ class TorchRunner:
     CTranslate2 runner cut them, for generating and for scoring."""
 
     def __init__(self, cfg: Config, model_dir: Path, *, policy: Policy | None = None) -> None:
-        self.max_source_len = cfg.data.max_source_len
+        cut = cfg.data.max_source_len
         if policy is None:
-            self.backend = TorchBackend.from_checkpoint(cfg, model_dir, max_source_len=self.max_source_len)
+            self.backend = TorchBackend.from_checkpoint(cfg, model_dir, max_source_len=cut)
         else:
-            self.backend = TorchBackend(policy, checkpoint=str(model_dir), max_source_len=self.max_source_len,
+            self.backend = TorchBackend(policy, checkpoint=str(model_dir), max_source_len=cut,
                                         device=str(next(policy.model.parameters()).device))
 
     @property
@@ -200,7 +200,7 @@ class TorchRunner:
         training labels of the target (the tokenizer's full target template, ``encode_texts(..., target=True)``),
         as :meth:`Ct2Policy.score` gives them."""
         tok = self.backend.tokenizer
-        src, _ = encode_texts(tok, sources, self.max_source_len)
+        src, _ = encode_texts(tok, sources, self.backend.source_len)  # where generation cuts them too
         labels, _ = encode_texts(tok, targets, self.backend.max_positions, target=True)
         return self.backend.teacher_forced(src, labels)
 
