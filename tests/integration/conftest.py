@@ -4,6 +4,8 @@ whole session."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
 import signal
@@ -42,13 +44,16 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-# `make test` runs these tests on two pytest-xdist workers (`--dist loadfile`): each module's tests on one worker, in
-# order (its module fixtures are made once; some tests go on from what an earlier one left); the modules that run
-# jobs on the worker's embedded Ray (:func:`ray_session`) all on one worker (spread over both, their tests took 2.3
-# times as long as in one process; kept on one, at most 1.8 times); the tests on the two-node cluster on one worker
-# (one cluster serves them). The scheduler sees only test names, so such a test has TWO_NODE_NAME in its name and
-# such a module is listed in RAY_SESSION_MODULES: pytest_collection_modifyitems checks both. (pytest-xdist's own
-# grouping by mark, `--dist loadgroup`, does not group under pytest 9.2: pytest-xdist issue 1386.)
+# `make test` runs the whole suite in one session on two pytest-xdist workers (`--dist loadfile`, these tests
+# collected first): each integration module's tests on one worker, in order (its module fixtures are made once; some
+# tests go on from what an earlier one left); the modules that run jobs on the worker's embedded Ray
+# (:func:`ray_session`) all on one worker (spread over both, their tests took 2.3 times as long as in one process;
+# kept on one, at most 1.8 times); the tests on the two-node cluster on one worker (one cluster serves them); each
+# unit test on its own, so that they fill whichever worker the integration groups leave idle (xdist hands out the
+# groups with the most tests first, the single tests last). The scheduler sees only test names, so such a test has
+# TWO_NODE_NAME in its name and such a module is listed in RAY_SESSION_MODULES: pytest_collection_modifyitems checks
+# both. (pytest-xdist's own grouping by mark, `--dist loadgroup`, does not group under pytest 9.2: pytest-xdist
+# issue 1386.)
 TWO_NODE_NAME = "two_node"
 RAY_SESSION_MODULES = ("test_dpo_ray.py", "test_families_e2e.py", "test_feedback_loop.py", "test_pg_ray.py",
                        "test_rl_ray.py", "test_stage_ranks_ray.py", "test_trpo_ray.py")
@@ -60,6 +65,8 @@ def pytest_xdist_make_scheduler(config, log):
     class Groups(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module, *_, name = nodeid.split("::")
+            if Path(module).parts[:2] == ("tests", "unit"):
+                return nodeid
             if TWO_NODE_NAME in name:
                 return "two_node_cluster"
             return "ray_session" if Path(module).name in RAY_SESSION_MODULES else module
@@ -136,9 +143,23 @@ def rlt2t() -> Callable[..., subprocess.CompletedProcess]:
 def demo_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """`rlt2t demo` on the tiny config as a user runs it (a subprocess) and what it printed: data, tokenizer,
     pretraining, SFT, continued SFT, RL and the demo's tables. test_cli.py checks the run; the other tests start
-    from its data, tokenizer and SFT checkpoint (:func:`prepared_run`)."""
-    run = tmp_path_factory.mktemp("demo")
-    return run, run_rlt2t("demo", "--config", str(TINY), f"run.dir={run}")
+    from its data, tokenizer and SFT checkpoint (:func:`prepared_run`). One demo serves the whole run: the first
+    pytest-xdist worker that needs it makes it, the others wait for it (a lock beside their temp dirs) and read
+    what it printed; a demo that failed fails each of them with its output."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' temp dirs, popen-gwN, are in one directory of this run
+    run, printed = root / "demo", root / "demo.json"
+    with open(root / "demo.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not printed.exists():
+            proc = run_rlt2t("demo", "--config", str(TINY), f"run.dir={run}", check=False)
+            printed.write_text(json.dumps({"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout,
+                                           "stderr": proc.stderr}))
+    proc = subprocess.CompletedProcess(**json.loads(printed.read_text()))
+    if proc.returncode != 0:
+        raise AssertionError(f"rlt2t demo exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return run, proc
 
 
 # What of the demo's run comes after SFT (a copy leaves it out: the tests' RL jobs start from SFT).
@@ -147,8 +168,8 @@ AFTER_SFT = ("rl", "eval", "continued_sft", "rl.yaml", "continued_sft.yaml")
 
 @pytest.fixture(scope="session")
 def prepared_run(demo_run) -> Path:
-    """The demo's run, for its data, tokenizer and SFT checkpoint: read it, write to a :func:`copy_prepared` (only
-    test_cli.py, which checks the demo itself, runs commands in it)."""
+    """The demo's run, for its data, tokenizer and SFT checkpoint: read it, write to a :func:`copy_prepared`
+    (test_cli.py runs its commands in a whole copy: other workers read this one meanwhile)."""
     return demo_run[0]
 
 

@@ -63,8 +63,16 @@ def test_demo_pipeline_end_to_end(demo_run):
     assert not [line for line in proc.stderr.splitlines() if " E " in line[:40] and "core_worker" in line]
 
 
-def test_demo_rerun_resumes_instead_of_retraining(demo_run, rlt2t):
-    run, _ = demo_run
+@pytest.fixture(scope="module")
+def own_run(demo_run, tmp_path_factory) -> Path:
+    """A whole copy of the demo's run, for the commands these tests run in it (other tests read the demo's own)."""
+    run = tmp_path_factory.mktemp("demo-copy") / "run"
+    shutil.copytree(demo_run[0], run)
+    return run
+
+
+def test_demo_rerun_resumes_instead_of_retraining(own_run, rlt2t):
+    run = own_run
     before = {stage: sorted(p.name for p in (run / stage / "checkpoints").iterdir())
               for stage in ("sft", "continued_sft", "rl")}
     shutil.rmtree(run / "eval")  # the rerun writes its tables again
@@ -77,14 +85,14 @@ def test_demo_rerun_resumes_instead_of_retraining(demo_run, rlt2t):
     assert labels[:2] == ["sft", "continued sft"] and labels[2].startswith("rl (")
 
 
-def test_stage_refuses_to_overwrite_without_resume(demo_run, cli):
-    run, _ = demo_run
+def test_stage_refuses_to_overwrite_without_resume(own_run, cli):
+    run = own_run
     code, _, err = cli("sft", "--config", TINY, f"run.dir={run}")
     assert code == 2 and "--resume" in err
 
 
-def test_eval_command_and_average(demo_run, tmp_path, cli):
-    run, _ = demo_run
+def test_eval_command_and_average(own_run, tmp_path, cli):
+    run = own_run
     code, out, err = cli("eval", "--config", TINY, f"run.dir={run}", "eval.num_beams=2")
     assert code == 0, err
     assert "beam 2" in out and "cider_d" in out

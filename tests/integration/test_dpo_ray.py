@@ -1,6 +1,7 @@
 """DPO as a Ray job (`rlt2t train rl.algorithm=dpo`), offline: pairs sampled from the SFT checkpoint and ordered
-by the reward, or read from an annotation export; the pairs fixed in the run dir, a resume after a real kill
-bitwise identical to an uninterrupted run, and the Python API's `rlt2t.train` running it too."""
+by the reward, or read from an annotation export; the pairs fixed in the run dir, a resume of a run cut short
+bitwise identical to an uninterrupted run (cut in this process: a real SIGKILL of the driver and its Ray leaves the
+same files, test_pg_ray.py), and the Python API's `rlt2t.train` running it too."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import rlt2t
+from rlt2t.common.checkpoint import latest_complete_checkpoint, read_checkpoint
 from rlt2t.common.config import ModelConfig, load_config
 from rlt2t.common.policy import load_policy
 from rlt2t.jobs import rl_job
@@ -49,11 +51,12 @@ def reference(ray_session, copy_prepared, tmp_path_factory):
     return run, pairs, _weights(result.checkpoint), steps
 
 
-def test_resume_after_a_real_kill_is_bitwise_identical(reference, copy_prepared, kill_training, tmp_path):
+def test_resume_of_a_run_cut_short_is_bitwise_identical(reference, copy_prepared, tmp_path):
     _, pairs, weights, steps = reference
-    run = copy_prepared(tmp_path / "killed")
-    killed_at = kill_training(run, *SETTINGS, at_step=3)
-    assert 3 <= killed_at < steps
+    run = copy_prepared(tmp_path / "cut")
+    cut = rl_job(load_config([TINY], [f"run.dir={run}", *SETTINGS]), stop_after_steps=4)
+    assert cut.steps == 4 < steps  # its last checkpoint is step 3's: the resumed run trains step 4 again
+    assert read_checkpoint(latest_complete_checkpoint(run / "rl" / "checkpoints")).step == 3
     assert read_pairs_file(pairs_file(run)) == pairs  # the same pairs: sampling is seeded by run.seed
     result = rl_job(load_config([TINY], [f"run.dir={run}", *SETTINGS]), resume=True)
     assert result.steps == steps

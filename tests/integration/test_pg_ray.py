@@ -1,8 +1,8 @@
 """The policy-gradient algorithms on a real (embedded) Ray (PPO: value head, GAE, adaptive KL; GRPO on sharded
-learners; NLPO's masking policy): bitwise resume after a real kill (value head, KL controller and optimizer
-shards included), a killed rollout worker re-dispatched with nothing lost, and DDP ranks that stay identical
-(PPO with the likelihood term). RLOO differs from GRPO in its advantages alone
-(tests/unit/learner/test_pg_losses.py)."""
+learners; NLPO's masking policy): bitwise resume after a real kill of the driver and its Ray (PPO on LoRA adapters:
+value head and KL controller included) and of a run cut short (GRPO's per-rank optimizer shards), a killed rollout
+worker re-dispatched with nothing lost, and DDP ranks that stay identical (PPO with the likelihood term). RLOO
+differs from GRPO in its advantages alone (tests/unit/learner/test_pg_losses.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 from rlt2t.actors.reward import RewardWorker
 from rlt2t.actors.rollout import RolloutWorker
 from rlt2t.common.algorithms import rollout_spec_for
-from rlt2t.common.checkpoint import latest_complete_checkpoint, load_training_state
+from rlt2t.common.checkpoint import latest_complete_checkpoint, load_training_state, read_checkpoint
 from rlt2t.common.config import ModelConfig, RewardConfig, RLConfig, RolloutConfig, load_config
 from rlt2t.common.data import load_examples
 from rlt2t.common.metrics import DocumentFrequency
@@ -90,14 +90,9 @@ def references(ray_session, prepared_run, copy_prepared, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_resume_after_a_real_kill_is_bitwise_identical(references, copy_prepared, kill_training, tmp_path, variant):
-    algorithm, extra = VARIANTS[variant]
-    run = copy_prepared(tmp_path / "killed")
-    killed_at = kill_training(run, f"rl.algorithm={algorithm}", *SETTINGS, *extra)
-    assert 4 <= killed_at < STEPS
-
-    result = rl_job(_config(run, algorithm, *extra), resume=True)
+def _same_end(references, variant: str, result) -> None:
+    """The resumed run ``result`` ended where the uninterrupted run of ``variant`` did, bit for bit."""
+    algorithm, _ = VARIANTS[variant]
     assert result.steps == STEPS
     weights, state = references[variant]
     resumed = _weights(result.checkpoint)
@@ -106,6 +101,27 @@ def test_resume_after_a_real_kill_is_bitwise_identical(references, copy_prepared
     assert resumed_state["kl"] == state["kl"]  # the KL controller's coefficient, exactly
     if algorithm == "ppo":
         assert all(torch.equal(state["value_head"][k], resumed_state["value_head"][k]) for k in state["value_head"])
+
+
+def test_resume_after_a_real_kill_is_bitwise_identical(references, copy_prepared, kill_training, tmp_path):
+    """The driver and its embedded Ray SIGKILLed mid-run: what the kill leaves behind resumes to the end of the
+    uninterrupted run. One algorithm: checkpoints are written by the learner group and the scheduler that every
+    algorithm shares (DPO's offline loop included)."""
+    algorithm, extra = VARIANTS["ppo-lora"]
+    run = copy_prepared(tmp_path / "killed")
+    killed_at = kill_training(run, f"rl.algorithm={algorithm}", *SETTINGS, *extra)
+    assert 4 <= killed_at < STEPS
+    _same_end(references, "ppo-lora", rl_job(_config(run, algorithm, *extra), resume=True))
+
+
+def test_sharded_ranks_resume_a_run_cut_short_bitwise(references, copy_prepared, tmp_path):
+    """GRPO on two FSDP ranks, stopped after the step past its step-4 checkpoint (in this process: a real kill
+    leaves the same files, test above), resumed by ranks that each read their own optimizer shard."""
+    algorithm, extra = VARIANTS["grpo-fsdp"]
+    run = copy_prepared(tmp_path / "cut")
+    cut = rl_job(_config(run, algorithm, *extra), stop_after_steps=5)
+    assert cut.steps == 5 and read_checkpoint(latest_complete_checkpoint(run / "rl" / "checkpoints")).step == 4
+    _same_end(references, "grpo-fsdp", rl_job(_config(run, algorithm, *extra), resume=True))
 
 
 def test_a_killed_rollout_worker_is_redispatched_and_nothing_is_lost(references, copy_prepared, tmp_path):

@@ -153,8 +153,7 @@ def test_step_refresh_publishes_weights_and_bounds_staleness(ray_session, copy_p
 def test_learner_death_fails_clearly_and_resumes_bitwise(ray_session, copy_prepared, reference_run, tmp_path):
     """Rank RL's resume is exact: killed mid-run, the job resumed from its newest complete checkpoint ends with
     the uninterrupted run's weights. (A rollout worker killed mid-task: test_pg_ray.py in deterministic mode,
-    and the unordered test below for rank RL; the driver SIGKILLed mid-run: test_pg_ray.py, one loop for
-    every algorithm.)"""
+    and the unordered test below for rank RL; the driver and its Ray SIGKILLed mid-run: test_pg_ray.py.)"""
     from rlt2t.groups import LearnerDied
 
     run = copy_prepared(tmp_path / "learner")

@@ -2,7 +2,7 @@
 uninterrupted run (the value head, its optimiser and the KL controller included), and two DDP ranks that take the
 same trust-region step as each other and as one learner on the whole batch. The run is cut short in this process
 (`stop_after_steps`, after the step past its last checkpoint): what a real SIGKILL leaves behind is the same files,
-and test_pg_ray, test_dpo_ray and test_rl_ray kill their runs for real."""
+and test_pg_ray kills a run's driver and Ray for real, test_rl_ray a learner rank."""
 
 from __future__ import annotations
 
