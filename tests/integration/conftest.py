@@ -48,12 +48,13 @@ def pytest_runtest_makereport(item, call):
 # collected first): each integration module's tests on one worker, in order (its module fixtures are made once; some
 # tests go on from what an earlier one left); the modules that run jobs on the worker's embedded Ray
 # (:func:`ray_session`) all on one worker (spread over both, their tests took 2.3 times as long as in one process;
-# kept on one, at most 1.8 times); the tests on the two-node cluster on one worker (one cluster serves them); each
-# unit test on its own, so that they fill whichever worker the integration groups leave idle (xdist hands out the
-# groups with the most tests first, the single tests last). The scheduler sees only test names, so such a test has
-# TWO_NODE_NAME in its name and such a module is listed in RAY_SESSION_MODULES: pytest_collection_modifyitems checks
-# both. (pytest-xdist's own grouping by mark, `--dist loadgroup`, does not group under pytest 9.2: pytest-xdist
-# issue 1386.)
+# kept on one, at most 1.8 times; in two groups, one per worker, the whole suite took 1296 s instead of 1064 s on
+# 2 cores); the tests on the two-node cluster on one worker (one cluster serves them); each unit test on its own,
+# so that they fill whichever worker the integration groups leave idle (xdist hands out the groups with the most
+# tests first, the single tests last). The scheduler sees only test names, so such a test has TWO_NODE_NAME in its
+# name and such a module is listed in RAY_SESSION_MODULES: pytest_collection_modifyitems checks both.
+# (pytest-xdist's own grouping by mark, `--dist loadgroup`, does not group under pytest 9.2: pytest-xdist issue
+# 1386.)
 TWO_NODE_NAME = "two_node"
 RAY_SESSION_MODULES = ("test_dpo_ray.py", "test_families_e2e.py", "test_feedback_loop.py", "test_pg_ray.py",
                        "test_rl_ray.py", "test_stage_ranks_ray.py", "test_trpo_ray.py")
@@ -153,7 +154,12 @@ def demo_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     with open(root / "demo.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not printed.exists():
-            proc = run_rlt2t("demo", "--config", str(TINY), f"run.dir={run}", check=False)
+            try:
+                proc = run_rlt2t("demo", "--config", str(TINY), f"run.dir={run}", check=False)
+            except subprocess.TimeoutExpired as e:  # recorded too: the others fail at once instead of trying again
+                out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                            for x in (e.stdout, e.stderr))
+                proc = subprocess.CompletedProcess(e.cmd, -9, out, f"{err}\ntimed out after {e.timeout:g} s")
             printed.write_text(json.dumps({"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout,
                                            "stderr": proc.stderr}))
     proc = subprocess.CompletedProcess(**json.loads(printed.read_text()))
