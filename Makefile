@@ -6,12 +6,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k metrics"`.
 PYTEST_ARGS ?=
-# The tests run on this many processes (pytest-xdist; one torch thread each, tests/conftest.py; 0: in this one):
-# `make test` in one session, the integration tests first (the tests of a module, the modules on an embedded Ray,
-# and the tests on the two-node cluster, each go to one worker; each unit test on its own fills the worker the
-# others leave idle: tests/integration/conftest.py). `make test-integration` runs on INTEGRATION_WORKERS.
+# The unit tests run on this many processes (pytest-xdist; one torch thread each, tests/conftest.py; 0: in this
+# one), then the integration tests on INTEGRATION_WORKERS (the tests of a module, the modules on an embedded Ray,
+# and the tests on the two-node cluster, each go to one worker: tests/integration/conftest.py).
 TEST_WORKERS ?= 2
-INTEGRATION_WORKERS ?= $(TEST_WORKERS)
+INTEGRATION_WORKERS ?= 2
 INTEGRATION := -n $(INTEGRATION_WORKERS) --dist loadfile
 
 .PHONY: system-deps install demo test test-unit test-integration lint docs bench clean help ray-up ray-down train-submit \
@@ -81,11 +80,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rlt2t demo
 
-# pytest's status is the target's, except 5 (a selection, e.g. -k, that leaves nothing to run): not a failure.
+# Both parts run whatever the first gives; the first failure's status is the target's. Exit status 5 (a
+# selection, e.g. -k, that leaves one part empty) is not a failure.
 test: $(STAMP)
 	@$(MAKE) --no-print-directory system-deps SYSTEM_DEPS_OPTIONAL=1
-	$(BIN)/python -m pytest tests/integration tests/gpu tests/unit -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); \
-	rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests selected"; exit 0; fi; exit $$rc
+	$(BIN)/python -m pytest tests/unit -n $(TEST_WORKERS) $(PYTEST_ARGS); unit=$$?; \
+	$(BIN)/python -m pytest tests/integration tests/gpu $(INTEGRATION) $(PYTEST_ARGS); rest=$$?; \
+	for rc in $$unit $$rest; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done; \
+	if [ $$unit -eq 5 ] && [ $$rest -eq 5 ]; then echo "no tests selected"; fi
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -n $(TEST_WORKERS) $(PYTEST_ARGS)

@@ -78,20 +78,24 @@ def test_nothing_to_do_when_every_package_is_there(tmp_path):
     assert not (tmp_path / "calls.txt").exists()
 
 
-@pytest.mark.parametrize(("status", "made"), [(0, 0), (1, 1), (2, 2), (5, 0)])
-def test_make_test_runs_one_session_on_workers_and_fails_with_it(tmp_path, done_stamp, status, made):
-    """Every test in one pytest session on TEST_WORKERS processes, the integration tests first and grouped by file
-    (tests/integration/conftest.py); pytest's status is make's, except 5 (a -k that selects nothing)."""
+@pytest.mark.parametrize(("unit", "rest", "status"), [(0, 0, 0), (1, 0, 1), (0, 2, 2), (5, 0, 0), (0, 5, 0),
+                                                      (5, 5, 0), (5, 1, 1), (1, 2, 1)])
+def test_make_test_runs_the_unit_part_on_workers_then_the_rest_and_fails_with_either(tmp_path, done_stamp, unit, rest,
+                                                                                    status):
+    """The unit tests on TEST_WORKERS processes, then the integration (and GPU) tests on INTEGRATION_WORKERS, a
+    module per worker at a time; both run whatever the first gives, the first failure's status is make's, and 5 (a
+    -k that leaves a part empty) is not a failure."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     python = bin_dir / "python"  # a stand-in for the venv's python: records its arguments, exits as told
-    python.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls.txt'}\nexit {status}\n")
+    python.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls.txt'}\ncase \"$*\" in *tests/unit*) exit {unit};; "
+                      f"esac\nexit {rest}\n")
     python.chmod(0o755)
-    done = make("test", done_stamp, f"BIN={bin_dir}", "DEB_PACKAGES=", "TEST_WORKERS=3", "PYTEST_ARGS=-k x",
-                tmp_path=tmp_path)
-    assert done.returncode == (0 if made == 0 else 2), done.stdout + done.stderr  # make's own status for a failure
-    if made:
-        assert f"Error {made}" in done.stderr
+    done = make("test", done_stamp, f"BIN={bin_dir}", "DEB_PACKAGES=", "TEST_WORKERS=3", "INTEGRATION_WORKERS=4",
+                "PYTEST_ARGS=-k x", tmp_path=tmp_path)
+    assert done.returncode == (0 if status == 0 else 2), done.stdout + done.stderr  # make's own status for a failure
+    if status:
+        assert f"Error {status}" in done.stderr
     assert (tmp_path / "calls.txt").read_text().splitlines() == [
-        "-m pytest tests/integration tests/gpu tests/unit -n 3 --dist loadfile -k x"]
-    assert ("no tests selected" in done.stdout.splitlines()) == (status == 5)  # a line of its own, not the recipe
+        "-m pytest tests/unit -n 3 -k x", "-m pytest tests/integration tests/gpu -n 4 --dist loadfile -k x"]
+    assert ("no tests selected" in done.stdout.splitlines()) == (unit == rest == 5)  # a line of its own, not the recipe
