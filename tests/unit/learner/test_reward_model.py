@@ -36,7 +36,9 @@ def preference_groups(n: int, seed: int = 0) -> list[PreferenceGroup]:
     groups = []
     for i in range(n):
         by_score: dict[int, str] = {}
-        for c in sorted({text() + " 7" * rng.randint(0, 2) for _ in range(4)}, key=hidden_preference, reverse=True):
+        # sorted twice: a set's order follows the process's string hashing, and the first of equal scores is kept
+        drawn = sorted({text() + " 7" * rng.randint(0, 2) for _ in range(4)})
+        for c in sorted(drawn, key=hidden_preference, reverse=True):
             by_score.setdefault(hidden_preference(c), c)
         if len(by_score) >= 2:
             groups.append(rank_list_group(f"{text()} {i}", list(by_score.values())))
