@@ -45,16 +45,16 @@ def pytest_runtest_makereport(item, call):
 
 
 # `make test` runs these tests on two pytest-xdist workers (`--dist loadfile`): each module's tests on one worker, in
-# order (its module fixtures are made once; some tests go on from what an earlier one left); the modules that run
-# jobs on the worker's embedded Ray (:func:`ray_session`) all on one worker (spread over both, their tests took 2.3
-# times as long as in one process; kept on one, at most 1.8 times; in two groups, one per worker, the whole suite
-# took 1296 s instead of 1064 s on 2 cores); the tests on the two-node cluster on one worker (one cluster serves
-# them). The scheduler sees only test names, so such a test has TWO_NODE_NAME in its name and such a module is
-# listed in RAY_SESSION_MODULES: pytest_collection_modifyitems checks both. (pytest-xdist's own grouping by mark,
-# `--dist loadgroup`, does not group under pytest 9.2: pytest-xdist issue 1386.) The unit tests run in a session of
-# their own before these. In one session with them (each unit test its own scope, filling the idle worker) the
-# suite took 1064 s instead of 1127 s; it was set aside when a unit test failed in it, a failure later traced to
-# that test's data following the process's string hashing (fixed), not to the shared session: worth measuring again.
+# order (its module fixtures are made once; some tests go on from what an earlier one left); the modules that run jobs
+# on the worker's embedded Ray (:func:`ray_session`) all on one worker (spread over both, their tests took 2.3 times as
+# long as in one process; kept on one, at most 1.8 times; in two groups, one per worker, the one-session suite below
+# took 1296 s instead of 1064 s on 2 cores); the tests on the two-node cluster on one worker (one cluster serves them).
+# The scheduler sees only test names, so such a test has TWO_NODE_NAME in its name and such a module is listed in
+# RAY_SESSION_MODULES: pytest_collection_modifyitems checks both. (pytest-xdist's own grouping by mark, `--dist
+# loadgroup`, does not group under pytest 9.2: pytest-xdist issue 1386.) The unit tests run in a session of their own
+# before these. In one session with them (each unit test its own scope, filling the idle worker) the suite took 1064 s
+# instead of 1127 s; it was set aside when a unit test failed in it, a failure later traced to that test's data
+# following the process's string hashing (fixed), not to the shared session: worth measuring again.
 TWO_NODE_NAME = "two_node"
 RAY_SESSION_MODULES = ("test_dpo_ray.py", "test_families_e2e.py", "test_feedback_loop.py", "test_pg_ray.py",
                        "test_rl_ray.py", "test_stage_ranks_ray.py", "test_trpo_ray.py")
@@ -127,9 +127,15 @@ def run_rlt2t(*args: str, check: bool = True, cwd: Path | None = None) -> subpro
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "-m", "rlt2t.cli", *args], capture_output=True, text=True, env=env,
                           cwd=cwd or REPO, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"rlt2t {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    if check:
+        _check_exit(proc)
     return proc
+
+
+def _check_exit(proc: subprocess.CompletedProcess) -> None:
+    """AssertionError with what ``rlt2t ...`` printed when it exited non-zero."""
+    if proc.returncode != 0:
+        raise AssertionError(f"rlt2t {' '.join(proc.args[3:])} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
 
 
 @pytest.fixture(scope="session")
@@ -161,8 +167,7 @@ def demo_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
             printed.write_text(json.dumps({"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout,
                                            "stderr": proc.stderr}))
     proc = subprocess.CompletedProcess(**json.loads(printed.read_text()))
-    if proc.returncode != 0:
-        raise AssertionError(f"rlt2t demo exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    _check_exit(proc)
     return run, proc
 
 
