@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import functools
 import logging
 import math
 import os
@@ -42,6 +43,7 @@ from rlt2t.common.checkpoint import (
 )
 from rlt2t.common.config import MetricConfig, ModelConfig, RLConfig, RolloutConfig
 from rlt2t.common.data import Example
+from rlt2t.common.errors import UnitError
 from rlt2t.common.families import check_mixed_precision
 from rlt2t.common.lora import (
     adapter_state_dict,
@@ -60,6 +62,7 @@ from rlt2t.learner.objectives import (
     PolicyGradientObjective,
     StepRunner,
     build_objective,
+    unit_fault,
 )
 from rlt2t.learner.schedule import linear_warmup_decay
 from rlt2t.learner.trainer import load_scaler_state, scaler_state
@@ -122,6 +125,27 @@ class BatchTooLarge(RuntimeError):
     """The largest batch a learner rank can receive does not fit in its memory (found by the preflight)."""
 
 
+def _runs_unit_code(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A Learner call that runs the algorithm unit's objective: an error raised in a unit's own code becomes the
+    UnitError that names it (:func:`~rlt2t.learner.objectives.unit_fault`), and a unit's error while the rank
+    was built is raised by each such call (Ray hands the driver no exception of an actor's constructor, only
+    that it died: a failed rank to resume)."""
+
+    @functools.wraps(method)
+    def call(self: Learner, *args: Any, **kwargs: Any) -> Any:
+        if self.unit_error is not None:
+            raise self.unit_error
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            fault = unit_fault(self.cfg.unit, e)
+            if fault is None:
+                raise
+            raise fault from e
+
+    return call
+
+
 class Learner:
     """One learner rank. ``steps`` counts learner steps (batches), the policy version its weights are."""
 
@@ -157,8 +181,16 @@ class Learner:
             reference = load_policy(model_cfg, tokenizer_dir, checkpoint=reference_checkpoint or init_checkpoint)
             reference.model.eval().requires_grad_(False)
         check_mixed_precision(self.policy.model.config, mixed_precision)  # T5 in fp16 overflows: refused at start
-        self.objective: Objective = build_objective(rl_cfg, rollout_cfg, self.policy, seed=seed,
-                                                    reference=reference.model if reference else None)
+        self.unit_error: UnitError | None = None  # raised by each call that runs the unit (_runs_unit_code)
+        try:
+            self.objective: Objective = build_objective(rl_cfg, rollout_cfg, self.policy, seed=seed,
+                                                        reference=reference.model if reference else None)
+        except Exception as e:
+            self.unit_error = unit_fault(rl_cfg.unit, e)
+            if self.unit_error is None:
+                raise
+            self.unit_error.__cause__ = e
+            return
         self.module: torch.nn.Module = self.objective.module
         # Parameters outside the policy (PPO's value head): whole on every rank when the policy is sharded.
         self._replicated: list[torch.nn.Parameter] = []
@@ -227,6 +259,7 @@ class Learner:
     def rendezvous_address(self) -> tuple[str, int]:
         return free_address()
 
+    @_runs_unit_code
     def join(self, rendezvous: tuple[str, int]) -> None:
         """Form the DDP world at rank 0's ``rendezvous_address()`` (call on every rank concurrently)."""
         address, port = rendezvous
@@ -247,6 +280,7 @@ class Learner:
         """(sources, source tokens, target tokens) of the largest shard this rank can be handed."""
         return math.ceil(self.cfg.batch_size / self.world_size), self.max_source_len, self.max_target_len
 
+    @_runs_unit_code
     def preflight(self) -> dict[str, float]:
         """One forward and backward pass on the largest batch this rank can receive, before any training.
 
@@ -289,6 +323,7 @@ class Learner:
                 "target_tokens": tgt_len, "peak_memory_gib": peak_gib}
 
     # --- training ------------------------------------------------------------------------------------------
+    @_runs_unit_code
     def train_step(self, items: Sequence[ScoredPair] | Sequence[ScoredGroup], mask_versions: Sequence[int] = (),
                    *mask_weights: dict[str, torch.Tensor]) -> dict[str, float]:
         """One learner step on this rank's shard (the objective may take several optimizer steps); returns
@@ -411,6 +446,7 @@ class Learner:
             weights = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}
         return {"step": self.steps, "bytes": sum(t.numel() * t.element_size() for t in weights.values())}, weights
 
+    @_runs_unit_code
     def training_state(self) -> dict[str, Any]:
         """A snapshot (deep copy: optimizer.state_dict() aliases the live moment tensors)."""
         return copy.deepcopy(self._training_state())
@@ -426,6 +462,7 @@ class Learner:
                 "rng": rng_state(), "steps": self.steps, "objective": self.objective.state_dict(),
                 **scaler_state(acc)}
 
+    @_runs_unit_code
     def write_checkpoint(self, root: str, name: str, step: int, meta: dict[str, Any], trained_in_epoch: list[str],
                          published_versions: Sequence[int], *states_and_weights: Any) -> str:
         """Rank 0: the job's checkpoint ``root/name``, written here from this rank's own model (no copy of it
@@ -465,6 +502,7 @@ class Learner:
                         step=version, meta=dict(meta))
         prune_checkpoints(root, keep_last=2)
 
+    @_runs_unit_code
     def load_training_state_from(self, checkpoint: str) -> None:
         """This rank's state out of a checkpoint's training state, read here (memory-mapped: the other ranks'
         states and the published weights in the same file are not read), not shipped through the driver."""
@@ -474,6 +512,7 @@ class Learner:
                              "(rl.learners must match to resume exactly)")
         self.load_training_state(copy.deepcopy(states[self.rank]))  # a copy in memory, not pages of the file
 
+    @_runs_unit_code
     def load_training_state(self, state: dict[str, Any]) -> None:
         acc = self._prepare()
         self.optimizer.load_state_dict(state["optimizer"])

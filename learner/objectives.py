@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import sysconfig
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -457,7 +458,9 @@ class PolicyGradientObjective:
             sampler_log_ratio = torch.where(mask, old_logp - batch.sample_logprobs, torch.zeros_like(old_logp))
             is_weights = torch.clamp(torch.exp(sampler_log_ratio), max=pg.is_cap)
             sampler_ratio = torch.exp(sampler_log_ratio)
-            beta = self.kl.coef
+            # β: 0 where no KL enters (a unit with uses_reference = False, or rl.kl.coef = 0): what its advantages
+            # get and the logs show, not rl.kl.coef's unused value
+            beta = self.kl.coef if rl.uses_kl else 0.0
             if rl.uses_kl:
                 reference = self._reference_logprobs(run, batch)
                 k1 = torch.where(valid, kl_estimate(old_raw, reference, "k1"), torch.zeros_like(old_raw))
@@ -490,8 +493,7 @@ class PolicyGradientObjective:
                 except Exception as e:
                     if collective.failed or isinstance(e, (torch.OutOfMemoryError, MemoryError)):
                         raise  # a peer rank gone, or memory: a failed rank, which a resume recovers from
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                    raise UnitError(f"{_method(self.unit)} raised {type(e).__name__}: {first}") from e
+                    raise UnitError(f"{_method(self.unit)} raised {type(e).__name__}: {_first_line(e)}") from e
                 _check_advantages(self.unit, per_source, rewards)
                 advantages = per_source.t().reshape(-1, 1).expand_as(old_logp).contiguous()
                 returns = None
@@ -502,7 +504,8 @@ class PolicyGradientObjective:
         # 4. the KL coefficient (every rank sees the same global mean, so they stay equal)
         totals = run.all_sum(torch.tensor([float(seq_kl.sum()), float(seq_kl.numel())], dtype=torch.float64))
         mean_seq_kl = float(totals[0] / totals[1].clamp(min=1))
-        self.kl.update(mean_seq_kl, int(totals[1]))
+        if rl.uses_kl:  # without a KL, an adaptive coefficient would drift towards a target nothing measures
+            self.kl.update(mean_seq_kl, int(totals[1]))
         metrics = {
             **{key: sum(v) / len(v) for key, v in stats.items() if v},
             "ratio_max": max(stats["ratio_max"]),
@@ -709,6 +712,40 @@ class _Collective:
         except BaseException:
             self.failed = True
             raise
+
+
+def unit_fault(unit: Any, error: BaseException) -> UnitError | None:
+    """``error`` as the user's to fix when a unit of one's own (a module outside rlt2t) raised it in its own code:
+    the unit's module, or a module of the user's the objective calls (outside rlt2t and the installed libraries).
+    A UnitError naming the unit and the function and line of the last such frame, which reaches the command line
+    as one line (a resume would fail the same way). None (a failed rank, which a resume may recover from) for a
+    built-in unit, memory, and an error raised in rlt2t's code or in a collective (torch.distributed) that the
+    user's code called."""
+    module = type(unit).__module__
+    if module.startswith("rlt2t.") or isinstance(error, (torch.OutOfMemoryError, MemoryError, UnitError)):
+        return None
+    frames = []  # (module, code, line) from the outermost call to where it was raised
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_globals.get("__name__", ""), tb.tb_frame.f_code, tb.tb_lineno))
+        tb = tb.tb_next
+    libraries = tuple({sysconfig.get_path(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+    def users(name: str, code: Any) -> bool:
+        return name == module or not (name.startswith("rlt2t.") or code.co_filename.startswith(libraries))
+
+    last = max((i for i, (name, code, _) in enumerate(frames) if users(name, code)), default=None)
+    if last is None or any(name.startswith(("rlt2t.", "torch.distributed")) for name, _, _ in frames[last + 1:]):
+        return None
+    _, code, line = frames[last]
+    return UnitError(f"rl.algorithm={module}:{type(unit).__qualname__}: {code.co_qualname} raised "
+                     f"{type(error).__name__}: {_first_line(error)} ({code.co_filename}, line {line})")
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message as a one-line UnitError quotes it."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _method(unit: Any) -> str:

@@ -34,8 +34,9 @@ class PolicyGradient(Algorithm):
     def advantages(self, rewards: Tensor, *, seq_kl: Tensor, beta: float, greedy_rewards: Tensor | None,
                    pg: PolicyGradientConfig, all_sum: Callable[[Tensor], Tensor]) -> Tensor:
         """Per-sequence advantages [N, K] from the rewards [N, K]; ``seq_kl`` [N, K]: each sample's summed k1
-        to the reference (0 without a KL), ``beta`` its current coefficient, ``greedy_rewards`` [N] the greedy
-        decodes' rewards when the rollouts made them, ``all_sum`` a sum over the learner ranks."""
+        to the reference (0 without a KL), ``beta`` its current coefficient (0 without a KL),
+        ``greedy_rewards`` [N] the greedy decodes' rewards when the rollouts made them, ``all_sum`` a sum over the
+        learner ranks."""
         raise NotImplementedError(f"{self.name} defines no sequence advantages")
 
     def check_unit(self) -> None:

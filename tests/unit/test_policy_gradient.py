@@ -463,6 +463,22 @@ def test_a_resume_follows_the_configured_kl_target(init_dir, caplog):
     assert same.objective.kl.coef == coef and same.objective.kl.target == 1.0 and not caplog.text
 
 
+def _users_unit(init_dir: Path, tmp_path: Path, monkeypatch, module: str, code: str, unit: str):
+    """A unit of one's own: ``code`` saved as ``module`` on the path, ``rl.algorithm=module:unit``; its
+    RLConfig, a learner rank of it and a batch of scored groups."""
+    import sys
+
+    from rlt2t.common import algorithms
+
+    (tmp_path / f"{module}.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(algorithms, "_loaded", {})
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
+    rl = RLConfig(algorithm=f"{module}:{unit}", batch_size=8, lr=3e-3)
+    return rl, _learner(init_dir, rl, rollout), _scored(_rollout(init_dir, rollout, rl.rollout_spec))
+
+
 USER_UNITS = '''
 import torch
 
@@ -474,13 +490,16 @@ class Centred(PolicyGradient):
     uses_reference = False
 
     def advantages(self, rewards, **kw):
+        BETAS.append(kw["beta"])
         return rewards - rewards.mean(dim=1, keepdim=True)
+
+BETAS = []  # the beta each call of Centred.advantages got
 
 class Flat(Centred):
     name = "flat"
 
     def advantages(self, rewards, **kw):
-        return super().advantages(rewards).reshape(-1)  # [N*K]: each sample would get another's advantage
+        return super().advantages(rewards, **kw).reshape(-1)  # [N*K]: each sample would get another's advantage
 
 class Raises(Centred):
     name = "raises"
@@ -507,20 +526,13 @@ def test_a_units_own_advantages_train_and_a_wrong_shape_or_nan_names_it(init_dir
                                                                         message):
     import sys
 
-    from rlt2t.common import algorithms
-
-    (tmp_path / "user_pg.py").write_text(USER_UNITS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(algorithms, "_loaded", {})
-    monkeypatch.delitem(sys.modules, "user_pg", raising=False)
-    rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
-    rl = RLConfig(algorithm=f"user_pg:{unit}", batch_size=8, lr=3e-3)
-    learner = _learner(init_dir, rl, rollout)
-    groups = _scored(_rollout(init_dir, rollout, rl.rollout_spec))
+    rl, learner, groups = _users_unit(init_dir, tmp_path, monkeypatch, "user_pg", USER_UNITS, unit)
     if error is None:
         before = learner.weights()
         metrics = learner.train_step(groups)
         assert metrics["kl_k1"] == 0.0 and metrics["advantage_std"] > 0  # no KL: uses_reference = False
+        # nor a coefficient: the unit gets beta 0 and the logs say 0, not rl.kl.coef's unused value
+        assert rl.kl.coef > 0 and metrics["kl_coef"] == 0.0 and sys.modules["user_pg"].BETAS == [0.0]
         assert any(not torch.equal(before[k], v) for k, v in learner.weights().items())
     else:
         with pytest.raises(error, match=message):
@@ -573,3 +585,100 @@ def test_a_collective_that_fails_inside_advantages_is_the_ranks_failure_not_the_
         learner.train_step(groups)
     assert not isinstance(e.value, UnitError)
     assert "advantages" in [frame.name for frame in traceback.extract_tb(e.value.__traceback__)]
+
+
+OWN_OBJECTIVES = '''
+from rlt2t.learner.algorithms.base import PolicyGradient
+
+
+def total(batch):  # a helper of the user's, beside the unit
+    return batch.rewardz.sum()  # a typo: a GroupBatch has rewards
+
+
+class Base(PolicyGradient):
+    uses_reference = False
+
+    def advantages(self, rewards, **kw):
+        return rewards - rewards.mean(dim=1, keepdim=True)
+
+    def objective(self, rl, rollout, policy, *, seed, reference=None):
+        from rlt2t.learner.objectives import PolicyGradientObjective
+
+        unit = self
+
+        class Objective(PolicyGradientObjective):
+            def step(self, run, batch, items, step):
+                return unit.step(run, batch)
+
+        return Objective(rl, rollout, policy, seed=seed, reference=reference)
+
+
+class Typo(Base):
+    """Its objective's step fails in the user's helper."""
+    name = "typo"
+
+    def step(self, run, batch):
+        return {"loss": float(total(batch))}
+
+
+class Unbuilt(Base):
+    """Its objective cannot be built."""
+    name = "unbuilt"
+
+    def objective(self, rl, rollout, policy, *, seed, reference=None):
+        return OBJECTIVES[rl.algorithm]
+
+
+OBJECTIVES = {}
+
+
+class Sums(Base):
+    """Its step sums over the ranks (rlt2t's collective)."""
+    name = "sums"
+
+    def step(self, run, batch):
+        return {"loss": float(run.all_sum(batch.rewards.sum().reshape(1)))}
+'''
+
+
+def _line(text: str) -> int:
+    """The line of OWN_OBJECTIVES that holds ``text``, as a traceback numbers it."""
+    return 1 + next(i for i, line in enumerate(OWN_OBJECTIVES.splitlines()) if text in line)
+
+
+@pytest.mark.parametrize(("unit", "fails", "message"), [
+    ("Typo", ("train_step",), r"^rl.algorithm=user_own:Typo: total raised AttributeError: 'GroupBatch' object has "
+                              rf"no attribute 'rewardz' \(\S*user_own.py, line {_line('batch.rewardz')}\)$"),
+    # Ray hands the driver no exception of a rank's constructor: the rank starts and its first call raises it
+    ("Unbuilt", ("join", "train_step", "training_state"),
+     r"^rl.algorithm=user_own:Unbuilt: Unbuilt.objective raised KeyError: 'user_own:Unbuilt' \(\S*user_own.py, "
+     rf"line {_line('OBJECTIVES[rl.algorithm]')}\)$"),
+])
+def test_an_error_in_a_units_own_objective_names_the_users_code_not_a_failed_rank(init_dir, tmp_path, monkeypatch,
+                                                                                  unit, fails, message):
+    """A unit of one's own with an objective of its own: an exception its code raises reaches the command line as
+    one line naming the unit, the function and the line (groups.LearnerGroup passes a UnitError on as itself),
+    not as a failed rank that a resume would repeat."""
+    from rlt2t.common.errors import UnitError
+
+    _, learner, groups = _users_unit(init_dir, tmp_path, monkeypatch, "user_own", OWN_OBJECTIVES, unit)
+    calls = {"join": lambda: learner.join(("127.0.0.1", 0)), "train_step": lambda: learner.train_step(groups),
+             "training_state": learner.training_state}
+    for call in fails:
+        with pytest.raises(UnitError, match=message):
+            calls[call]()
+
+
+def test_a_units_own_objective_failing_in_rlt2ts_collective_is_a_failed_rank(init_dir, tmp_path, monkeypatch):
+    """What the user's code calls of rlt2t (the ranks' sum) failing is the rank's failure, which a resume may
+    recover from, not the unit's: the error passes as it is."""
+    from rlt2t.common.errors import UnitError
+
+    _, learner, groups = _users_unit(init_dir, tmp_path, monkeypatch, "user_own", OWN_OBJECTIVES, "Sums")
+    assert learner.train_step(groups)["loss"] == pytest.approx(sum(sum(g.rewards) for g in groups))
+
+    # torch.distributed's all-reduce itself failing (here: a world of two without its process group)
+    monkeypatch.setattr(learner, "world_size", 2)
+    with pytest.raises(ValueError, match="process group") as e:
+        learner.train_step(groups)
+    assert not isinstance(e.value, UnitError)
