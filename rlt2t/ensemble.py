@@ -173,21 +173,23 @@ class TorchRunner:
     def generate(self, sources: Sequence[str], *, beam_size: int, num_hypotheses: int, max_new_tokens: int,
                  sampling_topk: int = 1, sampling_topp: float = 1.0, sampling_temperature: float = 1.0,
                  seed: int | None = None, sampling_epsilon: float = 0.0, no_repeat_ngram_size: int = 0,
-                 repetition_penalty: float = 1.0) -> list[list[Hypothesis]]:
+                 repetition_penalty: float = 1.0, length_penalty: float = 1.0,
+                 min_new_tokens: int = 0) -> list[list[Hypothesis]]:
         """Beam search (``beam_size`` > 1, or greedy with ``sampling_topk`` 1), else ``num_hypotheses`` samples per
         source (top-k 0: no filter), each row seeded from ``seed`` and its position, as Ct2Policy.generate; and,
-        unlike it, ``sampling_epsilon`` > 0 for epsilon sampling. The repetition controls are beam search's and
-        greedy decoding's (refused with sampling, as by Ct2Policy.generate)."""
+        unlike it, ``sampling_epsilon`` > 0 for epsilon sampling. The repetition and length controls are beam
+        search's and greedy decoding's (refused with sampling)."""
+        controls: dict[str, Any] = {"no_repeat_ngram_size": no_repeat_ngram_size,
+                                    "repetition_penalty": repetition_penalty, "length_penalty": length_penalty,
+                                    "min_new_tokens": min_new_tokens}
         rows: list[int] = []
         if beam_size > 1 or sampling_topk == 1:
             params = Sampling(mode="beam", beam_size=beam_size, num_candidates=num_hypotheses if beam_size > 1 else 1,
-                              max_new_tokens=max_new_tokens, no_repeat_ngram_size=no_repeat_ngram_size,
-                              repetition_penalty=repetition_penalty)
+                              max_new_tokens=max_new_tokens, **controls)
         else:
             params = Sampling(mode="sample", num_candidates=num_hypotheses, top_k=sampling_topk, top_p=sampling_topp,
                               temperature=sampling_temperature, beam_size=1, max_new_tokens=max_new_tokens,
-                              epsilon=sampling_epsilon, no_repeat_ngram_size=no_repeat_ngram_size,
-                              repetition_penalty=repetition_penalty)
+                              epsilon=sampling_epsilon, **controls)
             base = seed if seed is not None else int.from_bytes(os.urandom(7), "big")
             rows = [stable_seed(base, i, j) for i in range(len(sources)) for j in range(num_hypotheses)]
         per_source = self.backend.candidates(sources, params, rows)
@@ -351,7 +353,8 @@ class _Runner(Protocol):
     def generate(self, sources: Sequence[str], *, beam_size: int, num_hypotheses: int, max_new_tokens: int,
                  sampling_topk: int = 1, sampling_topp: float = 1.0, sampling_temperature: float = 1.0,
                  seed: int | None = None, sampling_epsilon: float = 0.0, no_repeat_ngram_size: int = 0,
-                 repetition_penalty: float = 1.0) -> list[list[Hypothesis]]: ...
+                 repetition_penalty: float = 1.0, length_penalty: float = 1.0,
+                 min_new_tokens: int = 0) -> list[list[Hypothesis]]: ...
 
     def score(self, sources: Sequence[str], targets: Sequence[str]) -> list[list[float]]: ...
 
@@ -362,7 +365,8 @@ def _pool_of(runner: _Runner, sources: Sequence[str], p: PredictConfig, seed: in
     if p.pool != "sample":
         beams = runner.generate(sources, beam_size=p.beam_size, num_hypotheses=p.num_hypotheses,
                                 max_new_tokens=p.max_new_tokens, no_repeat_ngram_size=p.no_repeat_ngram_size,
-                                repetition_penalty=p.repetition_penalty)
+                                repetition_penalty=p.repetition_penalty, length_penalty=p.length_penalty,
+                                min_new_tokens=p.min_new_tokens)
         for row, hyps in zip(out, beams, strict=True):
             row += [h.text for h in hyps]
     if p.pool != "beam":

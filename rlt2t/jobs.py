@@ -540,7 +540,8 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
         mbr = {"mbr_utility": p.mbr_utility, "mbr_weights": p.mbr_weights} if cfg.eval.rerank == "mbr" else {}
         # the pool's settings, enough to draw the same pool again (torch backend: rerank_with_policy)
         beams = ({"beam_size": p.beam_size, "num_hypotheses": p.num_hypotheses,
-                  "no_repeat_ngram_size": p.no_repeat_ngram_size, "repetition_penalty": p.repetition_penalty}
+                  "no_repeat_ngram_size": p.no_repeat_ngram_size, "repetition_penalty": p.repetition_penalty,
+                  "length_penalty": p.length_penalty, "min_new_tokens": p.min_new_tokens}
                  if p.pool != "sample" else {})
         sampled = ({"num_samples": p.num_samples, "top_k": p.top_k, "top_p": p.top_p, "epsilon": p.epsilon,
                     "temperature": p.temperature, "seed": p.seed} if p.pool != "beam" else {})

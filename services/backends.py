@@ -60,8 +60,10 @@ FILTER_NAMES = {"top_p": ("nucleus", 1.0), "epsilon": ("epsilon", 0.0)}
 """The sampling filters a backend may lack (:meth:`Sampling.filters`), by request field: what they are called, and
 the value that switches them off."""
 REPETITION_CONTROLS = {"no_repeat_ngram_size": 0, "repetition_penalty": 1.0}
-"""Beam search's repetition controls (:meth:`Sampling.repetition_controls`), by field: the value that switches each
-off (samples are drawn from the model's own distribution, without them)."""
+"""Beam search's repetition controls, by field: the value that switches each off."""
+BEAM_CONTROLS = {**REPETITION_CONTROLS, "length_penalty": 1.0, "min_new_tokens": 0}
+"""Beam search's controls (:meth:`Sampling.beam_controls`), by field: the value that leaves beam search as it is
+(samples are drawn from the model's own distribution, without them)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,11 @@ class Sampling:
     """`beam` mode: the score of a token the hypothesis already holds is divided by this when positive and
     multiplied by it when negative (1: none; CTranslate2 scales the logits, the torch backend the log-probs, as
     transformers does in beam search)."""
+    length_penalty: float = 1.0
+    """`beam` mode: a finished hypothesis ranks by its log-probability divided by its length to this power (1: the
+    mean per token; 0: the sum, which favours short ones; above 1 favours long ones)."""
+    min_new_tokens: int = 0
+    """`beam` mode: no EOS before this many tokens (0: none)."""
 
     def filters(self) -> list[str]:
         """The sampling filters these settings switch on beyond top-k and temperature (`top_p`, `epsilon`): what a
@@ -91,9 +98,9 @@ class Sampling:
             return []
         return [field for field, (_, off) in FILTER_NAMES.items() if getattr(self, field) != off]
 
-    def repetition_controls(self) -> list[str]:
-        """The repetition controls these settings switch on (beam search's: refused with sampling)."""
-        return [field for field, off in REPETITION_CONTROLS.items() if getattr(self, field) != off]
+    def beam_controls(self) -> list[str]:
+        """The beam-search controls these settings switch on (refused with sampling)."""
+        return [field for field, off in BEAM_CONTROLS.items() if getattr(self, field) != off]
 
 
 @dataclass(frozen=True)
@@ -246,7 +253,7 @@ class TorchBackend:
             return self._beam(sources, sampling, control)
         if sampling.mode != "sample":
             raise ValueError(f"sampling.mode must be 'sample' or 'beam', got {sampling.mode!r}")
-        _refuse_repetition_controls(sampling)
+        _refuse_beam_controls(sampling)
         k = sampling.num_candidates
         if len(row_seeds) != len(sources) * k:
             raise ValueError(f"row_seeds: need one per row ({len(sources)} x {k}), got {len(row_seeds)}")
@@ -312,10 +319,12 @@ class TorchBackend:
             gen = self.model.generate(
                 input_ids=batch["input_ids"].to(self.device), attention_mask=batch["attention_mask"].to(self.device),
                 num_beams=sampling.beam_size, num_return_sequences=h, max_new_tokens=sampling.max_new_tokens,
-                do_sample=False, early_stopping=True,
+                do_sample=False, early_stopping=True, length_penalty=sampling.length_penalty,
+                min_new_tokens=sampling.min_new_tokens or None,
                 logits_processor=LogitsProcessorList([GeneratedRepetition(sampling.no_repeat_ngram_size,
                                                                           sampling.repetition_penalty)]
-                                                     if sampling.repetition_controls() else []),
+                                                     if set(sampling.beam_controls()) & set(REPETITION_CONTROLS)
+                                                     else []),
                 stopping_criteria=StoppingCriteriaList([_AllStopped(control, len(sources))] if control else []),
             ).cpu()
         pad_id, eos_id = self.tokenizer.pad_token_id, self.model.config.eos_token_id
@@ -334,13 +343,13 @@ class TorchBackend:
         return [flat[i * h : (i + 1) * h] for i in range(len(sources))]
 
 
-def _refuse_repetition_controls(sampling: Sampling) -> None:
+def _refuse_beam_controls(sampling: Sampling) -> None:
     """Samples are drawn from the model's own distribution (what RL's ratios and MBR's expectation assume): the
-    repetition controls are beam search's."""
-    if fields := sampling.repetition_controls():
+    repetition and length controls are beam search's."""
+    if fields := sampling.beam_controls():
         name = fields[0]
         raise ValueError(f"{name}={getattr(sampling, name)}: applies to beam search only (samples are drawn from the "
-                         f"model's distribution); leave it at {REPETITION_CONTROLS[name]:g} when sampling")
+                         f"model's distribution); leave it at {BEAM_CONTROLS[name]:g} when sampling")
 
 
 class GeneratedRepetition(LogitsProcessor):
@@ -454,13 +463,14 @@ class Ct2Backend:
             hyps = self.ct2.generate(sources, beam_size=sampling.beam_size, num_hypotheses=k,
                                      max_new_tokens=sampling.max_new_tokens,
                                      no_repeat_ngram_size=sampling.no_repeat_ngram_size,
-                                     repetition_penalty=sampling.repetition_penalty)
+                                     repetition_penalty=sampling.repetition_penalty,
+                                     length_penalty=sampling.length_penalty, min_new_tokens=sampling.min_new_tokens)
             rows = [list(h.token_ids) for per_source in hyps for h in per_source]
             texts = [h.text for per_source in hyps for h in per_source]
             sample_lps: list[list[float] | None] = [None] * len(rows)
             forced = [False] * len(rows)
         elif sampling.mode == "sample":
-            _refuse_repetition_controls(sampling)
+            _refuse_beam_controls(sampling)
             if unsupported := sampling.filters():
                 raise ValueError(f"{unsupported[0]}: the ct2 backend has no {FILTER_NAMES[unsupported[0]][0]} sampling")
             seed = int.from_bytes(hashlib.sha256(repr(tuple(row_seeds)).encode()).digest()[:4], "little")

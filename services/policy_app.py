@@ -75,8 +75,8 @@ from rlt2t.common.rerank import check_reference_free
 from rlt2t.common.rewards import WeightedReward, build_reward, score_pairs, task_reward
 from rlt2t.services.admission import ServiceTime, Work, sampled_work, total
 from rlt2t.services.backends import (
+    BEAM_CONTROLS,
     FILTER_NAMES,
-    REPETITION_CONTROLS,
     Generation,
     PolicyBackend,
     Sampling,
@@ -519,6 +519,9 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             check_count("num_candidates", req.num_candidates, req.beam_size, "hypotheses asked of a beam search",
                         "a beam search returns at most beam_size")
         check_new_tokens(req.max_new_tokens)
+        if req.min_new_tokens >= req.max_new_tokens:
+            raise field_error(("body", "min_new_tokens"), f"below max_new_tokens ({req.max_new_tokens}), which counts "
+                              "the EOS", req.min_new_tokens)
         counts = await checks.run(check_texts, "sources", req.sources)
         rows, what = (req.beam_size, "beams") if req.mode == "beam" else (req.num_candidates, "candidates")
         costs = sampling_costs(counts, rows, req.max_new_tokens, what)
@@ -526,14 +529,12 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         # (unused) temperature still share a model call.
         if req.mode == "beam":
             sampling = Sampling(mode="beam", num_candidates=req.num_candidates, beam_size=req.beam_size,
-                                max_new_tokens=req.max_new_tokens, no_repeat_ngram_size=req.no_repeat_ngram_size,
-                                repetition_penalty=req.repetition_penalty)
+                                max_new_tokens=req.max_new_tokens, **{k: getattr(req, k) for k in BEAM_CONTROLS})
         else:
-            if controls := Sampling(no_repeat_ngram_size=req.no_repeat_ngram_size,
-                                    repetition_penalty=req.repetition_penalty).repetition_controls():
+            if controls := Sampling(**{k: getattr(req, k) for k in BEAM_CONTROLS}).beam_controls():
                 field = controls[0]
                 raise field_error(("body", field), f"{field} applies to mode: beam (samples are drawn from the "
-                                  f"model's distribution); leave it at {REPETITION_CONTROLS[field]:g}",
+                                  f"model's distribution); leave it at {BEAM_CONTROLS[field]:g}",
                                   getattr(req, field))
             sampling = Sampling(mode="sample", num_candidates=req.num_candidates, top_k=req.top_k, top_p=req.top_p,
                                 temperature=req.temperature, beam_size=1, max_new_tokens=req.max_new_tokens,

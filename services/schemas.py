@@ -87,6 +87,12 @@ class SamplingParams(_Request):
     repetition_penalty: float = Field(1.0, ge=1.0, le=100.0)
     """`beam` mode: a token the hypothesis already holds has its score divided by this when positive, multiplied
     when negative (1: none). With `sample`, a 422."""
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
+    """`beam` mode: a finished hypothesis ranks by its log-probability divided by its length to this power (1: the
+    mean per token; 0: the sum, which favours short ones; 2: what BART's summarisation checkpoints ship with). With
+    `sample`, a 422."""
+    min_new_tokens: int = Field(0, ge=0, le=100_000)
+    """`beam` mode: no EOS before this many tokens (0: none; below `max_new_tokens`). With `sample`, a 422."""
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     """`sample` mode: same seed, weights and request → same candidates, whatever else is batched with
     it (None: fresh randomness)."""

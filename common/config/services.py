@@ -103,6 +103,13 @@ class PredictConfig(_Section):
     repetition_penalty: float = Field(1.0, ge=1.0, le=100.0)
     """Beam search: a token the hypothesis already holds has its score divided by this when positive, multiplied
     when negative (1: none; 1.2 is common). The pool's samples are drawn without it."""
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
+    """Beam search: a finished hypothesis ranks by its log-probability divided by its length to this power (1: the
+    mean per token; 0: the sum, which favours short ones; 2.0 is what BART's summarisation checkpoints ship with,
+    0.6 is common in translation). The pool's samples are drawn without it."""
+    min_new_tokens: int = Field(0, ge=0)
+    """Beam search: no EOS before this many generated tokens (0: none; below `max_new_tokens`). The pool's samples
+    are drawn without it."""
     pool: Literal["beam", "sample", "both"] = "beam"
     """Candidates of each generator per input: its `num_hypotheses` beam hypotheses, `num_samples` samples, or
     both (the pool every rerank mode, and `rlt2t eval --rerank`, picks from)."""
@@ -141,6 +148,13 @@ class PredictConfig(_Section):
     """Inputs per generator/scorer call."""
     max_new_tokens: int = Field(64, ge=1)
     """Longest generated candidate."""
+
+    @model_validator(mode="after")
+    def _lengths(self) -> PredictConfig:
+        if self.min_new_tokens >= self.max_new_tokens:
+            raise ValueError(f"predict.min_new_tokens={self.min_new_tokens} must be below predict.max_new_tokens="
+                             f"{self.max_new_tokens} (which counts the EOS)")
+        return self
 
 
 class AnnotateConfig(_Section):

@@ -508,22 +508,32 @@ def test_beam_repetition_controls_on_both_backends(bart_dir, bart_export, tmp_pa
                             no_repeat_ngram_size=2)
 
 
-def test_predict_applies_the_repetition_controls_to_the_beams_not_the_samples(bart_export, tmp_path):
+def test_predict_applies_the_beam_controls_to_the_beams_not_the_samples(bart_export, tmp_path):
     train, inputs = _mbr_inputs(tmp_path)
     pools = {}
+    settings = {"off": {}, "norepeat": {"no_repeat_ngram_size": 2},
+                "long": {"min_new_tokens": 8, "length_penalty": 2.0}}
     for pool in ("beam", "sample"):
-        for n in (0, 2):
+        for name, controls in settings.items():
             cfg = _cfg(tmp_path, train)
             cfg.predict.pool, cfg.predict.num_samples, cfg.predict.max_new_tokens = pool, 4, 12
-            cfg.predict.no_repeat_ngram_size = n
-            result = predict(cfg, [bart_export], [bart_export], inputs, tmp_path / f"{pool}{n}.csv", rerank="mbr")
-            pools[pool, n] = [[c["text"] for c in json.loads(line)["candidates"]]
-                              for line in result.jsonl_path.read_text().splitlines()]
-    want = Ct2Policy(bart_export).generate(SOURCES, beam_size=4, num_hypotheses=4, max_new_tokens=12,
-                                           no_repeat_ngram_size=2)
-    assert pools["beam", 2] == [list(dict.fromkeys(h.text for h in hyps)) for hyps in want]
-    assert pools["beam", 2] != pools["beam", 0]
-    assert pools["sample", 2] == pools["sample", 0]  # the samples are drawn from the model's distribution
+            for key, value in controls.items():
+                setattr(cfg.predict, key, value)
+            result = predict(cfg, [bart_export], [bart_export], inputs, tmp_path / f"{pool}{name}.csv", rerank="mbr")
+            pools[pool, name] = [[c["text"] for c in json.loads(line)["candidates"]]
+                                 for line in result.jsonl_path.read_text().splitlines()]
+    for name, controls in settings.items():
+        want = Ct2Policy(bart_export).generate(SOURCES, beam_size=4, num_hypotheses=4, max_new_tokens=12, **controls)
+        assert pools["beam", name] == [list(dict.fromkeys(h.text for h in hyps)) for hyps in want], name
+        if controls:
+            assert pools["beam", name] != pools["beam", "off"], name
+            # the samples are drawn from the model's distribution
+            assert pools["sample", name] == pools["sample", "off"], name
+
+
+def test_min_new_tokens_must_be_below_max_new_tokens(tmp_path):
+    with pytest.raises(ValueError, match=r"predict.min_new_tokens=12 must be below predict.max_new_tokens=12"):
+        Config.model_validate({"predict": {"min_new_tokens": 12, "max_new_tokens": 12}})
 
 
 def test_the_torch_runner_cuts_sources_at_data_max_source_len_as_the_ct2_runner_does(bart_dir, bart_export, tmp_path):
@@ -545,3 +555,33 @@ def test_the_torch_runner_cuts_sources_at_data_max_source_len_as_the_ct2_runner_
                for h in hyps]
     for got, want in zip(torch_cut.score(long, targets), ct2_cut.score(long, targets), strict=True):
         assert got == pytest.approx(want, abs=1e-4)
+
+
+def _length(ids, eos: int) -> int:
+    """Tokens before the EOS."""
+    return len(ids) - (1 if ids and ids[-1] == eos else 0)
+
+
+def test_beam_length_controls_on_both_backends(bart_dir, bart_export, tmp_path):
+    """predict.min_new_tokens and length_penalty on both runners: no hypothesis ends before min_new_tokens, and the
+    best hypothesis grows with the penalty's power (0: the sum of log-probs, which favours short ones)."""
+    train, _ = _mbr_inputs(tmp_path)
+    runners = {"ct2": Ct2Policy(bart_export), "torch": TorchRunner(_cfg(tmp_path, train), bart_dir)}
+    eos = runners["torch"].tokenizer.eos_token_id
+
+    def beams(runner, **controls):
+        hyps = runner.generate(SOURCES, beam_size=4, num_hypotheses=4, max_new_tokens=12, **controls)
+        return [[_length(h.token_ids, eos) for h in per_source] for per_source in hyps]
+
+    for name, runner in runners.items():
+        free = beams(runner)
+        shortest = min(min(per_source) for per_source in free)
+        assert shortest < 8, f"{name}: every hypothesis is long already, the test shows nothing ({free})"
+        held = beams(runner, min_new_tokens=8)
+        assert min(min(per_source) for per_source in held) >= 8, (name, held)
+        best = {power: [per_source[0] for per_source in beams(runner, length_penalty=power)] for power in (0.0, 2.0)}
+        assert all(a <= b for a, b in zip(best[0.0], best[2.0], strict=True)), (name, best)
+        assert sum(best[2.0]) > sum(best[0.0]), (name, best)
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        runners["torch"].generate(SOURCES, beam_size=1, num_hypotheses=2, max_new_tokens=4, sampling_topk=0, seed=0,
+                                  min_new_tokens=2)

@@ -130,10 +130,32 @@ def test_beam_repetition_controls_reach_the_beams_and_are_a_422_with_sampling(cl
         ids[n] = [c["token_ids"] for cands in r.json()["candidates"] for c in cands]
     assert any(_repeats(x, 2) for x in ids[0]), "the tiny model repeats nothing here: the test shows nothing"
     assert not any(_repeats(x, 2) for x in ids[2])
-    for field, value in (("no_repeat_ngram_size", 2), ("repetition_penalty", 1.5)):
+    for field, value in (("no_repeat_ngram_size", 2), ("repetition_penalty", 1.5), ("length_penalty", 2.0),
+                         ("min_new_tokens", 3)):
         r = client.post("/v1/candidates", json={"sources": SOURCES[:1], "num_candidates": 2, field: value})
         assert r.status_code == 422 and [e["loc"] for e in r.json()["detail"]] == [["body", field]], r.text
         assert "mode: beam" in r.json()["detail"][0]["msg"]
+
+
+def test_beam_length_controls_reach_the_backend_and_min_new_tokens_stays_below_the_limit(client, monkeypatch):
+    """(What they do to the beams, on both backends: tests/unit/test_predict_targets.py.)"""
+    from rlt2t.services.backends import TorchBackend
+
+    seen = []
+    real = TorchBackend.candidates
+
+    def spy(self, sources, sampling, *args, **kwargs):
+        seen.append(sampling)
+        return real(self, sources, sampling, *args, **kwargs)
+
+    monkeypatch.setattr(TorchBackend, "candidates", spy)
+    body = {"sources": SOURCES, "mode": "beam", "beam_size": 3, "num_candidates": 3, "max_new_tokens": 12}
+    r = client.post("/v1/candidates", json={**body, "min_new_tokens": 4, "length_penalty": 2.0})
+    assert r.status_code == 200, r.text
+    assert [(s.mode, s.min_new_tokens, s.length_penalty) for s in seen] == [("beam", 4, 2.0)]
+    r = client.post("/v1/candidates", json={**body, "min_new_tokens": 12})
+    assert r.status_code == 422 and [e["loc"] for e in r.json()["detail"]] == [["body", "min_new_tokens"]], r.text
+    assert "below max_new_tokens (12)" in r.json()["detail"][0]["msg"]
 
 
 def test_score_matches_teacher_forcing(client, tiny_policy):
