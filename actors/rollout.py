@@ -298,9 +298,9 @@ class RolloutWorker:
         seed = stable_seed(self.seed, self._version, "ct2", *(ex.id for ex in chunk)) % (2**31 - 1)
         if with_logprobs:
             return sample_ct2_logprobs(self._ct2, [ex.source for ex in chunk], cfg.num_samples, cfg.top_k,
-                                       cfg.temperature, cfg.max_new_tokens, seed)
+                                       cfg.temperature, cfg.max_new_tokens, seed, top_p=cfg.top_p)
         return sample_ct2(self._ct2, [ex.source for ex in chunk], cfg.num_samples, cfg.top_k, cfg.temperature,
-                          cfg.max_new_tokens, seed)
+                          cfg.max_new_tokens, seed, top_p=cfg.top_p)
 
     def _ct2_device(self) -> str:
         """Where CTranslate2 samples: this worker's GPU (rl.rollout_gpus) when the CTranslate2 build sees one,

@@ -613,17 +613,18 @@ def sample_ct2(
     temperature: float,
     max_new_tokens: int,
     seed: int | None,
+    top_p: float = 1.0,
 ) -> list[list[int]]:
-    """``k`` samples per source (top-k, temperature), in the row layout of ``sample_candidates``.
+    """``k`` samples per source (top-k, top-p, temperature), in the row layout of ``sample_candidates``.
 
     Row ``i * k + j`` is source i, sample j: token ids without the decoder start token, EOS last when the
     row ended (a row that reaches ``max_new_tokens`` gets the forced EOS, as in ``sample_candidates``).
     ``top_k=0`` samples from the whole vocabulary, ``top_k=1`` is greedy. With ``seed`` the call is
     reproducible (same weights, sources, k, options and seed: same rows); see the module doc.
     """
-    check_sampling(k, top_k, temperature)
+    check_sampling(k, top_k, temperature, top_p)
     per_source = ct2.generate(sources, beam_size=1, num_hypotheses=k, max_new_tokens=max_new_tokens,
-                              sampling_topk=top_k, sampling_temperature=temperature, seed=seed)
+                              sampling_topk=top_k, sampling_temperature=temperature, seed=seed, sampling_topp=top_p)
     return [list(h.token_ids) for hyps in per_source for h in hyps]  # k per source (Ct2Policy._decode checks)
 
 
@@ -636,23 +637,26 @@ def sample_ct2_logprobs(
     temperature: float,
     max_new_tokens: int,
     seed: int | None,
+    top_p: float = 1.0,
 ) -> list[SampledSequence]:
     """:func:`sample_ct2` with per-token log-probs: the raw model's and the one under the distribution
-    CTranslate2 sampled from (temperature, top-k), for a policy-gradient ratio against the learner.
+    CTranslate2 sampled from (temperature, top-k, top-p), for a policy-gradient ratio against the learner.
 
     CTranslate2 returns each step's vocabulary logits (``return_logits_vocab``) at temperature 1 with its
     own masks applied (none here: ``min_decoding_length`` 0); the transform of
-    ``rlt2t.common.sampling.warp_logits`` on them gives exactly what the sampler drew from. A quantised
+    ``rlt2t.common.sampling.warp_logits`` on them gives what the sampler drew from (CTranslate2's nucleus is
+    transformers' top-p after the temperature and top-k: tests/unit/common/test_ct2_rows.py). A quantised
     model's distribution differs from the float32 learner's: that is what the learner's truncated
     importance weights correct. The forced EOS at the limit gets sample log-prob 0 (it was not drawn).
     """
-    check_sampling(k, top_k, temperature)
+    check_sampling(k, top_k, temperature, top_p)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not sources:
         return []
     top_k, decoded = ct2._decode(sources, num_hypotheses=k, max_new_tokens=max_new_tokens, sampling_topk=top_k,
-                                 seed=seed, with_logits=True, beam_size=1, sampling_temperature=temperature)
+                                 seed=seed, with_logits=True, beam_size=1, sampling_temperature=temperature,
+                                 sampling_topp=top_p)
     rows: list[SampledSequence] = []
     for d in (d for hyps in decoded for d in hyps):
         drawn = d.ids[:-1] if d.forced else d.ids
@@ -662,7 +666,8 @@ def sample_ct2_logprobs(
             logits = torch.from_numpy(np.stack([np.asarray(x, dtype=np.float32) for x in d.logits[: len(drawn)]]))
             index = torch.tensor(drawn)[:, None]
             raw_lp = logits.log_softmax(-1).gather(-1, index)[:, 0].tolist()
-            sample_lp = warp_logits(logits, temperature, top_k).log_softmax(-1).gather(-1, index)[:, 0].tolist()
+            warped = warp_logits(logits, temperature, top_k, top_p)
+            sample_lp = warped.log_softmax(-1).gather(-1, index)[:, 0].tolist()
         if d.forced:  # not computed by the sampler; the learner leaves forced tokens out
             raw_lp.append(0.0)
             sample_lp.append(0.0)

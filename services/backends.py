@@ -412,7 +412,7 @@ class Ct2Backend:
     """
 
     name = "ct2"
-    sampling_filters: frozenset[str] = frozenset()
+    sampling_filters: frozenset[str] = frozenset({"top_p"})
 
     def __init__(self, ct2, *, version: int = 0, checkpoint: str = "", checksum: str = "", workdir=None) -> None:
         self.ct2 = ct2
@@ -471,11 +471,11 @@ class Ct2Backend:
             forced = [False] * len(rows)
         elif sampling.mode == "sample":
             _refuse_beam_controls(sampling)
-            if unsupported := sampling.filters():
+            if unsupported := [f for f in sampling.filters() if f not in self.sampling_filters]:
                 raise ValueError(f"{unsupported[0]}: the ct2 backend has no {FILTER_NAMES[unsupported[0]][0]} sampling")
             seed = int.from_bytes(hashlib.sha256(repr(tuple(row_seeds)).encode()).digest()[:4], "little")
             sampled = sample_ct2_logprobs(self.ct2, sources, k, sampling.top_k, sampling.temperature,
-                                          sampling.max_new_tokens, seed)
+                                          sampling.max_new_tokens, seed, top_p=sampling.top_p)
             rows = [r.token_ids for r in sampled]
             texts = [" ".join(t.split()) for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]
             sample_lps = [r.sample_logprobs for r in sampled]

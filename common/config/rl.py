@@ -326,7 +326,7 @@ class RolloutConfig(_Section):
     """Sample among the k most likely next tokens (0: the whole vocabulary, sampling the policy itself, what the
     policy gradients want; the original rank RL used 3)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling: keep the most likely tokens whose mass reaches p (1: off; torch backend only)."""
+    """Nucleus sampling: keep the most likely tokens whose mass reaches p (1: off), after the temperature and top-k."""
     temperature: float = Field(1.0, gt=0.0)
     """Logits are divided by this before sampling (< 1 sharpens, > 1 flattens; the original rank RL used 0.8)."""
     max_new_tokens: int = Field(64, ge=1)

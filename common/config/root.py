@@ -136,8 +136,6 @@ class Config(_Section):
                 raise ValueError(f"rollout.max_new_tokens={self.rollout.max_new_tokens} exceeds data.max_target_len="
                                  f"{self.data.max_target_len}: the learner trains on the samples' tokens as they are")
         self.rl.unit.check(self)
-        if self.rollout.backend == "ct2" and self.rollout.top_p < 1.0:
-            raise ValueError("rollout.top_p: the ct2 rollout backend has no nucleus sampling (leave it at 1)")
         _check_precision(self.model, self.run.mixed_precision)
         if self.rl.strategy == "fsdp":
             _check_sharded(self)

@@ -81,6 +81,10 @@ def test_on_policy_ratio_is_one_for_the_ct2_float32_sampler_and_int8_differs(ini
     spec = rollout_spec_for("rloo", kl=True)
     metrics = _learner(init_dir, rl, rollout).train_step(_scored(_rollout(init_dir, rollout, spec)))
     assert metrics["sampler_ratio_max_dev"] < 1e-3, metrics
+    # with a nucleus too (rollout.top_p): CTranslate2's filter is the learner's, no drawn token falls outside it
+    nucleus = rollout.model_copy(update={"top_k": 0, "top_p": 0.7, "temperature": 1.3})
+    metrics_p = _learner(init_dir, rl, nucleus).train_step(_scored(_rollout(init_dir, nucleus, spec)))
+    assert metrics_p["sampler_ratio_max_dev"] < 1e-3 and metrics_p["excluded_tokens"] == 0, metrics_p
     int8 = rollout.model_copy(update={"ct2_compute_type": "int8"})
     metrics8 = _learner(init_dir, rl, int8).train_step(_scored(_rollout(init_dir, int8, spec)))
     # int8 weights draw from a slightly different distribution: the truncated importance weights see it

@@ -79,6 +79,25 @@ def test_top_k_is_clamped_against_the_model_rows_not_the_tokenizer(ct2, grown):
     assert at_rows == whole
 
 
+def test_sample_logprobs_under_a_nucleus_are_the_learners_transform(ct2, grown):
+    """top_p (rollout.top_p with the ct2 rollout backend): every drawn token is inside transformers' nucleus after
+    the temperature and top-k, and its behaviour log-prob is the learner's transform's; the rows are reproducible
+    and differ from unfiltered ones."""
+    for temperature, top_k, top_p in ((1.5, 0, 0.6), (1.0, 5, 0.8)):
+        rows = sample_ct2_logprobs(ct2, SOURCES, K, top_k, temperature, 6, seed=1, top_p=top_p)
+        ids = [r.token_ids for r in rows]
+        logprobs = warp_logits(teacher_forced_logits(grown, SOURCES, ids, K), temperature, top_k, top_p).log_softmax(-1)
+        for r, row in enumerate(rows):
+            for t in range(len(row.token_ids) - row.forced):
+                assert abs(logprobs[r, t, row.token_ids[t]].item() - row.sample_logprobs[t]) < 1e-4
+        assert bool((~torch.isfinite(logprobs)).any()), "the nucleus kept every token: the test shows nothing"
+        again = sample_ct2_logprobs(ct2, SOURCES, K, top_k, temperature, 6, seed=1, top_p=top_p)
+        assert [r.token_ids for r in again] == ids
+    whole = sample_ct2_logprobs(ct2, SOURCES, K, 0, 1.5, 6, seed=1)
+    assert [r.token_ids for r in whole] != [r.token_ids for r in sample_ct2_logprobs(ct2, SOURCES, K, 0, 1.5, 6,
+                                                                                     seed=1, top_p=0.6)]
+
+
 def test_generate_and_sample_ct2_logprobs_share_one_decode_path(ct2, monkeypatch):
     """Top-k clamp, reseed, forced-EOS handling and the hypothesis count live in one place."""
     calls = []

@@ -71,14 +71,39 @@ def test_ct2_backend_beam_and_score_match_torch(ct2_client, tiny_policy):
         assert s["logprobs"] == pytest.approx(_teacher_forced(tiny_policy, "11 12 13", s["token_ids"]), abs=1e-3)
 
 
-def test_ct2_backend_refuses_top_p_and_epsilon_with_a_field_error(ct2_client):
-    for route, body, field in (("/v1/candidates", {"sources": ["11 12"], "top_p": 0.5}, "top_p"),
-                               ("/v1/pairs", {"sources": ["11 12"], "references": ["13"], "top_p": 0.5}, "top_p"),
-                               ("/v1/candidates", {"sources": ["11 12"], "epsilon": 0.02}, "epsilon")):
-        r = ct2_client.post(route, json=body)
-        assert r.status_code == 422, (route, r.text)
-        assert r.json()["detail"][0]["loc"] == ["body", field], r.text
-        assert "the ct2 backend has no" in r.json()["detail"][0]["msg"], r.text
+def test_ct2_backend_samples_a_nucleus_and_its_sample_logprobs_are_the_filtered_distributions(ct2_client,
+                                                                                             tiny_policy):
+    """top_p on the ct2 backend: every drawn token inside transformers' nucleus (after the temperature and top-k),
+    and the sample log-probs under that filtered distribution, as the learner's ratio reads them."""
+    from rlt2t.common.sampling import warp_logits
+
+    body = {"sources": ["11 12 13", "20 21"], "num_candidates": 4, "top_k": 0, "top_p": 0.6, "temperature": 1.5,
+            "max_new_tokens": 8, "seed": 3}
+    r = ct2_client.post("/v1/candidates", json=body)
+    assert r.status_code == 200, r.text
+    filtered = 0
+    for source, cands in zip(body["sources"], r.json()["candidates"], strict=True):
+        enc = tiny_policy.tokenizer([source], return_tensors="pt")
+        for c in cands:
+            labels = torch.tensor([c["token_ids"]])
+            with torch.no_grad():
+                logits = tiny_policy.model.eval()(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                                                  labels=labels).logits[0]
+            warped = warp_logits(logits, body["temperature"], 0, body["top_p"]).log_softmax(-1)
+            n = len(c["token_ids"]) - c["forced_eos"]  # a forced EOS was not drawn (sample log-prob 0)
+            drawn = warped.gather(-1, labels[0][:, None])[:n, 0]
+            assert torch.isfinite(drawn).all(), c  # nothing outside the nucleus
+            assert c["sample_logprobs"][:n] == pytest.approx(drawn.tolist(), abs=1e-3)
+            filtered += int((~torch.isfinite(warped)).any(dim=-1).sum())
+    assert filtered, "the nucleus kept every token at every step: the test shows nothing"
+    pairs = ct2_client.post("/v1/pairs", json={"sources": ["11 12"], "references": ["13"], "top_p": 0.6})
+    assert pairs.status_code == 200, pairs.text
+
+
+def test_ct2_backend_refuses_epsilon_with_a_field_error(ct2_client):
+    r = ct2_client.post("/v1/candidates", json={"sources": ["11 12"], "epsilon": 0.02})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "epsilon"], r.text
+    assert "the ct2 backend has no epsilon sampling" in r.json()["detail"][0]["msg"], r.text
     # beam search draws nothing: the filter is not read there
     beam = ct2_client.post("/v1/candidates", json={"sources": ["11 12"], "mode": "beam", "epsilon": 0.02,
                                                    "max_new_tokens": 4})
