@@ -527,11 +527,12 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         costs = sampling_costs(counts, rows, req.max_new_tokens, what)
         # Only the settings a mode uses go into the batching key, so e.g. beam requests that differ in an
         # (unused) temperature still share a model call.
+        beam_controls = {k: getattr(req, k) for k in BEAM_CONTROLS}
         if req.mode == "beam":
             sampling = Sampling(mode="beam", num_candidates=req.num_candidates, beam_size=req.beam_size,
-                                max_new_tokens=req.max_new_tokens, **{k: getattr(req, k) for k in BEAM_CONTROLS})
+                                max_new_tokens=req.max_new_tokens, **beam_controls)
         else:
-            if controls := Sampling(**{k: getattr(req, k) for k in BEAM_CONTROLS}).beam_controls():
+            if controls := Sampling(**beam_controls).beam_controls():
                 field = controls[0]
                 raise field_error(("body", field), f"{field} applies to mode: beam (samples are drawn from the "
                                   f"model's distribution); leave it at {BEAM_CONTROLS[field]:g}",
