@@ -486,14 +486,10 @@ class PolicyGradientObjective:
                 if pg.whiten_advantages:
                     advantages = self._whiten(run, advantages, mask)
             else:  # sequence advantages, the unit's own [N, K]
-                collective = _Collective(run.all_sum)
-                try:
-                    per_source = self.unit.advantages(rewards, seq_kl=seq_kl.view(k, size).t(), beta=beta,
-                                                      greedy_rewards=batch.greedy_rewards, pg=pg, all_sum=collective)
-                except Exception as e:
-                    if collective.failed or isinstance(e, (torch.OutOfMemoryError, MemoryError)):
-                        raise  # a peer rank gone, or memory: a failed rank, which a resume recovers from
-                    raise UnitError(f"{_method(self.unit)} raised {type(e).__name__}: {_first_line(e)}") from e
+                # an exception raised in a unit's own code here is named by the Learner (unit_fault); one in the
+                # collective it calls (a peer rank gone) stays a failed rank
+                per_source = self.unit.advantages(rewards, seq_kl=seq_kl.view(k, size).t(), beta=beta,
+                                                  greedy_rewards=batch.greedy_rewards, pg=pg, all_sum=run.all_sum)
                 _check_advantages(self.unit, per_source, rewards)
                 advantages = per_source.t().reshape(-1, 1).expand_as(old_logp).contiguous()
                 returns = None
@@ -690,28 +686,13 @@ def _check_advantages(unit: Any, advantages: Any, rewards: Tensor) -> None:
     """A unit's sequence advantages are a finite tensor of its rewards' shape [N, K] (the rewards are finite: the
     reward workers refuse others); a flat [N*K] would pair each sample with another's advantage without an
     error. UnitError naming the unit's method otherwise."""
-    where = _method(unit)
+    where = f"{_unit_name(unit)}: advantages"
     if not isinstance(advantages, torch.Tensor) or advantages.shape != rewards.shape:
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
         raise UnitError(f"{where} returned {got}; it must return a tensor of the rewards' shape [N sources, K "
                         f"samples] = {tuple(rewards.shape)}")
     if not bool(torch.isfinite(advantages).all()):
         raise UnitError(f"{where} returned non-finite advantages from finite rewards")
-
-
-class _Collective:
-    """``all_sum`` as a unit's ``advantages`` gets it, remembering whether the collective itself failed (a peer
-    rank gone): that error is the rank's, not the unit's code."""
-
-    def __init__(self, all_sum: Any) -> None:
-        self.all_sum, self.failed = all_sum, False
-
-    def __call__(self, tensor: Tensor) -> Tensor:
-        try:
-            return self.all_sum(tensor)
-        except BaseException:
-            self.failed = True
-            raise
 
 
 def unit_fault(unit: Any, error: BaseException) -> UnitError | None:
@@ -738,7 +719,7 @@ def unit_fault(unit: Any, error: BaseException) -> UnitError | None:
     if last is None or any(name.startswith(("rlt2t.", "torch.distributed")) for name, _, _ in frames[last + 1:]):
         return None
     _, code, line = frames[last]
-    return UnitError(f"rl.algorithm={module}:{type(unit).__qualname__}: {code.co_qualname} raised "
+    return UnitError(f"{_unit_name(unit)}: {code.co_qualname} raised "
                      f"{type(error).__name__}: {_first_line(error)} ({code.co_filename}, line {line})")
 
 
@@ -748,6 +729,6 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def _method(unit: Any) -> str:
-    """``package.module:Class.advantages`` of a unit, as messages name it."""
-    return f"{type(unit).__module__}:{type(unit).__qualname__}.advantages"
+def _unit_name(unit: Any) -> str:
+    """``rl.algorithm=package.module:Class`` of a unit, as its errors name it."""
+    return f"rl.algorithm={type(unit).__module__}:{type(unit).__qualname__}"

@@ -516,15 +516,24 @@ class NotFinite(Centred):
 
     def advantages(self, rewards, **kw):
         return rewards * float("nan")
+
+class Pooled(Centred):
+    """Its baseline is the mean reward over every rank's batch (rlt2t's collective)."""
+    name = "pooled"
+
+    def advantages(self, rewards, *, all_sum, **kw):
+        total = all_sum(torch.tensor([float(rewards.sum()), float(rewards.numel())], dtype=torch.float64))
+        return rewards - float(total[0] / total[1])
 '''
 
 
 @pytest.mark.parametrize(("unit", "error", "message"), [
     ("Centred", None, None),
-    ("Flat", ValueError, r"user_pg:Flat.advantages returned \(32,\); it must return a tensor of the rewards' shape "
-                         r"\[N sources, K samples\] = \(8, 4\)"),
-    ("NotFinite", ValueError, r"user_pg:NotFinite.advantages returned non-finite advantages from finite"),
-    ("Raises", ValueError, r"user_pg:Raises.advantages raised AttributeError: 'Tensor' object has no attribute"),
+    ("Flat", ValueError, r"^rl.algorithm=user_pg:Flat: advantages returned \(32,\); it must return a tensor of the "
+                         r"rewards' shape \[N sources, K samples\] = \(8, 4\)$"),
+    ("NotFinite", ValueError, r"^rl.algorithm=user_pg:NotFinite: advantages returned non-finite advantages"),
+    ("Raises", ValueError, r"^rl.algorithm=user_pg:Raises: Raises.advantages raised AttributeError: 'Tensor' object "
+                           r"has no attribute 'centre' \(.*user_pg.py, line \d+\)$"),
 ])
 def test_a_units_own_advantages_train_and_a_wrong_shape_or_nan_names_it(init_dir, tmp_path, monkeypatch, unit, error,
                                                                         message):
@@ -569,23 +578,30 @@ def test_the_algorithms_guides_own_unit_loads_reads_its_settings_and_trains(init
     assert spreads[0.5] == pytest.approx(spreads[1.0] / 2, rel=1e-5) and spreads[1.0] > 0
 
 
-def test_a_collective_that_fails_inside_advantages_is_the_ranks_failure_not_the_units(init_dir, monkeypatch):
-    """GRPO's batch scale sums over the ranks inside advantages: a peer rank gone there is a failed rank (which a
-    resume recovers from), not an error in the unit's code."""
+@pytest.mark.parametrize("unit", ["grpo", "Pooled"])
+def test_a_collective_that_fails_inside_advantages_is_the_ranks_failure_not_the_units(init_dir, tmp_path, monkeypatch,
+                                                                                      unit):
+    """GRPO's batch scale, and a unit of one's own, sum over the ranks inside advantages: a peer rank gone there
+    is a failed rank (which a resume recovers from), not an error in the unit's code."""
     import traceback
 
     from rlt2t.common.errors import UnitError
 
-    rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
-    rl = RLConfig(algorithm="grpo", batch_size=8, lr=1e-3)  # rl.pg.grpo_scale=batch: all_sum in advantages
-    learner = _learner(init_dir, rl, rollout)
-    groups = _scored(_rollout(init_dir, rollout, rl.rollout_spec))
+    if unit == "grpo":
+        rollout = RolloutConfig(num_samples=4, top_k=0, max_new_tokens=8)
+        rl = RLConfig(algorithm="grpo", batch_size=8, lr=1e-3)  # rl.pg.grpo_scale=batch: all_sum in advantages
+        learner = _learner(init_dir, rl, rollout)
+        groups = _scored(_rollout(init_dir, rollout, rl.rollout_spec))
+    else:
+        _, learner, groups = _users_unit(init_dir, tmp_path, monkeypatch, "user_pg", USER_UNITS, unit)
+    before = learner.weights()
+    learner.train_step(groups)  # one rank: all_sum is the identity, and the unit trains
+    assert any(not torch.equal(before[k], v) for k, v in learner.weights().items())
 
-    def gone(values):
-        raise RuntimeError("gloo: connection closed by peer")
-
-    monkeypatch.setattr(learner, "all_sum", gone)
-    with pytest.raises(RuntimeError, match="connection closed by peer") as e:
+    # two ranks without their process group: torch.distributed's own error from the first collective, the one in
+    # advantages (a stand-in raising in this file would be code of the user's, not the library's)
+    monkeypatch.setattr(learner, "world_size", 2)
+    with pytest.raises((RuntimeError, ValueError), match="process group") as e:
         learner.train_step(groups)
     assert not isinstance(e.value, UnitError)
     assert "advantages" in [frame.name for frame in traceback.extract_tb(e.value.__traceback__)]
