@@ -697,7 +697,8 @@ def _check_advantages(unit: Any, advantages: Any, rewards: Tensor) -> None:
 
 def unit_fault(unit: Any, error: BaseException) -> UnitError | None:
     """``error`` as the user's to fix when a unit of one's own (a module outside rlt2t) raised it in its own code:
-    the unit's module, or a module of the user's the objective calls (outside rlt2t and the installed libraries).
+    the unit's package (installed or not), or a module of the user's the objective calls (outside rlt2t and the
+    installed libraries).
     A UnitError naming the unit and the function and line of the last such frame, which reaches the command line
     as one line (a resume would fail the same way). None (a failed rank, which a resume may recover from) for a
     built-in unit, memory, and an error raised in rlt2t's code or in a collective (torch.distributed) that the
@@ -712,8 +713,11 @@ def unit_fault(unit: Any, error: BaseException) -> UnitError | None:
         tb = tb.tb_next
     libraries = tuple({sysconfig.get_path(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")})
 
+    package = module.split(".")[0]  # the unit's own package is the user's, installed in site-packages or not
+
     def users(name: str, code: Any) -> bool:
-        return name == module or not (name.startswith("rlt2t.") or code.co_filename.startswith(libraries))
+        return (name.split(".")[0] == package
+                or not (name.startswith("rlt2t.") or code.co_filename.startswith(libraries)))
 
     last = max((i for i, (name, code, _) in enumerate(frames) if users(name, code)), default=None)
     if last is None or any(name.startswith(("rlt2t.", "torch.distributed")) for name, _, _ in frames[last + 1:]):

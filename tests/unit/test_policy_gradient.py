@@ -689,6 +689,36 @@ def test_an_error_in_a_units_own_objective_names_the_users_code_not_a_failed_ran
             calls[call]()
 
 
+def test_a_units_package_installed_beside_the_libraries_is_still_the_users_code(tmp_path, monkeypatch):
+    """A unit shipped as a package installed into site-packages: an error in a helper module of that package is
+    named at the helper's line, not at the unit's call into it (the rest of site-packages is libraries)."""
+    import re
+    import sys
+    import sysconfig
+
+    from rlt2t.learner.objectives import unit_fault
+
+    site = tmp_path / "site-packages"
+    (site / "mine").mkdir(parents=True)
+    (site / "mine" / "__init__.py").write_text("")
+    (site / "mine" / "helpers.py").write_text("def total(batch):\n    return batch.rewardz.sum()\n")
+    (site / "mine" / "algos.py").write_text("from mine.helpers import total\n\n\nclass Unit:\n"
+                                            "    def step(self, batch):\n        return total(batch)\n")
+    monkeypatch.syspath_prepend(str(site))
+    for name in ("mine", "mine.helpers", "mine.algos"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    real = sysconfig.get_path
+    monkeypatch.setattr(sysconfig, "get_path", lambda key, *args, **kw: str(site) if key in ("purelib", "platlib")
+                        else real(key, *args, **kw))
+    from mine.algos import Unit
+
+    with pytest.raises(AttributeError) as e:
+        Unit().step(object())
+    fault = str(unit_fault(Unit(), e.value))
+    assert re.fullmatch(r"rl.algorithm=mine.algos:Unit: total raised AttributeError: 'object' object has no "
+                        r"attribute 'rewardz' \(\S*site-packages/mine/helpers.py, line 2\)", fault), fault
+
+
 def test_a_units_own_objective_failing_in_rlt2ts_collective_is_a_failed_rank(init_dir, tmp_path, monkeypatch):
     """What the user's code calls of rlt2t (the ranks' sum) failing is the rank's failure, which a resume may
     recover from, not the unit's: the error passes as it is."""
