@@ -31,6 +31,7 @@ from rlt2t.common.plugins import load_plugins
 from rlt2t.common.policy import Policy
 from rlt2t.common.python_rewards import RewardError
 from rlt2t.common.scoring import token_scores
+from rlt2t.common.search import search_arguments
 
 TABLE_METRICS = ("cider_d", "bleu4", "task_score", "rouge_l", "mean_length")
 MODEL_METRICS = ("perplexity",)
@@ -43,11 +44,14 @@ LENGTHS = ("mean_length", "max_length")
 
 @torch.no_grad()
 def generate(policy: Policy, sources: Sequence[str], *, num_beams: int = 1, max_new_tokens: int = 64,
-             batch_size: int = 64, max_source_len: int = 128, progress: bool = False) -> list[str]:
+             batch_size: int = 64, max_source_len: int = 128, progress: bool = False,
+             controls: Mapping[str, Any] | None = None) -> list[str]:
     """Greedy (num_beams=1) or beam decoding of ``sources``; returns texts in input order.
 
     Sources are batched by length (less padding), results put back in order. Decoding uses a fresh generation
-    config (``families.generation_config``): the model's special ids and these arguments, nothing else.
+    config (``families.generation_config``): the model's special ids and these arguments, nothing else;
+    ``controls``, the search's repetition and length controls by name (:func:`rlt2t.common.search.search_arguments`;
+    none: off).
     """
     model = policy.model
     was_training = model.training
@@ -62,8 +66,9 @@ def generate(policy: Policy, sources: Sequence[str], *, num_beams: int = 1, max_
     pad_id = policy.tokenizer.pad_token_id
     # Only the family's special ids and these settings: what a loaded generation_config.json adds
     # (no_repeat_ngram_size, min_length, length_penalty, ...) the RL sampler ignores, and so does this.
+    search, processors = search_arguments(**(controls or {}))
     settings = generation_config(generator.generation_config, num_beams=num_beams, max_new_tokens=max_new_tokens,
-                                 do_sample=False, early_stopping=num_beams > 1)
+                                 do_sample=False, early_stopping=num_beams > 1, **search)
     # on a terminal only (disable=None): a log file would get a carriage-return line per update
     for start in tqdm(range(0, len(order), batch_size), desc="decode", disable=None if progress else True,
                       leave=False):
@@ -71,7 +76,7 @@ def generate(policy: Policy, sources: Sequence[str], *, num_beams: int = 1, max_
         batch = collate_seq2seq([ids[i] for i in chunk], None, pad_id)
         gen = generator.generate(
             input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-            generation_config=settings,
+            generation_config=settings, logits_processor=processors,
         )
         for i, text in zip(chunk, policy.decode(gen), strict=True):
             out[i] = text
@@ -239,7 +244,7 @@ def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metri
     else:
         hyps = generate(policy, [e.source for e in examples], num_beams=cfg.num_beams,
                         max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, max_source_len=max_source_len,
-                        progress=progress)
+                        progress=progress, controls=cfg.search_controls())
     text_names = [n for n in names if n not in MODEL_METRICS]
     params = {"classifier_accuracy": classifier_params(cfg, examples)} if "classifier_accuracy" in names else {}
     values = metric_table(hyps, references_of(examples, "evaluation"), metric, text_names, params)

@@ -35,6 +35,7 @@ from rlt2t.common.io import atomic_write_text
 from rlt2t.common.metrics import available_metrics, check_dependencies
 from rlt2t.common.plots import plot_metric_bars
 from rlt2t.common.plugins import load_plugins
+from rlt2t.common.search import SEARCH_CONTROLS
 from rlt2t.jobs import best_or_latest, eval_job
 from rlt2t.learner.evaluate import MODEL_METRICS, check_metric_names
 
@@ -200,6 +201,8 @@ def eval_table(cfg: Config, checkpoints: Mapping[str, str | Path], split: str | 
 
         reference_free_reward(cfg)
     decoding = "greedy" if cfg.eval.num_beams == 1 else f"beam {cfg.eval.num_beams}"
+    decoding += "".join(f", {key} {value:g}" for key, value in cfg.eval.search_controls().items()
+                        if value != SEARCH_CONTROLS[key])
     if cfg.eval.rerank != "none":
         decoding = f"{cfg.predict.pool} pool, rerank {cfg.eval.rerank}"
         if cfg.eval.rerank == "mbr":

@@ -529,7 +529,7 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
     examples = load_split(cfg, cfg.eval.split)
     if cfg.eval.limit:
         examples = examples[: cfg.eval.limit]
-    decoding: dict[str, object] = {"num_beams": cfg.eval.num_beams}
+    decoding: dict[str, object] = {"num_beams": cfg.eval.num_beams, **cfg.eval.search_controls()}
     hyps = None
     if cfg.eval.rerank != "none":  # a pool per source, picked from as `rlt2t predict` does
         from rlt2t.ensemble import rerank_with_policy

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Protocol, cast, runtime_checkable
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from rlt2t.common.checkpoint import read_checkpoint, resolve_model_dir, weights_checksum
 from rlt2t.common.collate import collate_seq2seq, encode_texts
@@ -38,6 +38,7 @@ from rlt2t.common.families import positions_or
 from rlt2t.common.policy import Policy, load_policy
 from rlt2t.common.sampling import sample_candidates
 from rlt2t.common.scoring import token_scores
+from rlt2t.common.search import SEARCH_CONTROLS, search_arguments
 from rlt2t.common.tokenization import text_checker
 
 log = logging.getLogger("rlt2t.services.backends")
@@ -59,11 +60,6 @@ class Generation:
 FILTER_NAMES = {"top_p": ("nucleus", 1.0), "epsilon": ("epsilon", 0.0)}
 """The sampling filters a backend may lack (:meth:`Sampling.filters`), by request field: what they are called, and
 the value that switches them off."""
-REPETITION_CONTROLS = {"no_repeat_ngram_size": 0, "repetition_penalty": 1.0}
-"""Beam search's repetition controls, by field: the value that switches each off."""
-BEAM_CONTROLS = {**REPETITION_CONTROLS, "length_penalty": 1.0, "min_new_tokens": 0}
-"""Beam search's controls (:meth:`Sampling.beam_controls`), by field: the value that leaves beam search as it is
-(samples are drawn from the model's own distribution, without them)."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +96,7 @@ class Sampling:
 
     def beam_controls(self) -> list[str]:
         """The beam-search controls these settings switch on (refused with sampling)."""
-        return [field for field, off in BEAM_CONTROLS.items() if getattr(self, field) != off]
+        return [field for field, off in SEARCH_CONTROLS.items() if getattr(self, field) != off]
 
 
 @dataclass(frozen=True)
@@ -315,16 +311,12 @@ class TorchBackend:
         ids, _ = encode_texts(self.tokenizer, sources, self.source_len)
         batch = collate_seq2seq(ids, None, self.tokenizer.pad_token_id)
         h = sampling.num_candidates
+        settings, processors = search_arguments(**{key: getattr(sampling, key) for key in SEARCH_CONTROLS})
         with torch.inference_mode():
             gen = self.model.generate(
                 input_ids=batch["input_ids"].to(self.device), attention_mask=batch["attention_mask"].to(self.device),
                 num_beams=sampling.beam_size, num_return_sequences=h, max_new_tokens=sampling.max_new_tokens,
-                do_sample=False, early_stopping=True, length_penalty=sampling.length_penalty,
-                min_new_tokens=sampling.min_new_tokens or None,
-                logits_processor=LogitsProcessorList([GeneratedRepetition(sampling.no_repeat_ngram_size,
-                                                                          sampling.repetition_penalty)]
-                                                     if set(sampling.beam_controls()) & set(REPETITION_CONTROLS)
-                                                     else []),
+                do_sample=False, early_stopping=True, **settings, logits_processor=processors,
                 stopping_criteria=StoppingCriteriaList([_AllStopped(control, len(sources))] if control else []),
             ).cpu()
         pad_id, eos_id = self.tokenizer.pad_token_id, self.model.config.eos_token_id
@@ -349,40 +341,7 @@ def _refuse_beam_controls(sampling: Sampling) -> None:
     if fields := sampling.beam_controls():
         name = fields[0]
         raise ValueError(f"{name}={getattr(sampling, name)}: applies to beam search only (samples are drawn from the "
-                         f"model's distribution); leave it at {BEAM_CONTROLS[name]:g} when sampling")
-
-
-class GeneratedRepetition(LogitsProcessor):
-    """Beam search's repetition controls over the tokens a hypothesis has generated (as CTranslate2 counts them):
-    ``no_repeat_ngram_size`` n (0: off) bans each token that would complete an n-gram the hypothesis already holds;
-    ``repetition_penalty`` (1: off) scales down the score (in beam search, the log-prob) of each token it already
-    holds (multiplied when negative, divided when positive). The decoder start token is not one of them:
-    transformers' own processors count it, and
-    in the BART family it is the EOS, which they would then penalise from the first step (and ban for good with
-    n = 1, so that no hypothesis ends)."""
-
-    def __init__(self, no_repeat_ngram_size: int, repetition_penalty: float) -> None:
-        if no_repeat_ngram_size < 0 or not repetition_penalty > 0:
-            raise ValueError(f"no_repeat_ngram_size must be >= 0 and repetition_penalty > 0, got "
-                             f"{no_repeat_ngram_size}, {repetition_penalty}")
-        self.n, self.penalty = no_repeat_ngram_size, repetition_penalty
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        generated = input_ids[:, 1:]
-        if generated.shape[1] == 0:
-            return scores
-        if self.penalty != 1.0:
-            held = torch.gather(scores, 1, generated)
-            scores = cast(torch.FloatTensor, scores.scatter(1, generated, torch.where(
-                held < 0, held * self.penalty, held / self.penalty)))
-        n = self.n
-        if n and generated.shape[1] >= n - 1:
-            for row, seq in enumerate(generated.tolist()):
-                last = tuple(seq[len(seq) - n + 1 :]) if n > 1 else ()
-                banned = {seq[i + n - 1] for i in range(len(seq) - n + 1) if tuple(seq[i : i + n - 1]) == last}
-                if banned:
-                    scores[row, sorted(banned)] = float("-inf")
-        return scores
+                         f"model's distribution); leave it at {SEARCH_CONTROLS[name]:g} when sampling")
 
 
 class _AllStopped(StoppingCriteria):

@@ -73,9 +73,9 @@ from rlt2t.common.metrics import DocumentFrequency, metric_params
 from rlt2t.common.python_rewards import RewardError
 from rlt2t.common.rerank import check_reference_free
 from rlt2t.common.rewards import WeightedReward, build_reward, score_pairs, task_reward
+from rlt2t.common.search import SEARCH_CONTROLS
 from rlt2t.services.admission import ServiceTime, Work, sampled_work, total
 from rlt2t.services.backends import (
-    BEAM_CONTROLS,
     FILTER_NAMES,
     Generation,
     PolicyBackend,
@@ -527,7 +527,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
         costs = sampling_costs(counts, rows, req.max_new_tokens, what)
         # Only the settings a mode uses go into the batching key, so e.g. beam requests that differ in an
         # (unused) temperature still share a model call.
-        beam_controls = {k: getattr(req, k) for k in BEAM_CONTROLS}
+        beam_controls = {k: getattr(req, k) for k in SEARCH_CONTROLS}
         if req.mode == "beam":
             sampling = Sampling(mode="beam", num_candidates=req.num_candidates, beam_size=req.beam_size,
                                 max_new_tokens=req.max_new_tokens, **beam_controls)
@@ -535,7 +535,7 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             if controls := Sampling(**beam_controls).beam_controls():
                 field = controls[0]
                 raise field_error(("body", field), f"{field} applies to mode: beam (samples are drawn from the "
-                                  f"model's distribution); leave it at {BEAM_CONTROLS[field]:g}",
+                                  f"model's distribution); leave it at {SEARCH_CONTROLS[field]:g}",
                                   getattr(req, field))
             sampling = Sampling(mode="sample", num_candidates=req.num_candidates, top_k=req.top_k, top_p=req.top_p,
                                 temperature=req.temperature, beam_size=1, max_new_tokens=req.max_new_tokens,

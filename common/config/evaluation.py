@@ -6,13 +6,18 @@ from typing import Literal
 
 from pydantic import (
     Field,
+    model_validator,
 )
 
 from rlt2t.common.config.base import _Section
-from rlt2t.common.config.services import PredictRerank
+from rlt2t.common.config.services import PredictRerank, SearchControls
 
 
-class EvalConfig(_Section):
+class EvalConfig(SearchControls):
+    """`rlt2t eval`: its decode (`num_beams`, `max_new_tokens` and the search controls `no_repeat_ngram_size`,
+    `repetition_penalty`, `length_penalty`, `min_new_tokens`; a reranked pool takes `predict`'s instead) and its
+    table. The validation monitors of training decode greedily without the controls."""
+
     split: Literal["train", "valid", "test"] = "valid"
     """Split decoded by `rlt2t eval`."""
     num_beams: int = Field(1, ge=1)
@@ -36,6 +41,11 @@ class EvalConfig(_Section):
     """`none`: decode with `num_beams` (1: greedy); otherwise pick from a pool of candidates as `rlt2t predict`
     does (the model generates and scores; predict.pool, predict.beam_size, predict.mbr_utility, ... configure it);
     `rlt2t eval --rerank` overrides it."""
+
+    @model_validator(mode="after")
+    def _lengths(self) -> EvalConfig:
+        self._check_lengths("eval", self.max_new_tokens)
+        return self
 
 
 class MetricConfig(_Section):

@@ -89,7 +89,34 @@ class ExportConfig(_Section):
     """CTranslate2 intra-op threads (0: its default)."""
 
 
-class PredictConfig(_Section):
+class SearchControls(_Section):
+    """Search's repetition and length controls (rlt2t.common.search), of `predict` (its beam hypotheses) and of
+    `eval` (its greedy or beam decode): off by default, what both backends did without them."""
+
+    no_repeat_ngram_size: int = Field(0, ge=0)
+    """No n-gram of this many tokens occurs twice in a hypothesis (0: no limit; 3 is what BART's summarisation
+    checkpoints ship with). Samples are drawn without it."""
+    repetition_penalty: float = Field(1.0, ge=1.0, le=100.0)
+    """A token the hypothesis already holds has its score divided by this when positive, multiplied when negative
+    (1: none; 1.2 is common). Samples are drawn without it."""
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
+    """Beam search: a finished hypothesis ranks by its log-probability divided by its length to this power (1: the
+    mean per token; 0: the sum, which favours short ones; 2.0 is what BART's summarisation checkpoints ship with,
+    0.6 is common in translation; greedy decoding has nothing to rank). Samples are drawn without it."""
+    min_new_tokens: int = Field(0, ge=0)
+    """No EOS before this many generated tokens (0: none; below `max_new_tokens`). Samples are drawn without it."""
+
+    def search_controls(self) -> dict[str, int | float]:
+        """The four controls by name (rlt2t.common.search.search_arguments takes them)."""
+        return {key: getattr(self, key) for key in SearchControls.model_fields}
+
+    def _check_lengths(self, section: str, max_new_tokens: int) -> None:
+        if self.min_new_tokens >= max_new_tokens:
+            raise ValueError(f"{section}.min_new_tokens={self.min_new_tokens} must be below {section}.max_new_tokens="
+                             f"{max_new_tokens} (which counts the EOS)")
+
+
+class PredictConfig(SearchControls):
     backend: Literal["auto", "ct2", "torch"] = "auto"
     """Runtime of generators and scorers: `ct2` (exports, or model directories exported on the fly), `torch`
     (model directories on Hugging Face), `auto` (CTranslate2 where the model's family converts, else torch)."""
@@ -97,19 +124,6 @@ class PredictConfig(_Section):
     """Beam size of each generator."""
     num_hypotheses: int = Field(4, ge=1)
     """Hypotheses kept per input per generator."""
-    no_repeat_ngram_size: int = Field(0, ge=0)
-    """Beam search: no n-gram of this many tokens occurs twice in a hypothesis (0: no limit; 3 is what BART's
-    summarisation checkpoints ship with). The pool's samples are drawn without it."""
-    repetition_penalty: float = Field(1.0, ge=1.0, le=100.0)
-    """Beam search: a token the hypothesis already holds has its score divided by this when positive, multiplied
-    when negative (1: none; 1.2 is common). The pool's samples are drawn without it."""
-    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
-    """Beam search: a finished hypothesis ranks by its log-probability divided by its length to this power (1: the
-    mean per token; 0: the sum, which favours short ones; 2.0 is what BART's summarisation checkpoints ship with,
-    0.6 is common in translation). The pool's samples are drawn without it."""
-    min_new_tokens: int = Field(0, ge=0)
-    """Beam search: no EOS before this many generated tokens (0: none; below `max_new_tokens`). The pool's samples
-    are drawn without it."""
     pool: Literal["beam", "sample", "both"] = "beam"
     """Candidates of each generator per input: its `num_hypotheses` beam hypotheses, `num_samples` samples, or
     both (the pool every rerank mode, and `rlt2t eval --rerank`, picks from)."""
@@ -151,9 +165,7 @@ class PredictConfig(_Section):
 
     @model_validator(mode="after")
     def _lengths(self) -> PredictConfig:
-        if self.min_new_tokens >= self.max_new_tokens:
-            raise ValueError(f"predict.min_new_tokens={self.min_new_tokens} must be below predict.max_new_tokens="
-                             f"{self.max_new_tokens} (which counts the EOS)")
+        self._check_lengths("predict", self.max_new_tokens)
         return self
 
 

@@ -564,6 +564,33 @@ def test_the_torch_runner_cuts_sources_at_data_max_source_len_as_the_ct2_runner_
         assert got == pytest.approx(want, abs=1e-4)
 
 
+def test_rlt2t_evals_decode_takes_the_search_controls_as_predicts_beams_do(bart_dir, tmp_path):
+    """eval.no_repeat_ngram_size, repetition_penalty, length_penalty and min_new_tokens: `rlt2t eval`'s decode
+    (greedy and beam) writes what predict's torch beams write with the same controls (one processor,
+    rlt2t.common.search), each control changing what the plain decode writes here; and the eval config refuses
+    a minimum length at its maximum, naming both keys."""
+    from rlt2t.common.config import ModelConfig
+    from rlt2t.common.policy import load_policy
+    from rlt2t.learner.evaluate import generate
+
+    train, _ = _mbr_inputs(tmp_path)
+    runner = TorchRunner(_cfg(tmp_path, train), bart_dir)
+    policy = load_policy(ModelConfig(preset=None, path=str(bart_dir), dropout=0.0))
+    settings = {"repeats": {"no_repeat_ngram_size": 1}, "penalty": {"repetition_penalty": 50.0},
+                "long": {"min_new_tokens": 8}, "power": {"length_penalty": 0.0}}
+    for beams in (1, 4):
+        plain = generate(policy, SOURCES, num_beams=beams, max_new_tokens=12, batch_size=1)
+        for name, controls in settings.items():
+            got = generate(policy, SOURCES, num_beams=beams, max_new_tokens=12, batch_size=1, controls=controls)
+            want = [runner.generate([source], beam_size=beams, num_hypotheses=1, max_new_tokens=12, **controls)[0][0]
+                    for source in SOURCES]
+            assert got == [hyp.text for hyp in want], (beams, name)
+            if name != "power" or beams > 1:  # greedy decoding has no finished hypotheses to rank
+                assert got != plain, f"{name} changed nothing at {beams} beams: the test shows nothing ({plain})"
+    with pytest.raises(ValueError, match=r"eval.min_new_tokens=16 must be below eval.max_new_tokens=16"):
+        Config.model_validate({"eval": {"min_new_tokens": 16, "max_new_tokens": 16}})
+
+
 def _length(ids, eos: int) -> int:
     """Tokens before the EOS."""
     return len(ids) - (1 if ids and ids[-1] == eos else 0)
