@@ -91,7 +91,8 @@ class ExportConfig(_Section):
 
 class SearchControls(_Section):
     """Search's repetition and length controls (rlt2t.common.search), of `predict` (its beam hypotheses) and of
-    `eval` (its greedy or beam decode): off by default, what both backends did without them."""
+    `eval` (its greedy or beam decode): off by default, what both backends did without them. One that would do
+    nothing is refused: any of them with `predict.pool: sample`, `length_penalty` with a beam of 1."""
 
     no_repeat_ngram_size: int = Field(0, ge=0)
     """No n-gram of this many tokens occurs twice in a hypothesis (0: no limit; 3 is what BART's summarisation
@@ -102,7 +103,7 @@ class SearchControls(_Section):
     length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
     """Beam search: a finished hypothesis ranks by its log-probability divided by its length to this power (1: the
     mean per token; 0: the sum, which favours short ones; 2.0 is what BART's summarisation checkpoints ship with,
-    0.6 is common in translation; greedy decoding has nothing to rank). Samples are drawn without it."""
+    0.6 is common in translation; greedy decoding, a beam of 1, has nothing to rank). Samples are drawn without it."""
     min_new_tokens: int = Field(0, ge=0)
     """No EOS before this many generated tokens (0: none; below `max_new_tokens`). Samples are drawn without it."""
 
@@ -110,10 +111,23 @@ class SearchControls(_Section):
         """The four controls by name (rlt2t.common.search.search_arguments takes them)."""
         return {key: getattr(self, key) for key in SearchControls.model_fields}
 
-    def _check_lengths(self, section: str, max_new_tokens: int) -> None:
+    def _check_controls(self, section: str, max_new_tokens: int, *, beams: int, no_search: str | None) -> None:
+        """Refuse a control that would do nothing: ``no_search`` says why the decode has no search for the
+        controls to act on (None: it has one); ``beams`` is its beam size (a beam of 1 has nothing for
+        length_penalty to rank)."""
         if self.min_new_tokens >= max_new_tokens:
             raise ValueError(f"{section}.min_new_tokens={self.min_new_tokens} must be below {section}.max_new_tokens="
                              f"{max_new_tokens} (which counts the EOS)")
+        defaults = SearchControls()
+        changed = [key for key in SearchControls.model_fields if getattr(self, key) != getattr(defaults, key)]
+        if no_search is not None and changed:
+            raise ValueError(f"{section}.{changed[0]}={getattr(self, changed[0])} would do nothing: {no_search}; "
+                             f"leave {' and '.join(f'{section}.{key}' for key in changed)} at the default")
+        if beams == 1 and "length_penalty" in changed:
+            beam = "num_beams" if section == "eval" else "beam_size"
+            raise ValueError(f"{section}.length_penalty={self.length_penalty} would do nothing: it ranks finished beam "
+                             f"hypotheses by length and {section}.{beam}=1 searches with one; set {section}.{beam} "
+                             f"above 1 or leave {section}.length_penalty at 1")
 
 
 class PredictConfig(SearchControls):
@@ -165,7 +179,9 @@ class PredictConfig(SearchControls):
 
     @model_validator(mode="after")
     def _lengths(self) -> PredictConfig:
-        self._check_lengths("predict", self.max_new_tokens)
+        self._check_controls("predict", self.max_new_tokens, beams=self.beam_size, no_search=(
+            "the search controls shape beam hypotheses and predict.pool=sample draws samples only (set "
+            "predict.pool=both for both)" if self.pool == "sample" else None))
         return self
 
 

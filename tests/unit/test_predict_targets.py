@@ -513,8 +513,10 @@ def test_predict_applies_the_beam_controls_to_the_beams_not_the_samples(bart_exp
     pools = {}
     settings = {"off": {}, "norepeat": {"no_repeat_ngram_size": 2},
                 "long": {"min_new_tokens": 8, "length_penalty": 2.0}}
-    for pool in ("beam", "sample"):
+    for pool in ("beam", "sample", "both"):
         for name, controls in settings.items():
+            if pool == "sample" and controls:
+                continue  # refused: test_a_search_control_that_would_do_nothing_is_refused_by_name
             cfg = _cfg(tmp_path, train)
             cfg.predict.pool, cfg.predict.num_samples, cfg.predict.max_new_tokens = pool, 4, 12
             for key, value in controls.items():
@@ -534,13 +536,41 @@ def test_predict_applies_the_beam_controls_to_the_beams_not_the_samples(bart_exp
         assert pools["beam", name] == [list(dict.fromkeys(h.text for h in hyps)) for hyps in want], name
         if controls:
             assert pools["beam", name] != pools["beam", "off"], name
-            # the samples are drawn from the model's distribution
-            assert pools["sample", name] == pools["sample", "off"], name
+        # a mixed pool: the controlled beams, then the samples, drawn from the model's distribution as without them
+        assert pools["both", name] == [list(dict.fromkeys(beams + samples)) for beams, samples in zip(
+            pools["beam", name], pools["sample", "off"], strict=True)], name
 
 
 def test_min_new_tokens_must_be_below_max_new_tokens(tmp_path):
     with pytest.raises(ValueError, match=r"predict.min_new_tokens=12 must be below predict.max_new_tokens=12"):
         Config.model_validate({"predict": {"min_new_tokens": 12, "max_new_tokens": 12}})
+
+
+@pytest.mark.parametrize("section, settings, error", [
+    ("predict", {"pool": "sample", "no_repeat_ngram_size": 3},
+     r"predict.no_repeat_ngram_size=3 would do nothing: .*predict.pool=sample draws samples only"),
+    ("predict", {"pool": "sample", "repetition_penalty": 1.2, "min_new_tokens": 2},
+     r"predict.repetition_penalty=1.2 would do nothing: .*leave predict.repetition_penalty and "
+     r"predict.min_new_tokens at the default"),
+    ("predict", {"pool": "sample", "length_penalty": 2.0}, r"predict.length_penalty=2.0 would do nothing"),
+    ("predict", {"beam_size": 1, "num_hypotheses": 1, "length_penalty": 0.6},
+     r"predict.length_penalty=0.6 would do nothing: .*predict.beam_size=1 searches with one"),
+    ("eval", {"length_penalty": 2.0}, r"eval.length_penalty=2.0 would do nothing: .*set eval.num_beams above 1"),
+    # What acts is taken: the repetition and minimum-length controls shape a greedy decode too.
+    ("eval", {"no_repeat_ngram_size": 3, "repetition_penalty": 1.2, "min_new_tokens": 2}, None),
+    ("eval", {"num_beams": 4, "length_penalty": 2.0}, None),
+    ("predict", {"pool": "both", "no_repeat_ngram_size": 3, "length_penalty": 2.0}, None),
+    ("predict", {"pool": "sample", "top_p": 0.95}, None),
+])
+def test_a_search_control_that_would_do_nothing_is_refused_by_name(section, settings, error):
+    """A control the configured decode cannot apply is refused, not silently ignored: any with predict's
+    sample-only pool (its samples are drawn without them) and length_penalty with a beam of 1."""
+    if error is None:
+        cfg = Config.model_validate({section: settings})
+        assert {key: getattr(getattr(cfg, section), key) for key in settings} == settings
+    else:
+        with pytest.raises(ValueError, match=error):
+            Config.model_validate({section: settings})
 
 
 def test_the_torch_runner_cuts_sources_at_data_max_source_len_as_the_ct2_runner_does(bart_dir, bart_export, tmp_path):
