@@ -1,12 +1,18 @@
 """Does `make demo`'s verdict hold on every seed? The demo rerun as a user runs it, seed by seed.
 
-    python bench/demo_seeds.py [--seeds 1,2,3,4,5] [--workdir DIR] [--name demo_seeds] [key=value ...]
+    python bench/demo_seeds.py [--seeds 1,2,3,4,5] [--workdir DIR] [--name demo_seeds] [--reranks M1,M2]
+                               [key=value ...]
 
 For each seed, ``rlt2t demo --fresh run.seed=N run.dir=<workdir>/seed<N> [key=value ...]`` runs in a subprocess
 (its wall time is what a user waits after the install), then its ``eval/demo-summary.json`` gives the task score
 of the SFT checkpoint, continued SFT and RL on validation (greedy), on test (greedy) and on test with CTranslate2
 (int8, beam ``predict.beam_size``). The demo's synthetic data (``synth.seed``) is the same for every seed; the seed
 changes pretraining and SFT initialisation, data order, dropout and RL's sampling.
+
+``--reranks`` (e.g. ``mean_logprob,mbr,consensus``) predicts the test split again from each seed's exports, once
+per rerank mode, as the demo's last table does (the three models generate and score, ``predict.*`` of the demo's
+config, whatever mode it picked with): each mode's ensemble task score, its seconds per source, and its paired
+differences against the demo's own ensemble and against RL's beam search alone.
 
 Saved to ``bench/results/<name>.json``: the per-seed figures, mean ± sample std over seeds, the paired
 differences RL − SFT and RL − continued SFT per table, and whether RL is ahead of both on every table of every
@@ -61,6 +67,25 @@ def run_seed(seed: int, workdir: Path, overrides: list[str], rerun: bool) -> dic
     return record
 
 
+def rerank_seed(seed: int, workdir: Path, overrides: list[str], modes: list[str]) -> dict[str, dict]:
+    """The demo's last table with each rerank mode in ``modes``: {mode: {"task_score", "seconds_per_source"}}."""
+    import rlt2t
+
+    run_dir = workdir / f"seed{seed}"
+    cfg = rlt2t.load_config(overrides=[f"run.seed={seed}", f"run.dir={run_dir}", *overrides])
+    exports = [cfg.path(cfg.export.out) / m for m in MODELS]
+    out: dict[str, dict] = {}
+    for mode in modes:
+        result = rlt2t.predict(cfg, exports, exports, cfg.path(cfg.data.test), run_dir / "predict" / f"test-{mode}.csv",
+                               rerank=mode, metrics=["task_score"])
+        assert result.metrics is not None, "the demo's test split has targets"
+        out[mode] = {"task_score": result.metrics[f"ensemble ({mode})"]["task_score"],
+                     "seconds_per_source": result.seconds_per_source}
+        print(f"seed {seed}: rerank {mode}: task_score {out[mode]['task_score']:.4f}, "
+              f"{result.seconds_per_source['rerank'] * 1e3:.2f} ms per source to rerank", flush=True)
+    return out
+
+
 def stats(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
             "n": len(values)}
@@ -79,7 +104,27 @@ def summarize(seeds: dict[str, dict]) -> dict:
                                                  [(r[t]["rl"] - r[t][m]) / r[t][m] for r in runs])}
                                  for m in ("sft", "continued_sft")}
     out["rl_ahead_on_every_seed"] = all(r["rl_ahead"] for r in runs)
+    if all("reranks" in r for r in runs):
+        demo = [_demo_ensemble(r) for r in runs]
+        rl = [r["test_ct2_beam"]["rl"] for r in runs]
+        out["reranks"] = {}
+        for mode in runs[0]["reranks"]:
+            scores = [r["reranks"][mode]["task_score"] for r in runs]
+            out["reranks"][mode] = {
+                "task_score": stats(scores),
+                "rerank_ms_per_source": stats([r["reranks"][mode]["seconds_per_source"]["rerank"] * 1e3
+                                               for r in runs]),
+                **{f"minus_{k}": {**stats([a - b for a, b in zip(scores, base, strict=True)]),
+                                  "relative": statistics.fmean([(a - b) / b for a, b in zip(scores, base,
+                                                                                           strict=True)])}
+                   for k, base in (("demo_ensemble", demo), ("rl_beam", rl))}}
     return out
+
+
+def _demo_ensemble(record: dict) -> float:
+    """The task score of the demo's own ensemble row (``ensemble (<its mode>)``) on its last table."""
+    (row,) = [v for k, v in record["tables"]["test_ct2_beam"].items() if k.startswith("ensemble (")]
+    return row["task_score"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,14 +136,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", action="store_true", help="run seeds again even when a saved run matches")
     parser.add_argument("--note", default="",
                         help="what else ran on the machine while the seeds were timed (shown beside the seconds)")
+    parser.add_argument("--reranks", default="",
+                        help="comma-separated predict rerank modes to run again on each seed's exports (default: none)")
     parser.add_argument("overrides", nargs="*", help="config overrides passed to every demo (key.path=value)")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     workdir = Path(args.workdir or f"/tmp/bench-demo/{args.name}")
+    modes = [m for m in args.reranks.split(",") if m]
     per_seed = {str(s): run_seed(s, workdir, args.overrides, args.rerun) for s in seeds}
+    if modes:
+        for s in seeds:
+            per_seed[str(s)]["reranks"] = rerank_seed(s, workdir, args.overrides, modes)
     summary = summarize(per_seed)
     command = " ".join(["python bench/demo_seeds.py", f"--seeds {args.seeds}",
-                        *([f"--name {args.name}"] if args.name != "demo_seeds" else []), *args.overrides])
+                        *([f"--name {args.name}"] if args.name != "demo_seeds" else []),
+                        *([f"--reranks {args.reranks}"] if modes else []), *args.overrides])
     # The synthetic task's generator version, as each seed's data recorded it (a reused run keeps its data).
     versions = sorted({json.loads((workdir / f"seed{s}" / "data" / "synth_meta.json").read_text())["version"]
                        for s in seeds})
@@ -112,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         diffs = ", ".join(f"{k} {d['mean']:+.3f} ± {d['std']:.3f} ({d['relative']:+.1%})"
                           for k, d in summary["paired_diff"][t].items())
         print(f"{t:<14} {row}\n{'':<14} {diffs}")
+    for mode, r in summary.get("reranks", {}).items():
+        print(f"rerank {mode:<13} {r['task_score']['mean']:.3f} ± {r['task_score']['std']:.3f}, "
+              + ", ".join(f"{k.removeprefix('minus_')} {r[k]['mean']:+.3f} ± {r[k]['std']:.3f} "
+                          f"({r[k]['relative']:+.1%})" for k in ("minus_demo_ensemble", "minus_rl_beam"))
+              + f", {r['rerank_ms_per_source']['mean']:.2f} ms per source to rerank")
     print(f"RL ahead of both baselines on every table of every seed: {summary['rl_ahead_on_every_seed']}; "
           f"demo {summary['seconds']['mean']:.0f} ± {summary['seconds']['std']:.0f} s "
           f"(wall {summary['wall_seconds']['mean']:.0f} s) → {path}")

@@ -163,7 +163,24 @@ def render_demo_seeds(data: dict) -> list[str]:
               *table(*drop_empty_columns(head, per_seed))]
     times = [f"{what} {mean_std(summary[key], 0)} s" for key, what in (("seconds", "job"), ("wall_seconds", "wall"))
              if isinstance(summary.get(key), dict)]
-    return lines + ([f"Time per seed: {'; '.join(times)}.", ""] if times else [])
+    lines += [f"Time per seed: {'; '.join(times)}.", ""] if times else []
+    if note := data.get("settings", {}).get("note"):
+        lines += [f"> {note}", ""]
+    return lines + demo_reranks(summary.get("reranks"))
+
+
+def demo_reranks(reranks: dict | None) -> list[str]:
+    """The demo's last table again per rerank mode (``--reranks``): the ensemble's test task score, paired
+    against the demo's own ensemble and against RL's beam search alone."""
+    if not reranks:
+        return []
+    rows = [[f"`{mode}`", mean_std(r.get("task_score")), paired(r.get("minus_demo_ensemble")),
+             paired(r.get("minus_rl_beam")), mean_std(r.get("rerank_ms_per_source"), 2)]
+            for mode, r in reranks.items()]
+    return ["The demo's last table with each rerank mode (`--reranks`): the ensemble of the three exports on the "
+            "test split (task score), mean ± std over seeds, and paired differences:", "",
+            *table(["rerank", "ensemble", "− the demo's ensemble", "− RL's beam alone", "rerank ms per source"],
+                   rows)]
 
 
 # -- benchmarks: decoding (bench/decoding.py) ------------------------------------------------------------------

@@ -197,6 +197,29 @@ def test_the_demo_seeds_page_renders_from_its_result(tmp_path):
     assert "[Demo over seeds" in files["benchmarks/index.md"]
 
 
+def test_the_demo_reranks_are_paired_seed_by_seed_and_rendered(tmp_path, bench_script):
+    """bench/demo_seeds.py --reranks: each mode's ensemble against the demo's own ensemble row (whatever mode the
+    demo used) and against RL's beam alone, paired seed by seed, and the page's table of them."""
+    demo_seeds = bench_script("demo_seeds")
+    data = demo_seeds_result()
+    for seed, (ensemble, mbr) in {"1": (1.7, 1.9), "2": (1.8, 2.2)}.items():
+        data["seeds"][seed]["tables"] = {"test_ct2_beam": {"ensemble (mean_logprob)": {"task_score": ensemble}}}
+        data["seeds"][seed]["reranks"] = {"mbr": {"task_score": mbr, "seconds_per_source": {"rerank": 0.002}}}
+    reranks = demo_seeds.summarize(data["seeds"])["reranks"]
+    assert reranks["mbr"]["task_score"]["mean"] == pytest.approx(2.05)
+    assert reranks["mbr"]["minus_demo_ensemble"]["mean"] == pytest.approx(0.3)  # +0.2 and +0.4
+    assert reranks["mbr"]["minus_demo_ensemble"]["std"] == pytest.approx(0.1414, abs=1e-4)
+    assert reranks["mbr"]["minus_rl_beam"]["mean"] == pytest.approx(0.15)  # against RL's beam, 1.8 and 2.0
+    assert reranks["mbr"]["rerank_ms_per_source"]["mean"] == pytest.approx(2.0)
+    data["summary"]["reranks"] = reranks
+    data["settings"]["note"] = "seed 1 beside other work"
+    _write(tmp_path / "results" / "demo_seeds.json", data)
+    page = benchmarks.benchmark_pages(tmp_path / "results", tmp_path / "no-findings")["benchmarks/demo_seeds.md"]
+    assert "> seed 1 beside other work" in page
+    assert "| `mbr` | 2.050 ± 0.212 | +0.300 ± 0.141 (2.1 σ, +17 %) | +0.150 ± 0.071 (2.1 σ, +8 %) | 2.00 ± 0.00 |" \
+        in page, page
+
+
 def test_the_readme_demo_sample_is_a_seeds_printed_output_with_the_figures_over_seeds(tmp_path):
     results = tmp_path / "results"
     demo = demo_seeds_result()
