@@ -91,6 +91,12 @@ def stats(values: list[float]) -> dict:
             "n": len(values)}
 
 
+def paired(values: list[float], base: list[float]) -> dict:
+    """Seed-by-seed differences ``values − base``: their stats and the mean relative difference."""
+    pairs = list(zip(values, base, strict=True))
+    return {**stats([a - b for a, b in pairs]), "relative": statistics.fmean([(a - b) / b for a, b in pairs])}
+
+
 def summarize(seeds: dict[str, dict]) -> dict:
     """Mean ± std of each model on each table, and the paired differences RL − each baseline."""
     runs = list(seeds.values())
@@ -99,9 +105,7 @@ def summarize(seeds: dict[str, dict]) -> dict:
     out["paired_diff"] = {}
     for t in TABLES:
         out[t] = {m: stats([r[t][m] for r in runs]) for m in MODELS}
-        out["paired_diff"][t] = {f"rl-{m}": {**stats([r[t]["rl"] - r[t][m] for r in runs]),
-                                             "relative": statistics.fmean(
-                                                 [(r[t]["rl"] - r[t][m]) / r[t][m] for r in runs])}
+        out["paired_diff"][t] = {f"rl-{m}": paired([r[t]["rl"] for r in runs], [r[t][m] for r in runs])
                                  for m in ("sft", "continued_sft")}
     out["rl_ahead_on_every_seed"] = all(r["rl_ahead"] for r in runs)
     if all("reranks" in r for r in runs):
@@ -114,10 +118,7 @@ def summarize(seeds: dict[str, dict]) -> dict:
                 "task_score": stats(scores),
                 "rerank_ms_per_source": stats([r["reranks"][mode]["seconds_per_source"]["rerank"] * 1e3
                                                for r in runs]),
-                **{f"minus_{k}": {**stats([a - b for a, b in zip(scores, base, strict=True)]),
-                                  "relative": statistics.fmean([(a - b) / b for a, b in zip(scores, base,
-                                                                                           strict=True)])}
-                   for k, base in (("demo_ensemble", demo), ("rl_beam", rl))}}
+                "minus_demo_ensemble": paired(scores, demo), "minus_rl_beam": paired(scores, rl)}
     return out
 
 

@@ -44,7 +44,7 @@ class EvalConfig(SearchControls):
 
     @model_validator(mode="after")
     def _lengths(self) -> EvalConfig:
-        self._check_controls("eval", self.max_new_tokens, beams=self.num_beams, no_search=None)
+        self._check_controls("eval", self.max_new_tokens, beam=("num_beams", self.num_beams), no_search=None)
         return self
 
 

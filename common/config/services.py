@@ -111,22 +111,23 @@ class SearchControls(_Section):
         """The four controls by name (rlt2t.common.search.search_arguments takes them)."""
         return {key: getattr(self, key) for key in SearchControls.model_fields}
 
-    def _check_controls(self, section: str, max_new_tokens: int, *, beams: int, no_search: str | None) -> None:
+    def _check_controls(self, section: str, max_new_tokens: int, *, beam: tuple[str, int],
+                        no_search: str | None) -> None:
         """Refuse a control that would do nothing: ``no_search`` says why the decode has no search for the
-        controls to act on (None: it has one); ``beams`` is its beam size (a beam of 1 has nothing for
-        length_penalty to rank)."""
+        controls to act on (None: it has one); ``beam`` is the beam size's key and value (a beam of 1 has nothing
+        for length_penalty to rank)."""
         if self.min_new_tokens >= max_new_tokens:
             raise ValueError(f"{section}.min_new_tokens={self.min_new_tokens} must be below {section}.max_new_tokens="
                              f"{max_new_tokens} (which counts the EOS)")
-        defaults = SearchControls()
-        changed = [key for key in SearchControls.model_fields if getattr(self, key) != getattr(defaults, key)]
+        fields = SearchControls.model_fields
+        changed = [key for key in fields if getattr(self, key) != fields[key].default]
         if no_search is not None and changed:
             raise ValueError(f"{section}.{changed[0]}={getattr(self, changed[0])} would do nothing: {no_search}; "
                              f"leave {' and '.join(f'{section}.{key}' for key in changed)} at the default")
-        if beams == 1 and "length_penalty" in changed:
-            beam = "num_beams" if section == "eval" else "beam_size"
+        key, size = beam
+        if size == 1 and "length_penalty" in changed:
             raise ValueError(f"{section}.length_penalty={self.length_penalty} would do nothing: it ranks finished beam "
-                             f"hypotheses by length and {section}.{beam}=1 searches with one; set {section}.{beam} "
+                             f"hypotheses by length and {section}.{key}=1 searches with one; set {section}.{key} "
                              f"above 1 or leave {section}.length_penalty at 1")
 
 
@@ -179,7 +180,7 @@ class PredictConfig(SearchControls):
 
     @model_validator(mode="after")
     def _lengths(self) -> PredictConfig:
-        self._check_controls("predict", self.max_new_tokens, beams=self.beam_size, no_search=(
+        self._check_controls("predict", self.max_new_tokens, beam=("beam_size", self.beam_size), no_search=(
             "the search controls shape beam hypotheses and predict.pool=sample draws samples only (set "
             "predict.pool=both for both)" if self.pool == "sample" else None))
         return self
