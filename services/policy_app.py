@@ -519,6 +519,10 @@ def create_app(cfg: Config, *, checkpoint_dir: str | Path | None = None, backend
             check_count("num_candidates", req.num_candidates, req.beam_size, "hypotheses asked of a beam search",
                         "a beam search returns at most beam_size")
         check_new_tokens(req.max_new_tokens)
+        if req.mode == "beam" and req.beam_size == 1 and req.length_penalty != SEARCH_CONTROLS["length_penalty"]:
+            raise field_error(("body", "length_penalty"), "would do nothing: it ranks finished beam hypotheses by "
+                              "length and beam_size 1 searches with one; set beam_size above 1 or leave "
+                              f"length_penalty at {SEARCH_CONTROLS['length_penalty']:g}", req.length_penalty)
         if req.min_new_tokens >= req.max_new_tokens:
             raise field_error(("body", "min_new_tokens"), f"below max_new_tokens ({req.max_new_tokens}), which counts "
                               "the EOS", req.min_new_tokens)

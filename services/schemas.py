@@ -90,7 +90,7 @@ class SamplingParams(_Request):
     length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
     """`beam` mode: a finished hypothesis ranks by its log-probability divided by its length to this power (1: the
     mean per token; 0: the sum, which favours short ones; 2: what BART's summarisation checkpoints ship with). With
-    `sample`, a 422."""
+    `sample`, or with a `beam_size` of 1 (one hypothesis, nothing to rank), a 422."""
     min_new_tokens: int = Field(0, ge=0, le=100_000)
     """`beam` mode: no EOS before this many tokens (0: none; below `max_new_tokens`). With `sample`, a 422."""
     seed: int | None = Field(None, ge=0, le=SEED_MAX)

@@ -156,6 +156,12 @@ def test_beam_length_controls_reach_the_backend_and_min_new_tokens_stays_below_t
     r = client.post("/v1/candidates", json={**body, "min_new_tokens": 12})
     assert r.status_code == 422 and [e["loc"] for e in r.json()["detail"]] == [["body", "min_new_tokens"]], r.text
     assert "below max_new_tokens (12)" in r.json()["detail"][0]["msg"]
+    one_beam = {**body, "beam_size": 1, "num_candidates": 1}
+    r = client.post("/v1/candidates", json={**one_beam, "length_penalty": 2.0})
+    assert r.status_code == 422 and [e["loc"] for e in r.json()["detail"]] == [["body", "length_penalty"]], r.text
+    assert "beam_size above 1" in r.json()["detail"][0]["msg"]
+    r = client.post("/v1/candidates", json={**one_beam, "min_new_tokens": 4})  # acts on a beam of one
+    assert r.status_code == 200 and [s.min_new_tokens for s in seen[1:]] == [4], r.text
 
 
 def test_score_matches_teacher_forcing(client, tiny_policy):
