@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from rlt2t.common.families import default_special_ids, family_of_dir, load_model
+from rlt2t.common.family_table import has_tokenizer
 from rlt2t.common.io import atomic_directory
 from rlt2t.common.tokenization import load_tokenizer, save_tokenizer
 
@@ -117,7 +118,7 @@ def average_checkpoints(paths: Sequence[str | Path], out_dir: str | Path, *, for
     tok_dir = Path(paths[0])
     with atomic_directory(out_dir) as tmp:
         base.save_pretrained(tmp)
-        if any((tok_dir / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json", "vocab.json")):
+        if has_tokenizer(tok_dir):
             save_tokenizer(load_tokenizer(tok_dir), tmp)
     log.info("averaged %d %s checkpoints → %s", len(paths), family.name, out_dir)
     return Path(out_dir)

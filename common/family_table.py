@@ -93,6 +93,15 @@ def family_of_dir(path: str | Path) -> Family:
     return family_of(json.loads(config_path.read_text()), str(path))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+"""Files of which a model directory holds at least one when its tokenizer is saved with it."""
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether a model directory holds its tokenizer's files."""
+    return any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+
+
 def check_mixed_precision(config: PretrainedConfig | dict[str, Any] | str, mixed_precision: str) -> None:
     """Refuse fp16 for a family whose activations overflow in it (T5: use bf16). ``config`` may be a family name;
     a model outside the encoder-decoder families (a reward model's or classifier's encoder) is not checked."""

@@ -34,7 +34,7 @@ from rlt2t.common.families import (
     preset_config,
     vocab_size,
 )
-from rlt2t.common.family_table import PRESETS
+from rlt2t.common.family_table import PRESETS, has_tokenizer
 from rlt2t.common.tokenization import load_tokenizer
 
 log = logging.getLogger("rlt2t.policy")
@@ -209,11 +209,6 @@ def check_lengths(policy: Policy, data_cfg: DataConfig, new_tokens: Mapping[str,
         if value > positions:
             raise ValueError(f"{key}={value} exceeds the model's {positions} positions ({policy.origin}): set "
                              f"{key}={positions} or lower")
-
-
-def has_tokenizer(path: Path) -> bool:
-    """Whether a model directory holds its tokenizer's files."""
-    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
 
 
 def tokenizer_source(path: str | Path | None, tokenizer_dir: str | Path | None) -> Path | None:

@@ -365,6 +365,7 @@ def train_stage(
         log.info("%s: best by the monitor (%s): %.4f at %s", stage, monitor_by, best.score, best.path)
     if converging and not (monitor_ceiling is not None and best.score is not None and best.score >= monitor_ceiling):
         log.info("%s: the monitor (%s) still improved at the last of its %d epochs: the stage ended before it "
-                 "converged, and what starts from it starts from a model still learning; a larger %s.epochs trains "
-                 "it further", stage, monitor_by, cfg.epochs, stage)
+                 "converged, and what starts from it starts from a model still learning; train it again with a "
+                 "larger %s.epochs, in a new run.dir or after removing %s (a stage resumes only on the schedule "
+                 "it started)", stage, monitor_by, cfg.epochs, stage, ckpt_root.parent)
     return StageResult(checkpoint=last_path, steps=step, last_metrics=last)

@@ -260,7 +260,13 @@ def _read_saved(path: Path) -> Config | None:
 
 
 def build_tokenizer_job(cfg: Config) -> Path:
-    """Build (ids), train (subword) or copy (pretrained) the tokenizer into the run's tokenizer dir."""
+    """Build (ids), train (subword) or copy (pretrained) the tokenizer into the run's tokenizer dir. Refused when
+    model.path holds its own tokenizer: every command reads that one, none would read this."""
+    own = tokenizer_source(cfg.model.path, None) if cfg.model.path else None
+    if own is not None:
+        raise ValueError(f"model.path={cfg.model.path} brings its own tokenizer ({own}), which every command uses with "
+                         "it: a tokenizer built here would be read by none. Leave out `rlt2t tokenizer build` for a "
+                         "pretrained model (it is for a model built from model.preset)")
     t = cfg.tokenizer
     out = cfg.run_dir / "tokenizer" if t.kind == "pretrained" or t.path is None else cfg.tokenizer_dir
     texts = None
@@ -776,9 +782,10 @@ def warn_if_bleu_cannot_score(cfg: Config, rows: Sequence[Example]) -> None:
 def _tokenizer_from(cfg: Config, start: Path) -> None:
     """A run started elsewhere (``--init`` another run's checkpoint, run.dir a new directory) has no tokenizer of
     its own, which the rollout workers build their model with, and eval, export and predict read later: the
-    tokenizer saved with its start checkpoint becomes the run's."""
-    if cfg.tokenizer.path or cfg.tokenizer_dir.is_dir() or not has_tokenizer(start):
-        return
+    tokenizer saved with its start checkpoint becomes the run's. Not with model.path: its own tokenizer is the one
+    every command reads."""
+    if cfg.tokenizer.path or cfg.model.path or cfg.tokenizer_dir.is_dir() or not has_tokenizer(start):
+        return  # (model.path: its own tokenizer is what every command reads)
     with atomic_directory(cfg.tokenizer_dir) as tmp:  # a kill leaves none, not half of one
         save_tokenizer(load_tokenizer(start), tmp)
     log.info("rl: the run had no tokenizer: %s is the one saved with %s", cfg.tokenizer_dir, start)
@@ -791,8 +798,8 @@ def prepare_sft(cfg: Config) -> Path:
     mark_demo_run(cfg)
     if not cfg.path(cfg.data.train).exists():
         make_synthetic_data(cfg)
-    if not cfg.tokenizer_dir.is_dir():
-        build_tokenizer_job(cfg)
+    if not cfg.tokenizer_dir.is_dir() and not (cfg.model.path and tokenizer_source(cfg.model.path, None)):
+        build_tokenizer_job(cfg)  # (a pretrained model.path brings its own)
     if cfg.pretrain.enabled:
         pretrain_job(cfg, resume=True)
     sft_job(cfg, resume=True)

@@ -25,7 +25,7 @@ from rlt2t.common.config.model import (
 from rlt2t.common.config.reward import ClassifierConfig, FeedbackConfig, RewardConfig, RewardModelConfig
 from rlt2t.common.config.rl import RLConfig, RolloutConfig
 from rlt2t.common.config.services import AnnotateConfig, ExportConfig, PredictConfig, ServeConfig
-from rlt2t.common.family_table import FAMILIES, PRESETS, check_mixed_precision, family_of
+from rlt2t.common.family_table import FAMILIES, PRESETS, check_mixed_precision, family_of, has_tokenizer
 
 # The cross-section rules that change a value the user left unset: (key, rule). `rlt2t config --explain` lists
 # them; a loaded config says which it applied (Config.derived, logged by load_config, commented by `rlt2t config`).
@@ -137,6 +137,7 @@ class Config(_Section):
                                  f"{self.data.max_target_len}: the learner trains on the samples' tokens as they are")
         self.rl.unit.check(self)
         _check_precision(self.model, self.run.mixed_precision)
+        _check_model_tokenizer(self.model, self.tokenizer)
         if self.rl.strategy == "fsdp":
             _check_sharded(self)
         _check_stage_ranks(self)
@@ -196,6 +197,22 @@ def _check_stage_ranks(cfg: Config) -> None:
             why = "sft.fgm_epsilon: FGM perturbs the whole input embedding, which is sharded; set it to 0"
         if why:
             raise ValueError(f"{name}.strategy=fsdp: {why}. Use {name}.strategy=ddp for this run.")
+
+
+def _check_model_tokenizer(model: ModelConfig, tokenizer: TokenizerConfig) -> None:
+    """A model directory without its tokenizer's files is refused unless tokenizer.path names one: the tokenizer
+    would otherwise be the run's own ``{run}/tokenizer`` (built by `rlt2t tokenizer build`, or copied there by an
+    earlier stage), which a pretrained model was not trained with, and a smaller one trains without an error.
+    (A directory that does not exist yet, or an adapter checkpoint, has no config.json: load_policy checks it.)"""
+    if model.path is None or tokenizer.path is not None:
+        return
+    path = Path(model.path)
+    if (path / "config.json").is_file() and not has_tokenizer(path):
+        raise ValueError(
+            f"model.path={model.path} holds no tokenizer (none of tokenizer.json, tokenizer_config.json, vocab.json): "
+            "a pretrained model needs the tokenizer it was trained with, and the run's own {run}/tokenizer is not "
+            f"it. Save that tokenizer into the directory (tokenizer.save_pretrained({str(path)!r})), or name its "
+            "directory with tokenizer.path=DIR")
 
 
 def _check_precision(model: ModelConfig, mixed_precision: str) -> None:

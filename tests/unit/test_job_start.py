@@ -83,6 +83,35 @@ def test_a_run_started_from_another_runs_checkpoint_takes_its_tokenizer(tiny_pol
     mine = load_config(["tiny"], [f"run.dir={tmp_path / 'mine'}", f"tokenizer.path={tmp_path / 'tok'}"])
     _tokenizer_from(mine, start)  # a tokenizer the config names is the user's to make: left alone
     assert not (tmp_path / "tok").exists()
+    pretrained = load_config(["tiny"], [f"run.dir={tmp_path / 'pre'}", f"model.path={start}"])
+    _tokenizer_from(pretrained, start)  # model.path's own tokenizer is what its commands read: none is copied
+    assert not pretrained.tokenizer_dir.exists()
+
+
+def test_a_model_directory_without_its_tokenizer_is_refused_unless_tokenizer_path_names_one(tiny_policy, tmp_path):
+    """The run's own {run}/tokenizer (built, or copied by an earlier stage) is not a pretrained model's: a directory
+    saved without its tokenizer would have trained with it, silently when it has fewer tokens than the model."""
+    from rlt2t.common.policy import load_policy
+    from rlt2t.jobs import build_tokenizer_job
+
+    bare = tmp_path / "bare"
+    tiny_policy.model.save_pretrained(bare)
+    run = [f"run.dir={tmp_path / 'run'}"]
+    tiny_policy.tokenizer.save_pretrained(tmp_path / "run" / "tokenizer")  # a run tokenizer that would have fitted
+    with pytest.raises(ValueError, match=rf"model.path={bare} holds no tokenizer .*\(tokenizer.save_pretrained\("
+                                         rf"'{bare}'\)\), or name its directory with tokenizer.path=DIR"):
+        load_config(["tiny"], [*run, f"model.path={bare}"])
+    tiny_policy.tokenizer.save_pretrained(tmp_path / "tok")
+    named = load_config(["tiny"], [*run, f"model.path={bare}", f"tokenizer.path={tmp_path / 'tok'}"])
+    assert load_policy(named.model, named.tokenizer_dir).tokenizer.get_vocab() == tiny_policy.tokenizer.get_vocab()
+    load_config(["tiny"], [*run, f"model.path={tmp_path / 'not-yet'}"])  # no directory yet: checked on loading
+    # A directory with its tokenizer: `tokenizer build` would write one that no command reads, and is refused.
+    tiny_policy.tokenizer.save_pretrained(bare)
+    own = load_config(["tiny"], [f"run.dir={tmp_path / 'run2'}", f"model.path={bare}"])
+    with pytest.raises(ValueError, match=rf"model.path={bare} brings its own tokenizer \({bare}\).*Leave out "
+                                         r"`rlt2t tokenizer build`"):
+        build_tokenizer_job(own)
+    assert not own.tokenizer_dir.exists()
 
 
 def test_sft_warns_when_a_pretraining_checkpoint_or_its_tokenizer_is_not_what_the_config_names(
