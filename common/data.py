@@ -227,10 +227,11 @@ def existing_splits(out: Path, splits: Sequence[str] = ("train", "valid", "test"
     return [str(out / f"{s}.{fmt}") for s in splits if (out / f"{s}.{fmt}").exists()]
 
 
-def write_examples(path: str | os.PathLike, examples: Iterable[Example]) -> int:
-    """Write examples as JSONL atomically (nothing appears at ``path`` on error); returns the row count.
+def write_examples(path: str | os.PathLike, examples: Iterable[Example], columns: Columns | None = None) -> int:
+    """Write examples as JSONL atomically (nothing appears at ``path`` on error); returns the row count. Fields are
+    named by ``columns`` (default rlt2t's own: ``id``, ``source``, ``target``, ``references``).
 
-    Raises ValueError on a duplicate id, so a written file always loads back.
+    Raises ValueError on a duplicate id, so a written file always loads back (with the same ``columns``).
     """
     seen: set[str] = set()
 
@@ -241,7 +242,7 @@ def write_examples(path: str | os.PathLike, examples: Iterable[Example]) -> int:
             if ex.id in seen:
                 raise ValueError(f"examples[{i}]: duplicate id {ex.id!r}")
             seen.add(ex.id)
-            yield ex.to_dict()
+            yield ex.to_dict(columns)
 
     return atomic_write_jsonl(path, rows())
 

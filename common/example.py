@@ -77,14 +77,20 @@ class Example:
         if clash:
             raise ValueError(f"Example.extra must not contain reserved field(s) {clash} (id {self.id!r})")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, columns: Columns | None = None) -> dict[str, Any]:
         """The JSONL row: ``id``, ``source``, ``target`` (left out when None), ``references`` (when given), then
-        the extra fields."""
-        row: dict[str, Any] = {"id": self.id, "source": self.source}
+        the extra fields; under the names of ``columns`` (default rlt2t's own), so that the mapping a file was
+        read with reads it back."""
+        c = columns or Columns()
+        clash = [k for k in (c.id, c.source, c.target, c.references) if k in self.extra]
+        if clash:
+            raise ValueError(f"Example.extra holds {clash}, the name(s) the example's own parts are written under "
+                             f"(id {self.id!r})")
+        row: dict[str, Any] = {c.id: self.id, c.source: self.source}
         if self.target is not None:
-            row["target"] = self.target
+            row[c.target] = self.target
         if self.references:
-            row["references"] = list(self.references)
+            row[c.references] = list(self.references)
         row.update(self.extra)
         return row
 

@@ -36,11 +36,11 @@ def _load_items(cfg, store, *, candidates: str | None = None, sources: str | Non
         new = list(read_candidates(candidates, max_candidates=a.max_candidates_per_item, max_chars=a.max_text_chars))
         origin = candidates
     elif sources is not None:
-        from rlt2t.common.data import load_examples
+        from rlt2t.common.data import load_data
         from rlt2t.services.client import PolicyClient
         from rlt2t.services.http import load_token
 
-        examples = list(load_examples(sources, require_target=False, on_error=cfg.data.on_error))
+        examples = list(load_data(sources, cfg.data, require_target=False))  # any format, the run's column names
         url = policy_url or a.policy_url
         with PolicyClient(url, token=load_token(cfg.serve)) as client:
             # Sampling a source again on the same policy would only queue it twice: a second load of the same file

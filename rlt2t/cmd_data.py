@@ -15,7 +15,7 @@ from rlt2t.cmd_common import load_cfg
 from rlt2t.common.config import config_to_yaml, explain, explain_derived
 
 if TYPE_CHECKING:
-    from rlt2t.common.data import Example
+    from rlt2t.common.data import Columns, Example
 
 
 def cmd_config(args) -> None:
@@ -77,8 +77,10 @@ def cmd_data_import(args) -> None:
 
 def _import(cfg, args, what: str, read: Callable[[], Sequence[Example]]) -> None:
     """Write what ``read`` returns as train/valid/test JSONL under --out (split by --valid/--test-fraction and
-    run.seed), or as test.jsonl without targets (--unlabeled); ``what`` names the targets in messages."""
-    from rlt2t.common.data import split_examples, write_examples
+    run.seed), or as test.jsonl without targets (--unlabeled); ``what`` names the targets in messages. The files
+    name their fields as the config's data section does (data.source_field ...), so that the settings the
+    import ran with read them in every later command."""
+    from rlt2t.common.data import Columns, split_examples, write_examples
 
     if args.unlabeled and (args.valid_fraction is not None or args.test_fraction is not None):
         raise ValueError("--valid-fraction / --test-fraction: --unlabeled writes its rows to test.jsonl alone, the "
@@ -90,7 +92,8 @@ def _import(cfg, args, what: str, read: Callable[[], Sequence[Example]]) -> None
     test_path = out / "test.jsonl"
     # A labeled import without test rows leaves the test set of an --unlabeled import alone (the order the
     # help gives: labeled first, then the unlabeled test file; a labeled re-import must not delete it).
-    unlabeled_test = _unlabeled_file(test_path)
+    columns = Columns.of(cfg.data)
+    unlabeled_test = _unlabeled_file(test_path, columns)
     keep_test = not args.unlabeled and test_fraction == 0 and unlabeled_test
     owned = ("test",) if args.unlabeled else ("train", "valid", "test")  # the split files this import replaces
     _check_import_out(out, tuple(s for s in owned if not (keep_test and s == "test")), args.force)
@@ -99,7 +102,7 @@ def _import(cfg, args, what: str, read: Callable[[], Sequence[Example]]) -> None
     examples = read()
     if args.unlabeled:
         dropped = sum(e.target is not None for e in examples)
-        write_examples(test_path, [replace(e, target=None) for e in examples])
+        write_examples(test_path, [replace(e, target=None, references=()) for e in examples], columns)
         note = f"; {dropped} {what} left out: --unlabeled imports inputs only" if dropped else ""
         print(f"test: {test_path} ({len(examples)} rows{note})")
         return
@@ -107,7 +110,7 @@ def _import(cfg, args, what: str, read: Callable[[], Sequence[Example]]) -> None
     for split, rows in zip(owned, parts, strict=True):
         path = out / f"{split}.jsonl"
         if rows:
-            write_examples(path, rows)
+            write_examples(path, rows, columns)
             note = "; it replaced an --unlabeled import's test set" if split == "test" and unlabeled_test else ""
             print(f"{split}: {path} ({len(rows)} rows{note})")
         elif split == "test" and keep_test:
@@ -118,15 +121,15 @@ def _import(cfg, args, what: str, read: Callable[[], Sequence[Example]]) -> None
             print(f"{split}: {path} removed (no {split} rows in this import)")
 
 
-def _unlabeled_file(path: Path) -> bool:
+def _unlabeled_file(path: Path, columns: Columns) -> bool:
     """Whether ``path`` is a JSONL file of inputs without targets (what an --unlabeled import writes; a labeled
-    import's rows all have one)."""
+    import's rows all have one), read with ``columns``."""
     from rlt2t.common.data import load_examples
 
     if not path.is_file():
         return False
     try:
-        examples = load_examples(path, require_target=False)
+        examples = load_examples(path, columns=columns, require_target=False)
     except (OSError, ValueError):  # not our JSONL: not an unlabeled import's
         return False
     return bool(examples) and all(e.target is None for e in examples)

@@ -338,19 +338,29 @@ def test_data_validate_streams_any_format_with_the_mapping(tmp_path, cli):
     assert "targets: 0 of 3 over data.max_target_len=64 tokens; length p50 3, p90 3, p99 3, max 3" in out
 
 
-def test_data_import_writes_rlt2t_jsonl_from_any_format(tmp_path, cli):
+def test_data_import_writes_jsonl_from_any_format_that_the_same_settings_read(tmp_path, cli):
+    """The split files keep the mapping's field names, so one config (--config my_task.yaml) serves the import
+    and every command after it."""
     path = write_parquet(tmp_path / "d.parquet", [{k: v for k, v in r.items() if k != "doc_id"} for r in ROWS])
-    out = tmp_path / "imported"
+    out, run = tmp_path / "imported", f"run.dir={tmp_path / 'r'}"
     code, printed, err = cli("data", "import", "--input", str(path), "--out", str(out), "--valid-fraction", "0.3",
-                             f"run.dir={tmp_path / 'r'}", *MAPPING)
+                             run, *MAPPING)
     assert code == 0, err
     assert "train: " in printed and "valid: " in printed
     rows = [json.loads(line) for split in ("train", "valid") for line in (out / f"{split}.jsonl").open()]
-    assert sorted(rows, key=lambda r: r["id"]) == [
-        {"id": "1", "source": "5 6 7", "target": "8 9", "lang": "en"},
-        {"id": "2", "source": "1 2", "target": "3", "lang": "fr"},
-        {"id": "3", "source": "4", "target": "2 2", "references": ["2 2", "2 3"], "lang": "en"},
+    assert sorted(rows, key=lambda r: r["doc_id"]) == [
+        {"doc_id": "1", "document": "5 6 7", "summary": "8 9", "lang": "en"},
+        {"doc_id": "2", "document": "1 2", "summary": "3", "lang": "fr"},
+        {"doc_id": "3", "document": "4", "summary": "2 2", "refs": ["2 2", "2 3"], "lang": "en"},
     ]
-    code, printed, _ = cli("data", "import", "--input", str(path), "--out", str(out), "--unlabeled",
-                           f"run.dir={tmp_path / 'r'}", *MAPPING)
+    assert cli("tokenizer", "build", run, "tokenizer.num_data_tokens=100")[0] == 0
+    code, printed, err = cli("data", "validate", "--files", str(out / "train.jsonl"), str(out / "valid.jsonl"), run,
+                             *MAPPING)
+    assert code == 0 and printed.count(" examples") == 2, err
+    code, printed, _ = cli("data", "import", "--input", str(path), "--out", str(out), "--unlabeled", run, *MAPPING)
     assert code == 0 and "3 targets left out" in printed
+    # (references are targets too: row 3's are left out with the rest)
+    assert {tuple(sorted(json.loads(line))) for line in (out / "test.jsonl").open()} == {("doc_id", "document", "lang")}
+    # A labeled re-import without test rows keeps that unlabeled test set: it is read with the same mapping.
+    code, printed, _ = cli("data", "import", "--input", str(path), "--out", str(out), "--force", run, *MAPPING)
+    assert code == 0 and "test: " + str(out / "test.jsonl") + " kept" in printed
