@@ -95,6 +95,23 @@ def resolve_reward_fn(fn: str | RewardFn, where: str) -> RewardFn:
     return found
 
 
+def check_signature(fn: RewardFn, per_sample: bool, where: str) -> None:
+    """ConfigError naming ``where`` when ``fn`` cannot be called with the three arguments every reward call passes
+    (a signature that cannot be read is left to the call)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind_partial(None, None, None)
+    except TypeError:
+        name = getattr(fn, "__qualname__", repr(fn))
+        expected = ("(source, candidate, references, **row_fields) -> float (per_sample: true)" if per_sample else
+                    "(sources, candidates, references, **row_fields) -> one float per candidate")
+        raise ConfigError(f"{where}: {name}{signature} cannot take the three arguments a reward is called with: "
+                          f"{expected}") from None
+
+
 def _keywords(fn: RewardFn) -> set[str] | None:
     """The keyword parameters ``fn`` takes besides its first three; None when it takes ``**kwargs`` (or its
     signature cannot be read): then every row field is passed."""
@@ -137,6 +154,7 @@ class PythonReward:
 
     def __init__(self, term: PythonTerm, name: str, where: str = "reward.terms") -> None:
         self.fn = resolve_reward_fn(term.fn, f"{where} ({name})")
+        check_signature(self.fn, term.per_sample, f"{where} ({name})")
         self.name, self.params, self.per_sample = name, dict(term.params), term.per_sample
         self._takes = _keywords(self.fn)
 
@@ -168,7 +186,19 @@ class PythonReward:
             raise
         except Exception as e:
             raise RewardError(f"reward term {self.name} raised {type(e).__name__}: {e}{_raised_at(e)} "
-                              f"({self._first_failure(sources, candidates, references, rows)})") from e
+                              f"({self._first_failure(sources, candidates, references, rows)})"
+                              f"{self._one_candidate_hint(sources, candidates, references, rows)}") from e
+
+    def _one_candidate_hint(self, sources, candidates, references, rows) -> str:
+        """When the batched call failed: whether ``fn`` scores one candidate (called so with the first, it returns
+        a number), the function a batched term takes for a per-sample one."""
+        try:
+            value = self.fn(sources[0], candidates[0], references[0], **self._kwargs(rows[0]))
+        except Exception:
+            return ""
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return "; called with one candidate it returns a number: a function of one candidate needs per_sample: true"
+        return ""
 
     def _first_failure(self, sources, candidates, references, rows) -> str:
         """Which source the batched function fails on alone (calling it again, one candidate at a time)."""

@@ -112,6 +112,40 @@ def test_an_exception_names_the_term_and_the_first_source_that_fails_alone():
         reward_of(PythonTerm(fn=per, per_sample=True)).score(SOURCES, CANDS, REFS)
 
 
+def test_a_function_that_cannot_take_the_three_arguments_is_refused_before_any_call():
+    def one(candidates):
+        return [0.0] * len(candidates)
+
+    calls = []
+
+    def late(sources, candidates, references, lang):  # a row field: given when the call comes
+        calls.append(lang)
+        return [0.0] * len(candidates)
+
+    with pytest.raises(ConfigError, match=r"reward.terms\[0\] \(python:.*one\): .*one\(candidates\) cannot take the "
+                                          r"three arguments a reward is called with: \(sources, candidates, "
+                                          r"references, \*\*row_fields\) -> one float per candidate"):
+        check_reward(RewardConfig(terms=[PythonTerm(fn=one)]))
+    with pytest.raises(ConfigError, match=r"\(source, candidate, references, \*\*row_fields\) -> float "
+                                          r"\(per_sample: true\)"):
+        check_reward(RewardConfig(terms=[PythonTerm(fn=one, per_sample=True)]))
+    check_reward(RewardConfig(terms=[PythonTerm(fn=late)]))
+    assert reward_of(PythonTerm(fn=late)).score(["s"], ["c"], None, [{"lang": "en"}]).tolist() == [0.0]
+    assert calls == [["en"]]
+
+
+def test_a_function_of_one_candidate_given_as_batched_fails_saying_per_sample():
+    def full_stop(source, candidate, references):
+        return 0.0 if candidate.rstrip().endswith(".") else -1.0
+
+    with pytest.raises(RewardError, match=r"raised AttributeError: .*rstrip.*; called with one candidate it returns "
+                                          r"a number: a function of one candidate needs per_sample: true$"):
+        reward_of(PythonTerm(fn=full_stop)).score(SOURCES, CANDS, REFS)
+    with pytest.raises(RewardError) as err:  # a batched function's own failure gets no such hint
+        reward_of(PythonTerm(fn=lambda sources, candidates, references: [1 / 0])).score(SOURCES, CANDS, REFS)
+    assert "needs per_sample" not in str(err.value)
+
+
 def test_a_failure_on_a_row_without_references_says_so():
     """RL on sources alone gives a function empty reference lists: one that reads refs[0] fails saying why."""
     def fn(sources, candidates, references):
