@@ -36,8 +36,12 @@ from rlt2t.common.search import search_arguments
 TABLE_METRICS = ("cider_d", "bleu4", "task_score", "rouge_l", "mean_length")
 MODEL_METRICS = ("perplexity",)
 """Eval-table columns computed from the model rather than from the decoded text."""
-MODEL_COLUMNS = (*MODEL_METRICS, "classifier_accuracy")
-"""Columns that need a model or a classifier besides the texts and references: left out where only texts are."""
+REWARD_COLUMN = "reward"
+"""Eval-table column: the mean of the run's reward (``reward.terms``) over the outputs, as RL scores its samples
+(each with its row's references and fields)."""
+MODEL_COLUMNS = (*MODEL_METRICS, "classifier_accuracy", REWARD_COLUMN)
+"""Columns that need a model, a classifier or the reward besides the texts and references: left out where only
+texts are."""
 LENGTHS = ("mean_length", "max_length")
 """Metrics that measure length, not quality: refused as the validation monitor."""
 
@@ -88,7 +92,7 @@ def check_metric_names(names: Sequence[str], what: str = "eval.metrics") -> list
     """``names`` as a list, or ValueError naming ``what`` and the known names for an unknown or repeated one."""
     if isinstance(names, str):
         raise TypeError(f"{what} must be a list of metric names, got one str")
-    known = [*available_metrics(), *MODEL_METRICS]
+    known = [*available_metrics(), *MODEL_METRICS, REWARD_COLUMN]
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"{what}: unknown metric(s) {unknown}; known: {', '.join(known)}")
@@ -224,9 +228,9 @@ def classifier_params(cfg: EvalConfig, examples: Sequence[Example]) -> dict[str,
 
 def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metric: MetricConfig,
              max_source_len: int, progress: bool = False, *, max_target_len: int | None = None,
-             predictions: Sequence[str] | None = None) -> EvalResult:
+             predictions: Sequence[str] | None = None, reward: RewardScores | None = None) -> EvalResult:
     """Decode ``examples`` with the policy and score against their references (``Example.refs``): the columns
-    ``cfg.metrics``.
+    ``cfg.metrics``; the ``reward`` column is the mean of ``reward`` (the run's, :data:`REWARD_COLUMN`).
 
     ``max_target_len`` (``data.max_target_len``) cuts the references of the perplexity column as training cut
     its targets; None: the model's position limit. ``predictions``: the outputs, one per example, decoded
@@ -245,9 +249,19 @@ def evaluate(policy: Policy, examples: Sequence[Example], cfg: EvalConfig, metri
         hyps = generate(policy, [e.source for e in examples], num_beams=cfg.num_beams,
                         max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, max_source_len=max_source_len,
                         progress=progress, controls=cfg.search_controls())
-    text_names = [n for n in names if n not in MODEL_METRICS]
+    text_names = [n for n in names if n not in (*MODEL_METRICS, REWARD_COLUMN)]
     params = {"classifier_accuracy": classifier_params(cfg, examples)} if "classifier_accuracy" in names else {}
     values = metric_table(hyps, references_of(examples, "evaluation"), metric, text_names, params)
+    if REWARD_COLUMN in names:
+        if reward is None:
+            raise ValueError("the reward column needs the run's reward to score with (eval_job builds it from "
+                             "reward.terms)")
+        try:
+            values[REWARD_COLUMN] = float(np.mean(reward([e.source for e in examples], hyps,
+                                                         [list(e.refs) for e in examples],
+                                                         [e.extra for e in examples])))
+        except RewardError as e:  # the user's function, on an evaluated output: said as in training
+            raise RewardError(f"the eval table's reward column: {e}") from None
     if "perplexity" in names:
         values["perplexity"] = reference_perplexity(policy, [e.source for e in examples], targets,
                                                     batch_size=cfg.batch_size,

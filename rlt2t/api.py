@@ -213,23 +213,32 @@ def _pickle_by_value_unless_installed(fn: Callable[..., Any]) -> None:
 
 
 def evaluate(cfg: Config, models: Sequence[str] | Mapping[str, PathLike] = (), *, split: str | None = None,
-             metrics: Sequence[str] | str | None = None, rerank: str | None = None) -> EvalTable:
+             metrics: Sequence[str] | str | None = None, rerank: str | None = None,
+             reward: RewardSpec | Sequence[RewardSpec] | None = None) -> EvalTable:
     """Decode a split (default ``eval.split``) with each model and score it: one row per model, one column per
     metric (default ``eval.metrics``; ``"all"`` for every one). ``models``: stage names of the run (``sft``,
     ``rl``, ``pretrain``), model directories or checkpoints, ``label=path`` strings, or a dict label → path;
     none: the run's sft and rl stages (`rlt2t eval`). ``rerank`` (default ``eval.rerank``, ``none``: decode with
     ``eval.num_beams``) picks from a pool each model generates and scores, as ``predict`` does (``mbr``: minimum Bayes
-    risk, ``reward``, ...). Each model's scores and predictions are saved under ``{run}/eval``; ``table.save(dir)``
-    writes the table.
+    risk, ``reward``, ...). The column ``reward`` is the mean of the run's reward (``reward.terms``) over each model's
+    outputs, as RL scored its samples; ``reward`` (as ``train`` takes it: a function, a term or a list) replaces
+    ``reward.terms`` and adds that column. Each model's scores and predictions are saved under ``{run}/eval``;
+    ``table.save(dir)`` writes the table.
 
-        table = rlt2t.evaluate(cfg, ["sft", "rl"], metrics=["task_score", "rougeL"])
+        table = rlt2t.evaluate(cfg, ["sft", "rl"], metrics=["task_score", "rougeL"], reward=concise)
         print(table.to_markdown())
     """
     _show_progress()
     from rlt2t.common.plugins import load_plugins
-    from rlt2t.eval_table import eval_table, resolve_models
+    from rlt2t.eval_table import eval_table, resolve_metric_names, resolve_models
+    from rlt2t.learner.evaluate import REWARD_COLUMN
 
+    if reward is not None:
+        cfg = _with_reward(cfg, reward)
     load_plugins(cfg.reward.plugins)  # metrics of your own
+    if reward is not None:
+        names = resolve_metric_names(cfg, metrics)
+        metrics = names if REWARD_COLUMN in names else [*names, REWARD_COLUMN]
     chosen: dict[str, PathLike] = dict(models) if isinstance(models, Mapping) else dict(resolve_models(cfg, models))
     return eval_table(cfg, chosen, split=split, metrics=metrics, rerank=rerank)
 

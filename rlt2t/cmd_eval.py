@@ -45,7 +45,8 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
                         "(default: the run's sft and rl stages that have checkpoints)")
     p.add_argument("--metrics", default=None,
                    help="comma-separated columns, e.g. rouge1,rouge2,rougeL,rougeLsum,meteor,sacrebleu,perplexity,"
-                        "mean_length; 'all' for every metric (default: eval.metrics)")
+                        "mean_length; reward: the mean of reward.terms over the outputs; 'all' for every metric "
+                        "(default: eval.metrics)")
     p.add_argument("--split", default=None, choices=["train", "valid", "test"], help="default: eval.split")
     p.add_argument("--rerank", default=None, choices=["none", *RERANK_CHOICES],
                    help="none: decode with eval.num_beams; otherwise each model generates a pool (predict.pool) and "

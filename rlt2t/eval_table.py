@@ -36,8 +36,8 @@ from rlt2t.common.metrics import available_metrics, check_dependencies
 from rlt2t.common.plots import plot_metric_bars
 from rlt2t.common.plugins import load_plugins
 from rlt2t.common.search import SEARCH_CONTROLS
-from rlt2t.jobs import best_or_latest, eval_job
-from rlt2t.learner.evaluate import MODEL_METRICS, check_metric_names
+from rlt2t.jobs import best_or_latest, eval_job, eval_reward
+from rlt2t.learner.evaluate import MODEL_METRICS, REWARD_COLUMN, check_metric_names
 
 STAGES = ("sft", "rl", "rank", "pretrain", "continued_sft")
 """Names that stand for a run's stage in ``--checkpoint``; ``rank`` is the RL stage's former name."""
@@ -212,11 +212,14 @@ def eval_table(cfg: Config, checkpoints: Mapping[str, str | Path], split: str | 
 
             decoding += " (" + " + ".join(term_name(t) if t.weight == 1 else f"{t.weight:g} × {term_name(t)}"
                                           for t in cfg.reward.terms if t.weight) + ")"
+    # Before any model loads, built once for every row: the reward column's reward (a function that does not
+    # import, or a reward model that is not there, fails now, naming the term).
+    reward = eval_reward(cfg) if REWARD_COLUMN in cfg.eval.metrics else None
     rows: dict[str, dict[str, float]] = {}
     paths: dict[str, str] = {}
     for label, path in checkpoints.items():
         path = resolve_model_dir(path)
-        rows[label] = eval_job(cfg, checkpoint=path, label=_file_label(label))
+        rows[label] = eval_job(cfg, checkpoint=path, label=_file_label(label), reward=reward)
         paths[label] = str(path)
     limit = f", its first {cfg.eval.limit} examples (eval.limit)" if cfg.eval.limit else ""
     return EvalTable(title=title or f"{cfg.eval.split} split{limit}, {decoding} decoding", split=cfg.eval.split,

@@ -21,7 +21,7 @@ import math
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rlt2t.common.algorithms import same_algorithm
 from rlt2t.common.checkpoint import (
@@ -57,10 +57,13 @@ from rlt2t.common.policy import (
     lora_base,
     tokenizer_source,
 )
-from rlt2t.common.rewards import reference_readers
+from rlt2t.common.rewards import build_reward, check_reward, reference_readers
 from rlt2t.common.synth import GENERATOR_VERSION, write_synthetic
 from rlt2t.common.synth import META_FILE as SYNTH_META
 from rlt2t.common.tokenization import build_tokenizer, load_tokenizer, save_tokenizer, text_checker
+
+if TYPE_CHECKING:
+    from rlt2t.learner.evaluate import RewardScores
 
 log = logging.getLogger("rlt2t.jobs")
 
@@ -418,7 +421,7 @@ def continued_sft_job(cfg: Config, resume: bool = False, init: str | Path | None
 def _sft_stage(cfg: Config, stage: str, stage_cfg: SFTConfig, train: Sequence[Example], init: str | Path | None,
                resume: bool):
     """Supervised training on ``train`` with ``stage_cfg`` into ``{run}/<stage>``, monitored on validation."""
-    from rlt2t.common.rewards import check_reward, local_reward
+    from rlt2t.common.rewards import local_reward
     from rlt2t.learner.evaluate import job_monitor, monitor_name, monitor_score
     from rlt2t.learner.stages import run_sft
 
@@ -527,8 +530,15 @@ def export_job(cfg: Config, checkpoint: str | Path, out: str | Path | None = Non
     return out
 
 
-def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | None = None) -> dict[str, float]:
-    from rlt2t.learner.evaluate import evaluate
+def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | None = None,
+             reward: RewardScores | None = None) -> dict[str, float]:
+    """Decode ``cfg.eval.split`` with one model and score it (``cfg.eval.metrics``); save its scores and predictions
+    under ``{run}/eval``. ``reward`` scores the ``reward`` column (None: built here from reward.terms when the
+    column is asked for)."""
+    from rlt2t.learner.evaluate import REWARD_COLUMN, evaluate
+
+    if REWARD_COLUMN in cfg.eval.metrics and reward is None:
+        reward = eval_reward(cfg)
 
     ckpt = resolve_model_dir(checkpoint) if checkpoint else sft_start(cfg, "name the model to evaluate")
     policy = load_policy(cfg.model, cfg.tokenizer_dir, checkpoint=ckpt)  # an adapter checkpoint loads merged
@@ -554,7 +564,7 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
         decoding = {"rerank": cfg.eval.rerank, "pool": p.pool, **beams, **sampled, **mbr,
                     "seconds_per_source": {k: v / max(1, len(examples)) for k, v in reranked.seconds.items()}}
     result = evaluate(policy, examples, cfg.eval, cfg.metric, cfg.data.max_source_len, progress=cfg.run.progress,
-                      max_target_len=cfg.data.max_target_len, predictions=hyps)
+                      max_target_len=cfg.data.max_target_len, predictions=hyps, reward=reward)
     label = label or f"{ckpt.parent.parent.name}-{ckpt.name}"
     out = cfg.run_dir / "eval"
     info = read_checkpoint(ckpt)  # a checkpoint says how it was trained: its stage, and RL's algorithm
@@ -567,6 +577,13 @@ def eval_job(cfg: Config, checkpoint: str | Path | None = None, label: str | Non
                          **({"references": list(e.references)} if e.references else {})}
                         for e, p in zip(examples, result.predictions, strict=False)))
     return result.metrics
+
+
+def eval_reward(cfg: Config) -> RewardScores:
+    """The run's reward (``reward.terms``, built in this process, its learned terms on ``reward.device``) as the
+    eval table's ``reward`` column scores with it; ConfigError naming the term when it cannot be built."""
+    check_reward(cfg.reward)
+    return build_reward(cfg.reward, device=cfg.reward.device).score
 
 
 # What `rlt2t demo` writes under run.dir, all that `demo --fresh` deletes: anything else there (annotations,

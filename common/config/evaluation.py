@@ -29,8 +29,9 @@ class EvalConfig(SearchControls):
     limit: int = Field(0, ge=0)
     """Evaluate only the first N examples (0: all)."""
     metrics: list[str] = ["cider_d", "bleu4", "task_score", "rouge_l", "mean_length"]  # pydantic copies the default
-    """Columns of the eval table: registered metric names (rouge1, meteor, sacrebleu, distinct_2, ...) and
-    `perplexity` (of the references under the model); `rlt2t eval --metrics` overrides it."""
+    """Columns of the eval table: registered metric names (rouge1, meteor, sacrebleu, distinct_2, ...),
+    `perplexity` (of the references under the model) and `reward` (the mean of reward.terms over the outputs);
+    `rlt2t eval --metrics` overrides it."""
     classifier_path: str | None = None
     """Sequence-classification model directory for the `classifier_accuracy` column, or a checkpoint root of one
     (its best, else newest, complete checkpoint; `{run}` expands)."""

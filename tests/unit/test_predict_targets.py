@@ -9,6 +9,7 @@ import json
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import BartConfig, BartForConditionalGeneration, BartTokenizerFast
@@ -244,6 +245,42 @@ def test_eval_rerank_reward_scores_the_models_pool_without_references(bart_dir, 
     cfg.reward.terms = [PythonTerm(fn=prefer_letter), MetricTerm(name="rouge_l")]
     with pytest.raises(ValueError, match=r"--rerank reward: reward.terms term metric:rouge_l needs references"):
         api.evaluate(cfg, {"bart": bart_dir}, split="valid", metrics="bleu4", rerank="reward")
+
+
+def test_the_eval_tables_reward_column_is_the_runs_reward_over_each_models_outputs(bart_dir, tmp_path):
+    """`rlt2t eval --metrics ...,reward` / `rlt2t.evaluate(cfg, models, reward=fn)`: SFT and RL compared on the
+    reward RL trained with: its mean over the saved predictions, each with its row's references and fields."""
+    from rlt2t import api
+    from rlt2t.common.config import PythonTerm
+    from rlt2t.common.python_rewards import RewardError
+    from rlt2t.ensemble import table_columns
+
+    def letters(sources, candidates, references, letter):
+        return [float(c.count(x)) - 0.5 * len(refs) for c, refs, x in zip(candidates, references, letter, strict=True)]
+
+    rows = [{"id": str(i), "source": s, "target": t, "letter": x}
+            for i, (s, t, x) in enumerate(zip(SOURCES, TRAIN, "caab", strict=False))]
+    cfg = _cfg(tmp_path, tmp_path / "train.jsonl")
+    cfg.data.valid = str(_write_jsonl(tmp_path / "valid.jsonl", rows))
+    table = api.evaluate(cfg, {"bart": bart_dir}, split="valid", metrics="bleu4", reward=letters)
+    assert table.columns == ["bleu4", "reward"]
+    saved = [json.loads(line)["prediction"]
+             for line in (cfg.run_dir / "eval" / "bart-valid.predictions.jsonl").read_text().splitlines()]
+    want = np.mean([p.count(x) - 0.5 for p, x in zip(saved, "caab", strict=True)])
+    assert table.rows["bart"]["reward"] == pytest.approx(want)
+    assert any(p.count(x) for p, x in zip(saved, "caab", strict=True))  # the reward is not 0 - 0.5 everywhere
+    cfg.reward.terms = [PythonTerm(fn=letters)]  # the run's reward.terms, named as a column (the command line)
+    assert api.evaluate(cfg, {"bart": bart_dir}, split="valid", metrics="reward").rows["bart"] == {"reward": want}
+
+    def broken(sources, candidates, references):
+        return [1 / 0 for _ in candidates]
+
+    with pytest.raises(RewardError, match=r"^the eval table's reward column: reward term python:.*broken raised "
+                                          r"ZeroDivisionError"):
+        api.evaluate(cfg, {"bart": bart_dir}, split="valid", metrics="bleu4", reward=broken)
+    assert table_columns(cfg, ["bleu4", "reward"]) == ["bleu4"]  # predict's table scores texts alone
+    with pytest.raises(ValueError, match=r"unknown metric\(s\) \['rewrd'\]; known: .*perplexity, reward"):
+        api.evaluate(cfg, {"bart": bart_dir}, split="valid", metrics="rewrd")
 
 
 def _mbr_inputs(tmp_path: Path) -> tuple[Path, Path]:
