@@ -108,16 +108,17 @@ def synth_data(cfg: Config, *, fmt: Literal["jsonl", "csv"] = "jsonl", force: bo
     return make_synthetic_data(cfg, fmt=fmt)
 
 
-def build_tokenizer(cfg: Config) -> Path:
+def build_tokenizer(cfg: Config, *, force: bool = False) -> Path:
     """Build (``ids``), train (``subword``) or copy (``pretrained``) the tokenizer per ``tokenizer.kind``; returns
-    its directory (`rlt2t tokenizer build`).
+    its directory (`rlt2t tokenizer build`). The run's tokenizer already there is kept when these settings build
+    the same one (a script run again), and replaced by another only with ``force``.
 
         rlt2t.build_tokenizer(cfg)
     """
     _show_progress()
     from rlt2t.jobs import build_tokenizer_job
 
-    return build_tokenizer_job(cfg)
+    return build_tokenizer_job(cfg, force=force)
 
 
 def pretrain(cfg: Config, *, resume: bool = False, init: PathLike | None = None) -> StageResult:

@@ -182,7 +182,7 @@ def cmd_data_validate(args) -> None:
 
 
 def cmd_tokenizer_build(args) -> None:
-    print(api.build_tokenizer(load_cfg(args)))
+    print(api.build_tokenizer(load_cfg(args), force=args.force))
 
 
 def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -254,4 +254,7 @@ def register(sub: argparse._SubParsersAction, config_args: Callable[[argparse.Ar
         dest="tokenizer_command", required=True, metavar="subcommand")
     p = tok.add_parser("build", help="build (ids), train (subword) or import (pretrained) per tokenizer.kind")
     config_args(p)
+    p.add_argument("--force", action="store_true",
+                   help="replace the run's tokenizer when these settings build another one (the same one is kept "
+                        "without it)")
     p.set_defaults(fn=cmd_tokenizer_build)

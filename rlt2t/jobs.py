@@ -63,6 +63,8 @@ from rlt2t.common.synth import META_FILE as SYNTH_META
 from rlt2t.common.tokenization import build_tokenizer, load_tokenizer, save_tokenizer, text_checker
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from rlt2t.learner.evaluate import RewardScores
 
 log = logging.getLogger("rlt2t.jobs")
@@ -262,9 +264,11 @@ def _read_saved(path: Path) -> Config | None:
         return None
 
 
-def build_tokenizer_job(cfg: Config) -> Path:
+def build_tokenizer_job(cfg: Config, *, force: bool = False) -> Path:
     """Build (ids), train (subword) or copy (pretrained) the tokenizer into the run's tokenizer dir. Refused when
-    model.path holds its own tokenizer: every command reads that one, none would read this."""
+    model.path holds its own tokenizer: every command reads that one, none would read this. A tokenizer already
+    there is kept when it is the same one, and replaced by another only with ``force``: the run's models and
+    data checks were made with it."""
     own = tokenizer_source(cfg.model.path, None) if cfg.model.path else None
     if own is not None:
         raise ValueError(f"model.path={cfg.model.path} brings its own tokenizer ({own}), which every command uses with "
@@ -282,6 +286,16 @@ def build_tokenizer_job(cfg: Config) -> Path:
                              f"({cfg.path(cfg.data.train)}){' or data.unlabeled' if cfg.data.unlabeled else ''}")
     tok = build_tokenizer(t.kind, num_data_tokens=t.num_data_tokens, num_sentinels=t.num_sentinels,
                           vocab_size=t.vocab_size, train_texts=texts, path=cfg.path(t.path) if t.path else None)
+    if out.is_dir():
+        earlier = _loaded_tokenizer(out)
+        if earlier is not None and _same_tokenizer(earlier, tok):
+            log.info("tokenizer (%s, %d tokens): %s holds this one already, left as it is", t.kind, len(tok), out)
+            return out
+        if not force:
+            held = f"{len(earlier)} tokens" if earlier is not None else "one that does not load"
+            raise FileExistsError(f"{out} holds another tokenizer ({held}; these settings build {len(tok)}), which "
+                                  "the run's models and checks were made with: pass --force (force=True) to replace "
+                                  "it, or build into a new run.dir")
     with atomic_directory(out) as tmp:
         save_tokenizer(tok, tmp)
     log.info("tokenizer (%s, %d tokens) → %s", t.kind, len(tok), out)
@@ -289,6 +303,18 @@ def build_tokenizer_job(cfg: Config) -> Path:
         log.info("tokenizer: %d of tokenizer.vocab_size=%d tokens: %d texts held no more merges (more text, e.g. "
                  "data.unlabeled, gives a larger vocabulary)", len(tok), t.vocab_size, len(texts))
     return out
+
+
+def _loaded_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    try:
+        return load_tokenizer(path)
+    except Exception:  # a partial or foreign directory: not the same tokenizer, whatever it holds
+        return None
+
+
+def _same_tokenizer(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
+    """The same ids for the same tokens, and the same special tokens."""
+    return a.get_vocab() == b.get_vocab() and a.special_tokens_map == b.special_tokens_map
 
 
 def _stage_start(cfg: Config, stage: str, init: str | Path | None, resume: bool

@@ -201,7 +201,8 @@ class _Result:
      {"split": None, "metrics": "bleu4", "rerank": None}),
     (["eval", "--checkpoint", "sft", "--rerank", "mbr"], "evaluate", (["sft"],),
      {"split": None, "metrics": None, "rerank": "mbr"}),
-    (["tokenizer", "build"], "build_tokenizer", (), {}),
+    (["tokenizer", "build"], "build_tokenizer", (), {"force": False}),
+    (["tokenizer", "build", "--force"], "build_tokenizer", (), {"force": True}),
 ])
 def test_each_stage_command_calls_the_api_function_of_its_stage(argv, function, args, kwargs, cli, monkeypatch,
                                                                  tmp_path):

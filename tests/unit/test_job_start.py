@@ -339,3 +339,24 @@ def test_a_units_error_in_a_learner_rank_reaches_the_user_as_itself_not_as_a_ran
     monkeypatch.setattr(groups.ray, "get", failing(RuntimeError("gloo: connection reset")))
     with pytest.raises(groups.LearnerDied, match="a learner rank failed"):  # e.g. a peer rank died: resumable
         groups.LearnerGroup._get(None, "ref")
+
+
+def test_building_the_runs_tokenizer_again_keeps_the_same_one_and_replaces_another_only_when_forced(tmp_path):
+    """A script run again builds the same tokenizer: kept. Other settings would change the ids the run's models
+    and checks were made with: refused, naming the sizes, unless forced."""
+    from rlt2t.common.tokenization import load_tokenizer
+    from rlt2t.jobs import build_tokenizer_job
+
+    run = [f"run.dir={tmp_path / 'run'}"]
+    out = build_tokenizer_job(load_config(["tiny"], [*run, "tokenizer.num_data_tokens=50"]))
+    files = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert build_tokenizer_job(load_config(["tiny"], [*run, "tokenizer.num_data_tokens=50"])) == out
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == files  # not written again
+    other = load_config(["tiny"], [*run, "tokenizer.num_data_tokens=60"])
+    before = len(load_tokenizer(out))
+    with pytest.raises(FileExistsError, match=rf"{out} holds another tokenizer \({before} tokens; these settings build "
+                                              rf"{before + 10}\).*pass --force \(force=True\)"):
+        build_tokenizer_job(other)
+    assert len(load_tokenizer(out)) == before
+    build_tokenizer_job(other, force=True)
+    assert len(load_tokenizer(out)) == before + 10
