@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         demo,
         evaluate,
         export,
+        import_data,
         load_config,
         predict,
         pretrain,
@@ -46,15 +47,15 @@ if TYPE_CHECKING:
     from rlt2t.common.python_rewards import register_reward
     from rlt2t.services.client import AsyncPolicyClient, AsyncRewardClient, PolicyClient, RewardClient
 
-__all__ = ["load_config", "synth_data", "build_tokenizer", "pretrain", "sft", "train", "evaluate", "export", "predict",
-           "demo", "Config", "PythonTerm", "MetricTerm", "RewardModelTerm", "ClassifierTerm", "HttpTerm",
-           "register_metric", "register_reward", "PolicyClient", "RewardClient", "AsyncPolicyClient",
+__all__ = ["load_config", "import_data", "synth_data", "build_tokenizer", "pretrain", "sft", "train", "evaluate",
+           "export", "predict", "demo", "Config", "PythonTerm", "MetricTerm", "RewardModelTerm", "ClassifierTerm",
+           "HttpTerm", "register_metric", "register_reward", "PolicyClient", "RewardClient", "AsyncPolicyClient",
            "AsyncRewardClient"]
 
 # Where each name lives: imported when first asked for.
 _HOMES = {
-    **dict.fromkeys(("build_tokenizer", "demo", "evaluate", "export", "load_config", "predict", "pretrain", "sft",
-                     "synth_data", "train"), "rlt2t.api"),
+    **dict.fromkeys(("build_tokenizer", "demo", "evaluate", "export", "import_data", "load_config", "predict",
+                     "pretrain", "sft", "synth_data", "train"), "rlt2t.api"),
     "Config": "rlt2t.common.config",
     **dict.fromkeys(("PythonTerm", "MetricTerm", "RewardModelTerm", "ClassifierTerm", "HttpTerm"),
                     "rlt2t.common.config"),

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from rlt2t.learner.trainer import StageResult
 
 # In the order of a run (the reference page lists them so).
-__all__ = ["load_config", "synth_data", "build_tokenizer", "pretrain", "sft", "train", "evaluate", "export", "predict",
-           "demo"]
+__all__ = ["load_config", "import_data", "synth_data", "build_tokenizer", "pretrain", "sft", "train", "evaluate",
+           "export", "predict", "demo"]
 
 log = logging.getLogger("rlt2t.api")
 
@@ -87,6 +87,24 @@ def load_config(*files: PathLike, overrides: Sequence[str] | Mapping[str, Any] =
         raise TypeError("overrides: a list of 'key.path=value' strings or a dict, not one string")
     strings = _override_strings(overrides) if isinstance(overrides, Mapping) else list(overrides)
     return _config.load_config(list(files), strings)
+
+
+def import_data(cfg: Config, input: PathLike, out: PathLike | None = None, *, valid_fraction: float | None = None,
+                test_fraction: float | None = None, unlabeled: bool = False, force: bool = False,
+                competition_csv: bool = False) -> dict[str, Path]:
+    """Split one data file of any format (read with the config's column mapping, ``data.source_field`` ...) into
+    train / valid / test JSONL under ``out`` (default data.train's directory, where the stages read them), by
+    ``valid_fraction`` (0.05) and ``test_fraction`` (0) with ``run.seed``; ``unlabeled``: its rows as test.jsonl
+    inputs alone; ``competition_csv``: the competition's header-less CSV (`rlt2t data import`, `data import-csv`).
+    The files keep the mapping's column names, so the same config reads them. Returns split → file written; split
+    files already there raise FileExistsError unless ``force``.
+
+        files = rlt2t.import_data(cfg, "pairs.csv", test_fraction=0.1)   # {"train": ..., "valid": ..., "test": ...}
+    """
+    from rlt2t.data_import import import_data as run_import
+
+    return run_import(cfg, input, out, valid_fraction=valid_fraction, test_fraction=test_fraction,
+                      unlabeled=unlabeled, force=force, competition_csv=competition_csv, report=log.info)
 
 
 def synth_data(cfg: Config, *, fmt: Literal["jsonl", "csv"] = "jsonl", force: bool = False) -> dict[str, Path]:

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import argparse
 from array import array
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Callable
 from itertools import islice
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rlt2t import api
 from rlt2t.cmd_common import load_cfg
 from rlt2t.common.config import config_to_yaml, explain, explain_derived
-
-if TYPE_CHECKING:
-    from rlt2t.common.data import Columns, Example
 
 
 def cmd_config(args) -> None:
@@ -61,91 +55,19 @@ def cmd_data_docstring_names(args) -> None:
 
 
 def cmd_data_import_csv(args) -> None:
-    from rlt2t.common.data import import_competition_csv
-
-    cfg = load_cfg(args)
-    _import(cfg, args, "diagnoses", lambda: import_competition_csv(args.input, on_error=cfg.data.on_error,
-                                                                   require_target=not args.unlabeled))
+    _import(args, competition_csv=True)
 
 
 def cmd_data_import(args) -> None:
-    from rlt2t.common.data import load_data
-
-    cfg = load_cfg(args)
-    _import(cfg, args, "targets", lambda: list(load_data(args.input, cfg.data, require_target=not args.unlabeled)))
+    _import(args, competition_csv=False)
 
 
-def _import(cfg, args, what: str, read: Callable[[], Sequence[Example]]) -> None:
-    """Write what ``read`` returns as train/valid/test JSONL under --out (split by --valid/--test-fraction and
-    run.seed), or as test.jsonl without targets (--unlabeled); ``what`` names the targets in messages. The files
-    name their fields as the config's data section does (data.source_field ...), so that the settings the
-    import ran with read them in every later command."""
-    from rlt2t.common.data import Columns, split_examples, write_examples
+def _import(args, *, competition_csv: bool) -> None:
+    from rlt2t.data_import import import_data
 
-    if args.unlabeled and (args.valid_fraction is not None or args.test_fraction is not None):
-        raise ValueError("--valid-fraction / --test-fraction: --unlabeled writes its rows to test.jsonl alone, the "
-                         "inputs `rlt2t predict` reads; RL on sources without targets reads any file with a source "
-                         "column as it is (point data.train and data.valid at your files)")
-    valid_fraction = 0.05 if args.valid_fraction is None else args.valid_fraction
-    test_fraction = 0.0 if args.test_fraction is None else args.test_fraction
-    out = Path(args.out)
-    test_path = out / "test.jsonl"
-    # A labeled import without test rows leaves the test set of an --unlabeled import alone (the order the
-    # help gives: labeled first, then the unlabeled test file; a labeled re-import must not delete it).
-    columns = Columns.of(cfg.data)
-    unlabeled_test = _unlabeled_file(test_path, columns)
-    keep_test = not args.unlabeled and test_fraction == 0 and unlabeled_test
-    owned = ("test",) if args.unlabeled else ("train", "valid", "test")  # the split files this import replaces
-    _check_import_out(out, tuple(s for s in owned if not (keep_test and s == "test")), args.force)
-    # A labelled file's rows all need a target; an --unlabeled file has none (any it has are dropped, so the
-    # test set reads as unlabeled: _unlabeled_file, a later labelled re-import keeps it)
-    examples = read()
-    if args.unlabeled:
-        dropped = sum(e.target is not None for e in examples)
-        write_examples(test_path, [replace(e, target=None, references=()) for e in examples], columns)
-        note = f"; {dropped} {what} left out: --unlabeled imports inputs only" if dropped else ""
-        print(f"test: {test_path} ({len(examples)} rows{note})")
-        return
-    parts = split_examples(examples, valid_fraction, test_fraction, cfg.run.seed)
-    for split, rows in zip(owned, parts, strict=True):
-        path = out / f"{split}.jsonl"
-        if rows:
-            write_examples(path, rows, columns)
-            note = "; it replaced an --unlabeled import's test set" if split == "test" and unlabeled_test else ""
-            print(f"{split}: {path} ({len(rows)} rows{note})")
-        elif split == "test" and keep_test:
-            print(f"test: {path} kept (an --unlabeled import's test set; this import has no test rows: "
-                  "--test-fraction 0)")
-        elif path.exists():  # an earlier labeled import's split: its rows may now be in train
-            path.unlink()
-            print(f"{split}: {path} removed (no {split} rows in this import)")
-
-
-def _unlabeled_file(path: Path, columns: Columns) -> bool:
-    """Whether ``path`` is a JSONL file of inputs without targets (what an --unlabeled import writes; a labeled
-    import's rows all have one), read with ``columns``."""
-    from rlt2t.common.data import load_examples
-
-    if not path.is_file():
-        return False
-    try:
-        examples = load_examples(path, columns=columns, require_target=False)
-    except (OSError, ValueError):  # not our JSONL: not an unlabeled import's
-        return False
-    return bool(examples) and all(e.target is None for e in examples)
-
-
-def _check_import_out(out: Path, splits: tuple[str, ...], force: bool) -> None:
-    """Refuse an --out that is a file, or that holds split files of an earlier import unless --force."""
-    from rlt2t.common.data import existing_splits
-
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out}: is a file, not a directory")
-    existing = existing_splits(out, splits)
-    if existing and not force:
-        raise FileExistsError(f"--out {out} already holds {', '.join(existing)} (pass --force to replace them; "
-                              "split files this import does not write are then removed, except the test.jsonl "
-                              "of an --unlabeled import)")
+    import_data(load_cfg(args), args.input, args.out, valid_fraction=args.valid_fraction,
+                test_fraction=args.test_fraction, unlabeled=args.unlabeled, force=args.force,
+                competition_csv=competition_csv, report=print)
 
 
 def cmd_data_validate(args) -> None:

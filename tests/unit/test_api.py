@@ -106,6 +106,24 @@ def test_synth_data_keeps_the_same_task_and_refuses_to_replace_another_unless_fo
     assert api.synth_data(again, force=True)["train"].read_bytes() != before
 
 
+def test_import_data_splits_a_file_where_the_stages_read_it_with_the_same_settings(tmp_path):
+    from rlt2t.jobs import load_split
+
+    csv = tmp_path / "pairs.csv"
+    csv.write_text("question,answer\n" + "".join(f"{i} {i + 1},{i + 2}\n" for i in range(40)))
+    cfg = api.load_config("tiny", overrides={"run.dir": str(tmp_path / "run"), "data.source_field": "question",
+                                             "data.target_field": "answer"})
+    files = api.import_data(cfg, csv, valid_fraction=0.1, test_fraction=0.1)
+    assert files == {split: tmp_path / "run" / "data" / f"{split}.jsonl" for split in ("train", "valid", "test")}
+    rows = {split: load_split(cfg, split) for split in files}
+    assert [len(r) for r in rows.values()] == [32, 4, 4]
+    assert sorted(e.source for r in rows.values() for e in r) == sorted(f"{i} {i + 1}" for i in range(40))
+    with pytest.raises(FileExistsError, match=r"already holds .*test.jsonl \(pass --force, force=True in Python"):
+        api.import_data(cfg, csv)
+    assert api.import_data(cfg, csv, unlabeled=True, force=True) == {"test": files["test"]}
+    assert all(e.target is None for e in load_split(cfg, "test", require_target=False))
+
+
 def test_train_takes_functions_terms_and_paths_as_the_reward(monkeypatch):
     import rlt2t.jobs
 
