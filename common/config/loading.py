@@ -7,7 +7,8 @@ import re
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Annotated, Any, Union, cast, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -71,11 +72,13 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def _validation_lines(err: ValidationError) -> list[str]:
-    """One line per problem pydantic found, each naming its key (an unknown key with the nearest known one)."""
+    """One line per problem pydantic found, each naming its key as the config writes it (an unknown key with the
+    nearest known one)."""
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ").removeprefix(f"{key}: ")  # a check that names its key itself
+        key = _walk(e["loc"])[0]
+        dotted = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ").removeprefix(f"{dotted}: ")  # a check that names its key itself
         if e["type"] == "extra_forbidden":
             lines.append(f"{key}: unknown key{_nearest(e['loc'])}")
         elif not key:  # a cross-field check: its message already names the keys
@@ -85,18 +88,61 @@ def _validation_lines(err: ValidationError) -> list[str]:
     return lines
 
 
+def _walk(loc: Sequence[int | str]) -> tuple[str, Any]:
+    """The key a pydantic error location names, as a config writes it (``reward.terms[0].params``: a list item by
+    its index, a term's kind, which pydantic adds to the location, left out), and the type the location ends in
+    (None where it cannot be followed)."""
+    key, ann = "", cast(Any, Config)
+    for part in loc:
+        ann = _unwrapped(ann, part)
+        origin = get_origin(ann)
+        if isinstance(part, int) and origin in (list, tuple):
+            key, ann = f"{key}[{part}]", get_args(ann)[0]
+            continue
+        if origin is dict:
+            key, ann = f"{key}.{part}", get_args(ann)[1]
+            continue
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            name = str(part)
+            key += f".{name}" if key else name
+            sub = ann.model_fields[name].annotation if name in ann.model_fields else None
+            ann = algorithm_sections(loaded=True).get(name) if sub is None and ann is RLConfig else sub
+            continue
+        if _tagged_member(ann, part) is not None:  # the union member pydantic chose by its tag: not a key
+            ann = _tagged_member(ann, part)
+            continue
+        key, ann = f"{key}.{part}" if key else str(part), None
+    return key, ann
+
+
+def _unwrapped(ann: Any, part: int | str) -> Any:
+    """``ann`` without Annotated, and an Optional's model (not for a tag, which names a union member)."""
+    while get_origin(ann) is Annotated:
+        ann = get_args(ann)[0]
+    if get_origin(ann) in (Union, UnionType) and _tagged_member(ann, part) is None:
+        models = [a for a in get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(models) == 1:
+            return models[0]
+    return ann
+
+
+def _tagged_member(ann: Any, tag: int | str) -> type[BaseModel] | None:
+    """The member of the union ``ann`` whose ``kind`` is ``tag`` (a discriminated union's choice), else None."""
+    if get_origin(ann) not in (Union, UnionType):
+        return None
+    for member in get_args(ann):
+        if isinstance(member, type) and issubclass(member, BaseModel) and "kind" in member.model_fields \
+                and member.model_fields["kind"].default == tag:
+            return member
+    return None
+
+
 def _nearest(loc: Sequence[int | str]) -> str:
     """`` (did you mean rl.epochs?)`` for an unknown key at ``loc`` whose spelling is near a known one's, else ''."""
-    model: type[BaseModel] = Config
-    for part in loc[:-1]:
-        fields = dict(model.model_fields)
-        sub = fields[str(part)].annotation if str(part) in fields else None
-        if sub is None and model is RLConfig:
-            sub = algorithm_sections(loaded=True).get(str(part))
-        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
-            return ""
-        model = sub
-    prefix = "".join(f"{p}." for p in loc[:-1])
+    prefix, model = _walk(loc[:-1])
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return ""
+    prefix = f"{prefix}." if prefix else ""
     if model is RLConfig and loc[-1] in names():
         return f" (the {loc[-1]} algorithm has no {prefix}{loc[-1]} section of its own)"
     if model is RLConfig and loc[-1] in algorithm_sections(loaded=True):

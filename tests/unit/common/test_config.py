@@ -73,6 +73,19 @@ def test_every_problem_is_named_once_with_the_nearest_known_key():
     assert "rank: unknown key" not in rest  # named once, by its own message above
 
 
+def test_a_reward_terms_problem_is_named_by_its_index_as_the_config_writes_it():
+    """pydantic's location of a term's field holds its kind (reward.terms.0.python.param): the key is written as
+    in the YAML, with the nearest field of that kind of term."""
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=['reward.terms=[{kind: metric}, {kind: python, fn: "m:f", param: {x: 1}}]',
+                               "reward.named={mine: [{kind: metric, nme: bleu4, weight: x}]}"])
+    lines = {line.strip() for line in str(err.value).splitlines()[1:]}
+    assert lines == {"reward.terms[1].param: unknown key (did you mean reward.terms[1].params?)",
+                     "reward.named.mine[0].nme: unknown key (did you mean reward.named.mine[0].name?)",
+                     "reward.named.mine[0].weight: Input should be a valid number, unable to parse string as a "
+                     "number (got 'x')"}
+
+
 def test_length_check_skipped_for_pretrained_path():
     # A pretrained directory's positions are only known when it is loaded (checked there).
     cfg = load_config(overrides=["model.path=/some/dir", "data.max_source_len=1000"])
