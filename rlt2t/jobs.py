@@ -741,6 +741,8 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
         warn_if_bleu_cannot_score(cfg, train_set[: cfg.rl.train_subset or None])
     if resumed is None and valid:
         warn_if_collapsed(cfg, start, valid)
+    if valid:
+        note_monitor_lengths(cfg)
     try:
         return train(cfg, train_set, valid, init=ref, start=start, resume_from=resumed,
                      stop_after_steps=stop_after_steps)
@@ -748,6 +750,16 @@ def rl_job(cfg: Config, resume: bool = False, init: str | Path | None = None, st
         newest = latest_complete_checkpoint(cfg.run_dir / STAGE / "checkpoints")
         e.checkpoint, e.checked = (str(newest) if newest else None), True
         raise
+
+
+def note_monitor_lengths(cfg: Config) -> None:
+    """Say, with metric.monitor=reward, when the validation outputs and the samples have other length limits: the
+    monitor's reward and the training reward then differ for a reward that reads length."""
+    if cfg.metric.monitor == "reward" and cfg.rl.samples_groups and \
+            cfg.eval.max_new_tokens != cfg.rollout.max_new_tokens:
+        log.info("rl: the validation monitor scores greedy outputs of up to eval.max_new_tokens=%d tokens by the "
+                 "reward, the samples RL trains on are up to rollout.max_new_tokens=%d: a reward that reads length "
+                 "scores the two differently", cfg.eval.max_new_tokens, cfg.rollout.max_new_tokens)
 
 
 def rl_splits(cfg: Config) -> tuple[Sequence[Example], Sequence[Example]]:

@@ -360,3 +360,17 @@ def test_building_the_runs_tokenizer_again_keeps_the_same_one_and_replaces_anoth
     assert len(load_tokenizer(out)) == before
     build_tokenizer_job(other, force=True)
     assert len(load_tokenizer(out)) == before + 10
+
+
+def test_a_reward_monitor_with_other_length_limits_than_the_samples_says_so(caplog):
+    from rlt2t.jobs import note_monitor_lengths
+
+    caplog.set_level("INFO", logger="rlt2t.jobs")
+    note_monitor_lengths(load_config(["tiny"], ["metric.monitor=reward", "rl.algorithm=grpo"]))  # eval 32, samples 24
+    assert "eval.max_new_tokens=32 tokens by the reward, the samples RL trains on are up to " \
+           "rollout.max_new_tokens=24" in caplog.text
+    caplog.clear()
+    grpo = ["rl.algorithm=grpo"]
+    note_monitor_lengths(load_config(["tiny"], ["metric.monitor=reward", *grpo, "eval.max_new_tokens=24"]))
+    note_monitor_lengths(load_config(["tiny"], grpo))  # a metric monitor: the same text, whatever its length
+    assert "eval.max_new_tokens" not in caplog.text
