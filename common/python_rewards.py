@@ -95,6 +95,14 @@ def resolve_reward_fn(fn: str | RewardFn, where: str) -> RewardFn:
     return found
 
 
+def term_function(term: PythonTerm, where: str) -> RewardFn:
+    """The function of a ``python`` term, found (:func:`resolve_reward_fn`) and able to take a reward call's
+    arguments (:func:`check_signature`); ConfigError naming ``where`` otherwise."""
+    fn = resolve_reward_fn(term.fn, where)
+    check_signature(fn, term.per_sample, where)
+    return fn
+
+
 def check_signature(fn: RewardFn, per_sample: bool, where: str) -> None:
     """ConfigError naming ``where`` when ``fn`` cannot be called with the three arguments every reward call passes
     (a signature that cannot be read is left to the call)."""
@@ -153,8 +161,7 @@ class PythonReward:
     needs_references = False
 
     def __init__(self, term: PythonTerm, name: str, where: str = "reward.terms") -> None:
-        self.fn = resolve_reward_fn(term.fn, f"{where} ({name})")
-        check_signature(self.fn, term.per_sample, f"{where} ({name})")
+        self.fn = term_function(term, f"{where} ({name})")
         self.name, self.params, self.per_sample = name, dict(term.params), term.per_sample
         self._takes = _keywords(self.fn)
 

@@ -66,10 +66,9 @@ from rlt2t.common.plugins import load_plugins
 from rlt2t.common.python_rewards import (
     PythonReward,
     RewardFn,
-    check_signature,
     register_reward,
     registered_rewards,
-    resolve_reward_fn,
+    term_function,
 )
 from rlt2t.common.types import CandidateSet, SampledGroup, ScoredGroup, ScoredPair
 
@@ -414,8 +413,7 @@ def check_reward(cfg: RewardConfig) -> None:
     load_plugins(cfg.plugins)
     for where, term in _all_terms(cfg):
         if isinstance(term, PythonTerm):
-            check_signature(resolve_reward_fn(term.fn, f"{where} ({term_name(term)})"), term.per_sample,
-                            f"{where} ({term_name(term)})")
+            term_function(term, f"{where} ({term_name(term)})")
         elif isinstance(term, MetricTerm) and term.name not in available_metrics():
             raise ConfigError(f"{where}: unknown metric {term.name!r}; known: {', '.join(available_metrics())} "
                               "(a metric of your own: register it in a module listed in reward.plugins)")

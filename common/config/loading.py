@@ -108,8 +108,8 @@ def _walk(loc: Sequence[int | str]) -> tuple[str, Any]:
             sub = ann.model_fields[name].annotation if name in ann.model_fields else None
             ann = algorithm_sections(loaded=True).get(name) if sub is None and ann is RLConfig else sub
             continue
-        if _tagged_member(ann, part) is not None:  # the union member pydantic chose by its tag: not a key
-            ann = _tagged_member(ann, part)
+        if (member := _tagged_member(ann, part)) is not None:  # the union member pydantic chose by its tag: no key
+            ann = member
             continue
         key, ann = f"{key}.{part}" if key else str(part), None
     return key, ann

@@ -25,7 +25,14 @@ from rlt2t.common.config.model import (
 from rlt2t.common.config.reward import ClassifierConfig, FeedbackConfig, RewardConfig, RewardModelConfig
 from rlt2t.common.config.rl import RLConfig, RolloutConfig
 from rlt2t.common.config.services import AnnotateConfig, ExportConfig, PredictConfig, ServeConfig
-from rlt2t.common.family_table import FAMILIES, PRESETS, check_mixed_precision, family_of, has_tokenizer
+from rlt2t.common.family_table import (
+    FAMILIES,
+    PRESETS,
+    TOKENIZER_FILES,
+    check_mixed_precision,
+    family_of,
+    has_tokenizer,
+)
 
 # The cross-section rules that change a value the user left unset: (key, rule). `rlt2t config --explain` lists
 # them; a loaded config says which it applied (Config.derived, logged by load_config, commented by `rlt2t config`).
@@ -209,8 +216,8 @@ def _check_model_tokenizer(model: ModelConfig, tokenizer: TokenizerConfig) -> No
     path = Path(model.path)
     if (path / "config.json").is_file() and not has_tokenizer(path):
         raise ValueError(
-            f"model.path={model.path} holds no tokenizer (none of tokenizer.json, tokenizer_config.json, vocab.json): "
-            "a pretrained model needs the tokenizer it was trained with, and the run's own {run}/tokenizer is not "
+            f"model.path={model.path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): a pretrained model "
+            "needs the tokenizer it was trained with, and the run's own {run}/tokenizer is not "
             f"it. Save that tokenizer into the directory (tokenizer.save_pretrained({str(path)!r})), or name its "
             "directory with tokenizer.path=DIR")
 
